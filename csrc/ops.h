@@ -1,11 +1,49 @@
 // C++ declarations of every op in the `sparsever` torch library namespace.
-// Schemas (and their semantics) live in torch_bindings.cpp; PyTorch references in
-// vllm_sparsever/reference.py; Python wrappers with fake impls in vllm_sparsever/_custom_ops.py.
+// Schemas live in torch_bindings.cpp; the semantics of each op are defined by its PyTorch reference in
+// vllm_sparsever/reference.py; Python wrappers with fake impls are in vllm_sparsever/_custom_ops.py.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include <torch/all.h>
 
 // Which ISA build of the extension is loaded ("avx512" or "avx2"); used for diagnostics.
 std::string ext_info();
+
+// ---- CPU implementations (csrc/cpu) ------------------------------------------------------------
+
+// KV block key summaries: exact per-channel min/max of every block touched by slot_mapping.
+void update_block_key_summaries_cpu(const torch::Tensor& key_cache, const torch::Tensor& slot_mapping,
+                                    int64_t block_size, torch::Tensor& key_min, torch::Tensor& key_max);
+
+// Quest-style block selection per request and KV head (logical block ids, ascending).
+void select_kv_blocks_cpu(const torch::Tensor& query_pooled, const torch::Tensor& key_min,
+                          const torch::Tensor& key_max, const torch::Tensor& block_table,
+                          const torch::Tensor& seq_lens, const torch::Tensor& query_lens, int64_t block_size,
+                          int64_t top_k, int64_t num_sink, int64_t num_local, torch::Tensor& selected,
+                          torch::Tensor& num_selected);
+
+// Block-sparse tree attention over the paged KV cache (selected=None: dense; tree_mask=None: causal).
+void block_sparse_tree_attention_cpu(torch::Tensor& out, const torch::Tensor& query,
+                                     const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                                     const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                                     const torch::Tensor& query_start_loc,
+                                     const std::optional<torch::Tensor>& selected,
+                                     const std::optional<torch::Tensor>& num_selected,
+                                     const std::optional<torch::Tensor>& tree_mask, double scale);
+
+// SwiGLU MLP over one top-`keep` neuron set per token group.
+void topk_swiglu_ffn_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w_gate_up,
+                         const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
+                         torch::Tensor& selected);
+
+// Top-k softmax routing + ratio pruning + optional per-group expert budget.
+void moe_route_and_prune_cpu(const torch::Tensor& router_logits, int64_t top_k, double prune_ratio,
+                             const std::optional<torch::Tensor>& group_start_loc, int64_t expert_budget,
+                             bool renormalize, torch::Tensor& topk_weights, torch::Tensor& topk_ids);
+
+// One SwiGLU expert GEMM per kept expert over its routed tokens; writes the distinct expert count.
+void moe_grouped_dispatch_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& topk_weights,
+                              const torch::Tensor& topk_ids, const torch::Tensor& w13, const torch::Tensor& w2,
+                              torch::Tensor& num_experts_used);

@@ -1,5 +1,7 @@
 // The one TORCH_LIBRARY of the project: every op of the `sparsever` namespace is defined here,
 // CPU implementations are registered here, CUDA implementations in cuda/cuda_bindings.cpp.
+// Semantics (shapes, dtypes, masks, tie-breaking) are defined by vllm_sparsever/reference.py.
+// vLLM style: outputs are mutated arguments (Tensor(a!)), ops return nothing.
 #include "ops.h"
 #include "registration.h"
 
@@ -16,6 +18,44 @@ std::string ext_info() {
 TORCH_LIBRARY(sparsever, m) {
   // No tensor arguments, so a catch-all kernel rather than a per-device one.
   m.def("ext_info() -> str", &ext_info);
+
+  // key_cache [nb, Hkv, bs, D] strided view; slot_mapping [N] int32/int64 (negative = skip);
+  // key_min/key_max [nb, Hkv, D] fp32: exact recompute of every touched block over offsets 0..last.
+  m.def(
+      "update_block_key_summaries(Tensor key_cache, Tensor slot_mapping, int block_size, "
+      "Tensor(a!) key_min, Tensor(b!) key_max) -> ()");
+
+  // query_pooled [R, Hq, D]; block_table [R, max_blocks] int32; seq_lens/query_lens [R] int32;
+  // selected [R, Hkv, S] int32 (logical block ids ascending, -1 padded); num_selected [R, Hkv] int32.
+  m.def(
+      "select_kv_blocks(Tensor query_pooled, Tensor key_min, Tensor key_max, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_lens, int block_size, int top_k, int num_sink, int num_local, "
+      "Tensor(a!) selected, Tensor(b!) num_selected) -> ()");
+
+  // out/query [T, Hq, D]; key_cache/value_cache [nb, Hkv, bs, D] strided views; block_table int32;
+  // seq_lens [R] int32; query_start_loc [R+1] int32; selected/num_selected from select_kv_blocks or None
+  // (dense); tree_mask [T, max_q_len] bool/uint8 or None (causal chain).
+  m.def(
+      "block_sparse_tree_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, Tensor? selected, "
+      "Tensor? num_selected, Tensor? tree_mask, float scale) -> ()");
+
+  // out/x [T, H]; w_gate_up [2I, H]; w_down_t [I, H]; group_start_loc [G+1] int32; selected [G, keep] int32.
+  m.def(
+      "topk_swiglu_ffn(Tensor(a!) out, Tensor x, Tensor w_gate_up, Tensor w_down_t, "
+      "Tensor group_start_loc, int keep, Tensor(b!) selected) -> ()");
+
+  // router_logits [T, E]; group_start_loc [G+1] int32 or None; topk_weights [T, K] fp32;
+  // topk_ids [T, K] int32 (-1 = pruned).
+  m.def(
+      "moe_route_and_prune(Tensor router_logits, int top_k, float prune_ratio, Tensor? group_start_loc, "
+      "int expert_budget, bool renormalize, Tensor(a!) topk_weights, Tensor(b!) topk_ids) -> ()");
+
+  // out/x [T, H]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64; w13 [E, 2I, H]; w2 [E, H, I];
+  // num_experts_used [1] int32 (distinct experts run).
+  m.def(
+      "moe_grouped_dispatch(Tensor(a!) out, Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, "
+      "Tensor w2, Tensor(b!) num_experts_used) -> ()");
 }
 
 SPARSEVER_REGISTER_EXTENSION(TORCH_EXTENSION_NAME)
