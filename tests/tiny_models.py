@@ -1,0 +1,80 @@
+"""Tiny random Hugging Face models generated on the fly (no hub), for engine tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# A small word-level vocabulary is enough for engine tests; a real tokenizer is needed by vLLM.
+_VOCAB_WORDS = [f"w{i}" for i in range(480)]
+
+
+def _write_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for w in _VOCAB_WORDS:
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(path)
+
+
+def make_tiny_llama(
+    path: Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 2048,
+) -> Path:
+    """A random LlamaForCausalLM with head_dim = hidden/heads (>= 32 for the CPU backend)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    assert hidden_size // num_heads >= 32, "vLLM's CPU attention needs head_dim >= 32"
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(_VOCAB_WORDS) + 3,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    # Larger init than default so greedy outputs are not all one token.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    _write_tokenizer(path)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return path
+
+
+def prompts(n: int, length: int = 12, seed: int = 0) -> list[str]:
+    """Prompts with repeated phrases, so n-gram drafting finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 60, (length,), generator=g).tolist()
+        words = [_VOCAB_WORDS[i] for i in ids]
+        out.append(" ".join(words + words[: length // 2]))
+    return out

@@ -1,0 +1,337 @@
+"""The one validated configuration object for every sparsever knob.
+
+Read from `--speculative-config '{"method": "sparsever", ...}'` or
+`LLM(speculative_config={"method": "sparsever", ...})`. Validation happens in the front end,
+before the engine starts: an unknown field, a wrong type or an impossible value raises
+`SparseverConfigError` naming the field and the allowed values.
+
+Example:
+    {"method": "sparsever", "model": "/models/qwen-0.5b", "num_speculative_tokens": 3,
+     "attention": {"enabled": false}, "ffn": {"enabled": false}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+METHOD_NAME = "sparsever"
+
+# Fields forwarded unchanged to vLLM's SpeculativeConfig (they mean the same thing there).
+PASSTHROUGH_FIELDS = (
+    "draft_tensor_parallel_size",
+    "quantization",
+    "revision",
+    "max_model_len",
+    "enforce_eager",
+    "disable_padded_drafter_batch",
+)
+
+
+class SparseverConfigError(ValueError):
+    """A sparsever config value is invalid; the message names the field and allowed values."""
+
+
+@dataclass
+class AttentionSparsityConfig:
+    """Block-sparse attention on verify steps (Quest-style KV block selection)."""
+
+    enabled: bool = False
+    # Context blocks kept per request and KV head, besides the sink and local blocks.
+    top_k_blocks: int = 16
+    num_sink_blocks: int = 1
+    num_local_blocks: int = 1
+    # Below this context length (tokens) attention stays dense: nothing to save.
+    min_context_len: int = 2048
+    # Layers that select blocks; the layers after each anchor reuse its selection.
+    # None means "from the calibration profile, else every layer".
+    anchor_layers: list[int] | None = None
+
+    def validate(self, prefix: str) -> None:
+        _check_int(f"{prefix}.top_k_blocks", self.top_k_blocks, minimum=1)
+        _check_int(f"{prefix}.num_sink_blocks", self.num_sink_blocks, minimum=0)
+        _check_int(f"{prefix}.num_local_blocks", self.num_local_blocks, minimum=0)
+        _check_int(f"{prefix}.min_context_len", self.min_context_len, minimum=0)
+        _check_layer_list(f"{prefix}.anchor_layers", self.anchor_layers)
+
+
+@dataclass
+class FFNSparsityConfig:
+    """Top-k FFN neuron gating on verify steps (one neuron set per request)."""
+
+    enabled: bool = False
+    # Share of intermediate neurons kept (0, 1]; ignored when `threshold` is set.
+    keep_ratio: float = 0.5
+    # Keep neurons whose summed |activation| exceeds this value instead of a fixed share.
+    threshold: float | None = None
+
+    def validate(self, prefix: str) -> None:
+        _check_float(f"{prefix}.keep_ratio", self.keep_ratio, low=0.0, high=1.0, low_open=True)
+        if self.threshold is not None:
+            _check_float(f"{prefix}.threshold", self.threshold, low=0.0)
+
+
+@dataclass
+class MoESparsityConfig:
+    """MoE expert pruning on verify steps, with grouped dispatch over the union of kept experts."""
+
+    enabled: bool = False
+    # Drop a token's expert j when its routing weight < ratio_threshold * (top-1 weight).
+    ratio_threshold: float = 0.0
+    # Cap on distinct experts per step (None = no cap).
+    expert_budget: int | None = None
+
+    def validate(self, prefix: str) -> None:
+        _check_float(f"{prefix}.ratio_threshold", self.ratio_threshold, low=0.0, high=1.0)
+        if self.expert_budget is not None:
+            _check_int(f"{prefix}.expert_budget", self.expert_budget, minimum=1)
+
+
+@dataclass
+class AdaptiveVerificationConfig:
+    """Truncate drafts before verification to the prefix whose expected gain pays its cost."""
+
+    enabled: bool = False
+    # Never verify fewer than this many draft tokens per request.
+    min_draft_tokens: int = 1
+
+    def validate(self, prefix: str) -> None:
+        _check_int(f"{prefix}.min_draft_tokens", self.min_draft_tokens, minimum=0)
+
+
+@dataclass
+class EarlyExitConfig:
+    """Hierarchical verification: early target layers verify first, full verification periodically."""
+
+    enabled: bool = False
+    exit_layer: int | None = None
+    full_verify_every: int = 4
+
+    def validate(self, prefix: str) -> None:
+        if self.exit_layer is not None:
+            _check_int(f"{prefix}.exit_layer", self.exit_layer, minimum=1)
+        _check_int(f"{prefix}.full_verify_every", self.full_verify_every, minimum=1)
+
+
+# Capabilities whose code has not landed yet: enabling one fails at start rather than
+# silently running dense verification under a sparse label.
+_NOT_YET_IMPLEMENTED = ("attention", "ffn", "moe", "adaptive", "early_exit")
+
+
+@dataclass
+class SparseverConfig:
+    """Every sparsever field. Defaults mean "off": dense verification, plain speculative decoding."""
+
+    num_speculative_tokens: int
+    # Draft source: a separate draft model ("model" set) or n-gram prompt lookup.
+    draft_source: Literal["draft_model", "ngram"] = "draft_model"
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    attention: AttentionSparsityConfig = field(default_factory=AttentionSparsityConfig)
+    ffn: FFNSparsityConfig = field(default_factory=FFNSparsityConfig)
+    moe: MoESparsityConfig = field(default_factory=MoESparsityConfig)
+    adaptive: AdaptiveVerificationConfig = field(default_factory=AdaptiveVerificationConfig)
+    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+    # Calibration profile (json) with anchor layers and thresholds; None = built-in defaults.
+    profile: str | None = None
+    # On a run-time problem with a sparse path, verify densely (and warn) instead of failing.
+    fallback_to_dense: bool = True
+    # vLLM SpeculativeConfig fields forwarded as they are.
+    passthrough: dict[str, Any] = field(default_factory=dict)
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "SparseverConfig":
+        """Build and validate from the user's speculative-config dict (with or without "method")."""
+        if not isinstance(raw, dict):
+            raise SparseverConfigError(
+                f"speculative_config must be a JSON object, got {type(raw).__name__}"
+            )
+        raw = {k.replace("-", "_"): v for k, v in raw.items()}
+        method = raw.pop("method", METHOD_NAME)
+        if method != METHOD_NAME:
+            raise SparseverConfigError(f"method: expected {METHOD_NAME!r}, got {method!r}")
+
+        sections = {
+            "attention": AttentionSparsityConfig,
+            "ffn": FFNSparsityConfig,
+            "moe": MoESparsityConfig,
+            "adaptive": AdaptiveVerificationConfig,
+            "early_exit": EarlyExitConfig,
+        }
+        top_level = {f.name for f in dataclasses.fields(cls)} - {"passthrough"}
+        allowed = sorted(top_level | set(PASSTHROUGH_FIELDS))
+        kwargs: dict[str, Any] = {}
+        passthrough: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key in sections:
+                kwargs[key] = _section_from_dict(key, sections[key], value)
+            elif key in top_level:
+                kwargs[key] = value
+            elif key in PASSTHROUGH_FIELDS:
+                passthrough[key] = value
+            else:
+                raise SparseverConfigError(
+                    f"unknown field {key!r} in the sparsever speculative_config; "
+                    f"allowed fields: {', '.join(allowed)}"
+                )
+        if "num_speculative_tokens" not in kwargs:
+            raise SparseverConfigError(
+                "num_speculative_tokens: required (an integer >= 1, the number of draft tokens per step)"
+            )
+        if "draft_source" not in kwargs:
+            kwargs["draft_source"] = "draft_model" if kwargs.get("model") else "ngram"
+        config = cls(**kwargs, passthrough=passthrough)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        _check_choice("draft_source", self.draft_source, ("draft_model", "ngram"))
+        if self.draft_source == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise SparseverConfigError(
+                    "model: required with draft_source='draft_model' (path or name of the draft "
+                    "model); omit it and set draft_source='ngram' for n-gram prompt lookup"
+                )
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise SparseverConfigError(
+                        f"{name}: only valid with draft_source='ngram', not with a draft model"
+                    )
+        else:
+            if self.model is not None:
+                raise SparseverConfigError(
+                    "model: must be omitted with draft_source='ngram' (n-gram drafting uses no model)"
+                )
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                value = getattr(self, name)
+                if value is not None:
+                    _check_int(name, value, minimum=1)
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is not None and hi is not None and lo > hi:
+                raise SparseverConfigError(
+                    f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+                )
+        if self.profile is not None and not isinstance(self.profile, str):
+            raise SparseverConfigError("profile: expected a path string to a calibration profile")
+        _check_bool("fallback_to_dense", self.fallback_to_dense)
+        for name in ("attention", "ffn", "moe", "adaptive", "early_exit"):
+            section = getattr(self, name)
+            _check_bool(f"{name}.enabled", section.enabled)
+            section.validate(name)
+            if section.enabled and name in _NOT_YET_IMPLEMENTED:
+                raise SparseverConfigError(
+                    f"{name}.enabled: {name} verification is not available in this version of "
+                    f"vllm-sparsever (allowed: false); verification is dense"
+                )
+
+    # ---- mapping onto vLLM --------------------------------------------------------------
+
+    def to_vllm_speculative_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of vLLM's SpeculativeConfig for the method that drives drafting."""
+        kwargs: dict[str, Any] = dict(self.passthrough)
+        kwargs["num_speculative_tokens"] = self.num_speculative_tokens
+        if self.draft_source == "draft_model":
+            kwargs["method"] = "draft_model"
+            kwargs["model"] = self.model
+        else:
+            kwargs["method"] = "ngram"
+            if self.prompt_lookup_min is not None:
+                kwargs["prompt_lookup_min"] = self.prompt_lookup_min
+            if self.prompt_lookup_max is not None:
+                kwargs["prompt_lookup_max"] = self.prompt_lookup_max
+        return kwargs
+
+    @property
+    def any_sparsity(self) -> bool:
+        return self.attention.enabled or self.ffn.enabled or self.moe.enabled
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_serialized(cls, data: dict[str, Any]) -> "SparseverConfig":
+        """Rebuild from `to_dict()` output (as carried in VllmConfig.additional_config)."""
+        data = dict(data)
+        passthrough = data.pop("passthrough", {})
+        raw = {**data, **passthrough}
+        return cls.from_dict(raw)
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+def _section_from_dict(name: str, section_cls: type, value: Any) -> Any:
+    if isinstance(value, bool):  # shorthand: "ffn": true
+        return section_cls(enabled=value)
+    if not isinstance(value, dict):
+        raise SparseverConfigError(
+            f"{name}: expected an object with fields {_field_names(section_cls)} or a boolean, "
+            f"got {value!r}"
+        )
+    known = _field_names(section_cls)
+    for key in value:
+        if key not in known:
+            raise SparseverConfigError(
+                f"unknown field {name}.{key!r}; allowed fields of {name}: {', '.join(known)}"
+            )
+    return section_cls(**value)
+
+
+def _field_names(section_cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(section_cls)]
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise SparseverConfigError(f"{name}: expected true or false, got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SparseverConfigError(f"{name}: expected an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise SparseverConfigError(f"{name}: must be an integer >= {minimum}, got {value}")
+
+
+def _check_float(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SparseverConfigError(f"{name}: expected a number, got {value!r}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        lo = "(" if low_open else "["
+        bounds = f"{lo}{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+        raise SparseverConfigError(f"{name}: must be in {bounds}, got {value}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise SparseverConfigError(
+            f"{name}: must be one of {', '.join(repr(c) for c in choices)}, got {value!r}"
+        )
+
+
+def _check_layer_list(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise SparseverConfigError(f"{name}: expected a list of layer indices >= 0, got {value!r}")
+    if sorted(set(value)) != value:
+        raise SparseverConfigError(f"{name}: layer indices must be strictly increasing, got {value}")

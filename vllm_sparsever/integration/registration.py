@@ -1,0 +1,37 @@
+"""What `register()` (the `vllm.general_plugins` entry point) does in every vLLM process.
+
+vLLM calls it in the front end, the engine core, every worker (mp and Ray, every TP rank),
+before the worker class is resolved; it may run several times per process, so it is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+# When set, every process appends "pid ppid" to this file on registration (used by tests to
+# check that the plugin is active in the front end, engine core and every worker).
+REGISTRATION_LOG_ENV = "VLLM_SPARSEVER_REGISTRATION_LOG"
+
+_done = False
+
+
+def register_all() -> None:
+    global _done
+    if _done:
+        return
+    from vllm_sparsever.integration.speculative import install_speculative_config_hook
+
+    install_speculative_config_hook()
+    _done = True
+    log_path = os.environ.get(REGISTRATION_LOG_ENV)
+    if log_path:
+        with open(log_path, "a") as f:
+            f.write(f"{os.getpid()} {os.getppid()}\n")
+    logger.debug("vllm-sparsever registered in pid %d", os.getpid())
+
+
+def is_registered() -> bool:
+    return _done

@@ -1,0 +1,228 @@
+"""Speculative-decoding metrics of the sparsever worker, offline and on the server's /metrics.
+
+The worker counts, per step: drafts verified, draft tokens, accepted tokens (per position), and
+wall time of the step, of the verification forward (target forward on steps that verify) and of
+drafting. Two ways out:
+- offline: `get_metrics(llm)` asks the workers over `collective_rpc` (works with mp, Ray, TP);
+- server: each worker writes a JSON snapshot (atomic rename, at most a few times a second) to
+  `$VLLM_SPARSEVER_METRICS_DIR`, and a Prometheus collector in the API server process reads them
+  when /metrics is scraped. The directory is created by the front end and inherited by engine and
+  worker processes (the VLLM_ prefix makes Ray copy it to its workers); snapshots are node-local.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+METRICS_DIR_ENV = "VLLM_SPARSEVER_METRICS_DIR"
+_SNAPSHOT_INTERVAL_S = 0.25
+
+
+@dataclass
+class SparseverMetrics:
+    """Counters of one worker since start (or the last reset)."""
+
+    num_spec_tokens: int
+    num_steps: int = 0
+    num_verify_steps: int = 0
+    num_drafts: int = 0  # request-steps that verified >= 1 draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    step_time_s: float = 0.0
+    verify_forward_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    num_dense_fallbacks: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.num_spec_tokens
+            self.drafted_per_position = [0] * self.num_spec_tokens
+
+    def observe_request(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request's verification: `num_accepted` of its `num_draft_tokens` drafts accepted."""
+        if num_draft_tokens <= 0:
+            return
+        if not 0 <= num_accepted <= num_draft_tokens:
+            raise ValueError(f"accepted {num_accepted} of {num_draft_tokens} draft tokens")
+        self._grow(num_draft_tokens)
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_draft_tokens):
+            self.drafted_per_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def observe_step(
+        self, *, step_time_s: float, verify_forward_time_s: float, draft_time_s: float, is_verify: bool
+    ) -> None:
+        self.num_steps += 1
+        self.num_verify_steps += int(is_verify)
+        self.step_time_s += step_time_s
+        self.verify_forward_time_s += verify_forward_time_s
+        self.draft_time_s += draft_time_s
+
+    def _grow(self, n: int) -> None:
+        # Drafts can be longer than the configured k only if a drafter changes k at run time.
+        missing = n - len(self.drafted_per_position)
+        if missing > 0:
+            self.drafted_per_position += [0] * missing
+            self.accepted_per_position += [0] * missing
+
+    def summary(self) -> dict[str, Any]:
+        """Counters plus the derived rates users read."""
+        out = asdict(self)
+        out["acceptance_rate"] = (
+            self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+        )
+        # Tokens emitted per verification: accepted drafts + the bonus/corrected token.
+        out["mean_acceptance_length"] = (
+            1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+        )
+        out["per_position_acceptance"] = [
+            (a / d if d else None)
+            for a, d in zip(self.accepted_per_position, self.drafted_per_position)
+        ]
+        out["verification_time_share"] = (
+            self.verify_forward_time_s / self.step_time_s if self.step_time_s > 0 else None
+        )
+        return out
+
+
+class SnapshotWriter:
+    """Writes a worker's summary to `<dir>/rank<r>.json`, throttled, atomically."""
+
+    def __init__(self, rank: int, directory: str | None = None) -> None:
+        directory = directory or os.environ.get(METRICS_DIR_ENV)
+        self.path = Path(directory) / f"rank{rank}.json" if directory else None
+        self._last = 0.0
+
+    def write(self, metrics: SparseverMetrics, force: bool = False) -> None:
+        if self.path is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < _SNAPSHOT_INTERVAL_S:
+            return
+        self._last = now
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(metrics.summary()))
+            os.replace(tmp, self.path)
+        except OSError:  # metrics must never break serving
+            pass
+
+
+def read_snapshots(directory: str | None = None) -> dict[int, dict[str, Any]]:
+    directory = directory or os.environ.get(METRICS_DIR_ENV)
+    if not directory or not os.path.isdir(directory):
+        return {}
+    out: dict[int, dict[str, Any]] = {}
+    for path in Path(directory).glob("rank*.json"):
+        try:
+            out[int(path.stem[4:])] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+# ---- offline API ----------------------------------------------------------------------------
+
+
+def get_metrics(llm: Any) -> dict[str, Any]:
+    """Sparsever metrics of an `LLM` since start (or the last `reset_metrics`).
+
+    Returns the driver worker's summary: `acceptance_rate`, `mean_acceptance_length`,
+    `per_position_acceptance`, `verification_time_share`, and the raw counters; with tensor
+    parallelism `ranks` holds every rank's summary.
+    """
+    summaries = llm.collective_rpc("sparsever_metrics")
+    result = dict(summaries[0])
+    if len(summaries) > 1:
+        result["ranks"] = summaries
+    return result
+
+
+def reset_metrics(llm: Any) -> None:
+    llm.collective_rpc("reset_sparsever_metrics")
+
+
+# ---- Prometheus (API server process) --------------------------------------------------------
+
+_collector_lock = threading.Lock()
+_collector_registered = False
+
+
+class SparseverCollector:
+    """Prometheus collector over the workers' snapshots (read at scrape time)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def collect(self):  # noqa: D401 - prometheus_client protocol
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshots = read_snapshots(self.directory)
+        if not snapshots:
+            return
+        s = snapshots[min(snapshots)]  # the driver rank sees every request's acceptance
+        for name, doc in (
+            ("num_drafts", "Requests-steps that verified draft tokens"),
+            ("num_draft_tokens", "Draft tokens verified"),
+            ("num_accepted_tokens", "Draft tokens accepted"),
+            ("num_verify_steps", "Engine steps with verification"),
+            ("num_dense_fallbacks", "Verify steps that fell back to dense verification"),
+        ):
+            c = CounterMetricFamily(f"sparsever:{name}", doc)
+            c.add_metric([], float(s.get(name, 0)))
+            yield c
+        for name, doc in (
+            ("acceptance_rate", "Accepted / drafted tokens"),
+            ("mean_acceptance_length", "Tokens emitted per verification (accepted + 1)"),
+            ("verification_time_share", "Share of step time spent in the verification forward"),
+        ):
+            value = s.get(name)
+            g = GaugeMetricFamily(f"sparsever:{name}", doc)
+            g.add_metric([], float("nan") if value is None else float(value))
+            yield g
+        g = GaugeMetricFamily(
+            "sparsever:per_position_acceptance",
+            "Acceptance rate of the draft token at each position",
+            labels=["position"],
+        )
+        for i, value in enumerate(s.get("per_position_acceptance", [])):
+            g.add_metric([str(i)], float("nan") if value is None else float(value))
+        yield g
+
+
+def ensure_metrics_dir() -> str:
+    """Create (once per process tree) the snapshot directory and export it to child processes."""
+    directory = os.environ.get(METRICS_DIR_ENV)
+    if not directory:
+        import tempfile
+
+        directory = tempfile.mkdtemp(prefix="vllm-sparsever-metrics-")
+        os.environ[METRICS_DIR_ENV] = directory
+    return directory
+
+
+def register_prometheus_collector() -> None:
+    """Expose the workers' metrics on this process's Prometheus registry (front end)."""
+    global _collector_registered
+    with _collector_lock:
+        if _collector_registered:
+            return
+        try:
+            from prometheus_client import REGISTRY
+        except ImportError:
+            return
+        REGISTRY.register(SparseverCollector(ensure_metrics_dir()))
+        _collector_registered = True
