@@ -58,4 +58,13 @@ TORCH_LIBRARY(sparsever, m) {
       "Tensor w2, Tensor(b!) num_experts_used) -> ()");
 }
 
+TORCH_LIBRARY_IMPL(sparsever, CPU, m) {
+  m.impl("update_block_key_summaries", &update_block_key_summaries_cpu);
+  m.impl("select_kv_blocks", &select_kv_blocks_cpu);
+  m.impl("block_sparse_tree_attention", &block_sparse_tree_attention_cpu);
+  m.impl("topk_swiglu_ffn", &topk_swiglu_ffn_cpu);
+  m.impl("moe_route_and_prune", &moe_route_and_prune_cpu);
+  m.impl("moe_grouped_dispatch", &moe_grouped_dispatch_cpu);
+}
+
 SPARSEVER_REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

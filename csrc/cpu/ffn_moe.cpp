@@ -1,0 +1,275 @@
+// Top-k SwiGLU FFN neuron gating and MoE routing/pruning/grouped dispatch (CPU).
+// Both read only the weight rows they use: the FFN reads the gate densely and then only the selected
+// up rows and down rows (w_down_t = down_proj.weight.T keeps a neuron's output weights contiguous);
+// the MoE dispatch reads only the experts that received at least one token.
+#include "cpu_utils.h"
+#include "gemv_rows.h"
+#include "ops.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace sparsever::cpu {
+namespace {
+
+// Indices of the k largest scores (lower index wins ties), ascending. k <= scores.size().
+void topk_ascending(const float* scores, int64_t n, int64_t k, int32_t* dst, std::vector<int32_t>& order) {
+  order.resize(n);
+  std::iota(order.begin(), order.end(), 0);
+  if (k <= 0) return;
+  auto better = [&](int32_t a, int32_t b) { return scores[a] > scores[b] || (scores[a] == scores[b] && a < b); };
+  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), better);
+  std::sort(order.begin(), order.begin() + k);
+  std::copy(order.begin(), order.begin() + k, dst);
+}
+
+template <typename scalar_t>
+void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w_gate_up,
+              const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
+              torch::Tensor& selected) {
+  const int64_t num_tokens = x.size(0), h = x.size(1);
+  const int64_t inter = w_gate_up.size(0) / 2;
+  const int64_t num_groups = group_start_loc.size(0) - 1;
+  auto xf_t = x.to(torch::kFloat).contiguous();
+  const float* xf = xf_t.data_ptr<float>();
+  const scalar_t* wgu = w_gate_up.data_ptr<scalar_t>();
+  const scalar_t* wdt = w_down_t.data_ptr<scalar_t>();
+  const int64_t wgu_stride = w_gate_up.stride(0), wdt_stride = w_down_t.stride(0);
+  const int32_t* gsl = group_start_loc.data_ptr<int32_t>();
+  int32_t* sel = selected.data_ptr<int32_t>();
+
+  // Gate projection for every token (dense: the scores need it), then silu in place.
+  std::vector<float> act(static_cast<size_t>(num_tokens * inter));
+  rows_dot<scalar_t>(xf, num_tokens, h, wgu, wgu_stride, nullptr, inter, act.data(), inter);
+  at::parallel_for(0, num_tokens * inter, 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) act[i] = silu(act[i]);
+  });
+
+  std::vector<float> out_f(static_cast<size_t>(num_tokens * h), 0.f);
+  std::vector<float> scores(inter), up, hid;
+  std::vector<int32_t> order;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t t0 = gsl[g], nt = gsl[g + 1] - gsl[g];
+    int32_t* idx = sel + g * keep;
+    if (nt <= 0) {
+      std::fill(idx, idx + keep, -1);
+      continue;
+    }
+    // One neuron set for all tokens of the group: score = sum_t |silu(gate)|.
+    std::fill(scores.begin(), scores.end(), 0.f);
+    for (int64_t t = 0; t < nt; ++t) {
+      const float* a = act.data() + (t0 + t) * inter;
+      for (int64_t n = 0; n < inter; ++n) scores[n] += std::abs(a[n]);
+    }
+    topk_ascending(scores.data(), inter, keep, idx, order);
+    // Up projection for the selected rows only, then the SwiGLU product.
+    up.resize(static_cast<size_t>(nt * keep));
+    rows_dot<scalar_t>(xf + t0 * h, nt, h, wgu + inter * wgu_stride, wgu_stride, idx, keep, up.data(), keep);
+    hid.resize(up.size());
+    for (int64_t t = 0; t < nt; ++t) {
+      const float* a = act.data() + (t0 + t) * inter;
+      for (int64_t j = 0; j < keep; ++j) hid[t * keep + j] = a[idx[j]] * up[t * keep + j];
+    }
+    // Down projection from the selected rows of w_down_t.
+    rows_axpy<scalar_t>(hid.data(), nt, keep, wdt, wdt_stride, idx, h, out_f.data() + t0 * h);
+  }
+  scalar_t* op = out.data_ptr<scalar_t>();
+  for (int64_t g = 0; g < num_groups; ++g)
+    for (int64_t t = gsl[g]; t < gsl[g + 1]; ++t) store_from_f32<scalar_t>(out_f.data() + t * h, op + t * h, h);
+}
+
+template <typename scalar_t>
+int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& topk_weights,
+                          const torch::Tensor& topk_ids, const torch::Tensor& w13, const torch::Tensor& w2) {
+  const int64_t num_tokens = x.size(0), h = x.size(1), k = topk_ids.size(1);
+  const int64_t num_experts = w13.size(0), inter = w13.size(1) / 2;
+  auto ids_t = topk_ids.to(torch::kLong).contiguous();
+  auto wts_t = topk_weights.to(torch::kFloat).contiguous();
+  auto xf_t = x.to(torch::kFloat).contiguous();
+  const int64_t* ids = ids_t.data_ptr<int64_t>();
+  const float* wts = wts_t.data_ptr<float>();
+  const float* xf = xf_t.data_ptr<float>();
+  // Group (token, slot) pairs by expert: counting sort keeps token order within an expert.
+  std::vector<int64_t> count(num_experts + 1, 0);
+  for (int64_t i = 0; i < num_tokens * k; ++i)
+    if (ids[i] >= 0) {
+      TORCH_CHECK(ids[i] < num_experts, "topk_ids out of range");
+      ++count[ids[i] + 1];
+    }
+  std::partial_sum(count.begin(), count.end(), count.begin());
+  std::vector<int64_t> pairs(count[num_experts]);
+  {
+    std::vector<int64_t> fill(count.begin(), count.end() - 1);
+    for (int64_t i = 0; i < num_tokens * k; ++i)
+      if (ids[i] >= 0) pairs[fill[ids[i]]++] = i;
+  }
+  std::vector<float> acc(static_cast<size_t>(num_tokens * h), 0.f), xe, gu, hid, y;
+  const scalar_t* w13p = w13.data_ptr<scalar_t>();
+  const scalar_t* w2p = w2.data_ptr<scalar_t>();
+  int64_t used = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t ne = count[e + 1] - count[e];
+    if (ne == 0) continue;  // pruned or unrouted: its weights are never read
+    ++used;
+    const int64_t* pe = pairs.data() + count[e];
+    xe.resize(static_cast<size_t>(ne * h));
+    for (int64_t i = 0; i < ne; ++i) std::copy_n(xf + (pe[i] / k) * h, h, xe.data() + i * h);
+    gu.resize(static_cast<size_t>(ne * 2 * inter));
+    rows_dot<scalar_t>(xe.data(), ne, h, w13p + e * w13.stride(0), w13.stride(1), nullptr, 2 * inter, gu.data(),
+                       2 * inter);
+    hid.resize(static_cast<size_t>(ne * inter));
+    for (int64_t i = 0; i < ne; ++i)
+      for (int64_t n = 0; n < inter; ++n)
+        hid[i * inter + n] = silu(gu[i * 2 * inter + n]) * gu[i * 2 * inter + inter + n];
+    y.resize(static_cast<size_t>(ne * h));
+    rows_dot<scalar_t>(hid.data(), ne, inter, w2p + e * w2.stride(0), w2.stride(1), nullptr, h, y.data(), h);
+    for (int64_t i = 0; i < ne; ++i) {
+      const float w = wts[pe[i]];
+      float* dst = acc.data() + (pe[i] / k) * h;
+      const float* src = y.data() + i * h;
+      for (int64_t c = 0; c < h; ++c) dst[c] += w * src[c];
+    }
+  }
+  scalar_t* op = out.data_ptr<scalar_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) store_from_f32<scalar_t>(acc.data() + t * h, op + t * h, h);
+  return used;
+}
+
+}  // namespace
+}  // namespace sparsever::cpu
+
+void topk_swiglu_ffn_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w_gate_up,
+                         const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
+                         torch::Tensor& selected) {
+  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && out.is_contiguous(), "x/out must be [T, H], out contiguous");
+  TORCH_CHECK(w_gate_up.dim() == 2 && w_gate_up.size(1) == x.size(1) && w_gate_up.size(0) % 2 == 0 &&
+                  w_gate_up.stride(1) == 1,
+              "w_gate_up must be [2I, H] with contiguous rows");
+  const int64_t inter = w_gate_up.size(0) / 2;
+  TORCH_CHECK(w_down_t.dim() == 2 && w_down_t.size(0) == inter && w_down_t.size(1) == x.size(1) &&
+                  w_down_t.stride(1) == 1,
+              "w_down_t must be [I, H] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == w_gate_up.scalar_type() && x.scalar_type() == w_down_t.scalar_type() &&
+                  out.scalar_type() == x.scalar_type(),
+              "x, out and weights must share a dtype");
+  TORCH_CHECK(keep >= 1 && keep <= inter, "keep must be in [1, I]");
+  TORCH_CHECK(group_start_loc.scalar_type() == torch::kInt32 && group_start_loc.is_contiguous(),
+              "group_start_loc must be contiguous int32");
+  TORCH_CHECK(selected.scalar_type() == torch::kInt32 && selected.is_contiguous() &&
+                  selected.size(0) == group_start_loc.size(0) - 1 && selected.size(1) == keep,
+              "selected must be contiguous int32 [G, keep]");
+  SPARSEVER_DISPATCH_FLOAT_TYPES(x.scalar_type(), "topk_swiglu_ffn_cpu", [&] {
+    sparsever::cpu::ffn_impl<scalar_t>(out, x, w_gate_up, w_down_t, group_start_loc, keep, selected);
+  });
+}
+
+void moe_route_and_prune_cpu(const torch::Tensor& router_logits, int64_t top_k, double prune_ratio,
+                             const std::optional<torch::Tensor>& group_start_loc, int64_t expert_budget,
+                             bool renormalize, torch::Tensor& topk_weights, torch::Tensor& topk_ids) {
+  TORCH_CHECK(router_logits.dim() == 2, "router_logits must be [T, E]");
+  const int64_t num_tokens = router_logits.size(0), num_experts = router_logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "top_k must be in [1, E]");
+  TORCH_CHECK(topk_weights.scalar_type() == torch::kFloat && topk_weights.is_contiguous() &&
+                  topk_ids.scalar_type() == torch::kInt32 && topk_ids.is_contiguous(),
+              "topk_weights fp32 and topk_ids int32, both contiguous");
+  TORCH_CHECK(topk_weights.size(0) == num_tokens && topk_weights.size(1) == top_k &&
+                  topk_ids.sizes() == topk_weights.sizes(),
+              "topk_weights/topk_ids must be [T, top_k]");
+  auto logits = router_logits.to(torch::kFloat).contiguous();
+  auto probs_t = torch::softmax(logits, -1);
+  const float* probs = probs_t.data_ptr<float>();
+  float* wts = topk_weights.data_ptr<float>();
+  int32_t* ids = topk_ids.data_ptr<int32_t>();
+  const float ratio = static_cast<float>(prune_ratio);
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> order(num_experts);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* p = probs + t * num_experts;
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                        [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+      const float top1 = p[order[0]];
+      for (int64_t j = 0; j < top_k; ++j) {
+        const bool drop = j > 0 && p[order[j]] < ratio * top1;
+        ids[t * top_k + j] = drop ? -1 : order[j];
+        wts[t * top_k + j] = drop ? 0.f : p[order[j]];
+      }
+    }
+  });
+  if (expert_budget > 0 && group_start_loc.has_value()) {
+    auto gsl_t = group_start_loc->to(torch::kInt32).contiguous();
+    const int32_t* gsl = gsl_t.data_ptr<int32_t>();
+    std::vector<float> mass(num_experts);
+    std::vector<char> used(num_experts), allowed(num_experts);
+    std::vector<int32_t> kept;
+    for (int64_t g = 0; g + 1 < gsl_t.numel(); ++g) {
+      std::fill(used.begin(), used.end(), 0);
+      for (int64_t t = gsl[g]; t < gsl[g + 1]; ++t)
+        for (int64_t j = 0; j < top_k; ++j)
+          if (ids[t * top_k + j] >= 0) used[ids[t * top_k + j]] = 1;
+      kept.clear();
+      for (int64_t e = 0; e < num_experts; ++e)
+        if (used[e]) kept.push_back(static_cast<int32_t>(e));
+      if (static_cast<int64_t>(kept.size()) <= expert_budget) continue;
+      std::fill(mass.begin(), mass.end(), 0.f);
+      for (int64_t t = gsl[g]; t < gsl[g + 1]; ++t)
+        for (int64_t e = 0; e < num_experts; ++e) mass[e] += probs[t * num_experts + e];
+      std::partial_sort(kept.begin(), kept.begin() + expert_budget, kept.end(), [&](int32_t a, int32_t b) {
+        return mass[a] > mass[b] || (mass[a] == mass[b] && a < b);
+      });
+      std::fill(allowed.begin(), allowed.end(), 0);
+      for (int64_t i = 0; i < expert_budget; ++i) allowed[kept[i]] = 1;
+      for (int64_t t = gsl[g]; t < gsl[g + 1]; ++t) {
+        bool any = false;
+        for (int64_t j = 0; j < top_k; ++j) {
+          int32_t& id = ids[t * top_k + j];
+          if (id >= 0 && !allowed[id]) {
+            id = -1;
+            wts[t * top_k + j] = 0.f;
+          }
+          any = any || id >= 0;
+        }
+        if (!any) {  // every expert of this token was cut: route it to its best budgeted expert
+          const float* p = probs + t * num_experts;
+          int32_t best = -1;
+          for (int64_t i = 0; i < expert_budget; ++i) {
+            const int32_t e = kept[i];
+            if (best < 0 || p[e] > p[best] || (p[e] == p[best] && e < best)) best = e;
+          }
+          ids[t * top_k] = best;
+          wts[t * top_k] = p[best];
+        }
+      }
+    }
+  }
+  if (renormalize) {
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < top_k; ++j) sum += wts[t * top_k + j];
+      for (int64_t j = 0; j < top_k; ++j) wts[t * top_k + j] /= sum;
+    }
+  }
+}
+
+void moe_grouped_dispatch_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& topk_weights,
+                              const torch::Tensor& topk_ids, const torch::Tensor& w13, const torch::Tensor& w2,
+                              torch::Tensor& num_experts_used) {
+  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && out.is_contiguous(), "x/out must be [T, H], out contiguous");
+  TORCH_CHECK(w13.dim() == 3 && w13.size(2) == x.size(1) && w13.size(1) % 2 == 0 && w13.stride(2) == 1,
+              "w13 must be [E, 2I, H] with contiguous rows");
+  TORCH_CHECK(w2.dim() == 3 && w2.size(0) == w13.size(0) && w2.size(1) == x.size(1) &&
+                  w2.size(2) == w13.size(1) / 2 && w2.stride(2) == 1,
+              "w2 must be [E, H, I] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == w13.scalar_type() && x.scalar_type() == w2.scalar_type() &&
+                  out.scalar_type() == x.scalar_type(),
+              "x, out and weights must share a dtype");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) && topk_weights.sizes() == topk_ids.sizes(),
+              "topk_weights/topk_ids must be [T, K]");
+  TORCH_CHECK(num_experts_used.numel() == 1 && num_experts_used.scalar_type() == torch::kInt32,
+              "num_experts_used must be a one-element int32 tensor");
+  int64_t used = 0;
+  SPARSEVER_DISPATCH_FLOAT_TYPES(x.scalar_type(), "moe_grouped_dispatch_cpu", [&] {
+    used = sparsever::cpu::moe_dispatch_impl<scalar_t>(out, x, topk_weights, topk_ids, w13, w2);
+  });
+  num_experts_used.fill_(used);
+}

@@ -1,0 +1,141 @@
+// Weight-streaming kernels for few-token (verification) shapes: each selected weight row is read from
+// memory once per call and reused for every token while it sits in L1/L2. Activations are fp32.
+#pragma once
+
+#include "cpu_utils.h"
+
+namespace sparsever::cpu {
+
+// Y[t, j] = X[t, :] . W[row(j), :], row(j) = idx ? idx[j] : j; X [T, H] fp32 contiguous; Y row stride y_stride.
+template <int NR, int NT, typename WT>
+inline void dot_tile(const float* x, int64_t h, const WT* const* wrows, float* y, int64_t y_stride) {
+  Vec acc[NR][NT];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = Vec(0.f);
+  int64_t c = 0;
+  for (; c + kVecLen <= h; c += kVecLen) {
+    Vec xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = Vec::loadu(x + t * h + c);
+    for (int i = 0; i < NR; ++i) {
+      Vec wv = load_f32<WT>(wrows[i] + c);
+      for (int t = 0; t < NT; ++t) acc[i][t] = at::vec::fmadd(wv, xv[t], acc[i][t]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) {
+      float v = hsum(acc[i][t]);
+      for (int64_t cc = c; cc < h; ++cc) v += static_cast<float>(wrows[i][cc]) * x[t * h + cc];
+      y[t * y_stride + i] = v;
+    }
+}
+
+template <int NR, typename WT>
+inline void dot_rows_all_tokens(const float* x, int64_t num_tokens, int64_t h, const WT* const* wrows, float* y,
+                                int64_t y_stride) {
+  constexpr int kTokTile = 4;
+  int64_t t = 0;
+  for (; t + kTokTile <= num_tokens; t += kTokTile)
+    dot_tile<NR, kTokTile, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride);
+  switch (num_tokens - t) {
+    case 3: dot_tile<NR, 3, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride); break;
+    case 2: dot_tile<NR, 2, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride); break;
+    case 1: dot_tile<NR, 1, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride); break;
+    default: break;
+  }
+}
+
+// Parallel over output rows (weight rows). Y [T, nrows] with row stride y_stride.
+template <typename WT>
+void rows_dot(const float* x, int64_t num_tokens, int64_t h, const WT* w, int64_t w_row_stride,
+              const int32_t* idx, int64_t nrows, float* y, int64_t y_stride) {
+  constexpr int kRowTile = 4;
+  if (num_tokens == 0 || nrows == 0) return;
+  const int64_t tiles = (nrows + kRowTile - 1) / kRowTile;
+  // Grain: ~64 KiB of weights per task, so small matrices are not split into tiny tasks.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, h * sizeof(WT) * kRowTile));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t j0 = tile * kRowTile;
+      const int nr = static_cast<int>(std::min<int64_t>(kRowTile, nrows - j0));
+      const WT* rows[kRowTile];
+      for (int i = 0; i < nr; ++i) rows[i] = w + (idx ? idx[j0 + i] : j0 + i) * w_row_stride;
+      float* yj = y + j0;
+      switch (nr) {
+        case 4: dot_rows_all_tokens<4, WT>(x, num_tokens, h, rows, yj, y_stride); break;
+        case 3: dot_rows_all_tokens<3, WT>(x, num_tokens, h, rows, yj, y_stride); break;
+        case 2: dot_rows_all_tokens<2, WT>(x, num_tokens, h, rows, yj, y_stride); break;
+        default: dot_rows_all_tokens<1, WT>(x, num_tokens, h, rows, yj, y_stride); break;
+      }
+    }
+  });
+}
+
+// One (token tile x column chunk) of rows_axpy: NT tokens, NV vectors of columns starting at c0.
+template <int NT, int NV, typename WT>
+inline void axpy_tile(const float* a, int64_t k, const WT* w, int64_t w_row_stride, const int32_t* idx,
+                      int64_t c0, float* out, int64_t h) {
+  Vec acc[NT][NV];
+  for (int t = 0; t < NT; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = Vec(0.f);
+  for (int64_t j = 0; j < k; ++j) {
+    const WT* wr = w + (idx ? idx[j] : j) * w_row_stride + c0;
+    Vec wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = load_f32<WT>(wr + v * kVecLen);
+    for (int t = 0; t < NT; ++t) {
+      Vec sv(a[t * k + j]);
+      for (int v = 0; v < NV; ++v) acc[t][v] = at::vec::fmadd(sv, wv[v], acc[t][v]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v].store(out + t * h + c0 + v * kVecLen);
+}
+
+template <int NV, typename WT>
+inline void axpy_chunk(const float* a, int64_t num_tokens, int64_t k, const WT* w, int64_t w_row_stride,
+                       const int32_t* idx, int64_t c0, float* out, int64_t h) {
+  constexpr int kTokTile = 4;
+  int64_t t = 0;
+  for (; t + kTokTile <= num_tokens; t += kTokTile)
+    axpy_tile<kTokTile, NV, WT>(a + t * k, k, w, w_row_stride, idx, c0, out + t * h, h);
+  switch (num_tokens - t) {
+    case 3: axpy_tile<3, NV, WT>(a + t * k, k, w, w_row_stride, idx, c0, out + t * h, h); break;
+    case 2: axpy_tile<2, NV, WT>(a + t * k, k, w, w_row_stride, idx, c0, out + t * h, h); break;
+    case 1: axpy_tile<1, NV, WT>(a + t * k, k, w, w_row_stride, idx, c0, out + t * h, h); break;
+    default: break;
+  }
+}
+
+// OUT[t, :] = sum_j A[t, j] * W[row(j), :]  (A [T, K] fp32, OUT [T, H] fp32 contiguous, overwritten).
+// Parallel over column chunks of H; each chunk of the selected rows is read from DRAM once and reused
+// from cache by the other token tiles.
+template <typename WT>
+void rows_axpy(const float* a, int64_t num_tokens, int64_t k, const WT* w, int64_t w_row_stride,
+               const int32_t* idx, int64_t h, float* out) {
+  constexpr int kCols = 4;  // vectors per column chunk
+  constexpr int64_t kChunk = kCols * kVecLen;
+  if (num_tokens == 0) return;
+  const int64_t full_vecs = h / kVecLen;
+  const int64_t chunks = (full_vecs + kCols - 1) / kCols;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ch = begin; ch < end; ++ch) {
+      const int64_t c0 = ch * kChunk;
+      switch (std::min<int64_t>(kCols, full_vecs - ch * kCols)) {
+        case 4: axpy_chunk<4, WT>(a, num_tokens, k, w, w_row_stride, idx, c0, out, h); break;
+        case 3: axpy_chunk<3, WT>(a, num_tokens, k, w, w_row_stride, idx, c0, out, h); break;
+        case 2: axpy_chunk<2, WT>(a, num_tokens, k, w, w_row_stride, idx, c0, out, h); break;
+        default: axpy_chunk<1, WT>(a, num_tokens, k, w, w_row_stride, idx, c0, out, h); break;
+      }
+    }
+  });
+  // Columns past the last full vector (H not a multiple of the vector width): scalar.
+  for (int64_t c = full_vecs * kVecLen; c < h; ++c)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      float v = 0.f;
+      for (int64_t j = 0; j < k; ++j) v += a[t * k + j] * static_cast<float>(w[(idx ? idx[j] : j) * w_row_stride + c]);
+      out[t * h + c] = v;
+    }
+}
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+}  // namespace sparsever::cpu

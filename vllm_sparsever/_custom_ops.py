@@ -1,0 +1,126 @@
+"""Thin Python wrappers over `torch.ops.sparsever.*` plus fake impls for torch.compile (vLLM style).
+
+Ops mutate their output arguments and return nothing; the wrappers allocate outputs when not given.
+Semantics of every op: vllm_sparsever/reference.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_sparsever._C_loader import load_extension
+
+load_extension()
+
+_ops = torch.ops.sparsever
+
+
+# ---- fake impls: outputs are mutated arguments, so there is nothing to compute or allocate -----------
+
+@torch.library.register_fake("sparsever::update_block_key_summaries")
+def _update_block_key_summaries_fake(key_cache, slot_mapping, block_size, key_min, key_max) -> None:
+    return None
+
+
+@torch.library.register_fake("sparsever::select_kv_blocks")
+def _select_kv_blocks_fake(query_pooled, key_min, key_max, block_table, seq_lens, query_lens, block_size,
+                           top_k, num_sink, num_local, selected, num_selected) -> None:
+    return None
+
+
+@torch.library.register_fake("sparsever::block_sparse_tree_attention")
+def _block_sparse_tree_attention_fake(out, query, key_cache, value_cache, block_table, seq_lens,
+                                      query_start_loc, selected, num_selected, tree_mask, scale) -> None:
+    return None
+
+
+@torch.library.register_fake("sparsever::topk_swiglu_ffn")
+def _topk_swiglu_ffn_fake(out, x, w_gate_up, w_down_t, group_start_loc, keep, selected) -> None:
+    return None
+
+
+@torch.library.register_fake("sparsever::moe_route_and_prune")
+def _moe_route_and_prune_fake(router_logits, top_k, prune_ratio, group_start_loc, expert_budget, renormalize,
+                              topk_weights, topk_ids) -> None:
+    return None
+
+
+@torch.library.register_fake("sparsever::moe_grouped_dispatch")
+def _moe_grouped_dispatch_fake(out, x, topk_weights, topk_ids, w13, w2, num_experts_used) -> None:
+    return None
+
+
+# ---- wrappers ---------------------------------------------------------------------------------------
+
+def update_block_key_summaries(key_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+                               key_min: torch.Tensor, key_max: torch.Tensor) -> None:
+    """Recompute key min/max of every block touched by slot_mapping (see reference)."""
+    _ops.update_block_key_summaries(key_cache, slot_mapping, block_size, key_min, key_max)
+
+
+def select_kv_blocks(query_pooled: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_lens: torch.Tensor,
+                     block_size: int, top_k: int, num_sink: int, num_local: int,
+                     selected: torch.Tensor | None = None,
+                     num_selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest-style block selection; returns (selected [R, Hkv, S], num_selected [R, Hkv])."""
+    num_req, hkv = block_table.shape[0], key_min.shape[1]
+    if selected is None:
+        max_ctx_blocks = block_table.shape[1]
+        slots = max(1, min(max_ctx_blocks, top_k + num_sink + num_local))
+        selected = torch.empty(num_req, hkv, slots, dtype=torch.int32, device=query_pooled.device)
+    if num_selected is None:
+        num_selected = torch.empty(num_req, hkv, dtype=torch.int32, device=query_pooled.device)
+    _ops.select_kv_blocks(query_pooled, key_min, key_max, block_table, seq_lens, query_lens, block_size,
+                          top_k, num_sink, num_local, selected, num_selected)
+    return selected, num_selected
+
+
+def block_sparse_tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                block_table: torch.Tensor, seq_lens: torch.Tensor,
+                                query_start_loc: torch.Tensor, scale: float,
+                                selected: torch.Tensor | None = None,
+                                num_selected: torch.Tensor | None = None,
+                                tree_mask: torch.Tensor | None = None,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over selected context blocks + the request's own (tree/causal-masked) query tokens."""
+    if out is None:
+        out = torch.empty_like(query)
+    _ops.block_sparse_tree_attention(out, query, key_cache, value_cache, block_table, seq_lens,
+                                     query_start_loc, selected, num_selected, tree_mask, scale)
+    return out
+
+
+def topk_swiglu_ffn(x: torch.Tensor, w_gate_up: torch.Tensor, w_down_t: torch.Tensor,
+                    group_start_loc: torch.Tensor, keep: int, out: torch.Tensor | None = None,
+                    selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU MLP over one top-`keep` neuron set per group; returns (out [T, H], selected [G, keep])."""
+    if out is None:
+        out = torch.empty_like(x)
+    if selected is None:
+        selected = torch.empty(group_start_loc.numel() - 1, keep, dtype=torch.int32, device=x.device)
+    _ops.topk_swiglu_ffn(out, x, w_gate_up, w_down_t, group_start_loc, keep, selected)
+    return out, selected
+
+
+def moe_route_and_prune(router_logits: torch.Tensor, top_k: int, prune_ratio: float = 0.0,
+                        group_start_loc: torch.Tensor | None = None, expert_budget: int = 0,
+                        renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing with ratio pruning and a per-group expert budget; (weights fp32, ids int32)."""
+    num_tokens = router_logits.shape[0]
+    topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    topk_ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    _ops.moe_route_and_prune(router_logits, top_k, prune_ratio, group_start_loc, expert_budget, renormalize,
+                             topk_weights, topk_ids)
+    return topk_weights, topk_ids
+
+
+def moe_grouped_dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         w13: torch.Tensor, w2: torch.Tensor,
+                         out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One SwiGLU expert GEMM per kept expert; returns (out [T, H], num_experts_used [1] int32)."""
+    if out is None:
+        out = torch.empty_like(x)
+    num_experts_used = torch.empty(1, dtype=torch.int32, device=x.device)
+    _ops.moe_grouped_dispatch(out, x, topk_weights, topk_ids, w13, w2, num_experts_used)
+    return out, num_experts_used
