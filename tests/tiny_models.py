@@ -36,6 +36,8 @@ def make_tiny_llama(
     num_kv_heads: int = 2,
     intermediate_size: int = 256,
     max_position_embeddings: int = 2048,
+    perturb_from: Path | None = None,
+    perturb_scale: float = 0.0,
 ) -> Path:
     """A random LlamaForCausalLM with head_dim = hidden/heads (>= 32 for the CPU backend)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -59,10 +61,17 @@ def make_tiny_llama(
         torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
-    # Larger init than default so greedy outputs are not all one token.
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.08)
+        if perturb_from is not None:
+            # A draft that mostly agrees with its target: the target's weights plus noise.
+            base = LlamaForCausalLM.from_pretrained(perturb_from, torch_dtype=torch.float32)
+            model.load_state_dict(base.state_dict())
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * perturb_scale)
+        else:
+            # Larger init than the default so greedy outputs are not all one token.
+            for p in model.parameters():
+                p.normal_(0.0, 0.08)
     model.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(path)
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))

@@ -36,6 +36,19 @@ class _SparseverWorkerMixin:
         self.model_runner.init_sparsever(config, rank=self.rank)
 
     # collective_rpc targets (see vllm_sparsever.metrics.get_metrics)
+    def sparsever_worker_info(self) -> dict[str, Any]:
+        """Where this worker runs and which runner it drives (diagnostics, tests)."""
+        import os
+
+        from vllm_sparsever.integration.registration import is_registered
+
+        return {
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "plugin_registered": is_registered(),
+            "model_runner": type(self.model_runner).__name__,
+        }
+
     def sparsever_metrics(self) -> dict[str, Any]:
         return self.model_runner.sparsever_metrics.summary()
 

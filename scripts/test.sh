@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# README command 2: the whole test suite (after scripts/setup.sh).
+#   bash scripts/test.sh              # everything, slow end-to-end tests included
+#   bash scripts/test.sh -m "not slow"  # quick subset; extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=/dev/null
+source scripts/env.sh
+exec python -m pytest -ra "$@"

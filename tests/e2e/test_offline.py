@@ -1,0 +1,124 @@
+"""Offline `LLM(...)` with method='sparsever': lossless greedy output, metrics, registration.
+
+One engine per configuration (start-up dominates), shared by the tests of this module.
+"""
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+
+from tiny_models import prompts
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+NUM_PROMPTS = 6
+MAX_TOKENS = 32
+
+
+def _run(model: Path, speculative_config: dict | None, num_prompts: int = NUM_PROMPTS):
+    from vllm import LLM, SamplingParams
+
+    from vllm_sparsever.metrics import get_metrics
+
+    llm = LLM(
+        model=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=8,
+        seed=0,
+        speculative_config=speculative_config,
+    )
+    try:
+        outs = llm.generate(prompts(num_prompts), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        metrics = get_metrics(llm) if speculative_config else None
+        workers = llm.collective_rpc("sparsever_worker_info") if speculative_config else None
+    finally:
+        del llm
+        gc.collect()
+    return tokens, metrics, workers
+
+
+@pytest.fixture(scope="module")
+def registration_log(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reg") / "registrations.txt"
+    os.environ["VLLM_SPARSEVER_REGISTRATION_LOG"] = str(path)
+    yield path
+    os.environ.pop("VLLM_SPARSEVER_REGISTRATION_LOG", None)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_target):
+    tokens, _, _ = _run(tiny_target, None)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def draft_model_run(registration_log, tiny_target, tiny_draft):
+    return _run(
+        tiny_target,
+        {"method": "sparsever", "model": str(tiny_draft), "num_speculative_tokens": 3},
+    )
+
+
+@pytest.fixture(scope="module")
+def ngram_run(tiny_target):
+    return _run(
+        tiny_target,
+        {"method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": 4,
+         "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+    )
+
+
+def test_baseline_is_not_degenerate(baseline):
+    assert len(baseline) == NUM_PROMPTS
+    assert all(len(t) == MAX_TOKENS for t in baseline)
+    assert len({tuple(t) for t in baseline}) > 1
+
+
+def test_draft_model_greedy_equals_plain_greedy(baseline, draft_model_run):
+    tokens, _, _ = draft_model_run
+    for i, (want, got) in enumerate(zip(baseline, tokens)):
+        assert got == want, f"prompt {i} differs"
+
+
+def test_draft_model_metrics(draft_model_run):
+    _, m, _ = draft_model_run
+    assert m["num_drafts"] > 0 and m["num_draft_tokens"] >= m["num_drafts"]
+    # A noisy copy of the target: some drafts accepted, some rejected.
+    assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
+    assert m["acceptance_rate"] == pytest.approx(m["num_accepted_tokens"] / m["num_draft_tokens"])
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+    per_pos = m["per_position_acceptance"]
+    assert len(per_pos) == 3
+    assert sum(m["accepted_per_position"]) == m["num_accepted_tokens"]
+    # Position i+1 is only accepted after position i was.
+    assert m["accepted_per_position"] == sorted(m["accepted_per_position"], reverse=True)
+    assert 0.0 < m["verification_time_share"] < 1.0
+    assert m["num_verify_steps"] <= m["num_steps"]
+
+
+def test_ngram_greedy_equals_plain_greedy(baseline, ngram_run):
+    tokens, m, _ = ngram_run
+    for i, (want, got) in enumerate(zip(baseline, tokens)):
+        assert got == want, f"prompt {i} differs"
+    assert m["num_drafts"] > 0
+
+
+def test_plugin_registered_in_front_end_engine_core_and_worker(registration_log, draft_model_run):
+    _, _, workers = draft_model_run
+    assert [w["model_runner"] for w in workers] == ["SparseverCPUModelRunner"]
+    assert all(w["plugin_registered"] for w in workers)
+    worker_pids = [w["pid"] for w in workers]
+    entries = [tuple(map(int, line.split())) for line in registration_log.read_text().splitlines()]
+    pids = {pid for pid, _ in entries}
+    parents = {pid: ppid for pid, ppid in entries}
+    assert len(worker_pids) == 1
+    worker = worker_pids[0]
+    assert worker in pids, "register() did not run in the worker"
+    engine_core = parents[worker]
+    assert engine_core in pids, "register() did not run in the engine core"
+    assert engine_core != os.getpid()

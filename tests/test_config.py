@@ -1,0 +1,138 @@
+"""SparseverConfig validation and its mapping onto vLLM's SpeculativeConfig."""
+
+import pytest
+
+from vllm_sparsever.config import SparseverConfig, SparseverConfigError
+
+
+def test_defaults_are_off_and_map_to_draft_model():
+    cfg = SparseverConfig.from_dict({"method": "sparsever", "model": "/m/draft", "num_speculative_tokens": 3})
+    assert cfg.draft_source == "draft_model"
+    assert not cfg.any_sparsity
+    assert not cfg.adaptive.enabled and not cfg.early_exit.enabled
+    assert cfg.to_vllm_speculative_kwargs() == {
+        "method": "draft_model",
+        "model": "/m/draft",
+        "num_speculative_tokens": 3,
+    }
+
+
+def test_ngram_source_is_inferred_without_model():
+    cfg = SparseverConfig.from_dict(
+        {"method": "sparsever", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+    )
+    assert cfg.draft_source == "ngram"
+    assert cfg.to_vllm_speculative_kwargs() == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 5,
+        "prompt_lookup_min": 2,
+    }
+
+
+def test_passthrough_fields_reach_vllm():
+    cfg = SparseverConfig.from_dict(
+        {"method": "sparsever", "model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}
+    )
+    assert cfg.to_vllm_speculative_kwargs()["draft_tensor_parallel_size"] == 1
+
+
+def test_serialization_round_trip():
+    raw = {"method": "sparsever", "model": "d", "num_speculative_tokens": 2, "ffn": {"keep_ratio": 0.3},
+           "max_model_len": 512}
+    cfg = SparseverConfig.from_dict(raw)
+    again = SparseverConfig.from_serialized(cfg.to_dict())
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ({"num_speculative_tokens": 3, "model": "d", "bogus": 1}, ["bogus", "allowed fields", "num_speculative_tokens"]),
+        ({"model": "d"}, ["num_speculative_tokens", "required"]),
+        ({"num_speculative_tokens": 0, "model": "d"}, ["num_speculative_tokens", ">= 1"]),
+        ({"num_speculative_tokens": "3", "model": "d"}, ["num_speculative_tokens", "integer"]),
+        ({"num_speculative_tokens": True, "model": "d"}, ["num_speculative_tokens", "integer"]),
+        ({"num_speculative_tokens": 3, "draft_source": "eagle"}, ["draft_source", "'draft_model', 'ngram'"]),
+        ({"num_speculative_tokens": 3, "draft_source": "draft_model"}, ["model", "required"]),
+        ({"num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, ["prompt_lookup_min", "<="]),
+        ({"num_speculative_tokens": 3, "model": "d", "prompt_lookup_max": 2}, ["prompt_lookup_max", "ngram"]),
+        ({"num_speculative_tokens": 3, "model": "d", "ffn": {"keep_ratio": 0}}, ["ffn.keep_ratio", "(0.0, 1.0]"]),
+        ({"num_speculative_tokens": 3, "model": "d", "ffn": {"keep_ratio": 1.5}}, ["ffn.keep_ratio"]),
+        ({"num_speculative_tokens": 3, "model": "d", "ffn": {"kep_ratio": 0.5}}, ["ffn.'kep_ratio'", "keep_ratio"]),
+        ({"num_speculative_tokens": 3, "model": "d", "ffn": 3}, ["ffn", "object"]),
+        ({"num_speculative_tokens": 3, "model": "d", "moe": {"expert_budget": 0}}, ["moe.expert_budget", ">= 1"]),
+        ({"num_speculative_tokens": 3, "model": "d", "attention": {"anchor_layers": [3, 1]}},
+         ["attention.anchor_layers", "increasing"]),
+        ({"num_speculative_tokens": 3, "model": "d", "attention": {"enabled": "yes"}}, ["attention.enabled", "true or false"]),
+        ({"num_speculative_tokens": 3, "model": "d", "fallback_to_dense": 1}, ["fallback_to_dense"]),
+    ],
+)
+def test_invalid_values_name_the_field(raw, words):
+    with pytest.raises(SparseverConfigError) as info:
+        SparseverConfig.from_dict({"method": "sparsever", **raw})
+    message = str(info.value)
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize("section", ["attention", "ffn", "moe", "adaptive", "early_exit"])
+def test_capabilities_not_yet_landed_fail_instead_of_running_dense(section):
+    with pytest.raises(SparseverConfigError, match=rf"{section}\.enabled.*not available"):
+        SparseverConfig.from_dict(
+            {"method": "sparsever", "model": "d", "num_speculative_tokens": 3, section: {"enabled": True}}
+        )
+
+
+def test_engine_args_reject_bad_config_before_engine_start(tiny_target):
+    """The error comes from create_engine_config in the front end: no engine process starts."""
+    import vllm_sparsever
+
+    vllm_sparsever.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(tiny_target),
+        speculative_config={"method": "sparsever", "model": str(tiny_target), "num_speculative_tokens": 2,
+                            "attention": {"top_k_blocks": -1}},
+    )
+    with pytest.raises(SparseverConfigError, match=r"attention\.top_k_blocks"):
+        args.create_engine_config()
+
+
+def test_engine_args_map_sparsever_onto_vllm(tiny_target):
+    import vllm_sparsever
+
+    vllm_sparsever.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_sparsever.integration.speculative import WORKER_CLS, sparsever_config_from_vllm
+
+    args = EngineArgs(
+        model=str(tiny_target),
+        max_model_len=512,
+        speculative_config={"method": "sparsever", "model": str(tiny_target), "num_speculative_tokens": 2},
+    )
+    vllm_config = args.create_engine_config()
+    assert vllm_config.speculative_config.method == "draft_model"
+    assert vllm_config.speculative_config.num_speculative_tokens == 2
+    assert vllm_config.parallel_config.worker_cls == WORKER_CLS
+    cfg = sparsever_config_from_vllm(vllm_config)
+    assert cfg is not None and cfg.model == str(tiny_target)
+
+
+def test_other_methods_are_untouched(tiny_target):
+    import vllm_sparsever
+
+    vllm_sparsever.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(tiny_target),
+        max_model_len=512,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+    )
+    vllm_config = args.create_engine_config()
+    assert vllm_config.speculative_config.method == "ngram"
+    assert "sparsever" not in (vllm_config.additional_config or {})
+    assert vllm_config.parallel_config.worker_cls != "vllm_sparsever.integration.worker.SparseverWorker"
