@@ -35,6 +35,7 @@ __all__ = [
     "moe_grouped_dispatch",
     "topk_lower_index_wins",
     "num_context_blocks",
+    "swiglu_ffn_on_neurons",
 ]
 
 
@@ -263,9 +264,7 @@ def topk_swiglu_ffn(
     An empty group writes -1 to its selected row and no output. keep == I is the dense MLP.
     """
     inter = w_gate_up.shape[0] // 2
-    xf = x.float()
-    gate = xf @ w_gate_up[:inter].float().t()  # [T, I]
-    act = F.silu(gate)
+    act = F.silu(x.float() @ w_gate_up[:inter].float().t())  # [T, I]
     starts = group_start_loc.tolist()
     for g in range(len(starts) - 1):
         t0, t1 = starts[g], starts[g + 1]
@@ -274,9 +273,18 @@ def topk_swiglu_ffn(
             continue
         idx = topk_lower_index_wins(act[t0:t1].abs().sum(dim=0), keep)
         selected[g] = idx.to(selected.dtype)
-        up = xf[t0:t1] @ w_gate_up[inter + idx].float().t()  # [n, keep]
-        h = act[t0:t1, idx] * up
-        out[t0:t1] = (h @ w_down_t[idx].float()).to(out.dtype)
+        out[t0:t1] = swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, idx).to(out.dtype)
+
+
+def swiglu_ffn_on_neurons(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down_t: torch.Tensor, idx: torch.Tensor
+) -> torch.Tensor:
+    """fp32 SwiGLU MLP restricted to neurons `idx`: sum_n silu(x.w_gate[n]) * (x.w_up[n]) * w_down_t[n]."""
+    inter = w_gate_up.shape[0] // 2
+    idx = idx.to(torch.long)
+    xf = x.float()
+    h = F.silu(xf @ w_gate_up[idx].float().t()) * (xf @ w_gate_up[inter + idx].float().t())
+    return h @ w_down_t[idx].float()
 
 
 # ---------------------------------------------------------------------------------------------------

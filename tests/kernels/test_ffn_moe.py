@@ -1,0 +1,176 @@
+"""topk_swiglu_ffn, moe_route_and_prune and moe_grouped_dispatch vs the PyTorch reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vllm_sparsever._custom_ops as ops
+import vllm_sparsever.reference as ref
+
+from .kv_cache_utils import start_loc
+
+TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def _ffn_weights(h, inter, dtype, gen):
+    w_gate_up = (torch.randn(2 * inter, h, generator=gen) / h**0.5).to(dtype)
+    w_down_t = (torch.randn(inter, h, generator=gen) / inter**0.5).to(dtype)
+    return w_gate_up, w_down_t
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    dtype=st.sampled_from(list(TOL)),
+    h=st.sampled_from([8, 40, 64, 100, 128]),
+    inter=st.integers(1, 150),
+    groups=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    keep_frac=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_ffn_matches_reference(dtype, h, inter, groups, keep_frac, seed):
+    gen = torch.Generator().manual_seed(seed)
+    keep = max(1, round(keep_frac * inter))
+    w_gate_up, w_down_t = _ffn_weights(h, inter, dtype, gen)
+    x = torch.randn(sum(groups), h, generator=gen).to(dtype)
+    gsl = start_loc(groups)
+    out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, gsl, keep)
+    rsel = torch.empty_like(sel)
+    expected = torch.empty_like(x)
+    ref.topk_swiglu_ffn(expected, x, w_gate_up, w_down_t, gsl, keep, rsel)
+    act = F.silu(x.float() @ w_gate_up[:inter].float().t())
+    rtol, atol = TOL[dtype]
+    starts = gsl.tolist()
+    for g in range(len(groups)):
+        t0, t1 = starts[g], starts[g + 1]
+        if t0 == t1:
+            assert sel[g].tolist() == [-1] * keep
+            continue
+        got = sel[g].tolist()
+        assert got == sorted(set(got)) and len(got) == keep
+        if got != rsel[g].tolist():  # only a near-tie of scores may flip (fp summation order)
+            scores = act[t0:t1].abs().sum(0)
+            rest = sorted(set(range(inter)) - set(got))
+            assert scores[got].min() >= scores[rest].max() - 1e-4 * (1 + scores.max())
+        expected_g = ref.swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, sel[g]).to(dtype)
+        torch.testing.assert_close(out[t0:t1].float(), expected_g.float(), rtol=rtol, atol=atol)
+
+
+def test_ffn_keep_all_is_dense_mlp():
+    gen = torch.Generator().manual_seed(0)
+    h, inter = 64, 96
+    w_gate_up, w_down_t = _ffn_weights(h, inter, torch.float32, gen)
+    x = torch.randn(5, h, generator=gen)
+    out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, start_loc([5]), inter)
+    gate, up = (x @ w_gate_up.t()).chunk(2, dim=-1)
+    torch.testing.assert_close(out, (F.silu(gate) * up) @ w_down_t, rtol=1e-5, atol=1e-5)
+    assert sel[0].tolist() == list(range(inter))
+
+
+def test_ffn_reads_only_selected_rows():
+    gen = torch.Generator().manual_seed(1)
+    h, inter, keep = 64, 128, 16
+    w_gate_up, w_down_t = _ffn_weights(h, inter, torch.bfloat16, gen)
+    x = torch.randn(3, h, generator=gen).to(torch.bfloat16)
+    _, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, start_loc([3]), keep)
+    expected = ref.swiglu_ffn_on_neurons(x, w_gate_up, w_down_t, sel[0])
+    unused = sorted(set(range(inter)) - set(sel[0].tolist()))
+    w_gate_up[inter + torch.tensor(unused)] = float("nan")  # up rows of unselected neurons
+    w_down_t[torch.tensor(unused)] = float("nan")
+    out, sel2 = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, start_loc([3]), keep)
+    assert torch.equal(sel, sel2) and torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    num_experts=st.integers(1, 20),
+    top_k_frac=st.floats(0.0, 1.0),
+    groups=st.lists(st.integers(0, 8), min_size=1, max_size=4),
+    ratio=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+    budget=st.integers(0, 6),
+    use_groups=st.booleans(),
+    renormalize=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_route_and_prune_matches_reference(num_experts, top_k_frac, groups, ratio, budget, use_groups,
+                                           renormalize, seed):
+    gen = torch.Generator().manual_seed(seed)
+    top_k = max(1, round(top_k_frac * num_experts))
+    logits = torch.randn(sum(groups), num_experts, generator=gen) * 2
+    gsl = start_loc(groups) if use_groups else None
+    w, ids = ops.moe_route_and_prune(logits, top_k, ratio, gsl, budget, renormalize)
+    rw, rids = torch.empty_like(w), torch.empty_like(ids)
+    ref.moe_route_and_prune(logits, top_k, ratio, gsl, budget, renormalize, rw, rids)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-7)
+    assert (ids >= 0).any(dim=1).all()  # every token keeps an expert
+    if use_groups and budget > 0:
+        for g in range(len(groups)):
+            block = ids[gsl[g] : gsl[g + 1]]
+            assert len(set(block[block >= 0].tolist())) <= budget
+
+
+def _moe_problem(num_tokens, h, inter, num_experts, top_k, dtype, gen):
+    x = torch.randn(num_tokens, h, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, h, generator=gen) / h**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, h, inter, generator=gen) / inter**0.5).to(dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    return x, w13, w2, logits
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(list(TOL)),
+    num_tokens=st.integers(1, 9),
+    h=st.sampled_from([8, 40, 64]),
+    inter=st.integers(1, 80),
+    num_experts=st.integers(1, 10),
+    ratio=st.sampled_from([0.0, 0.3, 0.8]),
+    ids_dtype=st.sampled_from([torch.int32, torch.int64]),
+    seed=st.integers(0, 2**16),
+)
+def test_dispatch_matches_reference(dtype, num_tokens, h, inter, num_experts, ratio, ids_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    top_k = min(2, num_experts)
+    x, w13, w2, logits = _moe_problem(num_tokens, h, inter, num_experts, top_k, dtype, gen)
+    w, ids = ops.moe_route_and_prune(logits, top_k, ratio)
+    ids = ids.to(ids_dtype)
+    out, used = ops.moe_grouped_dispatch(x, w, ids, w13, w2)
+    expected, rused = torch.empty_like(x), torch.empty(1, dtype=torch.int32)
+    ref.moe_grouped_dispatch(expected, x, w, ids, w13, w2, rused)
+    assert int(used) == int(rused) == len(set(ids[ids >= 0].tolist()))
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+def test_dispatch_reads_only_kept_experts():
+    gen = torch.Generator().manual_seed(2)
+    x, w13, w2, _ = _moe_problem(4, 64, 32, 8, 2, torch.float32, gen)
+    ids = torch.tensor([[1, -1], [5, 1], [1, -1], [-1, 5]], dtype=torch.int32)
+    w = torch.tensor([[1.0, 0.0], [0.6, 0.4], [1.0, 0.0], [0.0, 1.0]])
+    expected, used = torch.empty_like(x), torch.empty(1, dtype=torch.int32)
+    ref.moe_grouped_dispatch(expected, x, w, ids, w13, w2, used)
+    for e in (0, 2, 3, 4, 6, 7):
+        w13[e] = float("nan")
+        w2[e] = float("nan")
+    out, n = ops.moe_grouped_dispatch(x, w, ids, w13, w2)
+    assert int(n) == 2 and torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck_fake_impls():
+    gen = torch.Generator().manual_seed(3)
+    h, inter = 16, 24
+    w_gate_up, w_down_t = _ffn_weights(h, inter, torch.float32, gen)
+    x = torch.randn(3, h, generator=gen)
+    gsl = start_loc([2, 1])
+    torch.library.opcheck(torch.ops.sparsever.topk_swiglu_ffn.default,
+                          (torch.empty_like(x), x, w_gate_up, w_down_t, gsl, 5, torch.empty(2, 5, dtype=torch.int32)))
+    x, w13, w2, logits = _moe_problem(3, h, inter, 4, 2, torch.float32, gen)
+    tw, ti = torch.empty(3, 2), torch.empty(3, 2, dtype=torch.int32)
+    torch.library.opcheck(torch.ops.sparsever.moe_route_and_prune.default, (logits, 2, 0.2, gsl, 2, True, tw, ti))
+    tw, ti = ops.moe_route_and_prune(logits, 2, 0.2, gsl, 2, True)  # opcheck ran on copies
+    torch.library.opcheck(torch.ops.sparsever.moe_grouped_dispatch.default,
+                          (torch.empty_like(x), x, tw, ti, w13, w2, torch.empty(1, dtype=torch.int32)))
