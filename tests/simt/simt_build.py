@@ -47,3 +47,13 @@ def executor_ops(use_ucontext: bool = False):
         return torch.ops.simt_test_ucontext
     _build("sparsever_simt_executor", ["executor_tests.cpp"])
     return torch.ops.simt_test
+
+
+KERNEL_SOURCES = ["attention_ops.cpp"]
+
+
+@functools.cache
+def kernel_ops():
+    """torch.ops.sparsever_simt: the product's CUDA kernel bodies run by the SIMT executor."""
+    _build("sparsever_simt_kernels", KERNEL_SOURCES)
+    return torch.ops.sparsever_simt

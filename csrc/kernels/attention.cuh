@@ -1,0 +1,464 @@
+// Block-sparse tree attention over the paged KV cache (semantics: reference.block_sparse_tree_attention).
+//
+// One CTA per (split, KV head, request). Its keys are, in order, the request's selected context blocks
+// (positions < ctx_len inside them) followed by the request's own query tokens (positions ctx_len + j,
+// admitted per query row by the tree mask, or causally). Every key tile is loaded ONCE per CTA and used by
+// all query rows of the request that share the KV head: rows are (query token, query head of the GQA
+// group) pairs, so one KV read serves every draft token and every head of the group - the point of a
+// selection shared by the request. Online softmax in fp32; with split-K, each split writes unnormalised
+// partials (acc, running max, running sum) and a combine kernel merges them. KV strides are arguments, so
+// vLLM-CPU's transposed K and GPU layouts both work (16-byte vector loads when head_dim is contiguous).
+#pragma once
+
+#include "compat.cuh"
+#include "host_utils.cuh"
+
+namespace sparsever {
+namespace kernels {
+
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = kAttnWarps * kWarpSize;
+constexpr int kAttnRowsPerWarp = 8;                            // query rows per warp (registers: 8 * kDPerLane)
+constexpr int kAttnRows = kAttnWarps * kAttnRowsPerWarp;       // query rows per CTA pass
+constexpr int kAttnTile = kWarpSize;                           // keys per tile: one key per lane for QK^T
+constexpr int kKeyInvalid = -2;                                // tile slot past the end / outside the context
+constexpr int kKeyContext = -1;                                // context key: every row may attend
+
+struct AttentionParams {
+  void* out;
+  int64_t out_stride_t, out_stride_h;
+  const void* query;
+  int64_t q_stride_t, q_stride_h;
+  const void* key_cache;
+  const void* value_cache;
+  int64_t k_stride_b, k_stride_h, k_stride_t, k_stride_d;
+  int64_t v_stride_b, v_stride_h, v_stride_t, v_stride_d;
+  const int* block_table;
+  int64_t bt_stride;
+  const int* seq_lens;
+  const int* query_start_loc;
+  const int* selected;  // nullptr = dense
+  int64_t sel_stride_r, sel_stride_h;
+  const int* num_selected;
+  int64_t ns_stride_r, ns_stride_h;
+  const uint8_t* tree_mask;  // nullptr = causal chain
+  int64_t mask_stride;
+  int num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  float scale;
+  int num_splits;
+  float* part_out;  // [num_splits, T, Hq, D]   (num_splits > 1 only)
+  float* part_max;  // [num_splits, T, Hq]
+  float* part_sum;  // [num_splits, T, Hq]
+  int num_tokens;
+};
+
+// Shared memory (floats): q[kAttnRows][D] | k[kAttnTile][D + 1] | v[kAttnTile][D] | p[kAttnRows][kAttnTile],
+// then per-key ints: code[kAttnTile] and int64 offsets k_off/v_off[kAttnTile].
+inline size_t attention_smem_bytes(int head_dim) {
+  size_t floats = size_t(kAttnRows) * head_dim + size_t(kAttnTile) * (head_dim + 1) + size_t(kAttnTile) * head_dim +
+                  size_t(kAttnRows) * kAttnTile;
+  floats = (floats + 1) & ~size_t(1);  // 8-byte alignment for the offsets
+  return floats * sizeof(float) + kAttnTile * (sizeof(int) + 2 * sizeof(int64_t));
+}
+
+template <typename T, int kDPerLane, int kVec>
+__global__ void __launch_bounds__(kAttnThreads) block_sparse_tree_attention_kernel(const AttentionParams p) {
+  const int split = blockIdx.x;
+  const int h = blockIdx.y;
+  const int r = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
+  const int D = p.head_dim;
+
+  const int t0 = p.query_start_loc[r];
+  const int q_len = p.query_start_loc[r + 1] - t0;
+  if (q_len <= 0) return;
+  const int seq_len = p.seq_lens[r];
+  const int ctx_len = max_of(seq_len - q_len, 0);
+  const int group = p.num_heads / p.num_kv_heads;
+  const int num_rows = q_len * group;
+
+  int num_ctx_blocks;
+  const int* sel = nullptr;
+  if (p.selected != nullptr) {
+    sel = p.selected + r * p.sel_stride_r + h * p.sel_stride_h;
+    num_ctx_blocks = p.num_selected[r * p.ns_stride_r + h * p.ns_stride_h];
+  } else {
+    num_ctx_blocks = div_up(ctx_len, p.block_size);
+  }
+  const int ctx_keys = num_ctx_blocks * p.block_size;  // includes padding past ctx_len (masked)
+  const int total_keys = ctx_keys + q_len;
+  const int num_tiles = div_up(total_keys, kAttnTile);
+  const int tiles_per_split = div_up(num_tiles, p.num_splits);
+  const int tile_begin = split * tiles_per_split;
+  const int tile_end = min_of(num_tiles, tile_begin + tiles_per_split);
+
+  SV_DYNAMIC_SHARED(float, smem);
+  float* q_s = smem;                                // [kAttnRows][D]
+  float* k_s = q_s + kAttnRows * D;                 // [kAttnTile][D + 1]  (padded: conflict-free per-key reads)
+  float* v_s = k_s + kAttnTile * (D + 1);           // [kAttnTile][D]
+  float* p_s = v_s + kAttnTile * D;                 // [kAttnRows][kAttnTile]
+  size_t float_count = size_t(kAttnRows) * D + size_t(kAttnTile) * (D + 1) + size_t(kAttnTile) * D +
+                       size_t(kAttnRows) * kAttnTile;
+  float_count = (float_count + 1) & ~size_t(1);
+  int64_t* k_off = reinterpret_cast<int64_t*>(smem + float_count);
+  int64_t* v_off = k_off + kAttnTile;
+  int* code = reinterpret_cast<int*>(v_off + kAttnTile);
+
+  const T* __restrict__ query = static_cast<const T*>(p.query);
+  const T* __restrict__ kc = static_cast<const T*>(p.key_cache);
+  const T* __restrict__ vc = static_cast<const T*>(p.value_cache);
+  const int* table = p.block_table + r * p.bt_stride;
+
+  for (int row0 = 0; row0 < num_rows; row0 += kAttnRows) {
+    __syncthreads();  // q_s of the previous pass is no longer read
+    for (int i = tid; i < kAttnRows * D; i += kAttnThreads) {
+      const int row = row0 + i / D, d = i % D;
+      float v = 0.0f;
+      if (row < num_rows) {
+        const int tok = t0 + row / group, head = h * group + row % group;
+        v = to_float(query[tok * p.q_stride_t + head * p.q_stride_h + d]) * p.scale;
+      }
+      q_s[i] = v;
+    }
+    float row_max[kAttnRowsPerWarp], row_sum[kAttnRowsPerWarp], acc[kAttnRowsPerWarp][kDPerLane];
+#pragma unroll
+    for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+      row_max[i] = -INFINITY;
+      row_sum[i] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kDPerLane; ++c) acc[i][c] = 0.0f;
+    }
+    const int warp_row0 = row0 + warp * kAttnRowsPerWarp;
+    const bool warp_active = warp_row0 < num_rows;  // warp-uniform
+
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+      __syncthreads();  // previous tile fully consumed
+      if (tid < kAttnTile) {
+        // Map tile slot -> cache position: selected context block keys first, then the query tokens.
+        const int key = tile * kAttnTile + tid;
+        int c = kKeyInvalid;
+        int pos = 0;
+        if (key < ctx_keys) {
+          const int logical = sel != nullptr ? sel[key / p.block_size] : key / p.block_size;
+          pos = logical * p.block_size + key % p.block_size;
+          if (logical >= 0 && pos < ctx_len) c = kKeyContext;
+        } else if (key < total_keys) {
+          c = key - ctx_keys;
+          pos = ctx_len + c;
+        }
+        int64_t ko = 0, vo = 0;
+        if (c != kKeyInvalid) {
+          const int64_t phys = table[pos / p.block_size];
+          const int off = pos % p.block_size;
+          ko = phys * p.k_stride_b + h * p.k_stride_h + off * p.k_stride_t;
+          vo = phys * p.v_stride_b + h * p.v_stride_h + off * p.v_stride_t;
+        }
+        code[tid] = c;
+        k_off[tid] = ko;
+        v_off[tid] = vo;
+      }
+      __syncthreads();
+      // Load the K and V tile (fp32 in shared memory); invalid keys are zeroed (0 * garbage could be NaN).
+      const int vecs_per_key = D / kVec;
+      for (int i = tid; i < kAttnTile * vecs_per_key; i += kAttnThreads) {
+        const int j = i / vecs_per_key, d0 = (i % vecs_per_key) * kVec;
+        float kv[kVec], vv[kVec];
+        if (code[j] != kKeyInvalid) {
+          if constexpr (kVec > 1) {
+            const auto kraw = *reinterpret_cast<const AlignedVec<T, kVec>*>(kc + k_off[j] + d0);
+            const auto vraw = *reinterpret_cast<const AlignedVec<T, kVec>*>(vc + v_off[j] + d0);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+              kv[e] = to_float(kraw.val[e]);
+              vv[e] = to_float(vraw.val[e]);
+            }
+          } else {
+            kv[0] = to_float(kc[k_off[j] + d0 * p.k_stride_d]);
+            vv[0] = to_float(vc[v_off[j] + d0 * p.v_stride_d]);
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) kv[e] = vv[e] = 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          k_s[j * (D + 1) + d0 + e] = kv[e];
+          v_s[j * D + d0 + e] = vv[e];
+        }
+      }
+      __syncthreads();
+      if (warp_active) {
+        // Logits: lane j scores key j of the tile against each of the warp's rows.
+        float s[kAttnRowsPerWarp];
+#pragma unroll
+        for (int i = 0; i < kAttnRowsPerWarp; ++i) s[i] = 0.0f;
+        const float* k_row = k_s + lane * (D + 1);
+        const float* q_rows = q_s + (warp * kAttnRowsPerWarp) * D;
+        for (int d = 0; d < D; ++d) {
+          const float kd = k_row[d];
+#pragma unroll
+          for (int i = 0; i < kAttnRowsPerWarp; ++i) s[i] = fmaf(q_rows[i * D + d], kd, s[i]);
+        }
+        const int key_code = code[lane];
+        float* p_rows = p_s + (warp * kAttnRowsPerWarp) * kAttnTile;
+#pragma unroll
+        for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+          const int row = warp_row0 + i;
+          bool allowed = false;
+          if (row < num_rows && key_code != kKeyInvalid) {
+            if (key_code == kKeyContext) {
+              allowed = true;
+            } else {
+              const int tok = row / group;  // local index of the query token
+              allowed = p.tree_mask != nullptr ? p.tree_mask[(t0 + tok) * p.mask_stride + key_code] != 0
+                                               : key_code <= tok;
+            }
+          }
+          const float logit = allowed ? s[i] : -INFINITY;
+          const float new_max = fmaxf(row_max[i], warp_reduce_max(logit));
+          // -inf guards: a row with nothing allowed so far keeps max -inf and contributes zeros.
+          const float prob = allowed ? __expf(logit - new_max) : 0.0f;
+          const float alpha = row_max[i] == -INFINITY ? 0.0f : __expf(row_max[i] - new_max);
+          row_sum[i] = row_sum[i] * alpha + warp_reduce_sum(prob);
+          row_max[i] = new_max;
+#pragma unroll
+          for (int c = 0; c < kDPerLane; ++c) acc[i][c] *= alpha;
+          p_rows[i * kAttnTile + lane] = prob;
+        }
+        __syncwarp();
+        // P.V: lane owns head dims lane, lane + 32, ...
+        for (int j = 0; j < kAttnTile; ++j) {
+          float vj[kDPerLane];
+#pragma unroll
+          for (int c = 0; c < kDPerLane; ++c) {
+            const int d = lane + c * kWarpSize;
+            vj[c] = d < D ? v_s[j * D + d] : 0.0f;
+          }
+#pragma unroll
+          for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+            const float pij = p_rows[i * kAttnTile + j];
+#pragma unroll
+            for (int c = 0; c < kDPerLane; ++c) acc[i][c] = fmaf(pij, vj[c], acc[i][c]);
+          }
+        }
+      }
+    }
+
+    if (warp_active) {
+#pragma unroll
+      for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+        const int row = warp_row0 + i;
+        if (row >= num_rows) continue;
+        const int tok = t0 + row / group, head = h * group + row % group;
+        if (p.num_splits == 1) {
+          T* o = static_cast<T*>(p.out) + tok * p.out_stride_t + head * p.out_stride_h;
+          const float inv = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : 0.0f;  // no allowed key -> zeros
+#pragma unroll
+          for (int c = 0; c < kDPerLane; ++c) {
+            const int d = lane + c * kWarpSize;
+            if (d < D) o[d] = from_float<T>(acc[i][c] * inv);
+          }
+        } else {
+          const int64_t idx = (int64_t(split) * p.num_tokens + tok) * p.num_heads + head;
+          float* o = p.part_out + idx * D;
+#pragma unroll
+          for (int c = 0; c < kDPerLane; ++c) {
+            const int d = lane + c * kWarpSize;
+            if (d < D) o[d] = acc[i][c];
+          }
+          if (lane == 0) {
+            p.part_max[idx] = row_max[i];
+            p.part_sum[idx] = row_sum[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+// Merge the splits of one (request, query head): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+template <typename T>
+__global__ void combine_attention_splits_kernel(const AttentionParams p) {
+  const int head = blockIdx.x;
+  const int r = blockIdx.y;
+  const int t0 = p.query_start_loc[r], t1 = p.query_start_loc[r + 1];
+  const int D = p.head_dim;
+  for (int tok = t0; tok < t1; ++tok) {
+    float global_max = -INFINITY;
+    for (int s = 0; s < p.num_splits; ++s)
+      global_max = fmaxf(global_max, p.part_max[(int64_t(s) * p.num_tokens + tok) * p.num_heads + head]);
+    float total = 0.0f;
+    for (int s = 0; s < p.num_splits; ++s) {
+      const int64_t idx = (int64_t(s) * p.num_tokens + tok) * p.num_heads + head;
+      const float m = p.part_max[idx];
+      if (m != -INFINITY) total += p.part_sum[idx] * __expf(m - global_max);
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    T* o = static_cast<T*>(p.out) + tok * p.out_stride_t + head * p.out_stride_h;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+      float v = 0.0f;
+      for (int s = 0; s < p.num_splits; ++s) {
+        const int64_t idx = (int64_t(s) * p.num_tokens + tok) * p.num_heads + head;
+        const float m = p.part_max[idx];
+        if (m != -INFINITY) v += p.part_out[idx * D + d] * __expf(m - global_max);
+      }
+      o[d] = from_float<T>(v * inv);
+    }
+  }
+}
+
+// Split-K factor: enough CTAs to fill the machine twice over, at least 4 tiles (128 keys) per split.
+inline int attention_num_splits(int64_t num_ctas, int64_t max_keys, int num_sms, int forced) {
+  if (forced > 0) return forced;
+  const int64_t max_tiles = div_up<int64_t>(max_keys, kAttnTile);
+  const int64_t want = div_up<int64_t>(2 * int64_t(num_sms), std::max<int64_t>(num_ctas, 1));
+  const int64_t cap = std::max<int64_t>(1, max_tiles / 4);
+  return int(std::max<int64_t>(1, std::min<int64_t>({want, cap, 64})));
+}
+
+// kVec > 1: head_dim contiguous and 16-byte aligned rows (GPU cache layouts), specialised per head-dim
+// width; kVec == 1: any strides (e.g. vLLM-CPU's transposed K), one generic instantiation.
+template <typename T, int kDPerLane, int kVec, class Launcher>
+void launch_attention(const AttentionParams& p, int num_req, const Launcher& launch) {
+  const dim3 grid(unsigned(p.num_splits), unsigned(p.num_kv_heads), unsigned(num_req));
+  launch(grid, dim3(kAttnThreads), attention_smem_bytes(p.head_dim),
+         block_sparse_tree_attention_kernel<T, kDPerLane, kVec>, p);
+  if (p.num_splits > 1) {
+    launch(dim3(unsigned(p.num_heads), unsigned(num_req)), dim3(std::min(256, std::max(32, p.head_dim))), 0,
+           combine_attention_splits_kernel<T>, p);
+  }
+}
+
+template <class Launcher>
+void block_sparse_tree_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, const at::Tensor& block_table,
+                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                      const std::optional<at::Tensor>& selected,
+                                      const std::optional<at::Tensor>& num_selected,
+                                      const std::optional<at::Tensor>& tree_mask, double scale,
+                                      const Launcher& launch) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D] of equal shape");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out head_dim must be contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "key_cache/value_cache must be [num_blocks, num_kv_heads, block_size, head_dim]");
+  TORCH_CHECK(query.scalar_type() == out.scalar_type() && query.scalar_type() == key_cache.scalar_type() &&
+                  query.scalar_type() == value_cache.scalar_type(),
+              "query, out and the caches must share one dtype");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim, "cache head_dim ", key_cache.size(3), " != query head_dim ", head_dim);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(head_dim >= 1 && head_dim <= 256, "head_dim must be <= 256, got ", head_dim);
+  check_int32(block_table, "block_table");
+  check_int32(seq_lens, "seq_lens");
+  check_int32(query_start_loc, "query_start_loc");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1, "block_table rows must be contiguous");
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
+              "query_start_loc/seq_lens must be contiguous");
+  const int64_t num_req = query_start_loc.numel() - 1;
+  TORCH_CHECK(num_req >= 0 && seq_lens.numel() >= num_req && block_table.size(0) >= num_req,
+              "seq_lens/block_table must cover every request of query_start_loc");
+  TORCH_CHECK(selected.has_value() == num_selected.has_value(), "selected and num_selected go together");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&query, &key_cache, &value_cache, &block_table, &seq_lens, &query_start_loc})
+    check_same_device(out, *t, "block_sparse_tree_attention argument");
+
+  AttentionParams p{};
+  p.out = out.data_ptr();
+  p.out_stride_t = out.stride(0);
+  p.out_stride_h = out.stride(1);
+  p.query = query.data_ptr();
+  p.q_stride_t = query.stride(0);
+  p.q_stride_h = query.stride(1);
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.k_stride_b = key_cache.stride(0);
+  p.k_stride_h = key_cache.stride(1);
+  p.k_stride_t = key_cache.stride(2);
+  p.k_stride_d = key_cache.stride(3);
+  p.v_stride_b = value_cache.stride(0);
+  p.v_stride_h = value_cache.stride(1);
+  p.v_stride_t = value_cache.stride(2);
+  p.v_stride_d = value_cache.stride(3);
+  p.block_table = block_table.data_ptr<int>();
+  p.bt_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.query_start_loc = query_start_loc.data_ptr<int>();
+  int64_t max_ctx_keys = block_table.size(1) * block_size;
+  if (selected.has_value()) {
+    const at::Tensor& sel = *selected;
+    const at::Tensor& nsel = *num_selected;
+    check_int32(sel, "selected");
+    check_int32(nsel, "num_selected");
+    TORCH_CHECK(sel.dim() == 3 && sel.size(0) >= num_req && sel.size(1) == num_kv_heads && sel.stride(2) == 1,
+                "selected must be [R, Hkv, S] with contiguous rows");
+    TORCH_CHECK(nsel.dim() == 2 && nsel.size(0) >= num_req && nsel.size(1) == num_kv_heads,
+                "num_selected must be [R, Hkv]");
+    check_same_device(out, sel, "selected");
+    check_same_device(out, nsel, "num_selected");
+    p.selected = sel.data_ptr<int>();
+    p.sel_stride_r = sel.stride(0);
+    p.sel_stride_h = sel.stride(1);
+    p.num_selected = nsel.data_ptr<int>();
+    p.ns_stride_r = nsel.stride(0);
+    p.ns_stride_h = nsel.stride(1);
+    max_ctx_keys = sel.size(2) * block_size;
+  }
+  at::Tensor mask_u8;
+  int64_t max_query_keys = num_tokens;
+  if (tree_mask.has_value()) {
+    const at::Tensor& m = *tree_mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == at::kByte, "tree_mask must be bool or uint8");
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == num_tokens && m.stride(1) == 1,
+                "tree_mask must be [T, max_q_len] with contiguous rows");
+    check_same_device(out, m, "tree_mask");
+    p.tree_mask = static_cast<const uint8_t*>(m.data_ptr());  // bool is one byte, 0 or 1
+    p.mask_stride = m.stride(0);
+    max_query_keys = m.size(1);
+  }
+  p.num_heads = int(num_heads);
+  p.num_kv_heads = int(num_kv_heads);
+  p.head_dim = int(head_dim);
+  p.block_size = int(block_size);
+  p.max_blocks = int(block_table.size(1));
+  p.scale = float(scale);
+  p.num_tokens = int(num_tokens);
+  if (num_req == 0 || num_tokens == 0) return;
+  p.num_splits = attention_num_splits(num_req * num_kv_heads, max_ctx_keys + max_query_keys, launch.num_sms,
+                                      launch.forced_splits);
+  at::Tensor part_out, part_max, part_sum;
+  if (p.num_splits > 1) {
+    auto f32 = out.options().dtype(at::kFloat);
+    part_out = at::empty({p.num_splits, num_tokens, num_heads, head_dim}, f32);
+    part_max = at::empty({p.num_splits, num_tokens, num_heads}, f32);
+    part_sum = at::empty({p.num_splits, num_tokens, num_heads}, f32);
+    p.part_out = part_out.data_ptr<float>();
+    p.part_max = part_max.data_ptr<float>();
+    p.part_sum = part_sum.data_ptr<float>();
+  }
+  const int64_t elem = key_cache.element_size();
+  const bool vectorize =
+      key_cache.stride(3) == 1 && value_cache.stride(3) == 1 &&
+      can_vectorize(key_cache.data_ptr(), elem, head_dim, {key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)}) &&
+      can_vectorize(value_cache.data_ptr(), elem, head_dim,
+                    {value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)});
+  const int d_per_lane = int(div_up<int64_t>(head_dim, kWarpSize));
+  SV_DISPATCH_FLOAT_TYPES(query.scalar_type(), "block_sparse_tree_attention", [&] {
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    if (!vectorize) return launch_attention<scalar_t, 8, 1>(p, int(num_req), launch);
+    switch (d_per_lane) {
+      case 1: return launch_attention<scalar_t, 1, kVec>(p, int(num_req), launch);
+      case 2: return launch_attention<scalar_t, 2, kVec>(p, int(num_req), launch);
+      case 3: return launch_attention<scalar_t, 3, kVec>(p, int(num_req), launch);
+      case 4: return launch_attention<scalar_t, 4, kVec>(p, int(num_req), launch);
+      case 5: return launch_attention<scalar_t, 5, kVec>(p, int(num_req), launch);
+      case 6: return launch_attention<scalar_t, 6, kVec>(p, int(num_req), launch);
+      case 7: return launch_attention<scalar_t, 7, kVec>(p, int(num_req), launch);
+      default: return launch_attention<scalar_t, 8, kVec>(p, int(num_req), launch);
+    }
+  });
+}
+
+}  // namespace kernels
+}  // namespace sparsever

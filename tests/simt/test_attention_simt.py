@@ -1,0 +1,95 @@
+"""CUDA kernel bodies of KV block summaries, block selection and block-sparse tree attention, run by the SIMT
+executor and compared with vllm_sparsever.reference on random small shapes (hypothesis) and edge cases."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kv_inputs import make_kv_cache, make_requests, make_tree_mask
+from simt_build import kernel_ops
+
+from vllm_sparsever import reference
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SETTINGS = dict(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return kernel_ops()
+
+
+def run_attention(ops, case, use_selection, use_tree, forced_splits, num_sms=4):
+    gen = torch.Generator().manual_seed(case["seed"])
+    bs, d, hkv, group, dtype = case["block_size"], case["head_dim"], case["hkv"], case["group"], case["dtype"]
+    table, seq_lens, query_lens, qsl, nb = make_requests(case["seqs"], bs, gen)
+    k_cache, v_cache = make_kv_cache(nb, hkv, bs, d, dtype, case["layout"], gen)
+    total = int(qsl[-1])
+    query = torch.randn(total, hkv * group, d, generator=gen).to(dtype)
+    selected = num_selected = None
+    if use_selection:
+        kmin = torch.zeros(nb, hkv, d)
+        kmax = torch.zeros(nb, hkv, d)
+        slots = torch.arange(nb * bs, dtype=torch.int64)
+        reference.update_block_key_summaries(k_cache, slots, bs, kmin, kmax)
+        pooled = reference.pool_queries(query, qsl)
+        budget = case["top_k"] + case["sink"] + case["local"]
+        selected = torch.empty(len(case["seqs"]), hkv, max(budget, 1), dtype=torch.int32)
+        num_selected = torch.empty(len(case["seqs"]), hkv, dtype=torch.int32)
+        reference.select_kv_blocks(pooled, kmin, kmax, table, seq_lens, query_lens, bs, case["top_k"],
+                                   case["sink"], case["local"], selected, num_selected)
+    tree = make_tree_mask(query_lens, gen) if use_tree else None
+    scale = d**-0.5
+    expected = torch.full_like(query, 7.0)
+    reference.block_sparse_tree_attention(expected, query, k_cache, v_cache, table, seq_lens, qsl, selected,
+                                          num_selected, tree, scale)
+    out = torch.full_like(query, 7.0)
+    ops.block_sparse_tree_attention(out, query, k_cache, v_cache, table, seq_lens, qsl, selected, num_selected,
+                                    tree, scale, num_sms, forced_splits)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+seq_strategy = st.lists(st.tuples(st.integers(0, 150), st.integers(1, 6)), min_size=1, max_size=3)
+
+
+@settings(**SETTINGS)
+@given(
+    seqs=seq_strategy,
+    block_size=st.sampled_from([16, 32]),
+    head_dim=st.sampled_from([32, 64, 80]),
+    hkv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    dtype=st.sampled_from(DTYPES),
+    layout=st.sampled_from(["gpu", "cpu"]),
+    use_selection=st.booleans(),
+    use_tree=st.booleans(),
+    forced_splits=st.sampled_from([0, 1, 3]),
+    top_k=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_matches_reference(ops, seqs, block_size, head_dim, hkv, group, dtype, layout, use_selection,
+                                     use_tree, forced_splits, top_k, seed):
+    case = dict(seqs=seqs, block_size=block_size, head_dim=head_dim, hkv=hkv, group=group, dtype=dtype,
+                layout=layout, top_k=top_k, sink=1, local=1, seed=seed)
+    run_attention(ops, case, use_selection, use_tree, forced_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["gpu", "cpu"])
+def test_attention_edge_cases(ops, dtype, layout):
+    # One query token and no context; context a multiple of the block size; a partial last block that also
+    # holds query tokens; more rows than one CTA pass (q_len * group > 32); 5 splits over few tiles.
+    case = dict(seqs=[(0, 1), (64, 3), (37, 12)], block_size=16, head_dim=64, hkv=2, group=3, dtype=dtype,
+                layout=layout, top_k=1, sink=1, local=1, seed=3)
+    for use_selection in (False, True):
+        for use_tree in (False, True):
+            for splits in (1, 5):
+                run_attention(ops, case, use_selection, use_tree, splits)
+
+
+def test_attention_head_dim_256_and_heuristic_splits(ops):
+    case = dict(seqs=[(300, 4)], block_size=32, head_dim=256, hkv=1, group=2, dtype=torch.bfloat16, layout="gpu",
+                top_k=4, sink=1, local=1, seed=5)
+    run_attention(ops, case, use_selection=True, use_tree=True, forced_splits=0, num_sms=8)
