@@ -23,6 +23,8 @@ def _write_tokenizer(path: Path) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
+    # Plain concatenation: enough for the chat endpoints to work on the word-level vocabulary.
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     fast.save_pretrained(path)
 
 

@@ -13,8 +13,8 @@ from tiny_models import prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-NUM_PROMPTS = 6
-MAX_TOKENS = 32
+from conftest import GREEDY_MAX_TOKENS as MAX_TOKENS
+from conftest import GREEDY_PROMPTS as NUM_PROMPTS
 
 
 def _run(model: Path, speculative_config: dict | None, num_prompts: int = NUM_PROMPTS):
@@ -51,9 +51,8 @@ def registration_log(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_target):
-    tokens, _, _ = _run(tiny_target, None)
-    return tokens
+def baseline(plain_greedy):
+    return [tokens for tokens, _ in plain_greedy]
 
 
 @pytest.fixture(scope="module")
