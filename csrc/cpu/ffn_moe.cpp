@@ -38,15 +38,29 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
   const int32_t* gsl = group_start_loc.data_ptr<int32_t>();
   int32_t* sel = selected.data_ptr<int32_t>();
 
-  // Gate projection for every token (dense: the scores need it), then silu in place.
+  // Gate projection for every token (dense: the scores need it), silu and the per-group neuron scores
+  // (sum_t |silu(gate)|), all in one parallel region over row chunks.
   std::vector<float> act(static_cast<size_t>(num_tokens * inter));
-  rows_dot<scalar_t>(xf, num_tokens, h, wgu, wgu_stride, nullptr, inter, act.data(), inter);
-  at::parallel_for(0, num_tokens * inter, 4096, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) act[i] = silu(act[i]);
-  });
+  std::vector<float> scores(static_cast<size_t>(num_groups * inter), 0.f);
+  {
+    const int64_t chunk = rows_per_task(h, sizeof(scalar_t));
+    at::parallel_for(0, (inter + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
+      const int64_t r0 = begin * chunk, r1 = std::min(inter, end * chunk);
+      rows_dot_range<scalar_t>(xf, num_tokens, h, wgu, wgu_stride, nullptr, r0, r1, act.data(), inter);
+      for (int64_t g = 0; g < num_groups; ++g)
+        for (int64_t t = gsl[g]; t < gsl[g + 1]; ++t) {
+          float* a = act.data() + t * inter;
+          float* sc = scores.data() + g * inter;
+          for (int64_t n = r0; n < r1; ++n) {
+            a[n] = silu(a[n]);
+            sc[n] += std::abs(a[n]);
+          }
+        }
+    });
+  }
 
   std::vector<float> out_f(static_cast<size_t>(num_tokens * h), 0.f);
-  std::vector<float> scores(inter), up, hid;
+  std::vector<float> up, hid;
   std::vector<int32_t> order;
   for (int64_t g = 0; g < num_groups; ++g) {
     const int64_t t0 = gsl[g], nt = gsl[g + 1] - gsl[g];
@@ -55,13 +69,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
       std::fill(idx, idx + keep, -1);
       continue;
     }
-    // One neuron set for all tokens of the group: score = sum_t |silu(gate)|.
-    std::fill(scores.begin(), scores.end(), 0.f);
-    for (int64_t t = 0; t < nt; ++t) {
-      const float* a = act.data() + (t0 + t) * inter;
-      for (int64_t n = 0; n < inter; ++n) scores[n] += std::abs(a[n]);
-    }
-    topk_ascending(scores.data(), inter, keep, idx, order);
+    topk_ascending(scores.data() + g * inter, inter, keep, idx, order);
     // Up projection for the selected rows only, then the SwiGLU product.
     up.resize(static_cast<size_t>(nt * keep));
     rows_dot<scalar_t>(xf + t0 * h, nt, h, wgu + inter * wgu_stride, wgu_stride, idx, keep, up.data(), keep);
@@ -103,32 +111,51 @@ int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torc
     for (int64_t i = 0; i < num_tokens * k; ++i)
       if (ids[i] >= 0) pairs[fill[ids[i]]++] = i;
   }
-  std::vector<float> acc(static_cast<size_t>(num_tokens * h), 0.f), xe, gu, hid, y;
-  const scalar_t* w13p = w13.data_ptr<scalar_t>();
-  const scalar_t* w2p = w2.data_ptr<scalar_t>();
-  int64_t used = 0;
+  // Kept experts (at least one routed token); pruned/unrouted experts' weights are never read.
+  struct Active {
+    int64_t expert, ne, pair_begin, row_offset;  // row_offset: first row in the gathered token buffers
+  };
+  std::vector<Active> active;
+  int64_t total_rows = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t ne = count[e + 1] - count[e];
-    if (ne == 0) continue;  // pruned or unrouted: its weights are never read
-    ++used;
-    const int64_t* pe = pairs.data() + count[e];
-    xe.resize(static_cast<size_t>(ne * h));
-    for (int64_t i = 0; i < ne; ++i) std::copy_n(xf + (pe[i] / k) * h, h, xe.data() + i * h);
-    gu.resize(static_cast<size_t>(ne * 2 * inter));
-    rows_dot<scalar_t>(xe.data(), ne, h, w13p + e * w13.stride(0), w13.stride(1), nullptr, 2 * inter, gu.data(),
-                       2 * inter);
-    hid.resize(static_cast<size_t>(ne * inter));
-    for (int64_t i = 0; i < ne; ++i)
-      for (int64_t n = 0; n < inter; ++n)
-        hid[i * inter + n] = silu(gu[i * 2 * inter + n]) * gu[i * 2 * inter + inter + n];
-    y.resize(static_cast<size_t>(ne * h));
-    rows_dot<scalar_t>(hid.data(), ne, inter, w2p + e * w2.stride(0), w2.stride(1), nullptr, h, y.data(), h);
-    for (int64_t i = 0; i < ne; ++i) {
-      const float w = wts[pe[i]];
-      float* dst = acc.data() + (pe[i] / k) * h;
-      const float* src = y.data() + i * h;
-      for (int64_t c = 0; c < h; ++c) dst[c] += w * src[c];
-    }
+    if (ne == 0) continue;
+    active.push_back({e, ne, count[e], total_rows});
+    total_rows += ne;
+  }
+  const int64_t used = static_cast<int64_t>(active.size());
+  std::vector<float> xe(static_cast<size_t>(total_rows * h)), gu(static_cast<size_t>(total_rows * 2 * inter)),
+      hid(static_cast<size_t>(total_rows * inter)), y(static_cast<size_t>(total_rows * h));
+  for (int64_t i = 0; i < total_rows; ++i) std::copy_n(xf + (pairs[i] / k) * h, h, xe.data() + i * h);
+  const scalar_t* w13p = w13.data_ptr<scalar_t>();
+  const scalar_t* w2p = w2.data_ptr<scalar_t>();
+  // One parallel region per projection over (expert, row chunk) tasks, so all kept experts share the
+  // threads and there is no per-expert synchronisation.
+  auto run_projection = [&](int64_t rows_per_expert, int64_t in_dim, const scalar_t* wbase, int64_t w_expert_stride,
+                            int64_t w_row_stride, const float* in, float* outbuf) {
+    const int64_t chunk = rows_per_task(in_dim, sizeof(scalar_t));
+    const int64_t per_expert = (rows_per_expert + chunk - 1) / chunk;
+    at::parallel_for(0, used * per_expert, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const Active& a = active[task / per_expert];
+        const int64_t r0 = (task % per_expert) * chunk;
+        rows_dot_range<scalar_t>(in + a.row_offset * in_dim, a.ne, in_dim, wbase + a.expert * w_expert_stride,
+                                 w_row_stride, nullptr, r0, std::min(rows_per_expert, r0 + chunk),
+                                 outbuf + a.row_offset * rows_per_expert, rows_per_expert);
+      }
+    });
+  };
+  run_projection(2 * inter, h, w13p, w13.stride(0), w13.stride(1), xe.data(), gu.data());
+  for (int64_t i = 0; i < total_rows; ++i)
+    for (int64_t n = 0; n < inter; ++n)
+      hid[i * inter + n] = silu(gu[i * 2 * inter + n]) * gu[i * 2 * inter + inter + n];
+  run_projection(h, inter, w2p, w2.stride(0), w2.stride(1), hid.data(), y.data());
+  std::vector<float> acc(static_cast<size_t>(num_tokens * h), 0.f);
+  for (int64_t i = 0; i < total_rows; ++i) {
+    const float w = wts[pairs[i]];
+    float* dst = acc.data() + (pairs[i] / k) * h;
+    const float* src = y.data() + i * h;
+    for (int64_t c = 0; c < h; ++c) dst[c] += w * src[c];
   }
   scalar_t* op = out.data_ptr<scalar_t>();
   for (int64_t t = 0; t < num_tokens; ++t) store_from_f32<scalar_t>(acc.data() + t * h, op + t * h, h);

@@ -44,29 +44,40 @@ inline void dot_rows_all_tokens(const float* x, int64_t num_tokens, int64_t h, c
   }
 }
 
-// Parallel over output rows (weight rows). Y [T, nrows] with row stride y_stride.
+// Serial: output rows [row_begin, row_end) of rows_dot (row_begin a multiple of 4 except at the end).
+template <typename WT>
+void rows_dot_range(const float* x, int64_t num_tokens, int64_t h, const WT* w, int64_t w_row_stride,
+                    const int32_t* idx, int64_t row_begin, int64_t row_end, float* y, int64_t y_stride) {
+  constexpr int kRowTile = 4;
+  for (int64_t j0 = row_begin; j0 < row_end; j0 += kRowTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRowTile, row_end - j0));
+    const WT* rows[kRowTile];
+    for (int i = 0; i < nr; ++i) rows[i] = w + (idx ? idx[j0 + i] : j0 + i) * w_row_stride;
+    float* yj = y + j0;
+    switch (nr) {
+      case 4: dot_rows_all_tokens<4, WT>(x, num_tokens, h, rows, yj, y_stride); break;
+      case 3: dot_rows_all_tokens<3, WT>(x, num_tokens, h, rows, yj, y_stride); break;
+      case 2: dot_rows_all_tokens<2, WT>(x, num_tokens, h, rows, yj, y_stride); break;
+      default: dot_rows_all_tokens<1, WT>(x, num_tokens, h, rows, yj, y_stride); break;
+    }
+  }
+}
+
+// Rows per parallel task: ~64 KiB of weights, so small matrices are not split into tiny tasks.
+inline int64_t rows_per_task(int64_t h, int64_t elem_size) {
+  return std::max<int64_t>(4, (65536 / std::max<int64_t>(1, h * elem_size)) / 4 * 4);
+}
+
+// Y[t, j] = X[t, :] . W[row(j), :]: parallel over output rows (weight rows). Y [T, nrows], row stride y_stride.
 template <typename WT>
 void rows_dot(const float* x, int64_t num_tokens, int64_t h, const WT* w, int64_t w_row_stride,
               const int32_t* idx, int64_t nrows, float* y, int64_t y_stride) {
-  constexpr int kRowTile = 4;
   if (num_tokens == 0 || nrows == 0) return;
-  const int64_t tiles = (nrows + kRowTile - 1) / kRowTile;
-  // Grain: ~64 KiB of weights per task, so small matrices are not split into tiny tasks.
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, h * sizeof(WT) * kRowTile));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t j0 = tile * kRowTile;
-      const int nr = static_cast<int>(std::min<int64_t>(kRowTile, nrows - j0));
-      const WT* rows[kRowTile];
-      for (int i = 0; i < nr; ++i) rows[i] = w + (idx ? idx[j0 + i] : j0 + i) * w_row_stride;
-      float* yj = y + j0;
-      switch (nr) {
-        case 4: dot_rows_all_tokens<4, WT>(x, num_tokens, h, rows, yj, y_stride); break;
-        case 3: dot_rows_all_tokens<3, WT>(x, num_tokens, h, rows, yj, y_stride); break;
-        case 2: dot_rows_all_tokens<2, WT>(x, num_tokens, h, rows, yj, y_stride); break;
-        default: dot_rows_all_tokens<1, WT>(x, num_tokens, h, rows, yj, y_stride); break;
-      }
-    }
+  const int64_t chunk = rows_per_task(h, sizeof(WT));
+  const int64_t tasks = (nrows + chunk - 1) / chunk;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    rows_dot_range<WT>(x, num_tokens, h, w, w_row_stride, idx, begin * chunk, std::min(nrows, end * chunk), y,
+                       y_stride);
   });
 }
 
