@@ -340,7 +340,7 @@ void block_sparse_tree_attention_impl(at::Tensor& out, const at::Tensor& query, 
                                       const std::optional<at::Tensor>& tree_mask, double scale,
                                       const Launcher& launch) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D] of equal shape");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out head_dim must be contiguous");
+  TORCH_CHECK(unit_stride(query, 2) && unit_stride(out, 2), "query/out head_dim must be contiguous");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "key_cache/value_cache must be [num_blocks, num_kv_heads, block_size, head_dim]");
   TORCH_CHECK(query.scalar_type() == out.scalar_type() && query.scalar_type() == key_cache.scalar_type() &&
@@ -354,7 +354,7 @@ void block_sparse_tree_attention_impl(at::Tensor& out, const at::Tensor& query, 
   check_int32(block_table, "block_table");
   check_int32(seq_lens, "seq_lens");
   check_int32(query_start_loc, "query_start_loc");
-  TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1, "block_table rows must be contiguous");
+  TORCH_CHECK(block_table.dim() == 2 && unit_stride(block_table, 1), "block_table rows must be contiguous");
   TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
               "query_start_loc/seq_lens must be contiguous");
   const int64_t num_req = query_start_loc.numel() - 1;
@@ -391,7 +391,7 @@ void block_sparse_tree_attention_impl(at::Tensor& out, const at::Tensor& query, 
     const at::Tensor& nsel = *num_selected;
     check_int32(sel, "selected");
     check_int32(nsel, "num_selected");
-    TORCH_CHECK(sel.dim() == 3 && sel.size(0) >= num_req && sel.size(1) == num_kv_heads && sel.stride(2) == 1,
+    TORCH_CHECK(sel.dim() == 3 && sel.size(0) >= num_req && sel.size(1) == num_kv_heads && unit_stride(sel, 2),
                 "selected must be [R, Hkv, S] with contiguous rows");
     TORCH_CHECK(nsel.dim() == 2 && nsel.size(0) >= num_req && nsel.size(1) == num_kv_heads,
                 "num_selected must be [R, Hkv]");
@@ -410,7 +410,7 @@ void block_sparse_tree_attention_impl(at::Tensor& out, const at::Tensor& query, 
   if (tree_mask.has_value()) {
     const at::Tensor& m = *tree_mask;
     TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == at::kByte, "tree_mask must be bool or uint8");
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == num_tokens && m.stride(1) == 1,
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == num_tokens && unit_stride(m, 1),
                 "tree_mask must be [T, max_q_len] with contiguous rows");
     check_same_device(out, m, "tree_mask");
     p.tree_mask = static_cast<const uint8_t*>(m.data_ptr());  // bool is one byte, 0 or 1
@@ -439,7 +439,7 @@ void block_sparse_tree_attention_impl(at::Tensor& out, const at::Tensor& query, 
   }
   const int64_t elem = key_cache.element_size();
   const bool vectorize =
-      key_cache.stride(3) == 1 && value_cache.stride(3) == 1 &&
+      unit_stride(key_cache, 3) && unit_stride(value_cache, 3) &&
       can_vectorize(key_cache.data_ptr(), elem, head_dim, {key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)}) &&
       can_vectorize(value_cache.data_ptr(), elem, head_dim,
                     {value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)});

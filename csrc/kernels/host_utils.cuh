@@ -49,6 +49,9 @@ inline bool can_vectorize(const void* ptr, int64_t elem_size, int64_t len, std::
   return true;
 }
 
+// Unit stride along `dim`, or a size (0 or 1) for which torch leaves the stride arbitrary.
+inline bool unit_stride(const at::Tensor& t, int64_t dim) { return t.size(dim) <= 1 || t.stride(dim) == 1; }
+
 inline void check_int32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
 }

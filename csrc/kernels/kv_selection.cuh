@@ -192,13 +192,13 @@ void select_kv_blocks_impl(const at::Tensor& query_pooled, const at::Tensor& key
   check_int32(query_lens, "query_lens");
   check_int32(selected, "selected");
   check_int32(num_selected, "num_selected");
-  TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1 && block_table.size(0) >= num_req,
+  TORCH_CHECK(block_table.dim() == 2 && unit_stride(block_table, 1) && block_table.size(0) >= num_req,
               "block_table must be [R, max_blocks] with contiguous rows");
   TORCH_CHECK(seq_lens.is_contiguous() && query_lens.is_contiguous() && seq_lens.numel() >= num_req &&
                   query_lens.numel() >= num_req,
               "seq_lens/query_lens must be contiguous [R]");
   TORCH_CHECK(selected.dim() == 3 && selected.size(0) == num_req && selected.size(1) == num_kv_heads &&
-                  selected.stride(2) == 1,
+                  unit_stride(selected, 2),
               "selected must be [R, Hkv, S] with contiguous rows");
   TORCH_CHECK(num_selected.dim() == 2 && num_selected.size(0) == num_req && num_selected.size(1) == num_kv_heads,
               "num_selected must be [R, Hkv]");

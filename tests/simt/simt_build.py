@@ -49,7 +49,7 @@ def executor_ops(use_ucontext: bool = False):
     return torch.ops.simt_test
 
 
-KERNEL_SOURCES = ["attention_ops.cpp"]
+KERNEL_SOURCES = ["attention_ops.cpp", "ffn_moe_ops.cpp"]
 
 
 @functools.cache

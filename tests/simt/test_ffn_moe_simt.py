@@ -1,0 +1,193 @@
+"""CUDA kernel bodies of top-k FFN gating and MoE routing/dispatch, run by the SIMT executor and compared
+with vllm_sparsever.reference (hypothesis on small random shapes, plus edge cases)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from simt_build import kernel_ops
+
+from vllm_sparsever import reference
+
+TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return kernel_ops()
+
+
+def start_loc(sizes):
+    loc = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+    loc[1:] = torch.cumsum(torch.tensor(sizes, dtype=torch.int32), 0)
+    return loc
+
+
+def ffn_weights(h, inter, dtype, gen):
+    w_gate_up = (torch.randn(2 * inter, h, generator=gen) / h**0.5).to(dtype)
+    w_down_t = (torch.randn(inter, h, generator=gen) / inter**0.5).to(dtype)
+    return w_gate_up, w_down_t
+
+
+def check_ffn(ops, x, w_gate_up, w_down_t, groups, keep, forced_splits=0):
+    inter = w_gate_up.shape[0] // 2
+    gsl = start_loc(groups)
+    out = torch.full_like(x, 5.0)
+    sel = torch.full((len(groups), keep), 123, dtype=torch.int32)
+    ops.topk_swiglu_ffn(out, x, w_gate_up, w_down_t, gsl, keep, sel, 4, forced_splits)
+    rsel = torch.empty_like(sel)
+    expected = torch.full_like(x, 5.0)
+    reference.topk_swiglu_ffn(expected, x, w_gate_up, w_down_t, gsl, keep, rsel)
+    act = F.silu(x.float() @ w_gate_up[:inter].float().t())
+    rtol, atol = TOL[x.dtype]
+    starts = gsl.tolist()
+    for g in range(len(groups)):
+        t0, t1 = starts[g], starts[g + 1]
+        if t0 == t1:
+            assert sel[g].tolist() == [-1] * keep
+            continue
+        got = sel[g].tolist()
+        assert got == sorted(set(got)) and len(got) == keep and 0 <= got[0] and got[-1] < inter
+        if got != rsel[g].tolist():  # only a near-tie of scores may flip (fp summation order)
+            scores = act[t0:t1].abs().sum(0)
+            rest = sorted(set(range(inter)) - set(got))
+            assert scores[got].min() >= scores[rest].max() - 1e-4 * (1 + scores.max())
+        expected_g = reference.swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, sel[g]).to(x.dtype)
+        torch.testing.assert_close(out[t0:t1].float(), expected_g.float(), rtol=rtol, atol=atol)
+    return out, sel
+
+
+@settings(**SETTINGS)
+@given(
+    dtype=st.sampled_from(list(TOL)),
+    h=st.sampled_from([8, 40, 64, 100]),
+    inter=st.integers(1, 120),
+    groups=st.lists(st.integers(0, 10), min_size=1, max_size=3),
+    keep_frac=st.floats(0.0, 1.0),
+    forced_splits=st.sampled_from([0, 1, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_ffn_matches_reference(ops, dtype, h, inter, groups, keep_frac, forced_splits, seed):
+    gen = torch.Generator().manual_seed(seed)
+    keep = max(1, round(keep_frac * inter))
+    w_gate_up, w_down_t = ffn_weights(h, inter, dtype, gen)
+    x = torch.randn(sum(groups), h, generator=gen).to(dtype)
+    check_ffn(ops, x, w_gate_up, w_down_t, groups, keep, forced_splits)
+
+
+def test_ffn_keep_all_is_dense_mlp_and_ties_prefer_lower_index(ops):
+    gen = torch.Generator().manual_seed(1)
+    w_gate_up, w_down_t = ffn_weights(64, 48, torch.float32, gen)
+    x = torch.randn(3, 64, generator=gen)
+    out, sel = check_ffn(ops, x, w_gate_up, w_down_t, [3], 48)
+    assert sel[0].tolist() == list(range(48))
+    dense = (F.silu(x @ w_gate_up[:48].t()) * (x @ w_gate_up[48:].t())) @ w_down_t
+    torch.testing.assert_close(out, dense, rtol=1e-4, atol=1e-5)
+    # Duplicate neurons give exactly tied scores: the lower index must win.
+    w_gate_up[10] = w_gate_up[3]
+    w_gate_up[20] = w_gate_up[3]
+    _, sel = check_ffn(ops, x, w_gate_up, w_down_t, [3], 1)
+    scores = F.silu(x @ w_gate_up[:48].t()).abs().sum(0)
+    if int(scores.argmax()) in (3, 10, 20):
+        assert sel[0].tolist() == [3]
+
+
+def test_ffn_reads_only_selected_rows(ops):
+    gen = torch.Generator().manual_seed(4)
+    inter, keep = 64, 8
+    w_gate_up, w_down_t = ffn_weights(64, inter, torch.bfloat16, gen)
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    _, sel = check_ffn(ops, x, w_gate_up, w_down_t, [5], keep)
+    unused = sorted(set(range(inter)) - set(sel[0].tolist()))
+    w_gate_up[inter + torch.tensor(unused)] = float("nan")  # up rows of unselected neurons
+    w_down_t[torch.tensor(unused)] = float("nan")
+    out = torch.empty_like(x)
+    sel2 = torch.empty_like(sel)
+    ops.topk_swiglu_ffn(out, x, w_gate_up, w_down_t, start_loc([5]), keep, sel2, 4, 2)
+    assert torch.equal(sel, sel2) and torch.isfinite(out).all()
+
+
+@settings(**SETTINGS)
+@given(
+    num_experts=st.integers(1, 70),
+    top_k_frac=st.floats(0.0, 1.0),
+    groups=st.lists(st.integers(0, 8), min_size=1, max_size=3),
+    ratio=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+    budget=st.integers(0, 6),
+    use_groups=st.booleans(),
+    renormalize=st.booleans(),
+    logit_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_route_and_prune_matches_reference(ops, num_experts, top_k_frac, groups, ratio, budget, use_groups,
+                                           renormalize, logit_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    top_k = max(1, min(32, round(top_k_frac * num_experts)))
+    logits = (torch.randn(sum(groups), num_experts, generator=gen) * 2).to(logit_dtype)
+    gsl = start_loc(groups) if use_groups else None
+    w = torch.full((sum(groups), top_k), 9.0)
+    ids = torch.full((sum(groups), top_k), 99, dtype=torch.int32)
+    ops.moe_route_and_prune(logits, top_k, ratio, gsl, budget, renormalize, w, ids)
+    rw, rids = torch.empty_like(w), torch.empty_like(ids)
+    reference.moe_route_and_prune(logits, top_k, ratio, gsl, budget, renormalize, rw, rids)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+    if use_groups and budget > 0:
+        for g in range(len(groups)):
+            block = ids[gsl[g] : gsl[g + 1]]
+            assert len(set(block[block >= 0].tolist())) <= budget
+
+
+def moe_problem(num_tokens, h, inter, num_experts, dtype, gen):
+    x = torch.randn(num_tokens, h, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, h, generator=gen) / h**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, h, inter, generator=gen) / inter**0.5).to(dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    return x, w13, w2, logits
+
+
+@settings(**SETTINGS)
+@given(
+    dtype=st.sampled_from(list(TOL)),
+    num_tokens=st.integers(1, 10),
+    h=st.sampled_from([8, 40, 64]),
+    inter=st.sampled_from([1, 16, 24, 40]),
+    num_experts=st.integers(1, 10),
+    ratio=st.sampled_from([0.0, 0.3, 0.8]),
+    ids_dtype=st.sampled_from([torch.int32, torch.int64]),
+    seed=st.integers(0, 2**16),
+)
+def test_dispatch_matches_reference(ops, dtype, num_tokens, h, inter, num_experts, ratio, ids_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    top_k = min(2, num_experts)
+    x, w13, w2, logits = moe_problem(num_tokens, h, inter, num_experts, dtype, gen)
+    w = torch.empty(num_tokens, top_k)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32)
+    reference.moe_route_and_prune(logits, top_k, ratio, None, 0, True, w, ids)
+    ids = ids.to(ids_dtype)
+    out, used = torch.full_like(x, 3.0), torch.zeros(1, dtype=torch.int32)
+    ops.moe_grouped_dispatch(out, x, w, ids, w13, w2, used)
+    expected, rused = torch.empty_like(x), torch.empty(1, dtype=torch.int32)
+    reference.moe_grouped_dispatch(expected, x, w, ids, w13, w2, rused)
+    assert int(used) == int(rused) == len(set(ids[ids >= 0].tolist()))
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+def test_dispatch_reads_only_kept_experts_and_empty_tokens(ops):
+    gen = torch.Generator().manual_seed(2)
+    x, w13, w2, _ = moe_problem(5, 64, 32, 8, torch.float32, gen)
+    ids = torch.tensor([[1, -1], [5, 1], [1, -1], [-1, 5], [-1, -1]], dtype=torch.int32)
+    w = torch.tensor([[1.0, 0.0], [0.6, 0.4], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    expected, used = torch.empty_like(x), torch.empty(1, dtype=torch.int32)
+    reference.moe_grouped_dispatch(expected, x, w, ids, w13, w2, used)
+    for e in (0, 2, 3, 4, 6, 7):
+        w13[e] = float("nan")
+        w2[e] = float("nan")
+    out, n = torch.empty_like(x), torch.zeros(1, dtype=torch.int32)
+    ops.moe_grouped_dispatch(out, x, w, ids, w13, w2, n)
+    assert int(n) == 2 and torch.isfinite(out).all()
+    assert torch.equal(out[4], torch.zeros(64))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
