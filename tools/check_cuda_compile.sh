@@ -2,7 +2,9 @@
 # Object-only compile check of the CUDA kernels (no GPU needed): every csrc/cuda/*.cu is compiled by nvcc
 # for sm_80 and sm_90a (and sm_100a with SPARSEVER_CHECK_SM100=1) against the installed torch headers,
 # in parallel; csrc/cuda/*.cpp (the bindings) are syntax-checked by the host compiler.
-# Prints per-file time and the ptxas register/spill/shared-memory summary of every kernel; exits non-zero
+# Prints per-file time, the kernel with the most registers and every kernel that spills (the full ptxas
+# register/spill/shared-memory table of every kernel goes to build/cuda_check/<file>.summary, or to stdout
+# with SPARSEVER_CUDA_CHECK_VERBOSE=1); exits non-zero
 # on any compiler error (or, with SPARSEVER_FAIL_ON_SPILL=1, on any register spill).
 #
 # Environment: PYTHON (default: .venv/bin/python, else python3), NVCC (default: PATH, /usr/local/cuda,
@@ -122,7 +124,7 @@ for src in "${CU_FILES[@]}" "${CPP_FILES[@]}"; do
     nspill=$(grep -E '[1-9][0-9]* bytes spill (stores|loads)' -c "$log" || true)
     printf '%-28s %8s  ok: %s kernel builds, max %s registers, %s with spills\n' "$name" "$secs" "$nkern" "${maxreg:-0}" "$nspill"
     # Per kernel and arch: registers, shared memory, spills (names demangled and cut to 100 chars).
-    "$PYTHON" - "$log" <<'PY' || true
+    "$PYTHON" - "$log" "${SPARSEVER_CUDA_CHECK_VERBOSE:-0}" <<'PY' || true
 import re, shutil, subprocess, sys
 text = open(sys.argv[1]).read().splitlines()
 rows, fn, arch, spill = [], None, None, ""
@@ -141,8 +143,16 @@ for line in text:
 names = [r[4] for r in rows]
 if names and shutil.which("c++filt"):
     names = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
-for (arch, reg, smem, spill, _), name in sorted(zip(rows, names), key=lambda x: (x[1], x[0][0])):
-    print(f"    {arch:7s} {reg:4d} regs {smem:>6s} B smem {spill:22s} {name[:100]}")
+lines = [f"    {arch:7s} {reg:4d} regs {smem:>6s} B smem {spill:22s} {name[:110]}"
+         for (arch, reg, smem, spill, _), name in sorted(zip(rows, names), key=lambda x: (x[1], x[0][0]))]
+with open(sys.argv[1].replace(".log", ".summary"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+verbose = sys.argv[2] == "1"
+for line in lines:
+    if verbose or "SPILL" in line:
+        print(line)
+if lines and not verbose:
+    print(max(lines, key=lambda l: int(l.split()[1])), "(most registers)")
 PY
     if (( nspill > 0 )); then spills=1; fi
   else

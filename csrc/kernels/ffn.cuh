@@ -16,11 +16,6 @@
 namespace sparsever {
 namespace kernels {
 
-constexpr int kGemvWarps = 4;
-constexpr int kGemvThreads = kGemvWarps * kWarpSize;
-constexpr int kGemvRowsPerWarp = 2;
-constexpr int kGemvRowsPerCta = kGemvWarps * kGemvRowsPerWarp;
-constexpr int kGemvTokens = 8;  // tokens per weight pass (register accumulators: rows * tokens per lane)
 constexpr int kFfnSelectThreads = 256;
 
 template <typename T, int kVec>

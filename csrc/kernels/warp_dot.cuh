@@ -8,6 +8,13 @@
 namespace sparsever {
 namespace kernels {
 
+// CTA shape of the GEMV kernels built on warp_dot_rows_tokens (FFN and MoE).
+constexpr int kGemvWarps = 4;
+constexpr int kGemvThreads = kGemvWarps * kWarpSize;
+constexpr int kGemvRowsPerWarp = 2;
+constexpr int kGemvRowsPerCta = kGemvWarps * kGemvRowsPerWarp;
+constexpr int kGemvTokens = 8;  // tokens per weight pass (register accumulators: rows * tokens per lane)
+
 template <typename T, int kVec>
 SV_DEVICE void load_as_float(const T* p, float (&v)[kVec]) {
   if constexpr (kVec == 1) {

@@ -1,0 +1,14 @@
+// CUDA implementations of the `sparsever` ops, registered for the CUDA dispatch key. The op schemas are
+// defined once in csrc/torch_bindings.cpp (TORCH_LIBRARY); this file is compiled only in CUDA builds.
+#include <torch/library.h>
+
+#include "cuda/ops_cuda.h"
+
+TORCH_LIBRARY_IMPL(sparsever, CUDA, m) {
+  m.impl("update_block_key_summaries", &sparsever::cuda::update_block_key_summaries);
+  m.impl("select_kv_blocks", &sparsever::cuda::select_kv_blocks);
+  m.impl("block_sparse_tree_attention", &sparsever::cuda::block_sparse_tree_attention);
+  m.impl("topk_swiglu_ffn", &sparsever::cuda::topk_swiglu_ffn);
+  m.impl("moe_route_and_prune", &sparsever::cuda::moe_route_and_prune);
+  m.impl("moe_grouped_dispatch", &sparsever::cuda::moe_grouped_dispatch);
+}

@@ -1,0 +1,17 @@
+// CUDA launcher: top-k SwiGLU FFN gating (bodies in csrc/kernels/ffn.cuh).
+#include "cuda/cuda_launcher.cuh"
+#include "cuda/ops_cuda.h"
+#include "kernels/ffn.cuh"
+
+namespace sparsever {
+namespace cuda {
+
+void topk_swiglu_ffn(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down_t,
+                     const at::Tensor& group_start_loc, int64_t keep, at::Tensor& selected) {
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  kernels::topk_swiglu_ffn_impl(out, x, w_gate_up, w_down_t, group_start_loc, keep, selected,
+                                CudaLauncher::current());
+}
+
+}  // namespace cuda
+}  // namespace sparsever
