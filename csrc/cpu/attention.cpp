@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 
 namespace sparsever::cpu {
 namespace {
@@ -229,7 +230,9 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
       }
     }
   }
-  std::vector<float> partial(static_cast<size_t>(partial_size));
+  // Every item initialises its own m/l/acc, so the buffer is left uninitialised (no zero-fill pass).
+  std::unique_ptr<float[]> partial_buf(new float[std::max<int64_t>(1, partial_size)]);
+  float* const partial = partial_buf.get();
 
   // ---- compute items ----
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
@@ -240,7 +243,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
       const int t0 = qsl[r], q_len = qsl[r + 1] - t0;
       const int rows = q_len * group;
       const int ctx_len = sl[r] - q_len;
-      float* m = partial.data() + item.partial_offset;
+      float* m = partial + item.partial_offset;
       float* l = m + rows;
       float* acc = l + rows;
       std::fill(m, m + rows, kNegInf);
@@ -353,7 +356,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
         float l_all = 0.f;
         if (m_all != kNegInf) {
           for (int64_t it = first_item[rh]; it < first_item[rh + 1]; ++it) {
-            const float* m = partial.data() + items[it].partial_offset;
+            const float* m = partial + items[it].partial_offset;
             if (m[row] == kNegInf) continue;
             const float w = std::exp(m[row] - m_all);
             l_all += m[rows + row] * w;

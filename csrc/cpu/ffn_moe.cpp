@@ -7,6 +7,7 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 
 namespace sparsever::cpu {
@@ -23,6 +24,18 @@ void topk_ascending(const float* scores, int64_t n, int64_t k, int32_t* dst, std
   std::copy(order.begin(), order.begin() + k, dst);
 }
 
+// Token count from which a projection runs as a GEMM through ATen (oneDNN: AMX / AVX-512 BF16 where the
+// CPU has them) on gathered rows instead of the weight-streaming kernels: with many tokens the work is
+// compute-bound and the matrix engines win; with few tokens streaming each selected row once wins.
+// SPARSEVER_CPU_GEMM_MIN_TOKENS overrides it (benchmarks sweep it).
+inline int64_t gemm_min_tokens() {
+  static const int64_t value = [] {
+    const char* env = std::getenv("SPARSEVER_CPU_GEMM_MIN_TOKENS");
+    return env ? std::max<int64_t>(1, std::atoll(env)) : int64_t{16};
+  }();
+  return value;
+}
+
 template <typename scalar_t>
 void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w_gate_up,
               const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
@@ -30,6 +43,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
   const int64_t num_tokens = x.size(0), h = x.size(1);
   const int64_t inter = w_gate_up.size(0) / 2;
   const int64_t num_groups = group_start_loc.size(0) - 1;
+  const int64_t gemm_from = gemm_min_tokens();
   auto xf_t = x.to(torch::kFloat).contiguous();
   const float* xf = xf_t.data_ptr<float>();
   const scalar_t* wgu = w_gate_up.data_ptr<scalar_t>();
@@ -39,22 +53,27 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
   int32_t* sel = selected.data_ptr<int32_t>();
 
   // Gate projection for every token (dense: the scores need it), silu and the per-group neuron scores
-  // (sum_t |silu(gate)|), all in one parallel region over row chunks.
-  std::vector<float> act(static_cast<size_t>(num_tokens * inter));
+  // sum_t |silu(gate)|.
+  torch::Tensor act_t;
+  if (num_tokens >= gemm_from) {
+    act_t = at::linear(x, w_gate_up.narrow(0, 0, inter)).to(torch::kFloat).contiguous();
+  } else {
+    act_t = torch::empty({num_tokens, inter}, torch::kFloat);
+  }
+  float* act = act_t.data_ptr<float>();
   std::vector<float> scores(static_cast<size_t>(num_groups * inter), 0.f);
   {
+    const bool streamed = num_tokens < gemm_from;
     const int64_t chunk = rows_per_task(h, sizeof(scalar_t));
     at::parallel_for(0, (inter + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
       const int64_t r0 = begin * chunk, r1 = std::min(inter, end * chunk);
-      rows_dot_range<scalar_t>(xf, num_tokens, h, wgu, wgu_stride, nullptr, r0, r1, act.data(), inter);
+      if (streamed) rows_dot_range<scalar_t>(xf, num_tokens, h, wgu, wgu_stride, nullptr, r0, r1, act, inter);
       for (int64_t g = 0; g < num_groups; ++g)
         for (int64_t t = gsl[g]; t < gsl[g + 1]; ++t) {
-          float* a = act.data() + t * inter;
+          float* a = act + t * inter;
           float* sc = scores.data() + g * inter;
-          for (int64_t n = r0; n < r1; ++n) {
-            a[n] = silu(a[n]);
-            sc[n] += std::abs(a[n]);
-          }
+          silu_inplace(a + r0, r1 - r0);
+          for (int64_t n = r0; n < r1; ++n) sc[n] += std::abs(a[n]);
         }
     });
   }
@@ -62,6 +81,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
   std::vector<float> out_f(static_cast<size_t>(num_tokens * h), 0.f);
   std::vector<float> up, hid;
   std::vector<int32_t> order;
+  scalar_t* op = out.data_ptr<scalar_t>();
   for (int64_t g = 0; g < num_groups; ++g) {
     const int64_t t0 = gsl[g], nt = gsl[g + 1] - gsl[g];
     int32_t* idx = sel + g * keep;
@@ -70,20 +90,32 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
       continue;
     }
     topk_ascending(scores.data() + g * inter, inter, keep, idx, order);
-    // Up projection for the selected rows only, then the SwiGLU product.
+    hid.resize(static_cast<size_t>(nt * keep));
+    if (nt >= gemm_from) {
+      // Gather the selected up rows / down rows once (contiguous rows), then GEMMs.
+      auto idx_t = torch::from_blob(idx, {keep}, torch::kInt32).to(torch::kLong);
+      auto xg = x.narrow(0, t0, nt);
+      auto up_t = at::linear(xg, w_gate_up.index_select(0, idx_t + inter)).to(torch::kFloat).contiguous();
+      const float* upp = up_t.data_ptr<float>();
+      for (int64_t t = 0; t < nt; ++t) {
+        const float* a = act + (t0 + t) * inter;
+        for (int64_t j = 0; j < keep; ++j) hid[t * keep + j] = a[idx[j]] * upp[t * keep + j];
+      }
+      auto hid_t = torch::from_blob(hid.data(), {nt, keep}, torch::kFloat).to(x.scalar_type());
+      out.narrow(0, t0, nt).copy_(at::mm(hid_t, w_down_t.index_select(0, idx_t)));
+      continue;
+    }
+    // Up projection streaming the selected rows only, then the SwiGLU product.
     up.resize(static_cast<size_t>(nt * keep));
     rows_dot<scalar_t>(xf + t0 * h, nt, h, wgu + inter * wgu_stride, wgu_stride, idx, keep, up.data(), keep);
-    hid.resize(up.size());
     for (int64_t t = 0; t < nt; ++t) {
-      const float* a = act.data() + (t0 + t) * inter;
+      const float* a = act + (t0 + t) * inter;
       for (int64_t j = 0; j < keep; ++j) hid[t * keep + j] = a[idx[j]] * up[t * keep + j];
     }
-    // Down projection from the selected rows of w_down_t.
+    // Down projection streaming the selected rows of w_down_t.
     rows_axpy<scalar_t>(hid.data(), nt, keep, wdt, wdt_stride, idx, h, out_f.data() + t0 * h);
+    for (int64_t t = t0; t < t0 + nt; ++t) store_from_f32<scalar_t>(out_f.data() + t * h, op + t * h, h);
   }
-  scalar_t* op = out.data_ptr<scalar_t>();
-  for (int64_t g = 0; g < num_groups; ++g)
-    for (int64_t t = gsl[g]; t < gsl[g + 1]; ++t) store_from_f32<scalar_t>(out_f.data() + t * h, op + t * h, h);
 }
 
 template <typename scalar_t>
@@ -115,29 +147,33 @@ int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torc
   struct Active {
     int64_t expert, ne, pair_begin, row_offset;  // row_offset: first row in the gathered token buffers
   };
-  std::vector<Active> active;
+  const int64_t gemm_from = gemm_min_tokens();
+  std::vector<Active> streamed, gemm;  // experts with few tokens stream their weights; busy ones use GEMMs
   int64_t total_rows = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t ne = count[e + 1] - count[e];
     if (ne == 0) continue;
-    active.push_back({e, ne, count[e], total_rows});
+    (ne >= gemm_from ? gemm : streamed).push_back({e, ne, count[e], total_rows});
     total_rows += ne;
   }
-  const int64_t used = static_cast<int64_t>(active.size());
+  const int64_t used = static_cast<int64_t>(streamed.size() + gemm.size());
   std::vector<float> xe(static_cast<size_t>(total_rows * h)), gu(static_cast<size_t>(total_rows * 2 * inter)),
       hid(static_cast<size_t>(total_rows * inter)), y(static_cast<size_t>(total_rows * h));
-  for (int64_t i = 0; i < total_rows; ++i) std::copy_n(xf + (pairs[i] / k) * h, h, xe.data() + i * h);
+  for (const Active& a : streamed)
+    for (int64_t i = 0; i < a.ne; ++i)
+      std::copy_n(xf + (pairs[a.pair_begin + i] / k) * h, h, xe.data() + (a.row_offset + i) * h);
   const scalar_t* w13p = w13.data_ptr<scalar_t>();
   const scalar_t* w2p = w2.data_ptr<scalar_t>();
-  // One parallel region per projection over (expert, row chunk) tasks, so all kept experts share the
-  // threads and there is no per-expert synchronisation.
+  const int64_t n_streamed = static_cast<int64_t>(streamed.size());
+  // One parallel region per projection over (expert, row chunk) tasks, so all streamed experts share
+  // the threads and there is no per-expert synchronisation.
   auto run_projection = [&](int64_t rows_per_expert, int64_t in_dim, const scalar_t* wbase, int64_t w_expert_stride,
                             int64_t w_row_stride, const float* in, float* outbuf) {
     const int64_t chunk = rows_per_task(in_dim, sizeof(scalar_t));
     const int64_t per_expert = (rows_per_expert + chunk - 1) / chunk;
-    at::parallel_for(0, used * per_expert, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n_streamed * per_expert, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const Active& a = active[task / per_expert];
+        const Active& a = streamed[task / per_expert];
         const int64_t r0 = (task % per_expert) * chunk;
         rows_dot_range<scalar_t>(in + a.row_offset * in_dim, a.ne, in_dim, wbase + a.expert * w_expert_stride,
                                  w_row_stride, nullptr, r0, std::min(rows_per_expert, r0 + chunk),
@@ -145,11 +181,25 @@ int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torc
       }
     });
   };
-  run_projection(2 * inter, h, w13p, w13.stride(0), w13.stride(1), xe.data(), gu.data());
-  for (int64_t i = 0; i < total_rows; ++i)
-    for (int64_t n = 0; n < inter; ++n)
-      hid[i * inter + n] = silu(gu[i * 2 * inter + n]) * gu[i * 2 * inter + inter + n];
-  run_projection(h, inter, w2p, w2.stride(0), w2.stride(1), hid.data(), y.data());
+  if (n_streamed > 0) {
+    run_projection(2 * inter, h, w13p, w13.stride(0), w13.stride(1), xe.data(), gu.data());
+    for (const Active& a : streamed)
+      for (int64_t i = a.row_offset; i < a.row_offset + a.ne; ++i)
+        silu_mul(gu.data() + i * 2 * inter, gu.data() + i * 2 * inter + inter, hid.data() + i * inter, inter);
+    run_projection(h, inter, w2p, w2.stride(0), w2.stride(1), hid.data(), y.data());
+  }
+  for (const Active& a : gemm) {
+    std::vector<int64_t> tok(a.ne);
+    for (int64_t i = 0; i < a.ne; ++i) tok[i] = pairs[a.pair_begin + i] / k;
+    torch::Tensor tok_t = torch::from_blob(tok.data(), {a.ne}, torch::kLong);
+    torch::Tensor g_u = at::linear(x.index_select(0, tok_t), w13[a.expert]).to(torch::kFloat).contiguous();
+    torch::Tensor hid_t = torch::empty({a.ne, inter}, torch::kFloat);
+    for (int64_t i = 0; i < a.ne; ++i)
+      silu_mul(g_u.data_ptr<float>() + i * 2 * inter, g_u.data_ptr<float>() + i * 2 * inter + inter,
+               hid_t.data_ptr<float>() + i * inter, inter);
+    torch::Tensor y_e = at::linear(hid_t.to(x.scalar_type()), w2[a.expert]).to(torch::kFloat).contiguous();
+    std::copy_n(y_e.data_ptr<float>(), a.ne * h, y.data() + a.row_offset * h);
+  }
   std::vector<float> acc(static_cast<size_t>(num_tokens * h), 0.f);
   for (int64_t i = 0; i < total_rows; ++i) {
     const float w = wts[pairs[i]];

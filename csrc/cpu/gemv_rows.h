@@ -81,14 +81,25 @@ void rows_dot(const float* x, int64_t num_tokens, int64_t h, const WT* w, int64_
   });
 }
 
-// One (token tile x column chunk) of rows_axpy: NT tokens, NV vectors of columns starting at c0.
+// Prefetch (into L2) columns [c0, c1) of rows row(j), j in [j0, j1): the next row block of rows_axpy.
+template <typename WT>
+inline void prefetch_rows(const WT* w, int64_t w_row_stride, const int32_t* idx, int64_t j0, int64_t j1,
+                          int64_t c0, int64_t c1) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const char* p = reinterpret_cast<const char*>(w + (idx ? idx[j] : j) * w_row_stride + c0);
+    const int64_t bytes = (c1 - c0) * static_cast<int64_t>(sizeof(WT));
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+  }
+}
+
+// One (token tile x column chunk) of rows_axpy over rows [j0, j1): NT tokens, NV vectors at column c0.
 template <int NT, int NV, typename WT>
 inline void axpy_tile(const float* a, int64_t k, const WT* w, int64_t w_row_stride, const int32_t* idx,
-                      int64_t c0, float* out, int64_t h) {
+                      int64_t j0, int64_t j1, bool accumulate, int64_t c0, float* out, int64_t h) {
   Vec acc[NT][NV];
   for (int t = 0; t < NT; ++t)
-    for (int v = 0; v < NV; ++v) acc[t][v] = Vec(0.f);
-  for (int64_t j = 0; j < k; ++j) {
+    for (int v = 0; v < NV; ++v) acc[t][v] = accumulate ? Vec::loadu(out + t * h + c0 + v * kVecLen) : Vec(0.f);
+  for (int64_t j = j0; j < j1; ++j) {
     const WT* wr = w + (idx ? idx[j] : j) * w_row_stride + c0;
     Vec wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load_f32<WT>(wr + v * kVecLen);
@@ -103,38 +114,55 @@ inline void axpy_tile(const float* a, int64_t k, const WT* w, int64_t w_row_stri
 
 template <int NV, typename WT>
 inline void axpy_chunk(const float* a, int64_t num_tokens, int64_t k, const WT* w, int64_t w_row_stride,
-                       const int32_t* idx, int64_t c0, float* out, int64_t h) {
+                       const int32_t* idx, int64_t j0, int64_t j1, bool accumulate, int64_t c0, float* out,
+                       int64_t h) {
   constexpr int kTokTile = 4;
   int64_t t = 0;
   for (; t + kTokTile <= num_tokens; t += kTokTile)
-    axpy_tile<kTokTile, NV, WT>(a + t * k, k, w, w_row_stride, idx, c0, out + t * h, h);
+    axpy_tile<kTokTile, NV, WT>(a + t * k, k, w, w_row_stride, idx, j0, j1, accumulate, c0, out + t * h, h);
   switch (num_tokens - t) {
-    case 3: axpy_tile<3, NV, WT>(a + t * k, k, w, w_row_stride, idx, c0, out + t * h, h); break;
-    case 2: axpy_tile<2, NV, WT>(a + t * k, k, w, w_row_stride, idx, c0, out + t * h, h); break;
-    case 1: axpy_tile<1, NV, WT>(a + t * k, k, w, w_row_stride, idx, c0, out + t * h, h); break;
+    case 3: axpy_tile<3, NV, WT>(a + t * k, k, w, w_row_stride, idx, j0, j1, accumulate, c0, out + t * h, h); break;
+    case 2: axpy_tile<2, NV, WT>(a + t * k, k, w, w_row_stride, idx, j0, j1, accumulate, c0, out + t * h, h); break;
+    case 1: axpy_tile<1, NV, WT>(a + t * k, k, w, w_row_stride, idx, j0, j1, accumulate, c0, out + t * h, h); break;
     default: break;
   }
 }
 
 // OUT[t, :] = sum_j A[t, j] * W[row(j), :]  (A [T, K] fp32, OUT [T, H] fp32 contiguous, overwritten).
-// Parallel over column chunks of H; each chunk of the selected rows is read from DRAM once and reused
-// from cache by the other token tiles.
+// Each thread owns a wide column slab (>= 1/threads of H: long contiguous runs of every row) and walks
+// the selected rows in blocks; the next block is prefetched while the current one is used from cache
+// by every (token tile, column chunk), so each selected row is streamed from DRAM once.
 template <typename WT>
 void rows_axpy(const float* a, int64_t num_tokens, int64_t k, const WT* w, int64_t w_row_stride,
                const int32_t* idx, int64_t h, float* out) {
-  constexpr int kCols = 4;  // vectors per column chunk
-  constexpr int64_t kChunk = kCols * kVecLen;
+  constexpr int kCols = 4;       // vectors per column chunk (ROWS x kCols accumulators)
+  constexpr int64_t kRowBlock = 32;
   if (num_tokens == 0) return;
   const int64_t full_vecs = h / kVecLen;
   const int64_t chunks = (full_vecs + kCols - 1) / kCols;
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t ch = begin; ch < end; ++ch) {
-      const int64_t c0 = ch * kChunk;
-      switch (std::min<int64_t>(kCols, full_vecs - ch * kCols)) {
-        case 4: axpy_chunk<4, WT>(a, num_tokens, k, w, w_row_stride, idx, c0, out, h); break;
-        case 3: axpy_chunk<3, WT>(a, num_tokens, k, w, w_row_stride, idx, c0, out, h); break;
-        case 2: axpy_chunk<2, WT>(a, num_tokens, k, w, w_row_stride, idx, c0, out, h); break;
-        default: axpy_chunk<1, WT>(a, num_tokens, k, w, w_row_stride, idx, c0, out, h); break;
+  const int64_t slabs = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks));
+  const int64_t chunks_per_slab = (chunks + slabs - 1) / slabs;
+  if (k == 0) {
+    std::fill(out, out + num_tokens * h, 0.f);
+    return;
+  }
+  at::parallel_for(0, slabs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t slab = begin; slab < end; ++slab) {
+      const int64_t ch0 = slab * chunks_per_slab, ch1 = std::min(chunks, ch0 + chunks_per_slab);
+      if (ch0 >= ch1) continue;
+      const int64_t col0 = ch0 * kCols * kVecLen, col1 = std::min(full_vecs * kVecLen, ch1 * kCols * kVecLen);
+      for (int64_t j0 = 0; j0 < k; j0 += kRowBlock) {
+        const int64_t j1 = std::min(k, j0 + kRowBlock);
+        prefetch_rows<WT>(w, w_row_stride, idx, j1, std::min(k, j1 + kRowBlock), col0, col1);
+        for (int64_t ch = ch0; ch < ch1; ++ch) {
+          const int64_t c0 = ch * kCols * kVecLen;
+          switch (std::min<int64_t>(kCols, full_vecs - ch * kCols)) {
+            case 4: axpy_chunk<4, WT>(a, num_tokens, k, w, w_row_stride, idx, j0, j1, j0 > 0, c0, out, h); break;
+            case 3: axpy_chunk<3, WT>(a, num_tokens, k, w, w_row_stride, idx, j0, j1, j0 > 0, c0, out, h); break;
+            case 2: axpy_chunk<2, WT>(a, num_tokens, k, w, w_row_stride, idx, j0, j1, j0 > 0, c0, out, h); break;
+            default: axpy_chunk<1, WT>(a, num_tokens, k, w, w_row_stride, idx, j0, j1, j0 > 0, c0, out, h); break;
+          }
+        }
       }
     }
   });
@@ -148,5 +176,21 @@ void rows_axpy(const float* a, int64_t num_tokens, int64_t k, const WT* w, int64
 }
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+inline Vec silu(const Vec& v) { return v / (Vec(1.f) + v.neg().exp_u20()); }
+
+// In place a[i] = silu(a[i]) for n values (vectorised: scalar exp would dominate at 64 tokens).
+inline void silu_inplace(float* a, int64_t n) {
+  int64_t i = 0;
+  for (; i + kVecLen <= n; i += kVecLen) silu(Vec::loadu(a + i)).store(a + i);
+  for (; i < n; ++i) a[i] = silu(a[i]);
+}
+
+// out[i] = silu(g[i]) * u[i] for n values.
+inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + kVecLen <= n; i += kVecLen) (silu(Vec::loadu(g + i)) * Vec::loadu(u + i)).store(out + i);
+  for (; i < n; ++i) out[i] = silu(g[i]) * u[i];
+}
 
 }  // namespace sparsever::cpu

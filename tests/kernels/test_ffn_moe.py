@@ -174,3 +174,25 @@ def test_opcheck_fake_impls():
     tw, ti = ops.moe_route_and_prune(logits, 2, 0.2, gsl, 2, True)  # opcheck ran on copies
     torch.library.opcheck(torch.ops.sparsever.moe_grouped_dispatch.default,
                           (torch.empty_like(x), x, tw, ti, w13, w2, torch.empty(1, dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_many_tokens_gemm_path(dtype):
+    # >= 16 tokens per group / per expert switch the kernels to gathered-row GEMMs (SPARSEVER_CPU_GEMM_MIN_TOKENS).
+    gen = torch.Generator().manual_seed(4)
+    h, inter, keep = 64, 96, 24
+    w_gate_up, w_down_t = _ffn_weights(h, inter, dtype, gen)
+    x = torch.randn(40, h, generator=gen).to(dtype)
+    gsl = start_loc([3, 33, 4])
+    out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, gsl, keep)
+    rtol, atol = TOL[dtype]
+    for g, (t0, t1) in enumerate([(0, 3), (3, 36), (36, 40)]):
+        expected = ref.swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, sel[g]).to(dtype)
+        torch.testing.assert_close(out[t0:t1].float(), expected.float(), rtol=rtol, atol=atol)
+    _, w13, w2, logits = _moe_problem(40, h, 32, 4, 2, dtype, gen)
+    w, ids = ops.moe_route_and_prune(logits, 2, 0.0)
+    out, used = ops.moe_grouped_dispatch(x, w, ids, w13, w2)
+    expected, rused = torch.empty_like(x), torch.empty(1, dtype=torch.int32)
+    ref.moe_grouped_dispatch(expected, x, w, ids, w13, w2, rused)
+    assert int(used) == int(rused)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
