@@ -24,6 +24,11 @@ from vllm_sparsever.models.packages import PackageFile, locate
 Row = dict[str, Any]
 
 
+def _locate(locate_file: Callable[[PackageFile], Path] | None, file: PackageFile) -> Path:
+    """`locate_file` (tests pass fake package layouts) or the installed distribution's file."""
+    return (locate_file or locate)(file)
+
+
 def _source(file: PackageFile) -> str:
     return f"{file.package.requirement}:{file.path}"
 
@@ -38,10 +43,10 @@ def _license(category: str) -> str:
     return sources.LICENSES[category].spdx
 
 
-def build_mt_bench(locate_file: Callable[[PackageFile], Path] = locate) -> list[Row]:
-    questions = _read_jsonl(locate_file(sources.MTBENCH_QUESTIONS))
+def build_mt_bench(locate_file: Callable[[PackageFile], Path] | None = None) -> list[Row]:
+    questions = _read_jsonl(_locate(locate_file, sources.MTBENCH_QUESTIONS))
     references = {
-        r["question_id"]: r["choices"][0]["turns"] for r in _read_jsonl(locate_file(sources.MTBENCH_REFERENCES))
+        r["question_id"]: r["choices"][0]["turns"] for r in _read_jsonl(_locate(locate_file, sources.MTBENCH_REFERENCES))
     }
     rows = []
     for q in questions:
@@ -64,9 +69,9 @@ def build_mt_bench(locate_file: Callable[[PackageFile], Path] = locate) -> list[
 _GSM8K_FINAL = re.compile(r"####\s*(.+)\s*$")
 
 
-def build_gsm8k(locate_file: Callable[[PackageFile], Path] = locate) -> list[Row]:
+def build_gsm8k(locate_file: Callable[[PackageFile], Path] | None = None) -> list[Row]:
     rows = []
-    for i, item in enumerate(_read_jsonl(locate_file(sources.GSM8K_TEST))):
+    for i, item in enumerate(_read_jsonl(_locate(locate_file, sources.GSM8K_TEST))):
         final = _GSM8K_FINAL.search(item["answer"])
         rows.append(
             {
@@ -83,7 +88,7 @@ def build_gsm8k(locate_file: Callable[[PackageFile], Path] = locate) -> list[Row
     return rows
 
 
-def build_humaneval(locate_file: Callable[[PackageFile], Path] = locate) -> list[Row]:
+def build_humaneval(locate_file: Callable[[PackageFile], Path] | None = None) -> list[Row]:
     return [
         {
             "id": item["task_id"],
@@ -95,13 +100,13 @@ def build_humaneval(locate_file: Callable[[PackageFile], Path] = locate) -> list
             "source": _source(sources.HUMANEVAL),
             "license": _license("humaneval"),
         }
-        for item in _read_jsonl(locate_file(sources.HUMANEVAL))
+        for item in _read_jsonl(_locate(locate_file, sources.HUMANEVAL))
     ]
 
 
-def build_truthfulqa(locate_file: Callable[[PackageFile], Path] = locate) -> list[Row]:
+def build_truthfulqa(locate_file: Callable[[PackageFile], Path] | None = None) -> list[Row]:
     rows = []
-    for item in _read_jsonl(locate_file(sources.TRUTHFULQA_MC1)):
+    for item in _read_jsonl(_locate(locate_file, sources.TRUTHFULQA_MC1)):
         choices = item["choices"]
         letters = [chr(ord("A") + i) for i in range(len(choices))]
         mc_prompt = (
@@ -130,7 +135,7 @@ def build_truthfulqa(locate_file: Callable[[PackageFile], Path] = locate) -> lis
 SUMMARIZE_NEWS = "Summarize the following news article in two or three sentences.\n\nArticle:\n{article}\n\nSummary:"
 
 
-def build_summarization(locate_file: Callable[[PackageFile], Path] = locate) -> list[Row]:
+def build_summarization(locate_file: Callable[[PackageFile], Path] | None = None) -> list[Row]:
     """The 50 Lee test documents (lee.cor). lee_background.cor is kept as the calibration split."""
     return [
         {
@@ -142,7 +147,7 @@ def build_summarization(locate_file: Callable[[PackageFile], Path] = locate) -> 
             "source": _source(sources.LEE_TEST),
             "license": _license("summarization"),
         }
-        for i, article in enumerate(read_lines(locate_file(sources.LEE_TEST)))
+        for i, article in enumerate(read_lines(_locate(locate_file, sources.LEE_TEST)))
     ]
 
 
@@ -160,13 +165,13 @@ CLOZE_QA = (
 _YEAR = re.compile(r"\b(1[0-9]{3}|20[0-9]{2})\b")
 
 
-def wikipedia_articles(locate_file: Callable[[PackageFile], Path] = locate, split: str = "test"):
-    articles = read_wikipedia_dump(locate_file(sources.ENWIKI_DUMP))
+def wikipedia_articles(locate_file: Callable[[PackageFile], Path] | None = None, split: str = "test"):
+    articles = read_wikipedia_dump(_locate(locate_file, sources.ENWIKI_DUMP))
     cut = int(len(articles) * WIKI_TRAIN_FRACTION)
     return articles[:cut] if split == "train" else articles[cut:]
 
 
-def build_wikipedia(locate_file: Callable[[PackageFile], Path] = locate, articles=None) -> list[Row]:
+def build_wikipedia(locate_file: Callable[[PackageFile], Path] | None = None, articles=None) -> list[Row]:
     rows = []
     for article in articles if articles is not None else wikipedia_articles(locate_file):
         extract = leading_paragraphs(article.text, WIKI_CONTEXT_CHARS)
@@ -191,7 +196,7 @@ def build_wikipedia(locate_file: Callable[[PackageFile], Path] = locate, article
 QA_PER_ARTICLE = 2
 
 
-def build_qa(locate_file: Callable[[PackageFile], Path] = locate, articles=None) -> list[Row]:
+def build_qa(locate_file: Callable[[PackageFile], Path] | None = None, articles=None) -> list[Row]:
     """Cloze questions: a sentence of the extract with its one year blanked out; the year is the answer."""
     rows = []
     for article in articles if articles is not None else wikipedia_articles(locate_file):

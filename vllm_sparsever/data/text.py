@@ -105,19 +105,8 @@ def split_sentences(text: str) -> list[str]:
 
 
 def leading_paragraphs(text: str, max_chars: int) -> str:
-    """Whole paragraphs from the start, as many as fit in `max_chars` (at least one, cut at a sentence)."""
-    out, size = [], 0
-    for paragraph in text.split("\n\n"):
-        if out and size + len(paragraph) > max_chars:
-            break
-        out.append(paragraph)
-        size += len(paragraph) + 2
-    joined = "\n\n".join(out)
-    if len(joined) > max_chars:
-        sentences, kept = split_sentences(joined), []
-        for sentence in sentences:
-            if kept and len(" ".join(kept)) + len(sentence) > max_chars:
-                break
-            kept.append(sentence)
-        joined = " ".join(kept)
-    return joined
+    """The longest prefix of `text` of at most `max_chars` that ends at a sentence or paragraph
+    end (at least one sentence). Always a true prefix, so `text[len(result):]` is the rest."""
+    ends = [m.start() for m in re.finditer(r"(?<=[.!?])\s|\n\n", text)] + [len(text)]
+    fitting = [e for e in ends if 0 < e <= max_chars]
+    return text[: fitting[-1] if fitting else ends[0]].rstrip()
