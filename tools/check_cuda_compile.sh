@@ -64,7 +64,7 @@ echo "nvcc: $NVCC_BIN ($("$NVCC_BIN" --version | grep -o 'release [0-9.]*'))"
 TORCH_INCLUDES=$("$PYTHON" -c 'from torch.utils.cpp_extension import include_paths; print(" ".join("-I" + p for p in include_paths()))')
 # Mirrors torch's own CUDA extension flags (c10::Half/BFloat16 provide the conversions, not cuda_fp16.h),
 # plus the one define that lets c10/cuda headers compile against a CPU-only torch.
-COMMON_FLAGS=(-std=c++17 -O3 --expt-relaxed-constexpr -Xptxas -v -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE
+COMMON_FLAGS=(-std=c++20 -O3 --expt-relaxed-constexpr -Xptxas -v -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE
   -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
   -D__CUDA_NO_HALF2_OPERATORS__ -Xcompiler -fPIC -I"$ROOT/csrc")
 for arch in $ARCHS; do COMMON_FLAGS+=(-gencode "arch=compute_${arch},code=sm_${arch}"); done
@@ -84,7 +84,7 @@ compile_one() {  # $1 = source; writes $OUT/<name>.log and .status
     "$NVCC_BIN" "${COMMON_FLAGS[@]}" $TORCH_INCLUDES -c "$src" -o "$OUT/$name.o" >"$log" 2>&1 || rc=$?
   else
     # shellcheck disable=SC2086
-    "${CXX:-c++}" -std=c++17 -fsyntax-only -I"$ROOT/csrc" $TORCH_INCLUDES "$src" >"$log" 2>&1 || rc=$?
+    "${CXX:-c++}" -std=c++20 -fsyntax-only -I"$ROOT/csrc" $TORCH_INCLUDES "$src" >"$log" 2>&1 || rc=$?
   fi
   end=$(date +%s%N)
   printf '%s %d.%d\n' "$rc" $(( (end - start) / 1000000000 )) $(( (end - start) / 100000000 % 10 )) >"$OUT/$name.status"
