@@ -21,7 +21,7 @@ BUILD_ROOT = Path(os.environ.get("SPARSEVER_SIMT_BUILD_DIR", REPO / "build" / "s
 
 # -O2: kernels run as ordinary C++; -fno-ipa-reference keeps GCC from assuming that a function-local
 # `static thread_local` (__shared__) cannot change across the opaque context switch in __syncthreads.
-COMMON_CFLAGS = ["-O2", "-std=c++17", "-fno-ipa-reference", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas", "-Wno-sign-compare"]
+COMMON_CFLAGS = ["-O2", "-std=c++20", "-fno-ipa-reference", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas", "-Wno-sign-compare"]
 
 
 def _build(name: str, sources: list[str], extra_cflags: list[str] | None = None) -> None:

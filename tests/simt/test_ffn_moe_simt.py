@@ -85,13 +85,15 @@ def test_ffn_keep_all_is_dense_mlp_and_ties_prefer_lower_index(ops):
     assert sel[0].tolist() == list(range(48))
     dense = (F.silu(x @ w_gate_up[:48].t()) * (x @ w_gate_up[48:].t())) @ w_down_t
     torch.testing.assert_close(out, dense, rtol=1e-4, atol=1e-5)
-    # Duplicate neurons give exactly tied scores: the lower index must win.
-    w_gate_up[10] = w_gate_up[3]
-    w_gate_up[20] = w_gate_up[3]
-    _, sel = check_ffn(ops, x, w_gate_up, w_down_t, [3], 1)
+    # Copies of the best gate row give exactly tied top scores: the lowest of their indices must win.
     scores = F.silu(x @ w_gate_up[:48].t()).abs().sum(0)
-    if int(scores.argmax()) in (3, 10, 20):
-        assert sel[0].tolist() == [3]
+    best = int(scores.argmax())
+    for n in (3, 10, 20):
+        w_gate_up[n] = w_gate_up[best]
+    _, sel = check_ffn(ops, x, w_gate_up, w_down_t, [3], 1)
+    assert sel[0].tolist() == [min(best, 3)]
+    _, sel = check_ffn(ops, x, w_gate_up, w_down_t, [3], 3)
+    assert sel[0].tolist() == sorted({best, 3, 10, 20})[:3]
 
 
 def test_ffn_reads_only_selected_rows(ops):
