@@ -12,8 +12,9 @@
 //   * Misuse that CUDA leaves undefined is reported as an error rather than silently tolerated:
 //     __syncthreads reached from different source lines in one phase, warp masks that disagree,
 //     shuffles that read from an absent lane, deadlock.
-// Context switches use a tiny x86-64 assembly routine (~20 ns); build with -DSIMT_USE_UCONTEXT (or on
-// another architecture) to use ucontext instead (~1 us: it makes a signal-mask system call).
+// Context switches use a tiny x86-64 assembly routine; build with -DSIMT_USE_UCONTEXT (automatic on other
+// architectures) to use ucontext instead, about 10x slower (it makes a signal-mask system call per switch;
+// measured 40 vs 360 ns per switch with 2 workers on the project's machine).
 #pragma once
 
 #include <algorithm>
