@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 
@@ -133,6 +134,17 @@ void pv_rows(const float* p, int64_t p_stride, int rows, const VT* v, int64_t v_
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
+// Rows (query tokens x GQA group) of a request from which bf16/fp16 attention uses ATen's SDPA on the
+// gathered selected tokens; SPARSEVER_CPU_ATTN_SDPA_MIN_ROWS overrides it (0 disables the path).
+inline int64_t sdpa_min_rows() {
+  static const int64_t value = [] {
+    const char* env = std::getenv("SPARSEVER_CPU_ATTN_SDPA_MIN_ROWS");
+    const int64_t v = env ? std::atoll(env) : int64_t{128};
+    return v <= 0 ? std::numeric_limits<int64_t>::max() : v;
+  }();
+  return value;
+}
+
 template <typename scalar_t>
 void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                     const torch::Tensor& value_cache, const torch::Tensor& block_table,
@@ -210,6 +222,51 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
       }
     }
   }
+  // Many rows (long drafts x large GQA groups) in bf16/fp16 make attention compute-bound: there ATen's
+  // SDPA (oneDNN/AMX on CPUs that have it) over the gathered selected tokens beats FMA microkernels.
+  // The gather reads exactly the selected blocks, like the kernel. Needs >= 1 context token per head
+  // so that no row is fully masked (SDPA would give NaN where the op defines zeros).
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    const int64_t min_rows = sdpa_min_rows();
+    for (int r = 0; r < num_req; ++r) {
+      const int q_len = qsl[r + 1] - qsl[r];
+      if (q_len == 0 || static_cast<int64_t>(q_len) * group < min_rows) continue;
+      bool has_ctx = true;
+      for (int h = 0; h < hkv; ++h) {
+        const auto& list = segs[r * hkv + h];
+        has_ctx = has_ctx && !list.empty() && !list.front().is_query && list.front().t_hi > list.front().t_lo;
+      }
+      if (!has_ctx) continue;
+      const int t0 = qsl[r], ctx_len = sl[r] - q_len;
+      for (int h = 0; h < hkv; ++h) {
+        auto& list = segs[r * hkv + h];
+        std::vector<torch::Tensor> ks, vs;
+        int64_t n_ctx_tokens = 0;
+        for (const Segment& seg : list) {
+          const int64_t phys = bt[r * bt_stride + seg.block];
+          ks.push_back(key_cache.select(0, phys).select(0, h).narrow(0, seg.t_lo, seg.t_hi - seg.t_lo));
+          vs.push_back(value_cache.select(0, phys).select(0, h).narrow(0, seg.t_lo, seg.t_hi - seg.t_lo));
+          if (!seg.is_query) n_ctx_tokens += seg.t_hi - seg.t_lo;
+        }
+        const int64_t total = n_ctx_tokens + q_len;
+        auto attn_mask = torch::ones({q_len, total}, torch::kBool);
+        auto qmask = attn_mask.narrow(1, n_ctx_tokens, q_len);
+        if (mask) {
+          qmask.copy_(mask_u8.narrow(0, t0, q_len).narrow(1, 0, q_len).to(torch::kBool));
+        } else {
+          qmask.copy_(torch::ones({q_len, q_len}, torch::kBool).tril());
+        }
+        (void)ctx_len;
+        auto k = at::cat(ks).view({1, 1, total, d});
+        auto v = at::cat(vs).view({1, 1, total, d});
+        auto q = query.narrow(0, t0, q_len).narrow(1, h * group, group).transpose(0, 1).unsqueeze(0);
+        auto o = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, false, static_cast<double>(scale), true);
+        out.narrow(0, t0, q_len).narrow(1, h * group, group).copy_(o.squeeze(0).transpose(0, 1));
+        list.clear();  // done: no kernel items for this (request, head)
+      }
+    }
+  }
+
   const int num_threads = at::get_num_threads();
   // Split-K chunk: enough items to keep every thread busy, but >= 2 blocks per item to bound merges.
   const int64_t chunk =
@@ -348,6 +405,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
       const int r = static_cast<int>(rh / hkv), h = static_cast<int>(rh % hkv);
       const int t0 = qsl[r], q_len = qsl[r + 1] - t0;
       const int rows = q_len * group;
+      if (first_item[rh] == first_item[rh + 1]) continue;  // no query tokens, or done by the SDPA path
       for (int row = 0; row < rows; ++row) {
         float m_all = kNegInf;
         for (int64_t it = first_item[rh]; it < first_item[rh + 1]; ++it)

@@ -148,3 +148,29 @@ def test_opcheck_fake_impl():
     args = (torch.empty_like(query), query, kc, vc, bt, torch.tensor([40, 9], dtype=torch.int32),
             start_loc([2, 1]), None, None, None, 0.25)
     torch.library.opcheck(torch.ops.sparsever.block_sparse_tree_attention.default, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tree", [False, True])
+def test_many_rows_sdpa_path(dtype, tree):
+    # >= 128 rows (q_len x group) in bf16/fp16 go through SDPA on the gathered selected tokens
+    # (SPARSEVER_CPU_ATTN_SDPA_MIN_ROWS); a request without context stays on the kernel.
+    gen = torch.Generator().manual_seed(6)
+    bs, hkv, group, d = 32, 2, 7, 64
+    q_lens = [20, 3, 19]
+    seq_lens = [32 * 12 + 20, 300, 19]
+    kc, vc, bt, _ = make_paged_kv(seq_lens, hkv, d, bs, dtype, "cpu", gen)
+    query = torch.randn(sum(q_lens), hkv * group, d, generator=gen).to(dtype)
+    sl, qsl = torch.tensor(seq_lens, dtype=torch.int32), start_loc(q_lens)
+    sel = torch.full((3, hkv, 4), -1, dtype=torch.int32)
+    nsel = torch.tensor([[4, 3], [2, 2], [0, 0]], dtype=torch.int32)
+    sel[0, 0], sel[0, 1, :3] = torch.tensor([0, 2, 5, 11]), torch.tensor([0, 7, 11])
+    sel[1, :, :2] = torch.tensor([1, 8])
+    mask = _random_tree_mask(q_lens, gen) if tree else None
+    with torch.profiler.profile() as prof:
+        out = ops.block_sparse_tree_attention(query, kc, vc, bt, sl, qsl, 0.125, sel, nsel, mask)
+    assert any("scaled_dot_product" in e.name for e in prof.events())  # the path under test ran
+    expected = torch.empty_like(query)
+    ref.block_sparse_tree_attention(expected, query, kc, vc, bt, sl, qsl, sel, nsel, mask, 0.125)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
