@@ -7,6 +7,8 @@ Conventions shared by all ops
 -----------------------------
 * All arithmetic is done in fp32; only the final outputs are rounded to the output dtype. Intermediate
   values (attention probabilities, SwiGLU activations, expert outputs) are NOT rounded to bf16/fp16.
+  (Kernels may round bf16/fp16 intermediates where they hand compute-bound shapes to matrix engines,
+  e.g. the CPU kernels' GEMM/SDPA paths for many tokens; tests compare with dtype tolerances.)
 * Top-k tie-breaking: larger score first; among equal scores the LOWER index wins. Selected index sets
   are returned sorted ascending. Unused slots of fixed-size index outputs are -1.
 * Paged KV cache: `key_cache` / `value_cache` are strided views with logical shape
