@@ -4,7 +4,8 @@
 
 Runs the stock engine (other vLLM plugins disabled unless `--with-plugins`), because the point is
 that the folder itself is a model vLLM serves. Exit code 0 when the first prompt's answer names
-Paris, i.e. the model is coherent enough for the lead's experiments.
+Paris (base models get a one-shot completion prompt), i.e. the model is coherent enough for the
+lead's experiments; read the other outputs too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ CHAT_PROMPTS = [
     "Give three tips for staying healthy.",
 ]
 BASE_PROMPTS = [
-    "The capital of France is",
+    "The capital of Italy is Rome. The capital of France is",
     "def sum_list(numbers):\n    \"\"\"Return the sum of a list of numbers.\"\"\"\n",
     "Three tips for staying healthy are",
 ]
