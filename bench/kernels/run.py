@@ -360,7 +360,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few shapes (CI smoke run)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch/OpenMP threads (2 = the machine; 1 = a per-core view immune to worker wake-up "
+                         "stalls when other processes share the cores)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -391,7 +393,7 @@ def main() -> None:
     results["loadavg_end"] = os.getloadavg()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"kernels_{dt.date.today().isoformat()}{'_quick' if args.quick else ''}_{args.dtype}"
+    stem = f"kernels_{dt.date.today().isoformat()}{'_quick' if args.quick else ''}_{args.dtype}_t{args.threads}"
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1))
     md = markdown(results)
     (out_dir / f"{stem}.md").write_text(md)
