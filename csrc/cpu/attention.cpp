@@ -134,6 +134,16 @@ void pv_rows(const float* p, int64_t p_stride, int rows, const VT* v, int64_t v_
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
+// Prefetch (into L2) `rows` runs of `row_len` contiguous elements, `row_stride` apart.
+template <typename T>
+inline void prefetch_2d(const T* base, int64_t rows, int64_t row_stride, int64_t row_len) {
+  const int64_t bytes = row_len * static_cast<int64_t>(sizeof(T));
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(base + r * row_stride);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+  }
+}
+
 // Rows (query tokens x GQA group) of a request from which bf16/fp16 attention uses ATen's SDPA on the
 // gathered selected tokens; SPARSEVER_CPU_ATTN_SDPA_MIN_ROWS overrides it (0 disables the path).
 inline int64_t sdpa_min_rows() {
@@ -325,6 +335,12 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
         const int64_t phys = bt[r * bt_stride + seg.block];
         const scalar_t* kb = kc + phys * ks0 + h * ks1;
         const scalar_t* vb = vc + phys * vs0 + h * vs1;
+        if (si + 1 < item.seg_end && k_direct && v_direct) {
+          // Selected blocks are scattered: prefetch the next one's K and V while this one is computed.
+          const int64_t next = bt[r * bt_stride + list[si + 1].block];
+          prefetch_2d(kc + next * ks0 + h * ks1, d, ks_d, bs);  // K^T: D rows of bs tokens
+          prefetch_2d(vc + next * vs0 + h * vs1, bs, vs_t, d);  // V: bs rows of D
+        }
         // Scores.
         if (k_direct && seg.t_lo + ntp <= bs) {
           qk_rows<scalar_t>(qs, rows, dp, kb + seg.t_lo, ks_d, ntp, s, bsp);

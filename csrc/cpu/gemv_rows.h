@@ -49,10 +49,16 @@ template <typename WT>
 void rows_dot_range(const float* x, int64_t num_tokens, int64_t h, const WT* w, int64_t w_row_stride,
                     const int32_t* idx, int64_t row_begin, int64_t row_end, float* y, int64_t y_stride) {
   constexpr int kRowTile = 4;
+  const int64_t row_bytes = h * static_cast<int64_t>(sizeof(WT));
   for (int64_t j0 = row_begin; j0 < row_end; j0 += kRowTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kRowTile, row_end - j0));
     const WT* rows[kRowTile];
     for (int i = 0; i < nr; ++i) rows[i] = w + (idx ? idx[j0 + i] : j0 + i) * w_row_stride;
+    // Rows are short streams (1-3 KiB): prefetch the next tile's rows so DRAM latency overlaps this tile.
+    for (int64_t jn = j0 + kRowTile; jn < std::min(row_end, j0 + 2 * kRowTile); ++jn) {
+      const char* p = reinterpret_cast<const char*>(w + (idx ? idx[jn] : jn) * w_row_stride);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
     float* yj = y + j0;
     switch (nr) {
       case 4: dot_rows_all_tokens<4, WT>(x, num_tokens, h, rows, yj, y_stride); break;
