@@ -47,13 +47,18 @@ def test_balanced_kmeans_is_balanced_and_finds_planted_clusters():
         moe.balanced_kmeans(feats[:63], 4, iters=2, seed=0)
 
 
-def test_top_all_experts_reproduces_dense_ffn(tiny_llama, calib_inputs):
+@pytest.mark.parametrize("shared", [0, 16])
+def test_top_all_experts_reproduces_dense_ffn(tiny_llama, calib_inputs, shared):
     _, inputs = calib_inputs
-    cfg = moe.MoEficationConfig(num_experts=4, top_k=4, **CFG)
+    cfg = moe.MoEficationConfig(num_experts=4, top_k=4, shared_neurons=shared, **CFG)
     mlp = tiny_llama.model.layers[0].mlp
     layer = moe.moefy_layer(mlp, inputs[0], cfg, layer_seed=0)
-    assert sorted(torch.cat(layer.experts).tolist()) == list(range(128))  # a partition of the neurons
-    ffn = moe.MoEFFN(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, layer.experts, layer.router, 4)
+    # shared + routed experts are a partition of the neurons
+    assert sorted(torch.cat([layer.shared, *layer.experts]).tolist()) == list(range(128))
+    assert layer.shared.numel() == shared and all(e.numel() == (128 - shared) // 4 for e in layer.experts)
+    ffn = moe.MoEFFN(
+        mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, layer.experts, layer.router, 4, layer.shared
+    )
     x = inputs[0][:200]
     with torch.no_grad():
         dense, routed = mlp(x), ffn(x)
@@ -82,19 +87,37 @@ def test_top_k_approximates_and_router_beats_chance(tiny_llama, calib_inputs):
     assert errors[1] > errors[2] > errors[3] > 0
 
 
+def test_shared_neurons_reduce_the_error(tiny_llama, calib_inputs):
+    """The most contributing neurons, kept in every expert, make top-1 much closer to dense."""
+    _, inputs = calib_inputs
+    mlp = tiny_llama.model.layers[1].mlp
+    x = inputs[1]
+    with torch.no_grad():
+        dense = mlp(x)
+    errors = []
+    for shared in (0, 32):
+        cfg = moe.MoEficationConfig(num_experts=4, top_k=1, shared_neurons=shared, **CFG)
+        layer = moe.moefy_layer(mlp, x, cfg, layer_seed=1)
+        with torch.no_grad():
+            out = moe.MoEFFN(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, layer.experts,
+                             layer.router, 1, layer.shared)(x)  # fmt: skip
+        errors.append(((out - dense).norm() / dense.norm()).item())
+    assert errors[1] < errors[0]
+
+
 def test_mixtral_folder_matches_reference_moe(tiny_llama, calib_inputs, tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     ids, _ = calib_inputs
-    cfg = moe.MoEficationConfig(num_experts=4, top_k=2, **CFG)
+    cfg = moe.MoEficationConfig(num_experts=4, top_k=2, shared_neurons=16, **CFG)
     layers = moe.moefy_model(tiny_llama, ids, cfg)
     vocab = {f"t{i}": i for i in range(96)}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), eos_token="t2")
     moe.write_mixtral_folder(tiny_llama, tokenizer, layers, cfg, tmp_path, "float32", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM"]
-    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 32)
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 28 + 16)
 
     mixtral = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     reference = __import__("copy").deepcopy(tiny_llama)

@@ -2,7 +2,8 @@
 
 Per layer:
 1. Capture the FFN inputs x of the dense model on calibration text.
-2. Split the intermediate neurons into E equal experts by balanced k-means on their
+2. Keep the S neurons with the largest mean output contribution as *shared* (copied into every
+   expert: Mixtral has no shared expert, this emulates one), then split the other neurons into E equal experts by balanced k-means on their
    co-activation patterns (|act| over calibration tokens): neurons that fire together share an expert.
 3. Score each expert per token by the norm of its contribution to the FFN output,
    ||W_down[:, e] act_e(x)||, and fit a linear router (softmax cross-entropy on the top-k experts).
@@ -39,6 +40,9 @@ ROUTER_LOGIT_SCALE = 2.0**-14
 class MoEficationConfig:
     num_experts: int = 8
     top_k: int = 4
+    # Neurons with the largest mean output contribution, copied into every expert (a shared
+    # expert emulated inside the Mixtral format): without them top-k collapses (see docs).
+    shared_neurons: int = 0
     seed: int = 0
     calib_seq_len: int = 512
     calib_sequences: int = 32  # 16K calibration tokens
@@ -136,18 +140,31 @@ def topk_recall(logits: torch.Tensor, scores: torch.Tensor, top_k: int) -> float
     return float((pred * true).sum(1).float().mean() / top_k)
 
 
+def expert_tensors(w_gate, w_up, w_down, experts, shared, top_k: int) -> list[tuple[torch.Tensor, ...]]:
+    """(w1, w3, w2) per expert. Every expert holds the shared neurons plus its own; the k selected
+    experts get weight ~1/k each, so own down-columns are scaled by k (exact partial FFN) and the
+    shared ones are not (k copies x 1/k = once)."""
+    out = []
+    for idx in experts:
+        rows = torch.cat([shared, idx]) if shared is not None and shared.numel() else idx
+        scale = torch.ones(rows.numel(), dtype=w_down.dtype)
+        scale[rows.numel() - idx.numel() :] = top_k
+        out.append((w_gate[rows], w_up[rows], w_down[:, rows] * scale))
+    return out
+
+
 class MoEFFN(torch.nn.Module):
     """Reference Mixtral-semantics MoE FFN built from dense SwiGLU weights (evaluation and tests)."""
 
-    def __init__(self, w_gate, w_up, w_down, experts: Sequence[torch.Tensor], router: torch.Tensor, top_k: int):
+    def __init__(self, w_gate, w_up, w_down, experts: Sequence[torch.Tensor], router: torch.Tensor, top_k: int,
+                 shared: torch.Tensor | None = None):  # fmt: skip
         super().__init__()
         self.top_k = top_k
         self.router = torch.nn.Parameter(router * ROUTER_LOGIT_SCALE, requires_grad=False)
-        self.w1 = torch.nn.ParameterList([torch.nn.Parameter(w_gate[idx].clone(), requires_grad=False) for idx in experts])
-        self.w3 = torch.nn.ParameterList([torch.nn.Parameter(w_up[idx].clone(), requires_grad=False) for idx in experts])
-        self.w2 = torch.nn.ParameterList(
-            [torch.nn.Parameter(w_down[:, idx].clone() * top_k, requires_grad=False) for idx in experts]
-        )
+        tensors = expert_tensors(w_gate.detach(), w_up.detach(), w_down.detach(), experts, shared, top_k)
+        self.w1 = torch.nn.ParameterList([torch.nn.Parameter(t[0].clone(), requires_grad=False) for t in tensors])
+        self.w3 = torch.nn.ParameterList([torch.nn.Parameter(t[1].clone(), requires_grad=False) for t in tensors])
+        self.w2 = torch.nn.ParameterList([torch.nn.Parameter(t[2].clone(), requires_grad=False) for t in tensors])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
@@ -172,9 +189,10 @@ class MoEFFN(torch.nn.Module):
 
 @dataclass
 class LayerMoE:
-    experts: list[torch.Tensor]
+    experts: list[torch.Tensor]  # routed neuron indices per expert
     router: torch.Tensor  # unscaled logits weight [E, H]
     router_recall: float
+    shared: torch.Tensor  # neuron indices present in every expert (may be empty)
 
 
 def capture_ffn_inputs(model, input_ids: torch.Tensor, batch: int = 4) -> list[torch.Tensor]:
@@ -203,15 +221,20 @@ def moefy_layer(mlp, x: torch.Tensor, cfg: MoEficationConfig, layer_seed: int) -
     perm = torch.randperm(x.shape[0], generator=gen)
     x = x[perm]
     act_sample = swiglu_act(x[: cfg.cluster_tokens], w_gate, w_up)
-    labels = balanced_kmeans(act_sample.abs().T, cfg.num_experts, cfg.kmeans_iters, layer_seed)
-    experts = expert_indices(labels, cfg.num_experts)
+    importance = act_sample.abs().mean(0) * w_down.norm(dim=0)  # mean |contribution| per neuron
+    shared = torch.sort(importance.topk(cfg.shared_neurons).indices).values
+    routed = torch.ones(w_gate.shape[0], dtype=torch.bool)
+    routed[shared] = False
+    routed = torch.nonzero(routed).flatten()
+    labels = balanced_kmeans(act_sample[:, routed].abs().T, cfg.num_experts, cfg.kmeans_iters, layer_seed)
+    experts = [routed[idx] for idx in expert_indices(labels, cfg.num_experts)]
     n_hold = min(cfg.router_holdout, x.shape[0] // 4)
     x = x[: n_hold + cfg.router_tokens]
     scores = expert_scores(swiglu_act(x, w_gate, w_up), w_down, experts)
     train = slice(n_hold, n_hold + cfg.router_tokens)
     router = fit_router(x[train], scores[train], cfg.top_k, cfg.router_steps, cfg.router_lr, layer_seed)
     recall = topk_recall(x[:n_hold] @ router.T, scores[:n_hold], cfg.top_k) if n_hold else float("nan")
-    return LayerMoE(experts, router, recall)
+    return LayerMoE(experts, router, recall, shared)
 
 
 def moefy_model(model, calib_ids: torch.Tensor, cfg: MoEficationConfig) -> list[LayerMoE]:
@@ -229,22 +252,22 @@ def patch_model_with_moe(model, layers: Sequence[LayerMoE], top_k: int) -> None:
         mlp = layer.mlp
         layer.mlp = MoEFFN(
             mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach(),
-            moe.experts, moe.router.to(mlp.gate_proj.weight.dtype), top_k,
+            moe.experts, moe.router.to(mlp.gate_proj.weight.dtype), top_k, moe.shared,
         )  # fmt: skip
 
 
 def mixtral_config(dense_config, cfg: MoEficationConfig, dtype: str) -> dict[str, Any]:
     c = dense_config
-    intermediate = c.intermediate_size
-    if intermediate % cfg.num_experts:
-        raise ValueError(f"intermediate_size {intermediate} is not divisible by {cfg.num_experts} experts")
+    routed = c.intermediate_size - cfg.shared_neurons
+    if routed % cfg.num_experts:
+        raise ValueError(f"{routed} routed neurons do not split into {cfg.num_experts} equal experts")
     rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
     return {
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
-        "intermediate_size": intermediate // cfg.num_experts,
+        "intermediate_size": routed // cfg.num_experts + cfg.shared_neurons,
         "num_hidden_layers": c.num_hidden_layers,
         "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads,
@@ -288,11 +311,11 @@ def mixtral_state_dict(model, layers: Sequence[LayerMoE], cfg: MoEficationConfig
         w_up = dense[f"{p}.mlp.up_proj.weight"].float()
         w_down = dense[f"{p}.mlp.down_proj.weight"].float()
         sd[f"{p}.block_sparse_moe.gate.weight"] = moe.router * ROUTER_LOGIT_SCALE
-        for e, idx in enumerate(moe.experts):
+        for e, (w1, w3, w2) in enumerate(expert_tensors(w_gate, w_up, w_down, moe.experts, moe.shared, cfg.top_k)):
             q = f"{p}.block_sparse_moe.experts.{e}"
-            sd[f"{q}.w1.weight"] = w_gate[idx]
-            sd[f"{q}.w3.weight"] = w_up[idx]
-            sd[f"{q}.w2.weight"] = w_down[:, idx] * cfg.top_k
+            sd[f"{q}.w1.weight"] = w1
+            sd[f"{q}.w3.weight"] = w3
+            sd[f"{q}.w2.weight"] = w2
     return {k: v.to(dtype).contiguous() for k, v in sd.items()}
 
 
@@ -362,7 +385,7 @@ def write_mixtral_folder(model, tokenizer, layers, cfg: MoEficationConfig, out_d
     generation = base_dir / "generation_config.json"
     if generation.is_file():
         (out_dir / "generation_config.json").write_text(generation.read_text())
-    experts = {str(i): [idx.tolist() for idx in moe.experts] for i, moe in enumerate(layers)}
+    experts = {str(i): {"shared": moe.shared.tolist(), "experts": [idx.tolist() for idx in moe.experts]} for i, moe in enumerate(layers)}
     (out_dir / "moefication_experts.json").write_text(json.dumps(experts) + "\n")
 
 

@@ -67,7 +67,7 @@ def _generation_agreement(reference: list[list[int]], candidate: list[list[int]]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default=None, help="dense model folder (default: the built smollm2-135m)")
-    parser.add_argument("--configs", default="8:8,8:2,8:4,8:6,16:4,16:8", help="E:k pairs")
+    parser.add_argument("--configs", default="8:8:0,8:2:0,8:2:128,8:4:128,8:4:256,16:4:128", help="E:k:shared triples")
     parser.add_argument("--heldout-sequences", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dense ppl {dense_ppl:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     for pair in args.configs.split(","):
-        num_experts, top_k = (int(v) for v in pair.split(":"))
-        cfg = moe.MoEficationConfig(num_experts=num_experts, top_k=top_k)
+        num_experts, top_k, shared = (int(v) for v in (pair.split(":") + ["0"])[:3])
+        cfg = moe.MoEficationConfig(num_experts=num_experts, top_k=top_k, shared_neurons=shared)
         start = time.perf_counter()
         layers = [
             moe.moefy_layer(layer.mlp, inputs[i], cfg, cfg.seed * 1000 + i) for i, layer in enumerate(model.model.layers)
@@ -110,10 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         row = {
             "num_experts": num_experts,
             "top_k": top_k,
-            "active_ffn_fraction": top_k / num_experts,
+            "shared_neurons": shared,
+            # neurons computed per token (shared ones once; vLLM computes them in each of the k experts)
+            "active_ffn_fraction": (shared + top_k * (model.config.intermediate_size - shared) / num_experts)
+            / model.config.intermediate_size,
             "perplexity": moe.perplexity(moe_model, heldout),
             "top1_agreement_teacher_forced": _agreement(dense_argmax, moe_model, heldout),
-            "greedy_generation": _generation_agreement(dense_gen, _generate(moe_model, tokenizer, prompts, args.max_new_tokens)),
+            "greedy_generation": _generation_agreement(dense_gen, _generate(moe_model, tokenizer, prompts, args.max_new_tokens))
+            if prompts
+            else None,
             "router_topk_recall_heldout_mean": sum(m.router_recall for m in layers) / len(layers),
             "moefy_seconds": round(build_s, 1),
         }
@@ -138,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print("\n| E | top-k | active FFN | ppl (dense %.2f) | ppl ratio | top-1 agree | greedy exact | greedy prefix | router recall |" % dense_ppl)
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| E | top-k | shared | active FFN | ppl (dense %.2f) | ppl ratio | top-1 agree | greedy exact | greedy prefix | router recall |" % dense_ppl)
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["configs"]:
-        g = r["greedy_generation"]
+        g = r["greedy_generation"] or {"exact_match": float("nan"), "mean_prefix_fraction": float("nan")}
         print(
-            f"| {r['num_experts']} | {r['top_k']} | {r['active_ffn_fraction']:.0%} | {r['perplexity']:.2f} | "
+            f"| {r['num_experts']} | {r['top_k']} | {r['shared_neurons']} | {r['active_ffn_fraction']:.0%} | {r['perplexity']:.2f} | "
             f"{r['perplexity_ratio']:.3f} | {r['top1_agreement_teacher_forced']:.3f} | {g['exact_match']:.2f} | "
             f"{g['mean_prefix_fraction']:.2f} | {r['router_topk_recall_heldout_mean']:.3f} |"
         )
