@@ -68,7 +68,8 @@ METHODS: dict[str, Method] = {
 
 
 def hardware() -> dict[str, Any]:
-    info: dict[str, Any] = {"machine": platform.machine(), "nproc": os.cpu_count()}
+    info: dict[str, Any] = {"machine": platform.machine(), "nproc": os.cpu_count(),
+                            "loadavg_1_5_15": os.getloadavg()}
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
         for line in lscpu.splitlines():
@@ -301,6 +302,7 @@ def main(argv=None) -> int:
     print(f"target={target}\ndraft={draft}\n{len(rows)} prompts x {len(methods)} methods", flush=True)
 
     started = dt.datetime.now(dt.timezone.utc)
+    hw_start = hardware()  # load average before the run: other work on the machine shows here
     results: dict[str, dict] = {}
     with tqdm(total=len(rows) * len(methods), desc="requests", unit="req") as bar:
         for method in methods:
@@ -317,7 +319,7 @@ def main(argv=None) -> int:
         "started_utc": started.isoformat(),
         "finished_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
         "target": target, "draft": draft, "args": vars(args),
-        "hardware": hardware(), "versions": versions(), "env": binding_env(),
+        "hardware_at_start": hw_start, "hardware": hardware(), "versions": versions(), "env": binding_env(),
         "results": results,
     }
     base.with_suffix(".json").write_text(json.dumps(record, indent=1))
