@@ -14,6 +14,7 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -301,9 +302,52 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
   std::unique_ptr<float[]> partial_buf(new float[std::max<int64_t>(1, partial_size)]);
   float* const partial = partial_buf.get();
 
+  // Items of one (req, head) are contiguous: first_item[rh] .. first_item[rh + 1].
+  std::vector<int64_t> first_item(static_cast<size_t>(num_req) * hkv + 1, 0);
+  {
+    size_t i = 0;
+    for (int rh = 0; rh < num_req * hkv; ++rh) {
+      first_item[rh] = static_cast<int64_t>(i);
+      while (i < items.size() && items[i].req * hkv + items[i].head == rh) ++i;
+    }
+    first_item[num_req * hkv] = static_cast<int64_t>(items.size());
+  }
+  // Merge of the split-K partials of one (req, head), run by whichever thread finishes its last item,
+  // so the whole op is a single parallel region (each region costs a worker wake-up).
+  auto merge = [&](int64_t rh, std::vector<float>& row_out) {
+    row_out.resize(dp);
+    const int r = static_cast<int>(rh / hkv), h = static_cast<int>(rh % hkv);
+    const int t0 = qsl[r], q_len = qsl[r + 1] - t0;
+    const int rows = q_len * group;
+    for (int row = 0; row < rows; ++row) {
+      float m_all = kNegInf;
+      for (int64_t it = first_item[rh]; it < first_item[rh + 1]; ++it)
+        m_all = std::max(m_all, partial[items[it].partial_offset + row]);
+      std::fill(row_out.begin(), row_out.end(), 0.f);
+      float l_all = 0.f;
+      if (m_all != kNegInf) {
+        for (int64_t it = first_item[rh]; it < first_item[rh + 1]; ++it) {
+          const float* m = partial + items[it].partial_offset;
+          if (m[row] == kNegInf) continue;
+          const float w = std::exp(m[row] - m_all);
+          l_all += m[rows + row] * w;
+          const float* arow = m + 2 * rows + static_cast<int64_t>(row) * dp;
+          for (int c = 0; c < dp; ++c) row_out[c] += w * arow[c];
+        }
+      }
+      const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+      for (int c = 0; c < d; ++c) row_out[c] *= inv;
+      const int i = row / group, g = row % group;
+      store_from_f32<scalar_t>(row_out.data(), op + (t0 + i) * os0 + (h * group + g) * os1, d);
+    }
+  };
+  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[static_cast<size_t>(num_req) * hkv + 1]);
+  for (int64_t rh = 0; rh < static_cast<int64_t>(num_req) * hkv; ++rh)
+    pending[rh].store(first_item[rh + 1] - first_item[rh], std::memory_order_relaxed);
+
   // ---- compute items ----
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> q_buf, s_buf, k_buf, v_buf;
+    thread_local std::vector<float> q_buf, s_buf, k_buf, v_buf, merge_buf;
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];
       const int r = item.req, h = item.head;
@@ -402,49 +446,12 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
           pv_rows<float>(s, bsp, rows, vp, dp, ntok, dp, acc);
         }
       }
+      // The last finished item of a (req, head) merges; acq_rel makes the other items' partials visible.
+      const int64_t rh = static_cast<int64_t>(r) * hkv + h;
+      if (pending[rh].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(rh, merge_buf);
     }
   });
 
-  // ---- merge the split-K partials of each (req, head) and write out ----
-  std::vector<int64_t> first_item(static_cast<size_t>(num_req) * hkv + 1, 0);
-  {
-    size_t i = 0;
-    for (int rh = 0; rh < num_req * hkv; ++rh) {
-      first_item[rh] = static_cast<int64_t>(i);
-      while (i < items.size() && items[i].req * hkv + items[i].head == rh) ++i;
-    }
-    first_item[num_req * hkv] = static_cast<int64_t>(items.size());
-  }
-  at::parallel_for(0, static_cast<int64_t>(num_req) * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row_out(dp);
-    for (int64_t rh = begin; rh < end; ++rh) {
-      const int r = static_cast<int>(rh / hkv), h = static_cast<int>(rh % hkv);
-      const int t0 = qsl[r], q_len = qsl[r + 1] - t0;
-      const int rows = q_len * group;
-      if (first_item[rh] == first_item[rh + 1]) continue;  // no query tokens, or done by the SDPA path
-      for (int row = 0; row < rows; ++row) {
-        float m_all = kNegInf;
-        for (int64_t it = first_item[rh]; it < first_item[rh + 1]; ++it)
-          m_all = std::max(m_all, partial[items[it].partial_offset + row]);
-        std::fill(row_out.begin(), row_out.end(), 0.f);
-        float l_all = 0.f;
-        if (m_all != kNegInf) {
-          for (int64_t it = first_item[rh]; it < first_item[rh + 1]; ++it) {
-            const float* m = partial + items[it].partial_offset;
-            if (m[row] == kNegInf) continue;
-            const float w = std::exp(m[row] - m_all);
-            l_all += m[rows + row] * w;
-            const float* arow = m + 2 * rows + static_cast<int64_t>(row) * dp;
-            for (int c = 0; c < dp; ++c) row_out[c] += w * arow[c];
-          }
-        }
-        const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
-        for (int c = 0; c < d; ++c) row_out[c] *= inv;
-        const int i = row / group, g = row % group;
-        store_from_f32<scalar_t>(row_out.data(), op + (t0 + i) * os0 + (h * group + g) * os1, d);
-      }
-    }
-  });
 }
 
 }  // namespace

@@ -19,7 +19,9 @@ void summaries_impl(const torch::Tensor& key_cache, const std::vector<std::pair<
                 sd = key_cache.stride(3);
   float* kmin = key_min.data_ptr<float>();
   float* kmax = key_max.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(touched.size()) * hkv, 1, [&](int64_t begin, int64_t end) {
+  // A verify step touches a few blocks: run those inline (a parallel region costs a worker wake-up);
+  // prefill touches many and is split across threads.
+  at::parallel_for(0, static_cast<int64_t>(touched.size()) * hkv, 16, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = touched[w / hkv].first;
       const int ntok = touched[w / hkv].second + 1;
@@ -155,7 +157,11 @@ void select_kv_blocks_cpu(const torch::Tensor& query_pooled, const torch::Tensor
     TORCH_CHECK(std::min(n, budget) <= slots, "selected has ", slots, " slots per head, request ", r, " needs ",
                 std::min(n, budget));
   }
-  at::parallel_for(0, static_cast<int64_t>(num_req) * hkv, 1, [&](int64_t begin, int64_t end) {
+  // Scoring is ~D flops per block and head: small batches run inline, large ones in parallel.
+  int64_t total_blocks = 0;
+  for (int r = 0; r < num_req; ++r) total_blocks += (std::max(0, slp[r] - qlp[r]) + block_size - 1) / block_size;
+  const int64_t grain = total_blocks * hkv < 4096 ? std::max<int64_t>(1, static_cast<int64_t>(num_req) * hkv) : 1;
+  at::parallel_for(0, static_cast<int64_t>(num_req) * hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int32_t> order;
     for (int64_t rh = begin; rh < end; ++rh) {

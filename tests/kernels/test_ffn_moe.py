@@ -49,10 +49,13 @@ def test_ffn_matches_reference(dtype, h, inter, groups, keep_frac, seed):
             continue
         got = sel[g].tolist()
         assert got == sorted(set(got)) and len(got) == keep
-        if got != rsel[g].tolist():  # only a near-tie of scores may flip (fp summation order)
+        if got != rsel[g].tolist():
+            # Only a near-tie may flip: fp summation order, and with >= 16 tokens the GEMM path rounds the
+            # gate to the input dtype (as torch's dense bf16 MLP does).
             scores = act[t0:t1].abs().sum(0)
             rest = sorted(set(range(inter)) - set(got))
-            assert scores[got].min() >= scores[rest].max() - 1e-4 * (1 + scores.max())
+            tie_tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+            assert scores[got].min() >= scores[rest].max() - tie_tol * (1 + scores.max())
         expected_g = ref.swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, sel[g]).to(dtype)
         torch.testing.assert_close(out[t0:t1].float(), expected_g.float(), rtol=rtol, atol=atol)
 
