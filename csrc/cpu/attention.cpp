@@ -216,6 +216,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
     for (int h = 0; h < hkv; ++h) {
       auto& list = segs[r * hkv + h];
       auto add_ctx = [&](int b) {
+        TORCH_CHECK(b >= 0 && b < n_ctx_blocks, "selected block ", b, " of request ", r, " is not a context block");
         list.push_back({b, 0, std::min(bs, ctx_len - b * bs), false});
       };
       if (sel) {

@@ -174,3 +174,12 @@ def test_many_rows_sdpa_path(dtype, tree):
     ref.block_sparse_tree_attention(expected, query, kc, vc, bt, sl, qsl, sel, nsel, mask, 0.125)
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+def test_invalid_selected_block_raises():
+    kc, vc, bt, _ = make_paged_kv([100], 1, 16, 16, torch.float32, "cpu")
+    query = torch.randn(2, 1, 16)
+    sel = torch.tensor([[[0, 7]]], dtype=torch.int32)  # 98 context tokens = blocks 0..6
+    with pytest.raises(RuntimeError, match="not a context block"):
+        ops.block_sparse_tree_attention(query, kc, vc, bt, torch.tensor([100], dtype=torch.int32), start_loc([2]),
+                                        0.25, sel, torch.tensor([[2]], dtype=torch.int32))
