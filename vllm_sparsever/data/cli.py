@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -37,15 +36,3 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for category, built, rows in categories_status(args.root):
         print(f"{category:<14} {'built' if built else '-':<6} {rows if rows is not None else ''}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vllm-sparsever")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_subparser(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -97,16 +97,3 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(problem, file=sys.stderr)
     print(f"{folder}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
     return 1 if problems else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m vllm_sparsever.models.cli ...`) until the lead wires the CLI."""
-    parser = argparse.ArgumentParser(prog="vllm-sparsever")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_subparser(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -114,7 +114,6 @@ def fit_router(
 ) -> torch.Tensor:
     """Linear router [E, H] whose logits rank each token's top-k experts (by `scores`) first."""
     torch.manual_seed(seed)
-    num_experts = scores.shape[1]
     target = torch.zeros_like(scores)
     target.scatter_(1, scores.topk(top_k, dim=1).indices, 1.0 / top_k)
     # Normalise inputs for a well-conditioned fit; fold the normalisation back into the weight.
