@@ -77,6 +77,8 @@ class SparseverRunnerMixin:
         timing, self._sparsever_timing = self._sparsever_timing, {}
         if plan is None or "execute" not in timing:
             return output  # no forward ran this step (empty batch, pipeline pass-through)
+        # With async scheduling (GPU) the output is an AsyncModelRunnerOutput whose tokens are not
+        # ready here; acceptance is then not counted (timing still is).
         sampled = getattr(output, "sampled_token_ids", None)
         if sampled is not None and plan.is_verify_step:
             self._count_acceptance(plan, output.req_id_to_index, sampled)
