@@ -35,10 +35,3 @@ def make_paged_kv(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_s
         block_table[r, :n] = perm[used : used + n].to(torch.int32)
         used += n
     return key_cache, value_cache, block_table, raw
-
-
-def start_loc(lengths: list[int]) -> torch.Tensor:
-    """Offsets [0, l0, l0+l1, ...] as int32."""
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32) if lengths else out[1:]
-    return out

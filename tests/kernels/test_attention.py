@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 import vllm_sparsever._custom_ops as ops
 import vllm_sparsever.reference as ref
 
-from .kv_cache_utils import make_paged_kv, start_loc
+from op_inputs import start_loc
+
+from .kv_cache_utils import make_paged_kv
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 

@@ -18,7 +18,9 @@ import torch
 torch.set_num_threads(2)
 import vllm_sparsever._custom_ops as ops
 import vllm_sparsever.reference as ref
-from tests.kernels.kv_cache_utils import make_paged_kv, start_loc
+sys.path.insert(0, "tests")
+from op_inputs import start_loc
+from tests.kernels.kv_cache_utils import make_paged_kv
 assert torch.ops.sparsever.ext_info() == "avx2"
 gen = torch.Generator().manual_seed(0)
 for dtype, tol in [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]:

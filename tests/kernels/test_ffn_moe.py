@@ -9,15 +9,7 @@ from hypothesis import strategies as st
 import vllm_sparsever._custom_ops as ops
 import vllm_sparsever.reference as ref
 
-from .kv_cache_utils import start_loc
-
-TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
-
-
-def _ffn_weights(h, inter, dtype, gen):
-    w_gate_up = (torch.randn(2 * inter, h, generator=gen) / h**0.5).to(dtype)
-    w_down_t = (torch.randn(inter, h, generator=gen) / inter**0.5).to(dtype)
-    return w_gate_up, w_down_t
+from op_inputs import TOL, ffn_weights, start_loc
 
 
 @settings(max_examples=50, deadline=None)
@@ -32,7 +24,7 @@ def _ffn_weights(h, inter, dtype, gen):
 def test_ffn_matches_reference(dtype, h, inter, groups, keep_frac, seed):
     gen = torch.Generator().manual_seed(seed)
     keep = max(1, round(keep_frac * inter))
-    w_gate_up, w_down_t = _ffn_weights(h, inter, dtype, gen)
+    w_gate_up, w_down_t = ffn_weights(h, inter, dtype, gen)
     x = torch.randn(sum(groups), h, generator=gen).to(dtype)
     gsl = start_loc(groups)
     out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, gsl, keep)
@@ -63,7 +55,7 @@ def test_ffn_matches_reference(dtype, h, inter, groups, keep_frac, seed):
 def test_ffn_keep_all_is_dense_mlp():
     gen = torch.Generator().manual_seed(0)
     h, inter = 64, 96
-    w_gate_up, w_down_t = _ffn_weights(h, inter, torch.float32, gen)
+    w_gate_up, w_down_t = ffn_weights(h, inter, torch.float32, gen)
     x = torch.randn(5, h, generator=gen)
     out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, start_loc([5]), inter)
     gate, up = (x @ w_gate_up.t()).chunk(2, dim=-1)
@@ -74,7 +66,7 @@ def test_ffn_keep_all_is_dense_mlp():
 def test_ffn_reads_only_selected_rows():
     gen = torch.Generator().manual_seed(1)
     h, inter, keep = 64, 128, 16
-    w_gate_up, w_down_t = _ffn_weights(h, inter, torch.bfloat16, gen)
+    w_gate_up, w_down_t = ffn_weights(h, inter, torch.bfloat16, gen)
     x = torch.randn(3, h, generator=gen).to(torch.bfloat16)
     _, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, start_loc([3]), keep)
     expected = ref.swiglu_ffn_on_neurons(x, w_gate_up, w_down_t, sel[0])
@@ -166,7 +158,7 @@ def test_dispatch_reads_only_kept_experts():
 def test_opcheck_fake_impls():
     gen = torch.Generator().manual_seed(3)
     h, inter = 16, 24
-    w_gate_up, w_down_t = _ffn_weights(h, inter, torch.float32, gen)
+    w_gate_up, w_down_t = ffn_weights(h, inter, torch.float32, gen)
     x = torch.randn(3, h, generator=gen)
     gsl = start_loc([2, 1])
     torch.library.opcheck(torch.ops.sparsever.topk_swiglu_ffn.default,
@@ -184,7 +176,7 @@ def test_many_tokens_gemm_path(dtype):
     # >= 16 tokens per group / per expert switch the kernels to gathered-row GEMMs (SPARSEVER_CPU_GEMM_MIN_TOKENS).
     gen = torch.Generator().manual_seed(4)
     h, inter, keep = 64, 96, 24
-    w_gate_up, w_down_t = _ffn_weights(h, inter, dtype, gen)
+    w_gate_up, w_down_t = ffn_weights(h, inter, dtype, gen)
     x = torch.randn(40, h, generator=gen).to(dtype)
     gsl = start_loc([3, 33, 4])
     out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, gsl, keep)

@@ -8,27 +8,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from simt_build import kernel_ops
 
+from op_inputs import TOL, ffn_weights, start_loc
+
 from vllm_sparsever import reference
 
-TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
 def ops():
     return kernel_ops()
-
-
-def start_loc(sizes):
-    loc = torch.zeros(len(sizes) + 1, dtype=torch.int32)
-    loc[1:] = torch.cumsum(torch.tensor(sizes, dtype=torch.int32), 0)
-    return loc
-
-
-def ffn_weights(h, inter, dtype, gen):
-    w_gate_up = (torch.randn(2 * inter, h, generator=gen) / h**0.5).to(dtype)
-    w_down_t = (torch.randn(inter, h, generator=gen) / inter**0.5).to(dtype)
-    return w_gate_up, w_down_t
 
 
 def check_ffn(ops, x, w_gate_up, w_down_t, groups, keep, forced_splits=0):
