@@ -74,10 +74,10 @@ def hardware() -> dict[str, Any]:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
         for line in lscpu.splitlines():
             key, _, value = line.partition(":")
-            if key.strip() in ("Model name", "Flags"):
-                value = value.strip()
-                info[key.strip()] = value if key.strip() != "Flags" else "avx512f" in value.split()
-        info["avx512f"] = info.pop("Flags", None)
+            if key.strip() == "Model name":
+                info["Model name"] = value.strip()
+            elif key.strip() == "Flags":
+                info["avx512f"] = "avx512f" in value.split()
     except OSError:
         pass
     try:
