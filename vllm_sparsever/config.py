@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,7 +37,11 @@ class SparseverConfigError(ValueError):
 
 @dataclass
 class AttentionSparsityConfig:
-    """Block-sparse attention on verify steps (Quest-style KV block selection)."""
+    """Block-sparse attention on verify steps (Quest-style KV block selection).
+
+    Selections are made per request and KV head at anchor layers from per-block key summaries,
+    shared by all the request's draft tokens and reused by the layers up to the next anchor.
+    """
 
     enabled: bool = False
     # Context blocks kept per request and KV head, besides the sink and local blocks.
@@ -52,25 +57,33 @@ class AttentionSparsityConfig:
     def validate(self, prefix: str) -> None:
         _check_int(f"{prefix}.top_k_blocks", self.top_k_blocks, minimum=1)
         _check_int(f"{prefix}.num_sink_blocks", self.num_sink_blocks, minimum=0)
-        _check_int(f"{prefix}.num_local_blocks", self.num_local_blocks, minimum=0)
+        _check_int(f"{prefix}.num_local_blocks", self.num_local_blocks, minimum=1)
         _check_int(f"{prefix}.min_context_len", self.min_context_len, minimum=0)
         _check_layer_list(f"{prefix}.anchor_layers", self.anchor_layers)
+        if self.anchor_layers is not None and (not self.anchor_layers or self.anchor_layers[0] != 0):
+            raise SparseverConfigError(
+                f"{prefix}.anchor_layers: must start with layer 0 (the first layer has no selection "
+                f"to reuse), got {self.anchor_layers}"
+            )
+
+
+# Used when neither the config nor a calibration profile gives a value.
+DEFAULT_FFN_KEEP_RATIO = 0.5
+DEFAULT_MOE_RATIO_THRESHOLD = 0.25
 
 
 @dataclass
 class FFNSparsityConfig:
-    """Top-k FFN neuron gating on verify steps (one neuron set per request)."""
+    """Top-k FFN neuron gating on verify steps (one neuron set per request's verify tokens)."""
 
     enabled: bool = False
-    # Share of intermediate neurons kept (0, 1]; ignored when `threshold` is set.
-    keep_ratio: float = 0.5
-    # Keep neurons whose summed |activation| exceeds this value instead of a fixed share.
-    threshold: float | None = None
+    # Share of intermediate neurons kept, (0, 1], for every layer. None = per-layer ratios from
+    # the calibration profile, else DEFAULT_FFN_KEEP_RATIO.
+    keep_ratio: float | None = None
 
     def validate(self, prefix: str) -> None:
-        _check_float(f"{prefix}.keep_ratio", self.keep_ratio, low=0.0, high=1.0, low_open=True)
-        if self.threshold is not None:
-            _check_float(f"{prefix}.threshold", self.threshold, low=0.0)
+        if self.keep_ratio is not None:
+            _check_float(f"{prefix}.keep_ratio", self.keep_ratio, low=0.0, high=1.0, low_open=True)
 
 
 @dataclass
@@ -78,13 +91,15 @@ class MoESparsityConfig:
     """MoE expert pruning on verify steps, with grouped dispatch over the union of kept experts."""
 
     enabled: bool = False
-    # Drop a token's expert j when its routing weight < ratio_threshold * (top-1 weight).
-    ratio_threshold: float = 0.0
-    # Cap on distinct experts per step (None = no cap).
+    # Drop a token's expert j when its routing weight < ratio_threshold * (top-1 weight), for every
+    # layer. None = per-layer medians from the calibration profile, else DEFAULT_MOE_RATIO_THRESHOLD.
+    ratio_threshold: float | None = None
+    # Cap on distinct experts per request per verify step (None = no cap).
     expert_budget: int | None = None
 
     def validate(self, prefix: str) -> None:
-        _check_float(f"{prefix}.ratio_threshold", self.ratio_threshold, low=0.0, high=1.0)
+        if self.ratio_threshold is not None:
+            _check_float(f"{prefix}.ratio_threshold", self.ratio_threshold, low=0.0, high=1.0)
         if self.expert_budget is not None:
             _check_int(f"{prefix}.expert_budget", self.expert_budget, minimum=1)
 
@@ -117,7 +132,7 @@ class EarlyExitConfig:
 
 # Capabilities whose code has not landed yet: enabling one fails at start rather than
 # silently running dense verification under a sparse label.
-_NOT_YET_IMPLEMENTED = ("attention", "ffn", "moe", "adaptive", "early_exit")
+_NOT_YET_IMPLEMENTED = ("adaptive", "early_exit")
 
 
 @dataclass
@@ -135,7 +150,9 @@ class SparseverConfig:
     moe: MoESparsityConfig = field(default_factory=MoESparsityConfig)
     adaptive: AdaptiveVerificationConfig = field(default_factory=AdaptiveVerificationConfig)
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
-    # Calibration profile (json) with anchor layers and thresholds; None = built-in defaults.
+    # Calibration profile (json from `vllm-sparsever calibrate`) with anchor layers and
+    # thresholds. None = the target model's default profile if one was calibrated, else the
+    # built-in defaults; "none" = never read a profile.
     profile: str | None = None
     # On a run-time problem with a sparse path, verify densely (and warn) instead of failing.
     fallback_to_dense: bool = True
@@ -217,8 +234,16 @@ class SparseverConfig:
                 raise SparseverConfigError(
                     f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
                 )
-        if self.profile is not None and not isinstance(self.profile, str):
-            raise SparseverConfigError("profile: expected a path string to a calibration profile")
+        if self.profile is not None:
+            if not isinstance(self.profile, str):
+                raise SparseverConfigError(
+                    "profile: expected a path to a calibration profile json, or 'none'"
+                )
+            if self.profile != "none" and not os.path.isfile(self.profile):
+                raise SparseverConfigError(
+                    f"profile: no calibration profile at {self.profile!r} (allowed: an existing "
+                    f"json file written by `vllm-sparsever calibrate`, or 'none')"
+                )
         _check_bool("fallback_to_dense", self.fallback_to_dense)
         for name in ("attention", "ffn", "moe", "adaptive", "early_exit"):
             section = getattr(self, name)
