@@ -76,12 +76,56 @@ def test_invalid_values_name_the_field(raw, words):
         assert word in message, message
 
 
-@pytest.mark.parametrize("section", ["attention", "ffn", "moe", "adaptive", "early_exit"])
+@pytest.mark.parametrize("section", ["adaptive", "early_exit"])
 def test_capabilities_not_yet_landed_fail_instead_of_running_dense(section):
     with pytest.raises(SparseverConfigError, match=rf"{section}\.enabled.*not available"):
         SparseverConfig.from_dict(
             {"method": "sparsever", "model": "d", "num_speculative_tokens": 3, section: {"enabled": True}}
         )
+
+
+@pytest.mark.parametrize("section", ["attention", "ffn", "moe"])
+def test_sparsity_sections_can_be_enabled(section):
+    config = SparseverConfig.from_dict(
+        {"method": "sparsever", "model": "d", "num_speculative_tokens": 3, section: {"enabled": True}}
+    )
+    assert getattr(config, section).enabled and config.any_sparsity
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ({"attention": {"anchor_layers": [1, 2]}}, ["attention.anchor_layers", "layer 0"]),
+        ({"attention": {"num_local_blocks": 0}}, ["attention.num_local_blocks", ">= 1"]),
+        ({"moe": {"ratio_threshold": 1.5}}, ["moe.ratio_threshold", "[0.0, 1.0]"]),
+        ({"moe": {"expert_budget": 0}}, ["moe.expert_budget", ">= 1"]),
+        ({"profile": "/nonexistent/profile.json"}, ["profile", "calibrate", "'none'"]),
+    ],
+)
+def test_sparsity_values_name_the_field(raw, words):
+    with pytest.raises(SparseverConfigError) as info:
+        SparseverConfig.from_dict({"method": "sparsever", "model": "d", "num_speculative_tokens": 3, **raw})
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_sparsity_on_unsupported_architecture_fails_in_front_end():
+    from types import SimpleNamespace
+
+    from vllm_sparsever.verification.support import check_sparsity_supported
+
+    config = SparseverConfig.from_dict(
+        {"method": "sparsever", "model": "d", "num_speculative_tokens": 3, "ffn": True}
+    )
+    mixtral = SimpleNamespace(architectures=["MixtralForCausalLM"], quantization=None)
+    with pytest.raises(SparseverConfigError, match=r"ffn\.enabled: MixtralForCausalLM.*Qwen2ForCausalLM"):
+        check_sparsity_supported(config, mixtral)
+    config = SparseverConfig.from_dict(
+        {"method": "sparsever", "model": "d", "num_speculative_tokens": 3, "moe": True}
+    )
+    llama = SimpleNamespace(architectures=["LlamaForCausalLM"], quantization=None)
+    with pytest.raises(SparseverConfigError, match=r"moe\.enabled: LlamaForCausalLM.*MixtralForCausalLM"):
+        check_sparsity_supported(config, llama)
 
 
 def test_engine_args_reject_bad_config_before_engine_start(tiny_target):

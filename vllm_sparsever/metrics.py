@@ -141,7 +141,9 @@ def get_metrics(llm: Any) -> dict[str, Any]:
     """Sparsever metrics of an `LLM` since start (or the last `reset_metrics`).
 
     Returns the driver worker's summary: `acceptance_rate`, `mean_acceptance_length`,
-    `per_position_acceptance`, `verification_time_share`, and the raw counters; with tensor
+    `per_position_acceptance`, `verification_time_share`, the raw counters, and `sparsity`: what
+    sparse verification read versus dense (`attn_kv_blocks_read`/`_dense`, `ffn_neurons_read`/
+    `_dense`, `moe_experts_read`/`_dense`, per layer and step, summed) and `*_fallbacks`; with tensor
     parallelism `ranks` holds every rank's summary.
     """
     summaries = llm.collective_rpc("sparsever_metrics")
@@ -153,6 +155,15 @@ def get_metrics(llm: Any) -> dict[str, Any]:
 
 def reset_metrics(llm: Any) -> None:
     llm.collective_rpc("reset_sparsever_metrics")
+
+
+def set_sparsity(llm: Any, **sections: Any) -> dict[str, Any]:
+    """Switch sparse verification sections of a running `LLM`, e.g. `set_sparsity(llm, ffn={...})`.
+
+    Only sections enabled at start can be switched on (their start-up work is done then); the
+    values are validated like the start-up config. Returns the sections now in force.
+    """
+    return llm.collective_rpc("sparsever_set_sparsity", args=(sections,))[0]
 
 
 # ---- Prometheus (API server process) --------------------------------------------------------

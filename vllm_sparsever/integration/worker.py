@@ -50,11 +50,21 @@ class _SparseverWorkerMixin:
         }
 
     def sparsever_metrics(self) -> dict[str, Any]:
-        return self.model_runner.sparsever_metrics.summary()
+        summary = self.model_runner.sparsever_metrics.summary()
+        summary["sparsity"] = self.model_runner.sparsever_runtime.stats_summary()
+        return summary
 
     def reset_sparsever_metrics(self) -> None:
         metrics = self.model_runner.sparsever_metrics
         self.model_runner.sparsever_metrics = type(metrics)(num_spec_tokens=metrics.num_spec_tokens)
+        self.model_runner.sparsever_runtime.reset_stats()
+
+    def sparsever_set_sparsity(self, sections: dict[str, Any]) -> dict[str, Any]:
+        """Switch the attention/ffn/moe sections at run time (within what was set up at start)."""
+        return self.model_runner.sparsever_runtime.set_sections(sections)
+
+    def sparsever_sparsity_info(self) -> dict[str, Any]:
+        return self.model_runner.sparsever_runtime.describe()
 
 
 if current_platform.is_cpu():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import re
 import threading
 from collections import Counter
@@ -85,6 +86,10 @@ class SparseVerificationRuntime:
             "moe": config.moe.enabled,
         }
         self.stats: Counter[str] = Counter()
+        # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
+        # records the largest difference (slow; for tests and debugging only).
+        self.check_reference = os.environ.get("VLLM_SPARSEVER_CHECK_REFERENCE") == "1"
+        self.reference_errors: dict[str, float] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
@@ -189,6 +194,13 @@ class SparseVerificationRuntime:
         with self._lock:
             self.stats.update({k: v for k, v in counts.items() if v})
 
+    def record_reference_error(self, component: str, error: float) -> None:
+        """Keep the largest |sparse - reference| seen per component (with `check_reference`)."""
+        with self._lock:
+            key = f"{component}_reference_max_abs_err"
+            self.reference_errors[key] = max(self.reference_errors.get(key, 0.0), float(error))
+            self.stats[f"{component}_reference_checks"] += 1
+
     def fallback(self, component: str, reason: str) -> None:
         """Note (and warn once per reason) that `component` verified densely this step."""
         self.record(**{f"{component}_fallbacks": 1})
@@ -199,11 +211,12 @@ class SparseVerificationRuntime:
 
     def stats_summary(self) -> dict[str, float]:
         with self._lock:
-            return dict(self.stats)
+            return {**self.stats, **self.reference_errors}
 
     def reset_stats(self) -> None:
         with self._lock:
             self.stats.clear()
+            self.reference_errors.clear()
 
     def describe(self) -> dict[str, Any]:
         return {

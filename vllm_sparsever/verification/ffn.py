@@ -1,0 +1,201 @@
+"""Top-k FFN neuron gating on verify steps: one neuron set per request, shared by its draft tokens.
+
+After the target loads, every SwiGLU MLP (`gate_up_proj` + `SiluAndMul` + `down_proj`: Llama,
+Qwen2, Mistral, ...) is wrapped by `SparseSwiGLUMLP`. Its forward is one opaque custom op
+(`sparsever_verify::swiglu_mlp`), so a torch.compile graph reads each step's plan instead of
+freezing the branch at trace time (the pattern of vLLM's `unified_attention_with_output`).
+
+On a verify step the op scores neurons by the summed |silu(gate)| of each request's verify tokens
+and reads the up/down rows of the top `keep_ratio * I` neurons only (`topk_swiglu_ffn`). Other
+tokens of the step, and every decode/prefill step, run the stock MLP.
+
+Weights: the op needs `gate_up_proj.weight` [2I, H] and the transposed down projection [I, H].
+vLLM-CPU normally repacks linear weights for oneDNN and frees them, so while the target loads the
+MLP linears keep their plain weights (dense steps use torch's matmul on them), and
+`down_proj.weight` becomes a transposed view of the [I, H] copy: no extra memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from vllm_sparsever import _custom_ops as ops
+from vllm_sparsever.plan import current_plan
+from vllm_sparsever.verification.runtime import (
+    SparseVerificationRuntime,
+    get_runtime,
+    layer_index_of,
+)
+
+_MLP_LINEAR_SUFFIXES = (".mlp.gate_up_proj", ".mlp.down_proj")
+
+# layer prefix -> wrapper; the custom op finds its module here (ops cannot take modules).
+_LAYERS: dict[str, "SparseSwiGLUMLP"] = {}
+
+
+@torch.library.custom_op("sparsever_verify::swiglu_mlp", mutates_args=())
+def _swiglu_mlp_op(x: torch.Tensor, layer_prefix: str) -> torch.Tensor:
+    return _LAYERS[layer_prefix].forward_impl(x)
+
+
+@_swiglu_mlp_op.register_fake
+def _(x: torch.Tensor, layer_prefix: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class SparseSwiGLUMLP(nn.Module):
+    """A SwiGLU MLP that verifies with one top-k neuron set per request."""
+
+    def __init__(self, mlp: nn.Module, prefix: str, layer_idx: int) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.prefix = prefix
+        self.layer_idx = layer_idx
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        self.intermediate = gate_up.weight.shape[0] // 2
+        # [I, H]: a neuron's output weights are one contiguous row, read only if it is kept.
+        w_down_t = down.weight.detach().t().contiguous()
+        down.weight = nn.Parameter(w_down_t.t(), requires_grad=False)
+        self.w_down_t = w_down_t
+        self.reduce_results = bool(getattr(down, "reduce_results", False)) and (
+            getattr(down, "tp_size", 1) > 1
+        )
+        _LAYERS[prefix] = self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sparsever_verify.swiglu_mlp(x, self.prefix)
+
+    def forward_impl(self, x: torch.Tensor) -> torch.Tensor:
+        plan, rt = current_plan(), get_runtime()
+        if plan is None or rt is None or not rt.ffn.enabled or not plan.is_verify_step:
+            return self.mlp(x)
+        try:
+            out = self._sparse(x, plan, rt)
+        except Exception as exc:  # never emit a token from a half-done sparse pass
+            rt.fallback("ffn", f"{type(exc).__name__}: {exc}")
+            out = None
+        return self.mlp(x) if out is None else out
+
+    def _sparse(self, x: torch.Tensor, plan, rt: SparseVerificationRuntime) -> torch.Tensor | None:
+        keep = min(self.intermediate, max(1, math.ceil(rt.ffn_keep_ratio(self.layer_idx) * self.intermediate)))
+        if keep >= self.intermediate:
+            return None
+        groups = rt.step_groups(plan)
+        w_gate_up = self.mlp.gate_up_proj.weight
+        if groups.all_tokens_verify and x.shape[0] == groups.num_tokens:
+            out, selected = ops.topk_swiglu_ffn(x, w_gate_up, self.w_down_t, groups.group_start_loc, keep)
+            out = self._reduce(out)
+        else:  # mixed step: verify tokens sparse, the rest (and any padding) dense
+            other = groups.other_index
+            if x.shape[0] > groups.num_tokens:
+                pad = torch.arange(groups.num_tokens, x.shape[0], device=x.device)
+                other = torch.cat([other, pad])
+            out = torch.empty_like(x)
+            sparse_out, selected = ops.topk_swiglu_ffn(
+                x[groups.token_index], w_gate_up, self.w_down_t, groups.group_start_loc, keep
+            )
+            out[groups.token_index] = self._reduce(sparse_out)
+            if other.numel():
+                out[other] = self.mlp(x[other])
+        if rt.check_reference:
+            self._check_reference(x, out, groups, keep, rt)
+        rt.record(
+            ffn_layers_sparse=1,
+            ffn_neurons_read=int(torch.unique(selected[selected >= 0]).numel()),
+            ffn_neurons_dense=self.intermediate,
+        )
+        return out
+
+    def _check_reference(self, x, out, groups, keep, rt) -> None:
+        """Test hook: the verify tokens' output equals reference.topk_swiglu_ffn (single rank)."""
+        from vllm_sparsever import reference
+
+        if self.reduce_results:
+            return  # the reference has no all-reduce; checked on one rank only
+        xv = x[groups.token_index]
+        expected = torch.empty_like(xv)
+        selected = torch.empty(groups.group_start_loc.numel() - 1, keep, dtype=torch.int32)
+        reference.topk_swiglu_ffn(expected, xv, self.mlp.gate_up_proj.weight, self.w_down_t,
+                                  groups.group_start_loc, keep, selected)
+        got = out[groups.token_index]
+        rt.record_reference_error("ffn", float((got.float() - expected.float()).abs().max()))
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+        if not self.reduce_results:
+            return out
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(out)
+
+
+def _is_swiglu_mlp(module: nn.Module) -> bool:
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    act = getattr(module, "act_fn", None)
+    return (
+        gate_up is not None
+        and down is not None
+        and type(act).__name__ == "SiluAndMul"
+        and hasattr(gate_up, "weight")
+        and hasattr(down, "weight")
+    )
+
+
+def install_ffn(model: nn.Module, architecture: str) -> int:
+    """Wrap every SwiGLU MLP of the target; returns how many were wrapped."""
+    found = [(name, m) for name, m in model.named_modules() if _is_swiglu_mlp(m)]
+    if not found:
+        raise RuntimeError(
+            f"ffn.enabled: no SwiGLU MLP (gate_up_proj + SiluAndMul + down_proj) found in "
+            f"{architecture}; FFN sparsity supports dense Llama/Qwen2/Mistral-style MLPs "
+            f"(allowed for this model: false)"
+        )
+    count = 0
+    for name, mlp in found:
+        for linear in (mlp.gate_up_proj, mlp.down_proj):
+            if getattr(linear, "bias", None) is not None:
+                raise RuntimeError(f"ffn.enabled: {name} has biased projections (unsupported)")
+            w = linear.weight
+            if w.ndim != 2 or w.numel() == 0 or not w.is_floating_point():
+                raise RuntimeError(
+                    f"ffn.enabled: {name} has no plain floating-point weights (quantized or "
+                    f"repacked); FFN sparsity needs an unquantized model"
+                )
+        layer_idx = layer_index_of(name)
+        if layer_idx is None:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, SparseSwiGLUMLP(mlp, name, layer_idx))
+        count += 1
+    return count
+
+
+@contextlib.contextmanager
+def keep_mlp_weights() -> Iterator[None]:
+    """While the target loads on CPU: keep the MLP linears' plain weights (no oneDNN repack)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        yield
+        return
+    import vllm.model_executor.layers.utils as layer_utils
+
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer, remove_weight):
+        if getattr(layer, "prefix", "").endswith(_MLP_LINEAR_SUFFIXES) and layer.weight.ndim == 2:
+            layer.cpu_linear = torch.nn.functional.linear
+            return
+        original(layer, remove_weight)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
+    try:
+        yield
+    finally:
+        layer_utils.dispatch_cpu_unquantized_gemm = original

@@ -1,0 +1,93 @@
+"""Start-up of sparse verification in a worker: runtime, attention backend, target module swap.
+
+Order inside the worker (driven by the sparsever model runner):
+1. `start_sparse_verification` (after init_device, before the model exists): resolve the
+   calibration profile, install the runtime, register the sparse attention backend;
+2. `target_load_hooks` around the target's `load_model` (exited before the drafter loads): keep
+   the weights the sparse FFN/MoE paths read;
+3. `install_modules` on the loaded target: wrap its MLP / MoE blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from vllm_sparsever.config import SparseverConfig
+from vllm_sparsever.verification.profile import resolve_profile
+from vllm_sparsever.verification.runtime import SparseVerificationRuntime, install_runtime
+
+logger = logging.getLogger("vllm_sparsever")
+
+
+def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> SparseVerificationRuntime:
+    model_config = vllm_config.model_config
+    num_layers = model_config.hf_text_config.num_hidden_layers
+    profile, source = (None, "none")
+    if config.any_sparsity:
+        profile, source = resolve_profile(config.profile, model_config.model)
+        if profile is not None and profile.num_layers != num_layers:
+            raise RuntimeError(
+                f"profile: calibration profile ({source}) is for a model with {profile.num_layers} "
+                f"layers, the target has {num_layers}; re-run `vllm-sparsever calibrate`"
+            )
+    anchors = config.attention.anchor_layers
+    if anchors is not None and anchors[-1] >= num_layers:
+        raise RuntimeError(
+            f"attention.anchor_layers: layer {anchors[-1]} does not exist (allowed: 0..{num_layers - 1})"
+        )
+    runtime = SparseVerificationRuntime(config, profile, source, num_layers)
+    install_runtime(runtime)
+    if config.attention.enabled:
+        from vllm_sparsever.verification.attention import register_sparse_attention_backend
+
+        register_sparse_attention_backend()
+    if config.any_sparsity:
+        logger.info("sparsever: sparse verification %s", runtime.describe())
+    return runtime
+
+
+@contextlib.contextmanager
+def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterator[None]:
+    """Hooks active while the target loads; they are exited before the drafter loads."""
+    with contextlib.ExitStack() as stack:
+        if runtime.started_with["ffn"]:
+            from vllm_sparsever.verification.ffn import keep_mlp_weights
+
+            stack.enter_context(keep_mlp_weights())
+        if runtime.started_with["moe"]:
+            from vllm_sparsever.verification import moe
+
+            if hasattr(moe, "preserve_expert_weights"):
+                stack.enter_context(moe.preserve_expert_weights())
+        drafter = getattr(runner, "drafter", None)
+        if drafter is not None and hasattr(drafter, "load_model"):
+            original = drafter.load_model
+
+            def load_drafter(*args, **kwargs):
+                stack.close()  # the draft model loads as stock vLLM would load it
+                return original(*args, **kwargs)
+
+            drafter.load_model = load_drafter
+            stack.callback(setattr, drafter, "load_model", original)
+        yield
+
+
+def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, architecture: str) -> dict[str, int]:
+    """Wrap the target's FFN / MoE blocks for the sparsities enabled at start."""
+    installed: dict[str, int] = {}
+    if runtime.started_with["ffn"]:
+        from vllm_sparsever.verification.ffn import install_ffn
+
+        installed["ffn"] = install_ffn(model, architecture)
+    if runtime.started_with["moe"]:
+        from vllm_sparsever.verification.moe import install_moe
+
+        installed["moe"] = install_moe(model, runtime)
+    if installed:
+        logger.info("sparsever: wrapped target blocks %s", installed)
+    return installed

@@ -1,0 +1,45 @@
+"""Which targets each sparsity supports: checked in the front end, before any process starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_sparsever.config import SparseverConfig, SparseverConfigError
+
+# Dense SwiGLU MLPs (gate_up_proj + SiluAndMul + down_proj) the FFN wrapper handles.
+FFN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# MoE blocks the MoE wrapper handles.
+MOE_ARCHITECTURES = ("MixtralForCausalLM",)
+
+
+def check_sparsity_supported(config: SparseverConfig, model_config: Any) -> None:
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    arch = architectures[0] if architectures else "unknown"
+    quantization = getattr(model_config, "quantization", None)
+    if config.attention.enabled:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            raise SparseverConfigError(
+                "attention.enabled: block-sparse verification attention runs on vLLM's CPU "
+                "attention backend in this version (allowed on this platform: false)"
+            )
+        window = model_config.get_sliding_window() if hasattr(model_config, "get_sliding_window") else None
+        if window:
+            raise SparseverConfigError(
+                f"attention.enabled: {arch} uses sliding-window attention, which block-sparse "
+                f"verification does not support (allowed for this model: false)"
+            )
+    for section, supported in (("ffn", FFN_ARCHITECTURES), ("moe", MOE_ARCHITECTURES)):
+        if not getattr(config, section).enabled:
+            continue
+        if arch not in supported:
+            raise SparseverConfigError(
+                f"{section}.enabled: {arch} is not supported by {section} sparsity "
+                f"(supported architectures: {', '.join(supported)}; allowed for this model: false)"
+            )
+        if quantization:
+            raise SparseverConfigError(
+                f"{section}.enabled: {section} sparsity needs unquantized weights, the target uses "
+                f"quantization={quantization!r} (allowed for this model: false)"
+            )
