@@ -39,7 +39,9 @@ class SparseverMetrics:
     step_time_s: float = 0.0
     verify_time_s: float = 0.0  # target forward + logits + rejection sampling, verify steps
     draft_time_s: float = 0.0
-    num_dense_fallbacks: int = 0
+    num_dense_fallbacks: int = 0  # sparse layer calls that verified densely instead
+    # Sparse verification counters (what was read vs dense), copied from the worker's runtime.
+    sparsity: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.accepted_per_position:
@@ -98,26 +100,49 @@ class SparseverMetrics:
 
 
 class SnapshotWriter:
-    """Writes a worker's summary to `<dir>/rank<r>.json`, throttled, atomically."""
+    """Writes a worker's summary to `<dir>/rank<r>.json`, throttled, atomically.
+
+    A write skipped by the throttle is not lost: a one-shot timer writes the latest state when the
+    interval has passed, so the counters of a burst that ends (the engine goes idle) still arrive.
+    """
 
     def __init__(self, rank: int, directory: str | None = None) -> None:
         directory = directory or os.environ.get(METRICS_DIR_ENV)
         self.path = Path(directory) / f"rank{rank}.json" if directory else None
         self._last = 0.0
+        self._lock = threading.Lock()
+        self._pending: SparseverMetrics | None = None
+        self._timer: threading.Timer | None = None
 
     def write(self, metrics: SparseverMetrics, force: bool = False) -> None:
         if self.path is None:
             return
-        now = time.monotonic()
-        if not force and now - self._last < _SNAPSHOT_INTERVAL_S:
-            return
-        self._last = now
+        with self._lock:
+            wait = _SNAPSHOT_INTERVAL_S - (time.monotonic() - self._last)
+            if not force and wait > 0:
+                self._pending = metrics
+                if self._timer is None:
+                    self._timer = threading.Timer(wait, self._flush)
+                    self._timer.daemon = True
+                    self._timer.start()
+                return
+            self._write_now(metrics)
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._timer = None
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._write_now(pending)
+
+    def _write_now(self, metrics: SparseverMetrics) -> None:
+        self._last = time.monotonic()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(metrics.summary()))
             os.replace(tmp, self.path)
-        except OSError:  # metrics must never break serving
+        except (OSError, RuntimeError, ValueError):  # metrics must never break serving
             pass
 
 
@@ -204,6 +229,15 @@ class SparseverCollector:
             g = GaugeMetricFamily(f"sparsever:{name}", doc)
             g.add_metric([], float("nan") if value is None else float(value))
             yield g
+        c = CounterMetricFamily(
+            "sparsever:sparsity",
+            "Sparse verification: units read vs dense (attn_kv_blocks_*, ffn_neurons_*, "
+            "moe_experts_*, summed over layers and verify steps) and sparse layer calls",
+            labels=["counter"],
+        )
+        for name, value in sorted((s.get("sparsity") or {}).items()):
+            c.add_metric([name], float(value))
+        yield c
         g = GaugeMetricFamily(
             "sparsever:per_position_acceptance",
             "Acceptance rate of the draft token at each position",

@@ -4,70 +4,24 @@ Starts the real `vllm` console script (which needs the set-up's dist fix on vllm
 it with the OpenAI Python client, streaming and not, and reads /metrics.
 """
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 from conftest import GREEDY_MAX_TOKENS
+from serve_utils import running_server, sparsever_metrics
 from tiny_models import prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-START_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_draft, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     spec = {"method": "sparsever", "model": str(tiny_draft), "num_speculative_tokens": 3}
-    vllm_bin = Path(sys.executable).with_name("vllm")
-    cmd = [
-        str(vllm_bin), "serve", str(tiny_target),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--seed", "0",
-        "--served-model-name", "tiny",
-        "--speculative-config", json.dumps(spec),
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_SPARSEVER_METRICS_DIR"}
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + START_TIMEOUT_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"vllm serve did not start in {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
+    with running_server(tiny_target, spec, log, "--max-model-len", "512") as base:
         yield base
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -107,16 +61,11 @@ def test_chat_completions_stream(client):
 def test_metrics_endpoint_exposes_acceptance_and_verification_share(server, client):
     # Generation above produced drafts; snapshots are written at most every 0.25 s.
     time.sleep(0.6)
-    body = requests.get(f"{server}/metrics", timeout=10).text
-    values = {}
-    for line in body.splitlines():
-        if line.startswith("sparsever:"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    assert values.get("sparsever:num_drafts_total", 0) > 0, body[-2000:]
+    values = sparsever_metrics(server)
+    assert values.get("sparsever:num_drafts_total", 0) > 0, values
     assert values["sparsever:num_accepted_tokens_total"] <= values["sparsever:num_draft_tokens_total"]
     assert 1.0 <= values["sparsever:mean_acceptance_length"] <= 4.0
     assert 0.0 < values["sparsever:verification_time_share"] < 1.0
     assert 'sparsever:per_position_acceptance{position="0"}' in values
     # vLLM's own spec-decode counters are still there.
-    assert "vllm:spec_decode_num_drafts_total" in body
+    assert "vllm:spec_decode_num_drafts_total" in requests.get(f"{server}/metrics", timeout=10).text

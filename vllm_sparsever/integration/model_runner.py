@@ -102,6 +102,12 @@ class SparseverRunnerMixin:
             draft_time_s=timing["draft"],
             is_verify=plan.is_verify_step,
         )
+        if plan.is_verify_step:
+            stats = self.sparsever_runtime.stats_summary()
+            self.sparsever_metrics.sparsity = stats
+            self.sparsever_metrics.num_dense_fallbacks = int(
+                sum(v for k, v in stats.items() if k.endswith("_fallbacks"))
+            )
         self._sparsever_snapshots.write(self.sparsever_metrics)
         return output
 

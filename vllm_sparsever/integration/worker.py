@@ -51,7 +51,7 @@ class _SparseverWorkerMixin:
 
     def sparsever_metrics(self) -> dict[str, Any]:
         summary = self.model_runner.sparsever_metrics.summary()
-        summary["sparsity"] = self.model_runner.sparsever_runtime.stats_summary()
+        summary["sparsity"] = self.model_runner.sparsever_runtime.stats_summary()  # up to now
         return summary
 
     def reset_sparsever_metrics(self) -> None:
