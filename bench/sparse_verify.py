@@ -170,7 +170,8 @@ def run_policy(llm, sections: dict | None, prompts: list[list[dict]], max_tokens
     }
 
 
-def bench_engine(args, llm, names: list[str], pols: dict, shapes: dict, bar, label: str) -> dict[str, Any]:
+def bench_engine(args, llm, names: list[str], pols: dict, shapes: dict, bar, label: str,
+                 checkpoint=lambda result: None) -> dict[str, Any]:
     from vllm_sparsever.data import load_prompts
     from vllm_sparsever.data.long_context import long_context_prompts
 
@@ -204,6 +205,7 @@ def bench_engine(args, llm, names: list[str], pols: dict, shapes: dict, bar, lab
                     dense = per_policy["dense"][runs.index(r)]
                     r["agreement_with_dense"] = agreement(r["tokens"][0], dense["tokens"][0])
         result["contexts"][str(ctx)] = per_policy
+        checkpoint(result)
 
     if args.gsm8k:
         rows = load_prompts("gsm8k", n=args.gsm8k)
@@ -217,6 +219,7 @@ def bench_engine(args, llm, names: list[str], pols: dict, shapes: dict, bar, lab
             r["correct"] = correct
             result["quality"].setdefault("gsm8k", {})[name] = r
             bar.update(1)
+        checkpoint(result)
     if args.summaries:
         rows = long_context_prompts(args.target_path, args.summary_context, task="summarize", n=args.summaries)
         chats = [[{"role": "user", "content": r["prompt"]}] for r in rows]
@@ -393,6 +396,13 @@ def main(argv=None) -> int:
     names = list(pols)
     started = dt.datetime.now(dt.timezone.utc)
     hw_start = hardware()
+    tag = args.tag or args.pair + ("-quick" if args.quick else "")
+    base = RESULTS / f"sparse_verify_{tag}_{started.strftime('%Y%m%d-%H%M')}"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    partial = base.with_suffix(".partial.json")
+
+    def checkpoint(result: dict) -> None:  # a crash or a killed run keeps what was measured
+        partial.write_text(json.dumps({"command": " ".join(sys.argv), "raw": result}, default=str))
     per_engine = len(args.contexts) * args.num_prompts * len(names) + (len(names) if args.gsm8k else 0) + (
         len(names) if args.summaries else 0)
     stock_units = 0 if args.no_stock else len(args.contexts) * args.num_prompts
@@ -402,7 +412,7 @@ def main(argv=None) -> int:
         llm = start_engine(args, target, draft, sparsities, max_len, sparse=True)
         try:
             info = llm.collective_rpc("sparsever_sparsity_info")[0]
-            sparse = bench_engine(args, llm, names, pols, shapes, bar, "sparse")
+            sparse = bench_engine(args, llm, names, pols, shapes, bar, "sparse", checkpoint)
         finally:
             del llm
             gc.collect()
@@ -418,10 +428,6 @@ def main(argv=None) -> int:
     summary = summarize(sparse, stock, names)
     quality = quality_rows(sparse, names)
 
-    tag = args.tag or args.pair + ("-quick" if args.quick else "")
-    stamp = started.strftime("%Y%m%d-%H%M")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    base = RESULTS / f"sparse_verify_{tag}_{stamp}"
     record = {
         "command": " ".join([sys.executable, *sys.argv]),
         "started_utc": started.isoformat(), "finished_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
@@ -440,6 +446,7 @@ def main(argv=None) -> int:
         f"'vs stock dense' = an engine without sparsity set up (vLLM's AMX/oneDNN paths).\n\n{table}\n")
     plot(summary, quality, base.with_suffix(".png"),
          f"{Path(target).name} + {Path(draft).name}, k={args.k}, {args.dtype}; {hardware().get('Model name')}")
+    partial.unlink(missing_ok=True)
     print(table)
     print(f"\nwritten: {base}.json/.md/.png")
     return 0
