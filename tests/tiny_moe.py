@@ -1,0 +1,62 @@
+"""A tiny random Mixtral (MoE) model generated on the fly, for MoE sparsity tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tiny_models import _VOCAB_WORDS, _write_tokenizer
+
+
+def make_tiny_mixtral(
+    path: Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    num_experts: int = 8,
+    top_k: int = 3,
+    max_position_embeddings: int = 2048,
+) -> Path:
+    """A random MixtralForCausalLM (fp32). head_dim = hidden/heads must be >= 32 (CPU attention);
+    hidden and intermediate sizes multiples of 32 (vLLM-CPU's grouped-GEMM MoE kernel)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    assert hidden_size // num_heads >= 32, "vLLM's CPU attention needs head_dim >= 32"
+    assert hidden_size % 32 == 0 and intermediate_size % 32 == 0, "vLLM-CPU MoE needs multiples of 32"
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=len(_VOCAB_WORDS) + 3,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        num_local_experts=num_experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=max_position_embeddings,
+        sliding_window=None,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    model = MixtralForCausalLM(config)
+    with torch.no_grad():
+        # Larger init than the default so greedy outputs are not all one token and routing is
+        # not uniform.
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    _write_tokenizer(path)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return path

@@ -1,0 +1,378 @@
+"""MoE expert pruning on verify steps: one expert budget per request, dispatch over the kept experts.
+
+vLLM 0.32 runs an MoE block (Mixtral's `MixtralMoE`, and every model built on `FusedMoEFactory`) as
+`gate` (router logits) -> `MoERunner.forward(hidden, logits)` -> `router.select_experts` (CPU:
+`CPURouter`, softmax top-k, optional renormalize) -> `RoutedExperts.forward_modular` ->
+`CPUUnquantizedExperts.apply` -> `torch.ops._C.cpu_fused_moe`, then the runner all-reduces the
+partial sums under TP (`_maybe_reduce_final_output`). Experts hold `w13_weight` [E, 2I, H] (rows
+0..I-1 gate, I..2I-1 up) and `w2_weight` [E, H, I], I sharded under TP.
+
+Weights: after loading, vLLM-CPU pads I to the kernel alignment and *replaces* both parameters by a
+prepacked copy (`cpu_prepack_moe_weight`, 16-row blocks stored transposed for fp32, VNNI pairs for
+bf16); the [E, 2I, H] originals are freed. `preserve_expert_weights()` (active while the target
+loads) therefore changes that step for the target's layers:
+- mode "shared" (default, memory-neutral): no padding, no prepack; the parameters stay [E, 2I, H] /
+  [E, H, I] and the experts' `apply` runs `moe_grouped_dispatch` with the stock routing on them, so
+  dense steps (prefill, decode, moe off at run time) use the same router and reduction as stock
+  with our expert kernel (equal up to fp32 summation order, not bit-identical to cpu_fused_moe);
+- mode "copy" (`SPARSEVER_MOE_WEIGHTS=copy`): stock prepack kept (dense steps are exactly stock) and
+  a plain copy kept for the sparse path: +1x the expert weights in memory.
+
+`install_moe` wraps the forward of every `MoERunner` of the target with one opaque custom op
+(`sparsever_moe::runner_forward`), so a torch.compile graph reads each step's plan. On a verify
+step with `moe.enabled`, the verify tokens are routed by `moe_route_and_prune` (ratio pruning and
+the per-request expert budget) and run by `moe_grouped_dispatch` over the union of kept experts;
+other tokens of a mixed step, and every other step, take the stock forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm_sparsever import _custom_ops as ops
+from vllm_sparsever.plan import current_plan
+from vllm_sparsever.verification.runtime import (
+    SparseVerificationRuntime,
+    get_runtime,
+    layer_index_of,
+)
+
+SUPPORTED = (
+    "MixtralForCausalLM and other FusedMoE blocks with softmax top-k routing, SiLU-gated "
+    "unquantized experts without bias, no shared experts and no expert/data parallelism "
+    "(e.g. Qwen3MoeForCausalLM, OlmoeForCausalLM)"
+)
+WEIGHT_MODES = ("shared", "copy")
+
+# runner layer name -> wrapper; the custom op finds its block here (ops cannot take modules).
+_BLOCKS: dict[str, "SparseMoEBlock"] = {}
+
+
+# ---- load-time: keep the expert weights the sparse path reads ---------------------------------------
+
+def _experts_cls():
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return CPUUnquantizedExperts
+
+
+def _raw_apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+               expert_tokens_meta, apply_router_weight_on_input):
+    """`CPUUnquantizedExperts.apply` for layers whose weights stayed [E, 2I, H] / [E, H, I]."""
+    if apply_router_weight_on_input:  # weights already applied to the input by prepare()
+        topk_weights = torch.ones_like(topk_weights)
+    if expert_map is not None:
+        topk_ids = expert_map[topk_ids.long()]  # global -> local ids, -1 = not on this rank
+    result, _ = ops.moe_grouped_dispatch(
+        hidden_states, topk_weights.float(), topk_ids, w1, w2,
+        out=output if output.is_contiguous() else None,
+    )
+    if result is not output:
+        output.copy_(result)
+
+
+def _install_apply_patch() -> None:
+    """Route `apply` of preserved experts to our kernel (class-level, once; others unchanged)."""
+    cls = _experts_cls()
+    if getattr(cls, "_sparsever_apply_patched", False):
+        return
+    original = cls.apply
+
+    def apply(self, *args, **kwargs):
+        if getattr(self, "_sparsever_raw", False):
+            return _raw_apply(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    cls.apply = apply
+    cls._sparsever_apply_patched = True
+
+
+def _preservable(layer: nn.Module) -> bool:
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    moe_config = getattr(layer, "moe_config", None)
+    w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
+    return (
+        moe_config is not None
+        and moe_config.activation == MoEActivation.SILU
+        and not moe_config.has_bias
+        and isinstance(w13, torch.Tensor) and w13.ndim == 3 and w13.is_floating_point()
+        and isinstance(w2, torch.Tensor) and w2.ndim == 3 and w2.is_floating_point()
+    )
+
+
+@contextlib.contextmanager
+def preserve_expert_weights(mode: str | None = None) -> Iterator[None]:
+    """While the target loads on CPU: keep its experts' [E, 2I, H] / [E, H, I] weights.
+
+    mode "shared" (default): no prepack, dense steps run our kernel on the same tensors (no extra
+    memory). mode "copy": stock prepack plus a plain copy (+1x expert weights). Default from the
+    environment variable SPARSEVER_MOE_WEIGHTS. No-op off CPU (Triton keeps the plain layout).
+    """
+    from vllm.platforms import current_platform
+
+    mode = mode or os.environ.get("SPARSEVER_MOE_WEIGHTS", "shared")
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"SPARSEVER_MOE_WEIGHTS: {mode!r} (allowed: {', '.join(WEIGHT_MODES)})")
+    if not current_platform.is_cpu():
+        yield
+        return
+    cls = _experts_cls()
+    _install_apply_patch()
+    original = cls.process_weights_after_loading
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not _preservable(layer):
+            return original(self, layer)  # install_moe reports these layers
+        if mode == "copy":
+            self._sparsever_weights = (layer.w13_weight.detach().clone(), layer.w2_weight.detach().clone())
+            return original(self, layer)
+        # Shared: the loaded parameters are what the stock path (via `apply`) and ours read.
+        self._use_zentorch = False
+        self._sparsever_raw = True
+
+    cls.process_weights_after_loading = process_weights_after_loading
+    try:
+        yield
+    finally:
+        cls.process_weights_after_loading = original
+
+
+# ---- the wrapped block -------------------------------------------------------------------------------
+
+@torch.library.custom_op("sparsever_moe::runner_forward", mutates_args=())
+def _runner_forward_op(hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_name: str) -> torch.Tensor:
+    out = _BLOCKS[layer_name].forward_impl(hidden_states, router_logits)
+    # A custom op's output may not alias its inputs.
+    return out.clone() if out.data_ptr() in (hidden_states.data_ptr(), router_logits.data_ptr()) else out
+
+
+@_runner_forward_op.register_fake
+def _(hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+class SparseMoEBlock:
+    """Verify-step forward of one `MoERunner` (a plain object: the runner stays in the model, where
+    vLLM's forward context finds it by name)."""
+
+    def __init__(self, runner: nn.Module, name: str, layer_idx: int, w13: torch.Tensor | None,
+                 w2: torch.Tensor | None) -> None:
+        self.runner = runner
+        self.name = name
+        self.layer_idx = layer_idx
+        # The class's forward (not `runner.forward`, which we shadow on the instance).
+        self.stock_forward = type(runner).forward.__get__(runner, type(runner))
+        self._w13, self._w2 = w13, w2  # None = the runner's own (unpacked) parameters
+        self.top_k = int(runner.router.top_k)
+        self.renormalize = bool(runner.router.renormalize)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._w13 is not None:
+            return self._w13, self._w2
+        experts = self.runner.routed_experts
+        return experts.w13_weight, experts.w2_weight
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
+                input_ids: torch.Tensor | None = None,
+                shared_experts_input: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids is not None or shared_experts_input is not None:
+            return self.stock_forward(hidden_states, router_logits, input_ids, shared_experts_input)
+        return torch.ops.sparsever_moe.runner_forward(hidden_states, router_logits, self.name)
+
+    def forward_impl(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        plan, rt = current_plan(), get_runtime()
+        if plan is None or rt is None or not rt.moe.enabled or not plan.is_verify_step:
+            return self.stock_forward(hidden_states, router_logits)
+        try:
+            out = self._sparse(hidden_states, router_logits, plan, rt)
+        except Exception as exc:  # never emit a token from a half-done sparse pass
+            if not rt.config.fallback_to_dense:
+                raise
+            rt.fallback("moe", f"{type(exc).__name__}: {exc}")
+            out = None
+        return self.stock_forward(hidden_states, router_logits) if out is None else out
+
+    def _sparse(self, x: torch.Tensor, logits: torch.Tensor, plan, rt: SparseVerificationRuntime) -> torch.Tensor:
+        groups = rt.step_groups(plan)
+        num_tokens = x.shape[0]
+        if x.ndim != 2 or num_tokens < groups.num_tokens:
+            raise RuntimeError(f"hidden states {tuple(x.shape)} do not cover the plan's {groups.num_tokens} tokens")
+        if self.runner.gate is not None:  # the runner holds the gate: logits are computed inside
+            logits, _ = self.runner.gate(x)
+        all_verify = groups.all_tokens_verify and num_tokens == groups.num_tokens
+        xv = (x if all_verify else x[groups.token_index]).contiguous()
+        lv = (logits if all_verify else logits[groups.token_index]).contiguous()
+
+        budget = rt.moe.expert_budget or 0
+        weights, ids = ops.moe_route_and_prune(
+            lv, self.top_k, rt.moe_ratio_threshold(self.layer_idx), groups.group_start_loc, budget,
+            self.renormalize,
+        )
+        w13, w2 = self.weights()
+        out_v, used = ops.moe_grouped_dispatch(xv, weights, ids, w13, w2)
+        # The stock block's TP reduction (same condition, same collective).
+        out_v = self.runner._maybe_reduce_final_output(out_v, None, False)
+
+        if all_verify:
+            out = out_v
+            _skip_moe_layer_slot()
+        else:  # mixed step: verify tokens sparse, the rest (and any padding) stock
+            other = groups.other_index
+            if num_tokens > groups.num_tokens:
+                pad = torch.arange(groups.num_tokens, num_tokens, device=x.device)
+                other = torch.cat([other, pad])
+            out = torch.empty_like(x)
+            out[groups.token_index] = out_v
+            if other.numel():
+                out[other] = self.stock_forward(x[other], logits[other])
+            else:
+                _skip_moe_layer_slot()
+        # Dense reference: distinct experts of the unpruned top-k routing of the same tokens (the
+        # same op, so ties in low-precision logits break the same way).
+        _, dense_ids = ops.moe_route_and_prune(lv, self.top_k, 0.0, None, 0, self.renormalize)
+        dense = dense_ids.unique().numel()
+        rt.record(moe_experts_read=int(used.item()), moe_experts_dense=int(dense), moe_layers=1)
+        return out
+
+
+def _skip_moe_layer_slot() -> None:
+    """Keep vLLM's per-step MoE layer counter in step when the stock forward was not called.
+
+    Only used when layer names are not passed as opaque objects (VLLM_USE_LAYERNAME=0 or old
+    torch): then `_moe_forward` finds its layer by counting calls in the forward context.
+    """
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+    from vllm.utils.torch_utils import _USE_LAYERNAME
+
+    if _USE_LAYERNAME or not is_forward_context_available():
+        return
+    ctx = get_forward_context()
+    if ctx.all_moe_layers is not None:
+        ctx.moe_layer_index += 1
+
+
+# ---- install -------------------------------------------------------------------------------------------
+
+def _unsupported_reason(runner: nn.Module) -> str | None:
+    """Why this MoE runner cannot take the sparse path (None if it can)."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    experts = runner.routed_experts
+    router = runner.router
+    cfg = runner.moe_config
+    quant = experts.quant_method
+    if not isinstance(quant, UnquantizedFusedMoEMethod):
+        return (f"quantized experts ({type(quant).__name__}); MoE sparsity needs unquantized "
+                f"(bf16/fp16/fp32) expert weights")
+    checks = [
+        (type(router).__name__ in ("CPURouter", "FusedTopKRouter"), f"router {type(router).__name__}"),
+        (not getattr(router, "use_grouped_topk", False), "grouped top-k routing"),
+        (getattr(router, "scoring_func", "softmax") == "softmax", "non-softmax scoring"),
+        (getattr(router, "custom_routing_function", None) is None, "a custom routing function"),
+        (getattr(router, "e_score_correction_bias", None) is None, "an expert score correction bias"),
+        (getattr(router, "routed_scaling_factor", 1.0) == 1.0
+         and getattr(runner, "routed_scaling_factor", 1.0) == 1.0, "a routed scaling factor"),
+        (runner.shared_experts is None, "shared experts"),
+        (runner.routed_input_transform is None and runner.routed_output_transform is None,
+         "routed input/output transforms (latent MoE)"),
+        (cfg.activation == MoEActivation.SILU, f"activation {cfg.activation}"),
+        (not cfg.has_bias, "expert biases"),
+        (not experts.apply_router_weight_on_input, "router weights applied on the input"),
+        (experts.expert_map is None and not cfg.moe_parallel_config.use_ep, "expert parallelism"),
+        (cfg.dp_size == 1 and cfg.pcp_size == 1 and not cfg.is_sequence_parallel,
+         "data/context/sequence parallelism"),
+        (getattr(router, "eplb_state", None) is None, "EPLB"),
+        (cfg.hidden_dim == experts.w13_weight.shape[-1], "padded hidden size"),
+    ]
+    failed = [what for ok, what in checks if not ok]
+    return ", ".join(failed) if failed else None
+
+
+def _sparse_weights(runner: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The [E, 2I, H] / [E, H, I] tensors the sparse path reads (None, None = the runner's params)."""
+    from vllm.platforms import current_platform
+
+    experts = runner.routed_experts
+    quant = experts.quant_method
+    if current_platform.is_cpu():
+        kernel = getattr(quant, "moe_kernel", None)
+        fused = getattr(kernel, "fused_experts", None)
+        if getattr(fused, "_sparsever_raw", False):
+            return None, None
+        kept = getattr(fused, "_sparsever_weights", None)
+        if kept is not None:
+            return kept
+        raise RuntimeError(
+            f"moe.enabled: the experts of {runner.layer_name} were prepacked for cpu_fused_moe and "
+            f"their plain weights freed; vllm_sparsever.verification.moe.preserve_expert_weights() "
+            f"must be active while the target loads"
+        )
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    if quant.unquantized_backend != UnquantizedMoeBackend.TRITON:
+        raise RuntimeError(
+            f"moe.enabled: expert backend {quant.unquantized_backend.value} of {runner.layer_name} "
+            f"stores weights in its own layout; supported: CPU (with preserve_expert_weights), TRITON"
+        )
+    return None, None
+
+
+def _find_runners(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoERunner)]
+
+
+def install_moe(model: nn.Module, runtime: SparseVerificationRuntime | None = None) -> int:
+    """Wrap the forward of every MoE block of the target; returns how many were wrapped."""
+    arch = type(model).__name__
+    runners = _find_runners(model)
+    if not runners:
+        raise RuntimeError(f"moe.enabled: no MoE block found in {arch}; supported: {SUPPORTED}")
+    problems = []
+    for name, runner in runners:
+        reason = _unsupported_reason(runner)
+        if reason is not None:
+            problems.append(f"{name}: {reason}")
+    if problems:
+        raise RuntimeError(
+            f"moe.enabled: {arch} has MoE blocks the sparse path does not support "
+            f"({'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}); supported: {SUPPORTED}"
+        )
+    count = 0
+    for name, runner in runners:
+        layer_idx = layer_index_of(runner.layer_name) if runner.layer_name else None
+        if layer_idx is None:
+            layer_idx = layer_index_of(name)
+        if layer_idx is None:
+            raise RuntimeError(f"moe.enabled: cannot tell the decoder layer of MoE block {name}")
+        w13, w2 = _sparse_weights(runner)
+        block = SparseMoEBlock(runner, runner.layer_name or name, layer_idx, w13, w2)
+        _BLOCKS[block.name] = block
+        # Shadow the class's forward on this instance; nn.Module.__call__ reads self.forward.
+        runner.forward = block.forward
+        count += 1
+    return count
+
+
+def describe_weights(model: nn.Module) -> dict[str, Any]:
+    """How the target's expert weights are held (for logs and tests)."""
+    modes = []
+    for _, runner in _find_runners(model):
+        fused = getattr(getattr(runner.routed_experts.quant_method, "moe_kernel", None), "fused_experts", None)
+        if getattr(fused, "_sparsever_raw", False):
+            modes.append("shared")
+        elif getattr(fused, "_sparsever_weights", None) is not None:
+            modes.append("copy")
+        else:
+            modes.append("stock")
+    return {"blocks": len(modes), "modes": sorted(set(modes))}
