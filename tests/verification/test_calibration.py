@@ -153,7 +153,7 @@ def test_min_jaccard_extremes(llama_run):
     sims = profile.details["attention"]["jaccard_to_anchor"]
     assert sims[0] is None and all(0.0 <= s <= 1.0 for s in sims[1:])
     for layer in range(1, NUM_LAYERS):
-        assert (layer in profile.anchor_layers) == (sims[layer] < 0.5)
+        assert (layer in profile.anchor_layers) == (sims[layer] < CalibrationOptions().min_jaccard)
 
 
 def test_greedy_anchors_by_hand():
