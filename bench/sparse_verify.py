@@ -42,20 +42,33 @@ PAIRS = {
 
 
 def policies(args, sparsities: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Policy name -> sections for set_sparsity. Values not given fall back to the profile."""
-    on = {
-        "attention": {"enabled": True, "top_k_blocks": args.top_k_blocks,
-                      "min_context_len": args.min_context_len},
-        "ffn": {"enabled": True, "keep_ratio": args.ffn_keep_ratio},
-        "moe": {"enabled": True, "ratio_threshold": args.moe_ratio_threshold,
-                "expert_budget": args.moe_expert_budget},
-    }
+    """Policy name -> sections for set_sparsity: dense, each sparsity alone (with its variants),
+    and attention combined with each variant of the other sparsity. None values = profile."""
+    attention = {"enabled": True, "top_k_blocks": args.top_k_blocks, "min_context_len": args.min_context_len}
+    variants: dict[str, list[tuple[str, dict]]] = {"attention": [("attention", attention)]}
+    if "ffn" in sparsities:
+        variants["ffn"] = [(f"ffn@{r}" if r else "ffn(profile)", {"enabled": True, "keep_ratio": r})
+                           for r in args.ffn_keep_ratios]
+    if "moe" in sparsities:
+        variants["moe"] = [(f"moe(budget {b})" if b else "moe(profile)",
+                            {"enabled": True, "ratio_threshold": args.moe_ratio_threshold, "expert_budget": b})
+                           for b in args.moe_expert_budgets]
     off = {s: {"enabled": False} for s in sparsities}
     result = {"dense": dict(off)}
-    for s in sparsities:
-        result[s] = {**off, s: on[s]}
-    result["combined"] = {s: on[s] for s in sparsities}
+    for section, items in variants.items():
+        for name, sections in items:
+            result[name] = {**off, section: sections}
+    for section, items in variants.items():
+        if section != "attention":
+            for name, sections in items:
+                result[f"attention+{name}"] = {**off, "attention": attention, section: sections}
     return result
+
+
+def start_up_sections(args, sparsities: tuple[str, ...]) -> dict[str, Any]:
+    """Every sparsity set up at start (the policies then switch them at run time)."""
+    pols = policies(args, sparsities)
+    return {s: next(p[s] for p in pols.values() if p[s]["enabled"]) for s in sparsities}
 
 
 # ---- bytes read per verify step -----------------------------------------------------------------
@@ -138,7 +151,7 @@ def start_engine(args, target: str, draft: str, sparsities: tuple[str, ...], max
 
     spec: dict[str, Any] = {"method": "sparsever", "num_speculative_tokens": args.k, "model": draft}
     if sparse:
-        spec.update(policies(args, sparsities)["combined"])
+        spec.update(start_up_sections(args, sparsities))
         if args.profile:
             spec["profile"] = args.profile
     return LLM(model=target, dtype=args.dtype, enforce_eager=True, max_model_len=max_len, max_num_seqs=args.max_batch,
@@ -207,11 +220,13 @@ def bench_engine(args, llm, names: list[str], pols: dict, shapes: dict, bar, lab
         result["contexts"][str(ctx)] = per_policy
         checkpoint(result)
 
+    # Short prompts never reach min_context_len: attention policies equal their non-attention twin.
+    short_names = [n for n in names if not n.startswith("attention")]
     if args.gsm8k:
         rows = load_prompts("gsm8k", n=args.gsm8k)
         chats = [[{"role": "user", "content": r["prompt"] + "\nSolve step by step; end with 'The answer is N.'"}]
                  for r in rows]
-        for name in names:
+        for name in short_names:
             bar.set_postfix_str(f"{label} gsm8k {name}")
             r = run_policy(llm, pols.get(name), chats, args.quality_tokens)
             correct = [gsm8k_answer(t) == gsm8k_reference(row["reference"]) for t, row in zip(r["texts"], rows)]
@@ -283,8 +298,8 @@ def quality_rows(sparse: dict, names: list[str]) -> list[dict[str, Any]]:
     q = sparse["quality"]
     for name in names:
         row = {"policy": name}
-        if "gsm8k" in q:
-            g = q["gsm8k"][name]
+        g = q.get("gsm8k", {}).get(name)
+        if g is not None:
             row.update(gsm8k_accuracy=g["accuracy"], gsm8k_n=len(g["correct"]),
                        gsm8k_verify_ms=g["verify_ms_per_step"], gsm8k_mal=g["mean_acceptance_length"])
         if "summaries" in q:
@@ -355,18 +370,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="context lengths in tokens (32000: Qwen2.5's 32K window minus the answer)")
     p.add_argument("--num-prompts", type=int, default=2, help="long documents per context")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--gsm8k", type=int, default=20, help="GSM8K questions (0: skip)")
-    p.add_argument("--summaries", type=int, default=4, help="long-document summaries for ROUGE-L (0: skip)")
+    p.add_argument("--gsm8k", type=int, default=10, help="GSM8K questions (0: skip)")
+    p.add_argument("--summaries", type=int, default=2, help="long-document summaries for ROUGE-L (0: skip)")
     p.add_argument("--summary-context", type=int, default=4096)
-    p.add_argument("--quality-tokens", type=int, default=256)
+    p.add_argument("--quality-tokens", type=int, default=192)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("-k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--top-k-blocks", type=int, default=8)
     p.add_argument("--min-context-len", type=int, default=2048)
-    p.add_argument("--ffn-keep-ratio", type=float, default=None, help="default: calibration profile")
+    p.add_argument("--ffn-keep-ratios", type=lambda v: None if v == "profile" else float(v), nargs="+",
+                   default=[None, 0.5], help="FFN variants ('profile' = the calibration profile's ratios)")
     p.add_argument("--moe-ratio-threshold", type=float, default=None, help="default: calibration profile")
-    p.add_argument("--moe-expert-budget", type=int, default=None)
+    p.add_argument("--moe-expert-budgets", type=lambda v: None if v == "none" else int(v), nargs="+",
+                   default=[None, 4], help="MoE variants: per-request expert budget ('none' = no cap)")
     p.add_argument("--profile", default=None, help="calibration profile (default: the model's, if calibrated)")
     p.add_argument("--no-stock", action="store_true", help="skip the stock-dense engine")
     p.add_argument("--quick", action="store_true", help="1K + 8K, 1 prompt, 8 GSM8K, 2 summaries, 48 tokens")
@@ -388,8 +405,10 @@ def main(argv=None) -> int:
     draft = resolve_model(pair["draft"])
     shapes = model_shapes(target)
     max_pos = json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings", 32768)
-    dropped = [c for c in args.contexts if c + args.max_tokens + 64 > max_pos]
-    args.contexts = [c for c in args.contexts if c not in dropped]
+    # Contexts beyond the model's window are cut to fit it (e.g. 8192 -> 8064 for an 8K model).
+    fit = max_pos - args.max_tokens - 64
+    clamped = {c: min(c, fit) for c in args.contexts if c > fit}
+    args.contexts = list(dict.fromkeys(min(c, fit) for c in args.contexts))
     max_len = min(max_pos, max(args.contexts + [args.summary_context]) + max(args.max_tokens, args.quality_tokens) + 64)
     sparsities = pair["sparsities"]
     pols = policies(args, sparsities)
@@ -403,11 +422,11 @@ def main(argv=None) -> int:
 
     def checkpoint(result: dict) -> None:  # a crash or a killed run keeps what was measured
         partial.write_text(json.dumps({"command": " ".join(sys.argv), "raw": result}, default=str))
-    per_engine = len(args.contexts) * args.num_prompts * len(names) + (len(names) if args.gsm8k else 0) + (
-        len(names) if args.summaries else 0)
+    per_engine = len(args.contexts) * args.num_prompts * len(names) + (
+        sum(not n.startswith("attention") for n in names) if args.gsm8k else 0) + (len(names) if args.summaries else 0)
     stock_units = 0 if args.no_stock else len(args.contexts) * args.num_prompts
-    print(f"target={target}\ndraft={draft}\npolicies={names}\ncontexts={args.contexts} (dropped, "
-          f"beyond the model's window: {dropped})", flush=True)
+    print(f"target={target}\ndraft={draft}\npolicies={names}\ncontexts={args.contexts} (cut to the "
+          f"model's window: {clamped})", flush=True)
     with tqdm(total=per_engine + stock_units, desc="runs", unit="run") as bar:
         llm = start_engine(args, target, draft, sparsities, max_len, sparse=True)
         try:
