@@ -63,15 +63,22 @@ def make_tiny_llama(
         torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        if perturb_from is not None:
-            # A draft that mostly agrees with its target: the target's weights plus noise.
-            base = LlamaForCausalLM.from_pretrained(perturb_from, torch_dtype=torch.float32)
+    if perturb_from is not None:
+        # A draft that mostly agrees with its target: the target's weights plus noise.
+        base = LlamaForCausalLM.from_pretrained(perturb_from, torch_dtype=torch.float32)
+        with torch.no_grad():
             model.load_state_dict(base.state_dict())
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * perturb_scale)
-        else:
-            # Larger init than the default so greedy outputs are not all one token.
+        return save_model(model, path, random_init=False)
+    return save_model(model, path)
+
+
+def save_model(model, path: Path, *, random_init: bool = True) -> Path:
+    """Save a tiny HF model with the word tokenizer. `random_init`: weights ~ N(0, 0.08), larger
+    than the default init so greedy outputs are not all one token (and MoE routing not uniform)."""
+    if random_init:
+        with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.08)
     model.save_pretrained(path, safe_serialization=True)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from tiny_models import _VOCAB_WORDS, _write_tokenizer
+from tiny_models import _VOCAB_WORDS, save_model
 
 
 def make_tiny_mixtral(
@@ -50,13 +49,4 @@ def make_tiny_mixtral(
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    model = MixtralForCausalLM(config)
-    with torch.no_grad():
-        # Larger init than the default so greedy outputs are not all one token and routing is
-        # not uniform.
-        for p in model.parameters():
-            p.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    _write_tokenizer(path)
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    return path
+    return save_model(MixtralForCausalLM(config), path)

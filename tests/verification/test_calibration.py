@@ -32,34 +32,9 @@ CAPTURED_LAYER = 1
 
 
 def _tiny_mixtral(path: Path) -> Path:
-    try:
-        from tiny_moe import make_tiny_mixtral
-    except ImportError:  # the shared helper is not there: the same model, inline
-        make_tiny_mixtral = None
-    if make_tiny_mixtral is not None:
-        return make_tiny_mixtral(path, num_layers=3, top_k=3)
-    import json
+    from tiny_moe import make_tiny_mixtral
 
-    from tiny_models import _write_tokenizer
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=len(_VOCAB_WORDS) + 3, hidden_size=128, intermediate_size=128,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_local_experts=8, num_experts_per_tok=3, max_position_embeddings=2048,
-        sliding_window=None, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = MixtralForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    _write_tokenizer(path)
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    return path
+    return make_tiny_mixtral(path, num_layers=3, top_k=3)
 
 
 @pytest.fixture(scope="module")
