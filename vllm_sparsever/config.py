@@ -96,8 +96,13 @@ class MoESparsityConfig:
     ratio_threshold: float | None = None
     # Cap on distinct experts per request per verify step (None = no cap).
     expert_budget: int | None = None
+    # CPU: how the expert weights the sparse path reads are kept. "shared": vLLM-CPU's prepack is
+    # skipped and dense steps run sparsever's expert kernel on the same tensors (no extra memory);
+    # "copy": stock prepacked experts for dense steps plus a plain copy (+1x expert weights).
+    weights: Literal["shared", "copy"] = "shared"
 
     def validate(self, prefix: str) -> None:
+        _check_choice(f"{prefix}.weights", self.weights, ("shared", "copy"))
         if self.ratio_threshold is not None:
             _check_float(f"{prefix}.ratio_threshold", self.ratio_threshold, low=0.0, high=1.0)
         if self.expert_budget is not None:

@@ -15,7 +15,7 @@ loads) therefore changes that step for the target's layers:
   [E, H, I] and the experts' `apply` runs `moe_grouped_dispatch` with the stock routing on them, so
   dense steps (prefill, decode, moe off at run time) use the same router and reduction as stock
   with our expert kernel (equal up to fp32 summation order, not bit-identical to cpu_fused_moe);
-- mode "copy" (`SPARSEVER_MOE_WEIGHTS=copy`): stock prepack kept (dense steps are exactly stock) and
+- mode "copy" (config `moe.weights: "copy"`): stock prepack kept (dense steps are exactly stock) and
   a plain copy kept for the sparse path: +1x the expert weights in memory.
 
 `install_moe` wraps the forward of every `MoERunner` of the target with one opaque custom op
@@ -28,7 +28,6 @@ other tokens of a mixed step, and every other step, take the stock forward.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,18 +108,17 @@ def _preservable(layer: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def preserve_expert_weights(mode: str | None = None) -> Iterator[None]:
+def preserve_expert_weights(mode: str = "shared") -> Iterator[None]:
     """While the target loads on CPU: keep its experts' [E, 2I, H] / [E, H, I] weights.
 
     mode "shared" (default): no prepack, dense steps run our kernel on the same tensors (no extra
-    memory). mode "copy": stock prepack plus a plain copy (+1x expert weights). Default from the
-    environment variable SPARSEVER_MOE_WEIGHTS. No-op off CPU (Triton keeps the plain layout).
+    memory). mode "copy": stock prepack plus a plain copy (+1x expert weights). The config's
+    `moe.weights` chooses. No-op off CPU (Triton keeps the plain layout).
     """
     from vllm.platforms import current_platform
 
-    mode = mode or os.environ.get("SPARSEVER_MOE_WEIGHTS", "shared")
     if mode not in WEIGHT_MODES:
-        raise ValueError(f"SPARSEVER_MOE_WEIGHTS: {mode!r} (allowed: {', '.join(WEIGHT_MODES)})")
+        raise ValueError(f"moe.weights: {mode!r} (allowed: {', '.join(WEIGHT_MODES)})")
     if not current_platform.is_cpu():
         yield
         return

@@ -118,6 +118,9 @@ class SparseVerificationRuntime:
         raw = self.config.to_dict()
         passthrough = raw.pop("passthrough", {})
         for name, value in sections.items():
+            if name == "moe":  # start-up only: unless given, keep the weights mode in force
+                value = {"enabled": value} if isinstance(value, bool) else dict(value)
+                value.setdefault("weights", self.config.moe.weights)
             raw[name] = value
         raw["profile"] = None  # already resolved; do not re-check the path
         new = SparseverConfig.from_dict({**raw, **passthrough})
@@ -127,6 +130,10 @@ class SparseVerificationRuntime:
                     f"{name}.enabled: {name} sparsity was off at start, so its start-up work "
                     f"(backend, summaries, module swap) was not done; allowed at run time: false"
                 )
+        if new.moe.weights != self.config.moe.weights:
+            raise SparseverConfigError(
+                f"moe.weights: chosen at start ({self.config.moe.weights!r}); it cannot change at run time"
+            )
         self.config.attention, self.config.ffn, self.config.moe = new.attention, new.ffn, new.moe
         return {name: getattr(self.config, name).__dict__ for name in allowed}
 

@@ -62,8 +62,7 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
         if runtime.started_with["moe"]:
             from vllm_sparsever.verification import moe
 
-            if hasattr(moe, "preserve_expert_weights"):
-                stack.enter_context(moe.preserve_expert_weights())
+            stack.enter_context(moe.preserve_expert_weights(runtime.moe.weights))
         drafter = getattr(runner, "drafter", None)
         if drafter is not None and hasattr(drafter, "load_model"):
             original = drafter.load_model
