@@ -1,4 +1,5 @@
-"""Sparse verification inside `vllm serve`: attention + FFN on a dense model, seen on /metrics."""
+"""Sparse verification inside `vllm serve`: attention + FFN on a dense model, attention + MoE on an
+MoE model, seen on /metrics."""
 
 import time
 
@@ -6,6 +7,7 @@ import pytest
 
 from serve_utils import running_server, sparsever_metrics
 from tiny_models import make_tiny_llama, prompts
+from tiny_moe import make_tiny_mixtral
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -21,22 +23,49 @@ def sparse_server(tiny_dir, tmp_path_factory):
         yield base
 
 
-def test_serve_runs_sparse_attention_and_ffn(sparse_server):
+def _long_completion(base: str) -> dict[str, float]:
+    """One ~700-token prompt (5+ KV blocks of 128); returns the server's sparsever metrics after."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{sparse_server}/v1", api_key="unused", timeout=120)
-    long_prompt = prompts(1, length=12, seed=5)[0] * 55  # ~700 tokens: 5+ KV blocks
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
+    long_prompt = prompts(1, length=12, seed=5)[0] * 55
     resp = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=32, temperature=0.0)
     assert resp.usage.completion_tokens == 32
     time.sleep(0.6)  # worker snapshots are written at most every 0.25 s
-    values = sparsever_metrics(sparse_server)
+    values = sparsever_metrics(base)
+    assert values.get("sparsever:num_verify_steps_total", 0) > 0, values
+    assert values.get("sparsever:num_dense_fallbacks_total", 0) == 0
+    return values
+
+
+def _counter(values: dict[str, float], name: str) -> float:
+    return values.get(f'sparsever:sparsity_total{{counter="{name}"}}', 0.0)
+
+
+def test_serve_runs_sparse_attention_and_ffn(sparse_server):
+    values = _long_completion(sparse_server)
 
     def counter(name):
-        return values.get(f'sparsever:sparsity_total{{counter="{name}"}}', 0.0)
+        return _counter(values, name)
 
-    assert values.get("sparsever:num_verify_steps_total", 0) > 0, values
     assert counter("attn_layers_sparse") > 0, values
     assert 0 < counter("attn_kv_blocks_read") < counter("attn_kv_blocks_dense")
     assert counter("ffn_layers_sparse") > 0
     assert 0 < counter("ffn_neurons_read") < counter("ffn_neurons_dense")
-    assert values.get("sparsever:num_dense_fallbacks_total", 0) == 0
+
+
+@pytest.fixture(scope="module")
+def moe_server(tiny_dir, tmp_path_factory):
+    target = make_tiny_mixtral(tiny_dir / "mixtral_serve", seed=0, num_layers=2, top_k=3)
+    spec = {"method": "sparsever", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "attention": {"enabled": True, "min_context_len": 256, "top_k_blocks": 1},
+            "moe": {"enabled": True, "ratio_threshold": 0.9, "expert_budget": 2}}
+    log = tmp_path_factory.mktemp("serve_moe") / "server.log"
+    with running_server(target, spec, log, "--max-model-len", "2048") as base:
+        yield base
+
+
+def test_serve_runs_sparse_attention_and_moe(moe_server):
+    values = _long_completion(moe_server)
+    assert _counter(values, "attn_layers_sparse") > 0, values
+    assert 0 < _counter(values, "moe_experts_read") < _counter(values, "moe_experts_dense"), values
