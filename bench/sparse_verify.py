@@ -201,12 +201,13 @@ def bench_engine(args, llm, names: list[str], pols: dict, shapes: dict, bar, lab
         for row in rows:
             chat = [[{"role": "user", "content": row["prompt"]}]]
             run_policy(llm, pols.get("dense"), chat, 1)  # prefill once; later runs hit the prefix cache
-            for name in names:
-                bar.set_postfix_str(f"{label} {ctx // 1024}K {name}")
-                r = run_policy(llm, pols.get(name), chat, args.max_tokens, min_tokens=args.max_tokens)
-                r.update(prompt_id=row["id"], context_tokens=row["num_tokens"])
-                per_policy[name].append(r)
-                bar.update(1)
+            for repeat in range(args.repeats):  # policies interleaved: drift hits all alike
+                for name in names:
+                    bar.set_postfix_str(f"{label} {ctx // 1024}K {name} #{repeat}")
+                    r = run_policy(llm, pols.get(name), chat, args.max_tokens, min_tokens=args.max_tokens)
+                    r.update(prompt_id=row["id"], context_tokens=row["num_tokens"], repeat=repeat)
+                    per_policy[name].append(r)
+                    bar.update(1)
         moe_dense = None
         if "moe" in per_policy and per_policy["moe"]:
             s = per_policy["moe"][0]["sparsity"]
@@ -373,6 +374,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="context lengths in tokens (32000: Qwen2.5's 32K window minus the answer)")
     p.add_argument("--num-prompts", type=int, default=1, help="long documents per context")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=1, help="runs per policy and prompt (interleaved)")
     p.add_argument("--gsm8k", type=int, default=10, help="GSM8K questions (0: skip)")
     p.add_argument("--summaries", type=int, default=2, help="long-document summaries for ROUGE-L (0: skip)")
     p.add_argument("--summary-context", type=int, default=4096)
@@ -451,9 +453,9 @@ def main(argv=None) -> int:
 
     def checkpoint(result: dict) -> None:  # a crash or a killed run keeps what was measured
         partial.write_text(json.dumps({"command": " ".join(sys.argv), "raw": result}, default=str))
-    per_engine = len(args.contexts) * args.num_prompts * len(names) + (
+    per_engine = len(args.contexts) * args.num_prompts * args.repeats * len(names) + (
         sum(not n.startswith("attention") for n in names) if args.gsm8k else 0) + (len(names) if args.summaries else 0)
-    stock_units = 0 if args.no_stock else len(args.contexts) * args.num_prompts
+    stock_units = 0 if args.no_stock else len(args.contexts) * args.num_prompts * args.repeats
     print(f"target={target}\ndraft={draft}\npolicies={names}\ncontexts={args.contexts} (cut to the "
           f"model's window: {clamped})", flush=True)
     with tqdm(total=per_engine + stock_units, desc="runs", unit="run") as bar:
