@@ -80,8 +80,17 @@ class FFNSparsityConfig:
     # Share of intermediate neurons kept, (0, 1], for every layer. None = per-layer ratios from
     # the calibration profile, else DEFAULT_FFN_KEEP_RATIO.
     keep_ratio: float | None = None
+    # Verify steps with more requests than this run the dense MLP: per-request neuron sets of many
+    # requests union to ~all rows, and the gather kernel then costs more than a dense GEMM.
+    max_verify_requests: int = 2
+    # CPU: "copy" keeps vLLM's prepacked (oneDNN) MLP for every dense step and a plain copy for the
+    # sparse path (+1x MLP weights in memory); "shared" keeps only plain weights (no extra memory,
+    # dense steps use torch's matmul, slower than oneDNN; measured in bench/results).
+    weights: Literal["shared", "copy"] = "copy"
 
     def validate(self, prefix: str) -> None:
+        _check_int(f"{prefix}.max_verify_requests", self.max_verify_requests, minimum=1)
+        _check_choice(f"{prefix}.weights", self.weights, ("shared", "copy"))
         if self.keep_ratio is not None:
             _check_float(f"{prefix}.keep_ratio", self.keep_ratio, low=0.0, high=1.0, low_open=True)
 
@@ -96,12 +105,17 @@ class MoESparsityConfig:
     ratio_threshold: float | None = None
     # Cap on distinct experts per request per verify step (None = no cap).
     expert_budget: int | None = None
-    # CPU: how the expert weights the sparse path reads are kept. "shared": vLLM-CPU's prepack is
-    # skipped and dense steps run sparsever's expert kernel on the same tensors (no extra memory);
-    # "copy": stock prepacked experts for dense steps plus a plain copy (+1x expert weights).
-    weights: Literal["shared", "copy"] = "shared"
+    # Verify steps with more requests than this run the stock MoE (the union of many requests'
+    # experts is ~all experts).
+    max_verify_requests: int = 4
+    # CPU: how the expert weights the sparse path reads are kept. "copy": stock prepacked experts
+    # (cpu_fused_moe) for every dense step plus a plain copy (+1x expert weights); "shared":
+    # vLLM-CPU's prepack is skipped and dense steps run sparsever's expert kernel on the same
+    # tensors (no extra memory).
+    weights: Literal["shared", "copy"] = "copy"
 
     def validate(self, prefix: str) -> None:
+        _check_int(f"{prefix}.max_verify_requests", self.max_verify_requests, minimum=1)
         _check_choice(f"{prefix}.weights", self.weights, ("shared", "copy"))
         if self.ratio_threshold is not None:
             _check_float(f"{prefix}.ratio_threshold", self.ratio_threshold, low=0.0, high=1.0)

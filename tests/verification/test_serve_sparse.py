@@ -17,7 +17,7 @@ def sparse_server(tiny_dir, tmp_path_factory):
     target = make_tiny_llama(tiny_dir / "target4", seed=0, num_layers=4)
     spec = {"method": "sparsever", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
             "attention": {"enabled": True, "min_context_len": 256, "top_k_blocks": 1},
-            "ffn": {"enabled": True, "keep_ratio": 0.25}}
+            "ffn": {"enabled": True, "keep_ratio": 0.25, "weights": "shared"}}  # offline tests: "copy"
     log = tmp_path_factory.mktemp("serve_sparse") / "server.log"
     with running_server(target, spec, log, "--max-model-len", "2048") as base:
         yield base
@@ -58,8 +58,9 @@ def test_serve_runs_sparse_attention_and_ffn(sparse_server):
 def moe_server(tiny_dir, tmp_path_factory):
     target = make_tiny_mixtral(tiny_dir / "mixtral_serve", seed=0, num_layers=2, top_k=3)
     spec = {"method": "sparsever", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,  # the random Mixtral repeats the prompt less than the Llama
             "attention": {"enabled": True, "min_context_len": 256, "top_k_blocks": 1},
-            "moe": {"enabled": True, "ratio_threshold": 0.9, "expert_budget": 2}}
+            "moe": {"enabled": True, "ratio_threshold": 0.9, "expert_budget": 2, "weights": "shared"}}
     log = tmp_path_factory.mktemp("serve_moe") / "server.log"
     with running_server(target, spec, log, "--max-model-len", "2048") as base:
         yield base

@@ -18,7 +18,7 @@ NUM_LAYERS = 4
 # ~700-token prompts: 5-6 KV blocks of 128, so top-1 selection (+ sink + local) skips blocks.
 LONG_PROMPTS = [p * 55 for p in prompts(3, length=12, seed=3)]
 ATTENTION = {"enabled": True, "min_context_len": 256, "top_k_blocks": 1, "anchor_layers": [0, 2]}
-FFN = {"enabled": True, "keep_ratio": 0.25}
+FFN = {"enabled": True, "keep_ratio": 0.25, "max_verify_requests": 4}
 
 
 @pytest.fixture(scope="module")

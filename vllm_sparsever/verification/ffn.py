@@ -10,9 +10,11 @@ and reads the up/down rows of the top `keep_ratio * I` neurons only (`topk_swigl
 tokens of the step, and every decode/prefill step, run the stock MLP.
 
 Weights: the op needs `gate_up_proj.weight` [2I, H] and the transposed down projection [I, H].
-vLLM-CPU normally repacks linear weights for oneDNN and frees them, so while the target loads the
-MLP linears keep their plain weights (dense steps use torch's matmul on them), and
-`down_proj.weight` becomes a transposed view of the [I, H] copy: no extra memory.
+vLLM-CPU normally repacks linear weights for oneDNN and frees them. While the target loads,
+`keep_mlp_weights(mode)` changes that for the MLP linears: "copy" (default) lets vLLM pack them as
+usual (dense steps stay stock) and keeps the plain tensors for the sparse path (+1x MLP weights);
+"shared" skips the packing (dense steps use torch's matmul on the plain weights) and
+`down_proj.weight` becomes a transposed view of the [I, H] tensor: no extra memory.
 """
 
 from __future__ import annotations
@@ -57,10 +59,14 @@ class SparseSwiGLUMLP(nn.Module):
         self.prefix = prefix
         self.layer_idx = layer_idx
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        self.intermediate = gate_up.weight.shape[0] // 2
+        self.w_gate_up = plain_weight(gate_up)
+        self.intermediate = self.w_gate_up.shape[0] // 2
         # [I, H]: a neuron's output weights are one contiguous row, read only if it is kept.
-        w_down_t = down.weight.detach().t().contiguous()
-        down.weight = nn.Parameter(w_down_t.t(), requires_grad=False)
+        w_down_t = plain_weight(down).detach().t().contiguous()
+        if hasattr(down, "_sparsever_plain_weight"):
+            del down._sparsever_plain_weight  # packed copy serves dense steps; keep only [I, H]
+        else:
+            down.weight = nn.Parameter(w_down_t.t(), requires_grad=False)
         self.w_down_t = w_down_t
         self.reduce_results = bool(getattr(down, "reduce_results", False)) and (
             getattr(down, "tp_size", 1) > 1
@@ -72,7 +78,8 @@ class SparseSwiGLUMLP(nn.Module):
 
     def forward_impl(self, x: torch.Tensor) -> torch.Tensor:
         plan, rt = current_plan(), get_runtime()
-        if plan is None or rt is None or not rt.ffn.enabled or not plan.is_verify_step:
+        if (plan is None or rt is None or not rt.ffn.enabled or not plan.is_verify_step
+                or len(plan.requests) > rt.ffn.max_verify_requests):
             return self.mlp(x)
         try:
             out = self._sparse(x, plan, rt)
@@ -86,7 +93,7 @@ class SparseSwiGLUMLP(nn.Module):
         if keep >= self.intermediate:
             return None
         groups = rt.step_groups(plan)
-        w_gate_up = self.mlp.gate_up_proj.weight
+        w_gate_up = self.w_gate_up
         if groups.all_tokens_verify and x.shape[0] == groups.num_tokens:
             out, selected = ops.topk_swiglu_ffn(x, w_gate_up, self.w_down_t, groups.group_start_loc, keep)
             out = self._reduce(out)
@@ -120,7 +127,7 @@ class SparseSwiGLUMLP(nn.Module):
         xv = x[groups.token_index]
         expected = torch.empty_like(xv)
         selected = torch.empty(groups.group_start_loc.numel() - 1, keep, dtype=torch.int32)
-        reference.topk_swiglu_ffn(expected, xv, self.mlp.gate_up_proj.weight, self.w_down_t,
+        reference.topk_swiglu_ffn(expected, xv, self.w_gate_up, self.w_down_t,
                                   groups.group_start_loc, keep, selected)
         got = out[groups.token_index]
         rt.record_reference_error("ffn", float((got.float() - expected.float()).abs().max()))
@@ -131,6 +138,11 @@ class SparseSwiGLUMLP(nn.Module):
         from vllm.distributed import tensor_model_parallel_all_reduce
 
         return tensor_model_parallel_all_reduce(out)
+
+
+def plain_weight(linear: nn.Module) -> torch.Tensor:
+    """The [out, in] weight of a linear layer (the plain copy kept in "copy" mode, else `weight`)."""
+    return getattr(linear, "_sparsever_plain_weight", linear.weight)
 
 
 def _is_swiglu_mlp(module: nn.Module) -> bool:
@@ -160,7 +172,7 @@ def install_ffn(model: nn.Module, architecture: str) -> int:
         for linear in (mlp.gate_up_proj, mlp.down_proj):
             if getattr(linear, "bias", None) is not None:
                 raise RuntimeError(f"ffn.enabled: {name} has biased projections (unsupported)")
-            w = linear.weight
+            w = plain_weight(linear)
             if w.ndim != 2 or w.numel() == 0 or not w.is_floating_point():
                 raise RuntimeError(
                     f"ffn.enabled: {name} has no plain floating-point weights (quantized or "
@@ -177,8 +189,9 @@ def install_ffn(model: nn.Module, architecture: str) -> int:
 
 
 @contextlib.contextmanager
-def keep_mlp_weights() -> Iterator[None]:
-    """While the target loads on CPU: keep the MLP linears' plain weights (no oneDNN repack)."""
+def keep_mlp_weights(mode: str = "copy") -> Iterator[None]:
+    """While the target loads on CPU: keep the MLP linears' plain weights ("copy": besides vLLM's
+    packed ones; "shared": instead of them)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -190,8 +203,10 @@ def keep_mlp_weights() -> Iterator[None]:
 
     def dispatch(layer, remove_weight):
         if getattr(layer, "prefix", "").endswith(_MLP_LINEAR_SUFFIXES) and layer.weight.ndim == 2:
-            layer.cpu_linear = torch.nn.functional.linear
-            return
+            if mode == "shared":
+                layer.cpu_linear = torch.nn.functional.linear
+                return
+            layer._sparsever_plain_weight = layer.weight.data  # survives the packing's removal
         original(layer, remove_weight)
 
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch

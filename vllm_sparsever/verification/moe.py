@@ -11,11 +11,11 @@ Weights: after loading, vLLM-CPU pads I to the kernel alignment and *replaces* b
 prepacked copy (`cpu_prepack_moe_weight`, 16-row blocks stored transposed for fp32, VNNI pairs for
 bf16); the [E, 2I, H] originals are freed. `preserve_expert_weights()` (active while the target
 loads) therefore changes that step for the target's layers:
-- mode "shared" (default, memory-neutral): no padding, no prepack; the parameters stay [E, 2I, H] /
+- mode "shared" (memory-neutral): no padding, no prepack; the parameters stay [E, 2I, H] /
   [E, H, I] and the experts' `apply` runs `moe_grouped_dispatch` with the stock routing on them, so
   dense steps (prefill, decode, moe off at run time) use the same router and reduction as stock
   with our expert kernel (equal up to fp32 summation order, not bit-identical to cpu_fused_moe);
-- mode "copy" (config `moe.weights: "copy"`): stock prepack kept (dense steps are exactly stock) and
+- mode "copy" (default; config `moe.weights`): stock prepack kept (dense steps are exactly stock) and
   a plain copy kept for the sparse path: +1x the expert weights in memory.
 
 `install_moe` wraps the forward of every `MoERunner` of the target with one opaque custom op
@@ -108,10 +108,10 @@ def _preservable(layer: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def preserve_expert_weights(mode: str = "shared") -> Iterator[None]:
+def preserve_expert_weights(mode: str = "copy") -> Iterator[None]:
     """While the target loads on CPU: keep its experts' [E, 2I, H] / [E, H, I] weights.
 
-    mode "shared" (default): no prepack, dense steps run our kernel on the same tensors (no extra
+    mode "shared": no prepack, dense steps run our kernel on the same tensors (no extra
     memory). mode "copy": stock prepack plus a plain copy (+1x expert weights). The config's
     `moe.weights` chooses. No-op off CPU (Triton keeps the plain layout).
     """
@@ -187,7 +187,8 @@ class SparseMoEBlock:
 
     def forward_impl(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         plan, rt = current_plan(), get_runtime()
-        if plan is None or rt is None or not rt.moe.enabled or not plan.is_verify_step:
+        if (plan is None or rt is None or not rt.moe.enabled or not plan.is_verify_step
+                or len(plan.requests) > rt.moe.max_verify_requests):
             return self.stock_forward(hidden_states, router_logits)
         try:
             out = self._sparse(hidden_states, router_logits, plan, rt)

@@ -118,9 +118,9 @@ class SparseVerificationRuntime:
         raw = self.config.to_dict()
         passthrough = raw.pop("passthrough", {})
         for name, value in sections.items():
-            if name == "moe":  # start-up only: unless given, keep the weights mode in force
+            if name in ("ffn", "moe"):  # start-up only: unless given, keep the weights mode
                 value = {"enabled": value} if isinstance(value, bool) else dict(value)
-                value.setdefault("weights", self.config.moe.weights)
+                value.setdefault("weights", getattr(self.config, name).weights)
             raw[name] = value
         raw["profile"] = None  # already resolved; do not re-check the path
         new = SparseverConfig.from_dict({**raw, **passthrough})
@@ -130,10 +130,12 @@ class SparseVerificationRuntime:
                     f"{name}.enabled: {name} sparsity was off at start, so its start-up work "
                     f"(backend, summaries, module swap) was not done; allowed at run time: false"
                 )
-        if new.moe.weights != self.config.moe.weights:
-            raise SparseverConfigError(
-                f"moe.weights: chosen at start ({self.config.moe.weights!r}); it cannot change at run time"
-            )
+        for name in ("ffn", "moe"):
+            if getattr(new, name).weights != getattr(self.config, name).weights:
+                raise SparseverConfigError(
+                    f"{name}.weights: chosen at start ({getattr(self.config, name).weights!r}); it "
+                    f"cannot change at run time"
+                )
         self.config.attention, self.config.ffn, self.config.moe = new.attention, new.ffn, new.moe
         return {name: getattr(self.config, name).__dict__ for name in allowed}
 

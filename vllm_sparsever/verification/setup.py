@@ -58,7 +58,7 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
         if runtime.started_with["ffn"]:
             from vllm_sparsever.verification.ffn import keep_mlp_weights
 
-            stack.enter_context(keep_mlp_weights())
+            stack.enter_context(keep_mlp_weights(runtime.ffn.weights))
         if runtime.started_with["moe"]:
             from vllm_sparsever.verification import moe
 
