@@ -327,8 +327,8 @@ def markdown(summary: list[dict], quality: list[dict]) -> str:
             f"{_fmt(r['bytes_ratio_vs_dense'])} | {_fmt(r['mean_acceptance_length'])} | "
             f"{_fmt(r['mal_ratio_vs_dense'])} | {_fmt(r['agreement_with_dense'])} | {_fmt(r['rouge_l_vs_dense'])} | "
             f"{'met' if r['aim_met'] else '-'} |")
-    if quality:
-        keys = [k for k in quality[0] if k != "policy"]
+    keys = [k for k in (quality[0] if quality else {}) if k != "policy"]
+    if keys:
         lines += ["", "| policy | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
         for r in quality:
             lines.append(f"| {r['policy']} | " + " | ".join(_fmt(r.get(k), ".3f") for k in keys) + " |")
