@@ -211,7 +211,11 @@ class SparseVerificationRuntime:
             self.stats[f"{component}_reference_checks"] += 1
 
     def fallback(self, component: str, reason: str) -> None:
-        """Note (and warn once per reason) that `component` verified densely this step."""
+        """Note (and warn once per reason) that `component` verified densely this step; with
+        `fallback_to_dense: false` the problem is raised instead."""
+        if not self.config.fallback_to_dense:
+            raise RuntimeError(f"sparsever: {component} sparse verification failed: {reason} "
+                               f"(fallback_to_dense is false)")
         self.record(**{f"{component}_fallbacks": 1})
         key = f"{component}:{reason}"
         if key not in self._warned:
