@@ -128,20 +128,17 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         if num_reqs != plan.num_reqs or num_tokens != plan.num_tokens:
             rt.fallback("attention", "attention metadata does not match the step's plan")
             return False
-        query_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
-        verify_rows = torch.zeros(num_reqs, dtype=torch.bool)
-        sparse_rows = torch.zeros(num_reqs, dtype=torch.bool)
-        for req in plan.requests:
-            verify_rows[req.batch_index] = True
-            sparse_rows[req.batch_index] = req.context_len >= cfg.min_context_len
-        if not bool(sparse_rows.any()):
-            return False  # every verify request is short: dense is as cheap
-        if bool(((query_lens.cpu() > 1) & ~verify_rows).any()):
-            return False  # a prefill chunk shares the step: run it all with the stock kernel
+        state = plan.extras.setdefault("attention", {})
+        if "sparse_rows" not in state:  # once per step: the same for every layer
+            state["query_lens"], state["sparse_rows"], state["run_sparse"] = self._step_rows(
+                md, plan, cfg, num_reqs
+            )
+        if not state["run_sparse"]:
+            return False
+        query_lens, sparse_rows = state["query_lens"], state["sparse_rows"]
 
         key_cache, value_cache = paged_kv_views(kv_cache)
         layer_idx = layer_index_of(layer.layer_name)
-        state = plan.extras.setdefault("attention", {})
         if layer_idx is None or rt.is_anchor(layer_idx) or "selected" not in state:
             state["selected"], state["num_selected"], state["dense_blocks"] = self._select(
                 query[:num_tokens], key_cache, md, query_lens, sparse_rows, cfg
@@ -164,6 +161,20 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
             attn_kv_blocks_dense=state["dense_blocks"],
         )
         return True
+
+    @staticmethod
+    def _step_rows(md, plan, cfg, num_reqs):
+        """Query lengths, the rows that attend sparsely, and whether the step runs sparse at all."""
+        query_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+        verify_rows = torch.zeros(num_reqs, dtype=torch.bool)
+        sparse_rows = torch.zeros(num_reqs, dtype=torch.bool)
+        for req in plan.requests:
+            verify_rows[req.batch_index] = True
+            sparse_rows[req.batch_index] = req.context_len >= cfg.min_context_len
+        # Dense when every verify request is short (nothing to save) or a prefill chunk shares the
+        # step (the stock kernel runs it all).
+        run_sparse = bool(sparse_rows.any()) and not bool(((query_lens.cpu() > 1) & ~verify_rows).any())
+        return query_lens, sparse_rows, run_sparse
 
     def _select(self, query, key_cache, md, query_lens, sparse_rows, cfg):
         """One anchor layer's selection: [R, Hkv, S] logical block ids, [R, Hkv] counts, and the

@@ -151,20 +151,12 @@ class SparseVerificationRuntime:
         return anchors is None or layer in anchors
 
     def ffn_keep_ratio(self, layer: int) -> float:
-        if self.ffn.keep_ratio is not None:
-            return self.ffn.keep_ratio
-        ratios = self.profile.ffn_keep_ratios if self.profile is not None else None
-        if ratios is not None and layer < len(ratios) and ratios[layer] is not None:
-            return float(ratios[layer])
-        return DEFAULT_FFN_KEEP_RATIO
+        profile = self.profile.ffn_keep_ratios if self.profile is not None else None
+        return _per_layer(self.ffn.keep_ratio, profile, layer, DEFAULT_FFN_KEEP_RATIO)
 
     def moe_ratio_threshold(self, layer: int) -> float:
-        if self.moe.ratio_threshold is not None:
-            return self.moe.ratio_threshold
-        values = self.profile.moe_ratio_thresholds if self.profile is not None else None
-        if values is not None and layer < len(values) and values[layer] is not None:
-            return float(values[layer])
-        return DEFAULT_MOE_RATIO_THRESHOLD
+        profile = self.profile.moe_ratio_thresholds if self.profile is not None else None
+        return _per_layer(self.moe.ratio_threshold, profile, layer, DEFAULT_MOE_RATIO_THRESHOLD)
 
     # ---- per step -----------------------------------------------------------------------
 
@@ -238,6 +230,15 @@ class SparseVerificationRuntime:
             "sections": {n: getattr(self.config, n).__dict__ for n in ("attention", "ffn", "moe")},
             "started_with": dict(self.started_with),
         }
+
+
+def _per_layer(configured: float | None, profile: list | None, layer: int, default: float) -> float:
+    """The config's value for every layer, else the profile's for this layer, else the default."""
+    if configured is not None:
+        return configured
+    if profile is not None and layer < len(profile) and profile[layer] is not None:
+        return float(profile[layer])
+    return default
 
 
 _runtime: SparseVerificationRuntime | None = None
