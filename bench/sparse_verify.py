@@ -44,7 +44,8 @@ PAIRS = {
 def policies(args, sparsities: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Policy name -> sections for set_sparsity: dense, each sparsity alone (with its variants),
     and attention combined with each variant of the other sparsity. None values = profile."""
-    attention = {"enabled": True, "top_k_blocks": args.top_k_blocks, "min_context_len": args.min_context_len}
+    attention = {"enabled": True, "top_k_blocks": args.top_k_blocks, "min_context_len": args.min_context_len,
+                 "kernel": args.attention_kernel}
     variants: dict[str, list[tuple[str, dict]]] = {"attention": [("attention", attention)]}
     if "ffn" in sparsities:
         variants["ffn"] = [(f"ffn@{r}" if r else "ffn(profile)", {"enabled": True, "keep_ratio": r})
@@ -384,6 +385,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--top-k-blocks", type=int, default=8)
     p.add_argument("--min-context-len", type=int, default=2048)
+    p.add_argument("--attention-kernel", choices=["auto", "sparsever", "vllm"], default="auto",
+                   help="attention.kernel of the sparse engine (fixed at its start)")
     p.add_argument("--ffn-keep-ratios", type=lambda v: None if v == "profile" else float(v), nargs="+",
                    default=[None, 0.5], help="FFN variants ('profile' = the calibration profile's ratios)")
     p.add_argument("--moe-ratio-threshold", type=float, default=None, help="default: calibration profile")

@@ -53,8 +53,17 @@ class AttentionSparsityConfig:
     # Layers that select blocks; the layers after each anchor reuse its selection.
     # None means "from the calibration profile, else every layer".
     anchor_layers: list[int] | None = None
+    # Which kernel attends over the kept blocks (fixed at start):
+    # "sparsever": sparsever's block-sparse kernel, one selection per request and KV head; it reads
+    #   the plain ("vec") KV layout, so every step of the worker uses vLLM's vec attention ISA.
+    # "vllm": vLLM's own CPU attention kernel over a compacted block table, one selection per
+    #   request shared by its KV heads; the KV layout (and the ISA of dense steps) stays vLLM's
+    #   choice, e.g. AMX tiles for bf16 on Xeons with AMX.
+    # "auto": "vllm" where vLLM would pick a non-plain layout (AMX), else "sparsever".
+    kernel: Literal["auto", "sparsever", "vllm"] = "auto"
 
     def validate(self, prefix: str) -> None:
+        _check_choice(f"{prefix}.kernel", self.kernel, ("auto", "sparsever", "vllm"))
         _check_int(f"{prefix}.top_k_blocks", self.top_k_blocks, minimum=1)
         _check_int(f"{prefix}.num_sink_blocks", self.num_sink_blocks, minimum=0)
         _check_int(f"{prefix}.num_local_blocks", self.num_local_blocks, minimum=1)

@@ -21,28 +21,41 @@ ATTENTION = {"enabled": True, "min_context_len": 256, "top_k_blocks": 1, "anchor
 FFN = {"enabled": True, "keep_ratio": 0.25, "max_verify_requests": 4}
 
 
-@pytest.fixture(scope="module")
-def sparse_llm(tiny_dir):
+def _start(target, **sections):
     from vllm import LLM
 
-    target = make_tiny_llama(tiny_dir / "target4", seed=0, num_layers=NUM_LAYERS)
     old = os.environ.get("VLLM_SPARSEVER_CHECK_REFERENCE")
     os.environ["VLLM_SPARSEVER_CHECK_REFERENCE"] = "1"  # inherited by the worker process
     try:
-        llm = LLM(
+        return LLM(
             model=str(target), dtype="float32", enforce_eager=True, max_model_len=2048,
             max_num_seqs=4, seed=0,
             speculative_config={"method": "sparsever", "num_speculative_tokens": 3,
-                                "prompt_lookup_max": 3, "attention": ATTENTION, "ffn": FFN},
+                                "prompt_lookup_max": 3, **sections},
         )
     finally:
         if old is None:
             os.environ.pop("VLLM_SPARSEVER_CHECK_REFERENCE")
         else:
             os.environ["VLLM_SPARSEVER_CHECK_REFERENCE"] = old
-    yield llm, target
+
+
+@pytest.fixture(scope="module")
+def target4(tiny_dir):
+    return make_tiny_llama(tiny_dir / "target4", seed=0, num_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def sparse_llm(target4):
+    llm = _start(target4, attention={**ATTENTION, "kernel": "sparsever"}, ffn=FFN)
+    yield llm, target4
     del llm
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def plain_greedy_long(target4):
+    return _plain_greedy(target4, LONG_PROMPTS)
 
 
 def _run(llm, prompt_list, max_tokens=24, **sections):
@@ -69,12 +82,12 @@ def _plain_greedy(target, prompt_list, max_tokens=24):
         gc.collect()
 
 
-def test_all_off_is_identical_to_plain_greedy(sparse_llm):
-    llm, target = sparse_llm
+def test_all_off_is_identical_to_plain_greedy(sparse_llm, plain_greedy_long):
+    llm, _ = sparse_llm
     tokens, metrics = _run(llm, LONG_PROMPTS, attention={"enabled": False}, ffn={"enabled": False})
     assert metrics["num_verify_steps"] > 0
     assert not any(k.endswith("_sparse") for k in metrics["sparsity"]), metrics["sparsity"]
-    assert tokens == _plain_greedy(target, LONG_PROMPTS)
+    assert tokens == plain_greedy_long
 
 
 def test_sparse_attention_matches_reference_and_reads_fewer_blocks(sparse_llm):
@@ -124,3 +137,39 @@ def test_run_time_switch_cannot_enable_what_start_did_not_set_up(sparse_llm):
         set_sparsity(llm, moe={"enabled": True})
     with pytest.raises(Exception, match=r"ffn\.keep_ratio"):
         set_sparsity(llm, ffn={"enabled": True, "keep_ratio": 2.0})
+    with pytest.raises(Exception, match=r"attention\.kernel: chosen at start"):
+        set_sparsity(llm, attention={**ATTENTION, "kernel": "vllm"})
+
+
+# ---- attention.kernel = "vllm": vLLM's attention kernel over compacted block tables -----------------
+
+
+@pytest.fixture(scope="module")
+def vllm_kernel_llm(target4):
+    llm = _start(target4, attention={**ATTENTION, "kernel": "vllm"})
+    yield llm
+    del llm
+    gc.collect()
+
+
+def test_vllm_kernel_sparse_attention_matches_reference(vllm_kernel_llm):
+    _, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={**ATTENTION, "kernel": "vllm"})
+    s = metrics["sparsity"]
+    assert s.get("attention_fallbacks", 0) == 0, s
+    assert s["attn_layers_sparse"] == NUM_LAYERS * metrics["num_verify_steps"], (s, metrics)
+    assert s["attn_selections"] * 2 == s["attn_layers_sparse"]
+    assert 0 < s["attn_kv_blocks_read"] < s["attn_kv_blocks_dense"]
+    # vLLM's kernel over the compacted table = the reference over the kept blocks (one selection
+    # shared by the KV heads), and the folded summaries bound every key of their blocks.
+    assert s["attn_reference_checks"] == s["attn_layers_sparse"]
+    assert s["attn_reference_max_abs_err"] < 1e-4, s
+    assert s["attn_summaries_reference_max_abs_err"] == 0.0, s
+
+
+def test_vllm_kernel_keeping_every_block_is_identical_to_plain_greedy(vllm_kernel_llm, plain_greedy_long):
+    """A budget that covers every block leaves the tables as they are: the sparse path then runs
+    exactly vLLM's dense attention, so the output is token-identical to plain greedy (fp32)."""
+    tokens, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={**ATTENTION, "kernel": "vllm", "top_k_blocks": 64})
+    assert metrics["sparsity"]["attn_layers_sparse"] == NUM_LAYERS * metrics["num_verify_steps"]
+    assert metrics["sparsity"]["attn_kv_blocks_read"] == metrics["sparsity"]["attn_kv_blocks_dense"]
+    assert tokens == plain_greedy_long

@@ -65,6 +65,10 @@ class StepGroups:
     batch_rows: tuple[int, ...]  # the runner's batch row of each group (request)
 
 
+# Knobs whose start-up work (KV layout, kept weights) fixes them for the engine's lifetime.
+_START_UP_KNOBS = {"attention": ("kernel",), "ffn": ("weights",), "moe": ("weights",)}
+
+
 class SparseVerificationRuntime:
     """Sparse verification knobs and state for one worker (see module docstring)."""
 
@@ -118,9 +122,9 @@ class SparseVerificationRuntime:
         raw = self.config.to_dict()
         passthrough = raw.pop("passthrough", {})
         for name, value in sections.items():
-            if name in ("ffn", "moe"):  # start-up only: unless given, keep the weights mode
-                value = {"enabled": value} if isinstance(value, bool) else dict(value)
-                value.setdefault("weights", getattr(self.config, name).weights)
+            value = {"enabled": value} if isinstance(value, bool) else dict(value)
+            for knob in _START_UP_KNOBS[name]:  # unless given, keep what was chosen at start
+                value.setdefault(knob, getattr(getattr(self.config, name), knob))
             raw[name] = value
         raw["profile"] = None  # already resolved; do not re-check the path
         new = SparseverConfig.from_dict({**raw, **passthrough})
@@ -130,12 +134,13 @@ class SparseVerificationRuntime:
                     f"{name}.enabled: {name} sparsity was off at start, so its start-up work "
                     f"(backend, summaries, module swap) was not done; allowed at run time: false"
                 )
-        for name in ("ffn", "moe"):
-            if getattr(new, name).weights != getattr(self.config, name).weights:
-                raise SparseverConfigError(
-                    f"{name}.weights: chosen at start ({getattr(self.config, name).weights!r}); it "
-                    f"cannot change at run time"
-                )
+        for name, knobs in _START_UP_KNOBS.items():
+            for knob in knobs:
+                chosen = getattr(getattr(self.config, name), knob)
+                if getattr(getattr(new, name), knob) != chosen:
+                    raise SparseverConfigError(
+                        f"{name}.{knob}: chosen at start ({chosen!r}); it cannot change at run time"
+                    )
         self.config.attention, self.config.ffn, self.config.moe = new.attention, new.ffn, new.moe
         return {name: getattr(self.config, name).__dict__ for name in allowed}
 
