@@ -112,8 +112,10 @@ class MoESparsityConfig:
     # Drop a token's expert j when its routing weight < ratio_threshold * (top-1 weight), for every
     # layer. None = per-layer medians from the calibration profile, else DEFAULT_MOE_RATIO_THRESHOLD.
     ratio_threshold: float | None = None
-    # Cap on distinct experts per request per verify step (None = no cap).
+    # Cap on distinct experts per verify step (None = no cap), counted per request or over the
+    # whole step ("step": the union of every verify request's experts, so it bounds the bytes read).
     expert_budget: int | None = None
+    budget_scope: Literal["request", "step"] = "request"
     # Verify steps with more requests than this run the stock MoE (the union of many requests'
     # experts is ~all experts).
     max_verify_requests: int = 4
@@ -126,6 +128,7 @@ class MoESparsityConfig:
     def validate(self, prefix: str) -> None:
         _check_int(f"{prefix}.max_verify_requests", self.max_verify_requests, minimum=1)
         _check_choice(f"{prefix}.weights", self.weights, ("shared", "copy"))
+        _check_choice(f"{prefix}.budget_scope", self.budget_scope, ("request", "step"))
         if self.ratio_threshold is not None:
             _check_float(f"{prefix}.ratio_threshold", self.ratio_threshold, low=0.0, high=1.0)
         if self.expert_budget is not None:

@@ -212,6 +212,20 @@ def test_pruned_verify_matches_reference(vllm_env, blocks, threshold, budget):
         assert used <= 2 * budget < dense
 
 
+def test_step_budget_caps_the_union_of_requests(vllm_env, blocks):
+    """budget_scope "step": one budget over all verify tokens of the step, so the experts read
+    are at most the budget however many requests verify."""
+    _, shared, _, weights = blocks
+    x = _x(8, seed=4)
+    rt = _runtime(ratio_threshold=0.3, expert_budget=2, budget_scope="step")
+    want, used, dense = _reference(weights, x, 0.3, torch.tensor([0, 8], dtype=torch.int32), 2)
+    got = _forward(vllm_env, shared, x, _plan([(4, 3), (4, 3)]))
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+    stats = rt.stats_summary()
+    assert (stats["moe_experts_read"], stats["moe_experts_dense"]) == (used, dense)
+    assert used <= 2 < dense
+
+
 def test_mixed_step(vllm_env, blocks):
     """Verify rows sparse; the prefill chunk between them takes the stock path."""
     stock, shared, _, weights = blocks

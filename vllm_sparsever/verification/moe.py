@@ -211,9 +211,11 @@ class SparseMoEBlock:
         lv = (logits if all_verify else logits[groups.token_index]).contiguous()
 
         budget = rt.moe.expert_budget or 0
+        budget_groups = groups.group_start_loc
+        if rt.moe.budget_scope == "step":  # one group: the budget caps the union over requests
+            budget_groups = budget_groups[[0, -1]]
         weights, ids = ops.moe_route_and_prune(
-            lv, self.top_k, rt.moe_ratio_threshold(self.layer_idx), groups.group_start_loc, budget,
-            self.renormalize,
+            lv, self.top_k, rt.moe_ratio_threshold(self.layer_idx), budget_groups, budget, self.renormalize,
         )
         w13, w2 = self.weights()
         out_v, used = ops.moe_grouped_dispatch(xv, weights, ids, w13, w2)
