@@ -172,8 +172,50 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
         l = rot.next()
         ops.update_block_key_summaries(kcs[l], all_slots[-q_len:], bs, *summaries[l])
 
+    # attention.kernel "vllm": vLLM's CPU kernel dense, and over a compacted block table (one
+    # selection per request shared by the KV heads; same number of kept blocks, so same bytes).
+    from vllm import _custom_ops as vllm_ops
+
+    from vllm_sparsever.verification.attention import compact_block_table, heads_as_one
+
+    stock_kv = [r.view(nblk, hkv, 2 * bs, d).chunk(2, dim=2) for r in raws]  # vLLM's own view, vec ISA
+
+    def vllm_attend(l, table, lens, sched):
+        vllm_ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=stock_kv[l][0], value_cache=stock_kv[l][1], output=out, query_start_loc=qsl,
+            seq_lens=lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
+            softcap=0, scheduler_metadata=sched, s_aux=None)
+
+    def vllm_sched(lens):
+        return vllm_ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=lens, dtype=dtype, query_start_loc=qsl,
+            causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=True)
+
+    dense_sched = vllm_sched(seq_lens)
+    compacted = {}
+
+    def vllm_select(l):
+        qp, kmin, kmax = heads_as_one(query.float().mean(0, keepdim=True), *summaries[l])
+        sel, nsel = ops.select_kv_blocks(qp, kmin, kmax, block_table, seq_lens, q_lens, bs, top_k, 1, 1)
+        compacted[l] = compact_block_table(block_table, seq_lens, q_lens, sel, nsel, bs)
+
     for l in range(layers):
         select(l)
+        vllm_select(l)
+    sparse_sched = vllm_sched(compacted[0][1])  # once per step in the engine
+
+    def vllm_dense():
+        vllm_attend(rot.next(), block_table, seq_lens, dense_sched)
+
+    def vllm_sparse_select_and_attend():
+        l = rot.next()
+        vllm_select(l)
+        vllm_attend(l, *compacted[l], sparse_sched)
+
+    def vllm_sparse_attend_only():
+        l = rot.next()
+        vllm_attend(l, *compacted[l], sparse_sched)
+
     kept = int(sel_cache[0][1][0, 0])
     q_blocks = (seq_len - 1) // bs - ctx // bs + 1
     bytes_dense = layer_bytes
@@ -185,9 +227,13 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
         "dense_torch_sdpa": bench(dense_torch), "dense_ours": bench(dense_ours),
         "sparse_with_select": bench(sparse_select_and_attend), "sparse_attend_only": bench(sparse_attend_only),
         "summary_update": bench(summary_update),
+        "vllm_dense": bench(vllm_dense), "vllm_sparse_with_select": bench(vllm_sparse_select_and_attend),
+        "vllm_sparse_attend_only": bench(vllm_sparse_attend_only),
     }
     t_dt = res["dense_torch_sdpa"][STAT]
     t_sp = res["sparse_with_select"][STAT]
+    res["speedup_vllm_sparse_vs_vllm_dense"] = res["vllm_dense"][STAT] / res["vllm_sparse_with_select"][STAT]
+    res["sparsever_sparse_vs_vllm_sparse"] = res["vllm_sparse_with_select"][STAT] / t_sp
     res["speedup_sparse_vs_torch_dense"] = t_dt / t_sp
     res["speedup_sparse_vs_our_dense"] = res["dense_ours"][STAT] / t_sp
     res["GBps_dense_ours"] = bytes_dense / res["dense_ours"][STAT] / 1e9
@@ -333,13 +379,18 @@ def markdown(results: dict) -> str:
              f"(shared machine); DRAM read {bw:.1f} GB/s, copy {results['bandwidth']['copy_GBps']:.1f} GB/s "
              f"(measured in this run). Times: best of repetitions (shared machine; medians in the JSON).", "",
              "## Block-sparse attention (keep 1/8 of context blocks incl. 1 sink + 1 local, block 128, vLLM-CPU layout)", "",
-             "| model | dtype | ctx | q | torch SDPA dense ms | ours dense ms (GB/s) | ours sparse+select ms | speedup vs torch dense | vs ours dense |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "'vllm' = vLLM's own CPU attention kernel (vec ISA): dense, and sparse over a compacted block "
+             "table (attention.kernel 'vllm'; selection + compaction included).", "",
+             "| model | dtype | ctx | q | torch SDPA dense ms | ours dense ms (GB/s) | ours sparse+select ms | speedup vs torch dense | vs ours dense | vllm dense ms | vllm sparse+select ms | vllm sparse vs vllm dense | vllm sparse / ours sparse |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["attention"]:
+        vllm_cols = ("| - | - | - | - |" if "vllm_dense" not in r else
+                     f"| {r['vllm_dense'][STAT]*1e3:.3f} | {r['vllm_sparse_with_select'][STAT]*1e3:.3f} | "
+                     f"{r['speedup_vllm_sparse_vs_vllm_dense']:.2f}x | {r['sparsever_sparse_vs_vllm_sparse']:.2f} |")
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['ctx']} | {r['q_len']} | {r['dense_torch_sdpa'][STAT]*1e3:.3f} | "
             f"{r['dense_ours'][STAT]*1e3:.3f} ({r['GBps_dense_ours']:.1f}) | {r['sparse_with_select'][STAT]*1e3:.3f} | "
-            f"{r['speedup_sparse_vs_torch_dense']:.2f}x | {r['speedup_sparse_vs_our_dense']:.2f}x |")
+            f"{r['speedup_sparse_vs_torch_dense']:.2f}x | {r['speedup_sparse_vs_our_dense']:.2f}x " + vllm_cols)
     lines += ["", "## Top-k SwiGLU FFN (one neuron set for all q tokens)", "",
               "| model | dtype | q | torch dense ms (GB/s) | keep r | ours ms (GB/s) | time / ideal at DRAM BW | time / ideal at own dense rate | speedup vs torch dense |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -371,6 +422,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2,
                     help="torch/OpenMP threads (2 = the machine; 1 = a per-core view immune to worker wake-up "
                          "stalls when other processes share the cores)")
+    ap.add_argument("--parts", nargs="+", choices=["attention", "ffn", "moe"], default=["attention", "ffn", "moe"])
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None, help="default: all (quick: Qwen2.5-0.5B)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="attention contexts (default 2K-32K)")
+    ap.add_argument("--q-lens", type=int, nargs="+", default=None, help="query tokens per request (default 1-64)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -378,13 +433,15 @@ def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
 
     if args.quick:
-        attn_shapes = [(m, c, q) for m in ["Qwen2.5-0.5B"] for c in [2048, 16384] for q in [1, 8]]
-        ffn_shapes = [(m, q) for m in ["Qwen2.5-0.5B"] for q in [1, 8]]
+        models, contexts, q_lens = ["Qwen2.5-0.5B"], [2048, 16384], [1, 8]
         moe_tokens, keep_fracs, budgets = [8], [0.125, 0.5, 1.0], [0, 8, 16]
     else:
-        attn_shapes = [(m, c, q) for m in MODELS for c in [2048, 8192, 16384, 32768] for q in [1, 4, 16, 64]]
-        ffn_shapes = [(m, q) for m in MODELS for q in [1, 4, 16, 64]]
+        models, contexts, q_lens = list(MODELS), [2048, 8192, 16384, 32768], [1, 4, 16, 64]
         moe_tokens, keep_fracs, budgets = [1, 8, 64], [0.125, 0.25, 0.5, 1.0], [0, 4, 8, 16, 32]
+    models, contexts, q_lens = args.models or models, args.contexts or contexts, args.q_lens or q_lens
+    attn_shapes = [(m, c, q) for m in models for c in contexts for q in q_lens] if "attention" in args.parts else []
+    ffn_shapes = [(m, q) for m in models for q in q_lens] if "ffn" in args.parts else []
+    moe_tokens = moe_tokens if "moe" in args.parts else []
 
     results = {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
                "hardware": hardware(), "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -401,7 +458,8 @@ def main() -> None:
     results["loadavg_end"] = os.getloadavg()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"kernels_{dt.date.today().isoformat()}{'_quick' if args.quick else ''}_{args.dtype}_t{args.threads}"
+    parts = "" if len(args.parts) == 3 else "_" + "-".join(args.parts)
+    stem = f"kernels_{dt.date.today().isoformat()}{'_quick' if args.quick else ''}{parts}_{args.dtype}_t{args.threads}"
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1))
     md = markdown(results)
     (out_dir / f"{stem}.md").write_text(md)

@@ -90,21 +90,26 @@ def test_all_off_is_identical_to_plain_greedy(sparse_llm, plain_greedy_long):
     assert tokens == plain_greedy_long
 
 
-def test_sparse_attention_matches_reference_and_reads_fewer_blocks(sparse_llm):
-    llm, _ = sparse_llm
-    _, metrics = _run(llm, LONG_PROMPTS, attention=ATTENTION, ffn={"enabled": False})
+def _assert_sparse_attention_matches_reference(metrics):
     s = metrics["sparsity"]
     assert s.get("attention_fallbacks", 0) == 0, s
     # Every verify step is sparse in every layer; anchors 0 and 2 select, layers 1 and 3 reuse.
     assert s["attn_layers_sparse"] == NUM_LAYERS * metrics["num_verify_steps"], (s, metrics)
     assert s["attn_selections"] * 2 == s["attn_layers_sparse"]
     assert 0 < s["attn_kv_blocks_read"] < s["attn_kv_blocks_dense"]
-    # The kernel computed exactly what the reference computes on the same selection, and the key
-    # summaries it selected from equal a recompute over the cache.
+    # The kernel computed what the reference computes on the same selection, and the key summaries
+    # it selected from equal (sparsever kernel: recomputed) or bound (vllm kernel: folded) the keys
+    # in the cache.
     assert s["attn_reference_checks"] == s["attn_layers_sparse"]
     assert s["attn_reference_max_abs_err"] < 1e-4, s
     assert s["attn_summaries_reference_max_abs_err"] == 0.0, s
-    assert "ffn_layers_sparse" not in s
+
+
+def test_sparse_attention_matches_reference_and_reads_fewer_blocks(sparse_llm):
+    llm, _ = sparse_llm
+    _, metrics = _run(llm, LONG_PROMPTS, attention=ATTENTION, ffn={"enabled": False})
+    _assert_sparse_attention_matches_reference(metrics)
+    assert "ffn_layers_sparse" not in metrics["sparsity"]
 
 
 def test_sparse_ffn_matches_reference_and_reads_fewer_neurons(sparse_llm):
@@ -153,17 +158,10 @@ def vllm_kernel_llm(target4):
 
 
 def test_vllm_kernel_sparse_attention_matches_reference(vllm_kernel_llm):
+    """vLLM's kernel over the compacted tables = the reference over the kept blocks (one selection
+    shared by the KV heads)."""
     _, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={**ATTENTION, "kernel": "vllm"})
-    s = metrics["sparsity"]
-    assert s.get("attention_fallbacks", 0) == 0, s
-    assert s["attn_layers_sparse"] == NUM_LAYERS * metrics["num_verify_steps"], (s, metrics)
-    assert s["attn_selections"] * 2 == s["attn_layers_sparse"]
-    assert 0 < s["attn_kv_blocks_read"] < s["attn_kv_blocks_dense"]
-    # vLLM's kernel over the compacted table = the reference over the kept blocks (one selection
-    # shared by the KV heads), and the folded summaries bound every key of their blocks.
-    assert s["attn_reference_checks"] == s["attn_layers_sparse"]
-    assert s["attn_reference_max_abs_err"] < 1e-4, s
-    assert s["attn_summaries_reference_max_abs_err"] == 0.0, s
+    _assert_sparse_attention_matches_reference(metrics)
 
 
 def test_vllm_kernel_keeping_every_block_is_identical_to_plain_greedy(vllm_kernel_llm, plain_greedy_long):
