@@ -5,6 +5,7 @@ The engine starts with attention and FFN sparsity set up, with the reference che
 inputs and records the largest difference); the tests switch policies at run time.
 """
 
+import contextlib
 import gc
 import os
 
@@ -21,23 +22,32 @@ ATTENTION = {"enabled": True, "min_context_len": 256, "top_k_blocks": 1, "anchor
 FFN = {"enabled": True, "keep_ratio": 0.25, "max_verify_requests": 4}
 
 
-def _start(target, **sections):
+@contextlib.contextmanager
+def _env(**overrides):
+    """Environment for an engine start (inherited by its worker processes)."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
+def _start(target, sections, env=None, **engine_args):
     from vllm import LLM
 
-    old = os.environ.get("VLLM_SPARSEVER_CHECK_REFERENCE")
-    os.environ["VLLM_SPARSEVER_CHECK_REFERENCE"] = "1"  # inherited by the worker process
-    try:
+    with _env(VLLM_SPARSEVER_CHECK_REFERENCE="1", **(env or {})):
         return LLM(
             model=str(target), dtype="float32", enforce_eager=True, max_model_len=2048,
             max_num_seqs=4, seed=0,
             speculative_config={"method": "sparsever", "num_speculative_tokens": 3,
                                 "prompt_lookup_max": 3, **sections},
+            **engine_args,
         )
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_SPARSEVER_CHECK_REFERENCE")
-        else:
-            os.environ["VLLM_SPARSEVER_CHECK_REFERENCE"] = old
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +57,7 @@ def target4(tiny_dir):
 
 @pytest.fixture(scope="module")
 def sparse_llm(target4):
-    llm = _start(target4, attention={**ATTENTION, "kernel": "sparsever"}, ffn=FFN)
+    llm = _start(target4, {"attention": {**ATTENTION, "kernel": "sparsever"}, "ffn": FFN})
     yield llm, target4
     del llm
     gc.collect()
@@ -151,7 +161,7 @@ def test_run_time_switch_cannot_enable_what_start_did_not_set_up(sparse_llm):
 
 @pytest.fixture(scope="module")
 def vllm_kernel_llm(target4):
-    llm = _start(target4, attention={**ATTENTION, "kernel": "vllm"})
+    llm = _start(target4, {"attention": {**ATTENTION, "kernel": "vllm"}})
     yield llm
     del llm
     gc.collect()
@@ -171,3 +181,35 @@ def test_vllm_kernel_keeping_every_block_is_identical_to_plain_greedy(vllm_kerne
     assert metrics["sparsity"]["attn_layers_sparse"] == NUM_LAYERS * metrics["num_verify_steps"]
     assert metrics["sparsity"]["attn_kv_blocks_read"] == metrics["sparsity"]["attn_kv_blocks_dense"]
     assert tokens == plain_greedy_long
+
+
+# ---- tensor parallelism: each rank attends over its heads and selects among its own neurons ----------
+
+
+@pytest.fixture(scope="module")
+def tp_llm(target4):
+    # Two ranks on two cores: no core reserved for the front end, one OpenMP thread per rank.
+    llm = _start(target4, {"attention": ATTENTION, "ffn": FFN}, tensor_parallel_size=2,
+                 distributed_executor_backend="mp",
+                 env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    yield llm
+    del llm
+    gc.collect()
+
+
+def test_tensor_parallel_sparse_verification_matches_reference_on_every_rank(tp_llm):
+    _, metrics = _run(tp_llm, LONG_PROMPTS, attention=ATTENTION, ffn=FFN)
+    ranks = metrics["ranks"]
+    assert len(ranks) == 2
+    for rank in ranks:
+        steps, s = rank["num_verify_steps"], rank["sparsity"]
+        assert steps == metrics["num_verify_steps"] > 0
+        assert s.get("attention_fallbacks", 0) == 0 and s.get("ffn_fallbacks", 0) == 0, s
+        assert s["attn_layers_sparse"] == s["ffn_layers_sparse"] == NUM_LAYERS * steps, s
+        assert 0 < s["attn_kv_blocks_read"] < s["attn_kv_blocks_dense"]
+        assert 0 < s["ffn_neurons_read"] <= 3 * 0.25 * s["ffn_neurons_dense"]
+        # Each rank's share (its heads; its neurons before the all-reduce) equals the reference.
+        assert s["attn_reference_checks"] == s["ffn_reference_checks"] == s["attn_layers_sparse"]
+        assert s["attn_reference_max_abs_err"] < 1e-4 and s["ffn_reference_max_abs_err"] < 1e-4, s
+        # Each rank holds half the neurons (tiny Llama: intermediate 256) and one of the 2 KV heads.
+        assert s["ffn_neurons_dense"] == NUM_LAYERS * steps * 256 // 2

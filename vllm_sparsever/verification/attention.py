@@ -91,6 +91,19 @@ def fold_block_key_summaries(
     key_max.view(key_max.shape[0], -1).scatter_reduce_(0, index, keys, "amax", include_self=True)
 
 
+def heads_as_one(
+    query_pooled: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`select_kv_blocks` inputs for one selection shared by all KV heads: a single "head" whose
+    channels are every KV head's, so its Quest bound is the sum over all query heads, each against
+    its own KV head's summaries. [R, Hq, D], [nb, Hkv, D] -> [R, G, Hkv*D], [nb, 1, Hkv*D]."""
+    num_reqs, hq, d = query_pooled.shape
+    nb, hkv = key_min.shape[:2]
+    group = hq // hkv
+    pooled = query_pooled.view(num_reqs, hkv, group, d).transpose(1, 2).reshape(num_reqs, group, hkv * d)
+    return pooled, key_min.view(nb, 1, hkv * d), key_max.view(nb, 1, hkv * d)
+
+
 def compact_block_table(
     block_table: torch.Tensor, seq_lens: torch.Tensor, query_lens: torch.Tensor,
     selected: torch.Tensor, num_selected: torch.Tensor, block_size: int,
@@ -301,12 +314,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
 
         key_min, key_max = self._key_min, self._key_max
         if shared_heads:
-            # One "head" whose channels are every KV head's: the Quest bound summed over all query
-            # heads, each against its own KV head's summaries.
-            nb, d = key_min.shape[0], key_min.shape[2]
-            group = pooled.shape[1] // hkv
-            pooled = pooled.view(num_reqs, hkv, group, d).transpose(1, 2).reshape(num_reqs, group, hkv * d)
-            key_min, key_max = key_min.view(nb, 1, hkv * d), key_max.view(nb, 1, hkv * d)
+            pooled, key_min, key_max = heads_as_one(pooled, key_min, key_max)
         slots = md.block_table.shape[1]
         heads = key_min.shape[1]
         selected = torch.empty(num_reqs, heads, slots, dtype=torch.int32, device=query.device)

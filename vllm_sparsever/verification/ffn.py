@@ -93,24 +93,25 @@ class SparseSwiGLUMLP(nn.Module):
         if keep >= self.intermediate:
             return None
         groups = rt.step_groups(plan)
-        w_gate_up = self.w_gate_up
-        if groups.all_tokens_verify and x.shape[0] == groups.num_tokens:
-            out, selected = ops.topk_swiglu_ffn(x, w_gate_up, self.w_down_t, groups.group_start_loc, keep)
-            out = self._reduce(out)
+        all_verify = groups.all_tokens_verify and x.shape[0] == groups.num_tokens
+        xv = x if all_verify else x[groups.token_index]
+        # This rank's share (its neurons only under tensor parallelism), then the all-reduce
+        # down_proj would do.
+        partial, selected = ops.topk_swiglu_ffn(xv, self.w_gate_up, self.w_down_t, groups.group_start_loc, keep)
+        if rt.check_reference:
+            self._check_reference(xv, partial, groups, keep, rt)
+        sparse_out = self._reduce(partial)
+        if all_verify:
+            out = sparse_out
         else:  # mixed step: verify tokens sparse, the rest (and any padding) dense
             other = groups.other_index
             if x.shape[0] > groups.num_tokens:
                 pad = torch.arange(groups.num_tokens, x.shape[0], device=x.device)
                 other = torch.cat([other, pad])
             out = torch.empty_like(x)
-            sparse_out, selected = ops.topk_swiglu_ffn(
-                x[groups.token_index], w_gate_up, self.w_down_t, groups.group_start_loc, keep
-            )
-            out[groups.token_index] = self._reduce(sparse_out)
+            out[groups.token_index] = sparse_out
             if other.numel():
                 out[other] = self.mlp(x[other])
-        if rt.check_reference:
-            self._check_reference(x, out, groups, keep, rt)
         rt.record(
             ffn_layers_sparse=1,
             ffn_neurons_read=int(torch.unique(selected[selected >= 0]).numel()),
@@ -118,19 +119,16 @@ class SparseSwiGLUMLP(nn.Module):
         )
         return out
 
-    def _check_reference(self, x, out, groups, keep, rt) -> None:
-        """Test hook: the verify tokens' output equals reference.topk_swiglu_ffn (single rank)."""
+    def _check_reference(self, xv, partial, groups, keep, rt) -> None:
+        """Test hook: this rank's output for the verify tokens (before the TP all-reduce) equals
+        reference.topk_swiglu_ffn over this rank's weights."""
         from vllm_sparsever import reference
 
-        if self.reduce_results:
-            return  # the reference has no all-reduce; checked on one rank only
-        xv = x[groups.token_index]
         expected = torch.empty_like(xv)
         selected = torch.empty(groups.group_start_loc.numel() - 1, keep, dtype=torch.int32)
         reference.topk_swiglu_ffn(expected, xv, self.w_gate_up, self.w_down_t,
                                   groups.group_start_loc, keep, selected)
-        got = out[groups.token_index]
-        rt.record_reference_error("ffn", float((got.float() - expected.float()).abs().max()))
+        rt.record_reference_error("ffn", float((partial.float() - expected.float()).abs().max()))
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         if not self.reduce_results:
