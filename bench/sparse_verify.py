@@ -209,11 +209,12 @@ def bench_engine(args, llm, names: list[str], pols: dict, shapes: dict, bar, lab
                     r.update(prompt_id=row["id"], context_tokens=row["num_tokens"], repeat=repeat)
                     per_policy[name].append(r)
                     bar.update(1)
-        moe_dense = None
-        if "moe" in per_policy and per_policy["moe"]:
-            s = per_policy["moe"][0]["sparsity"]
-            if s.get("moe_experts_dense"):
-                moe_dense = s["moe_experts_dense"] / max(per_policy["moe"][0]["verify_steps"], 1) / shapes["layers"]
+        # Distinct experts per layer of dense routing: sampled by the MoE layers of any policy
+        # with MoE sparsity (the same tokens' unpruned top-k).
+        sampled = [r["sparsity"] for runs in per_policy.values() for r in runs
+                   if r["sparsity"].get("moe_layers_sampled")]
+        moe_dense = (sum(s["moe_experts_dense_sampled"] for s in sampled)
+                     / sum(s["moe_layers_sampled"] for s in sampled)) if sampled else None
         for name, runs in per_policy.items():
             for r in runs:
                 r["bytes_per_verify_step"] = bytes_per_verify_step(

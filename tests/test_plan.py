@@ -1,12 +1,22 @@
-"""The verification plan: contents on a known batch, and reading it under torch.compile."""
+"""The verification plan: contents on a known batch, anchor selections, topology, the attention plan."""
 
 import numpy as np
+import pytest
 import torch
 
-from vllm_sparsever.plan import active_plan, build_verification_plan, current_plan, verify_token_mask
+from vllm_sparsever.plan import (
+    AnchorSelection,
+    AnchorSelections,
+    AnchorSelectionUnavailable,
+    DraftTopology,
+    VerifyLevel,
+    active_plan,
+    build_verification_plan,
+    current_plan,
+)
 
 
-def _known_plan(step=7):
+def _known_plan(step=7, **kwargs):
     # Batch of 4 rows: a verify row (3 drafts), a prefill chunk, a decode without drafts,
     # a verify row (1 draft). Block size 4.
     block_table = torch.arange(4 * 6, dtype=torch.int32).reshape(4, 6) + 100
@@ -18,6 +28,7 @@ def _known_plan(step=7):
         scheduled_spec_decode_tokens={"a": [11, 12, 13], "d": [44]},
         block_table=block_table,
         block_size=4,
+        **kwargs,
     )
 
 
@@ -25,22 +36,34 @@ def test_plan_contents_on_a_known_batch():
     plan = _known_plan()
     assert plan.step == 7 and plan.num_reqs == 4 and plan.num_tokens == 17
     assert plan.is_verify_step and plan.total_draft_tokens == 4
-    assert plan.query_start_loc.tolist() == [0, 4, 14, 15, 17]
-    assert plan.seq_lens.tolist() == [13, 10, 6, 15]
-    assert plan.num_draft_tokens.tolist() == [3, 0, 0, 1]
-    assert plan.token_is_verify.tolist() == [True] * 4 + [False] * 11 + [True] * 2
+    assert plan.level is VerifyLevel.FULL
 
     a, d = plan.requests
     assert (a.req_id, a.batch_index, a.query_start, a.num_query_tokens) == ("a", 0, 0, 4)
     assert (a.num_draft_tokens, a.context_len, a.seq_len) == (3, 9, 13)
     assert a.draft_token_ids == (11, 12, 13)
     assert list(a.draft_token_positions) == [1, 2, 3]
+    assert a.topology.is_chain and a.topology.parents == (-1, 0, 1, 2)
     assert (d.batch_index, d.query_start, d.context_len, d.seq_len) == (3, 15, 13, 15)
     assert list(d.draft_token_positions) == [16]
-    # seq_len 13 with block size 4 spans 4 blocks of row 0; 15 spans 4 blocks of row 3.
-    assert plan.kv_block_ids(a).tolist() == [100, 101, 102, 103]
-    assert plan.kv_block_ids(d).tolist() == [118, 119, 120, 121]
-    assert plan.request("b") is None
+
+    groups = plan.groups
+    assert not groups.all_tokens_verify and groups.num_groups == 2
+    assert groups.token_index.tolist() == [0, 1, 2, 3, 15, 16]
+    assert groups.other_index.tolist() == list(range(4, 15))
+    assert groups.group_start_loc.tolist() == [0, 4, 6]
+    assert groups.batch_rows == (0, 3)
+    assert groups.dense_index(19).tolist() == list(range(4, 15)) + [17, 18]  # + padding rows
+    assert plan.attention is None  # no attention planner given
+
+
+def test_all_verify_step_needs_no_gather():
+    plan = build_verification_plan(
+        step=1, req_ids=["a", "b"], num_scheduled_tokens=np.array([3, 2]),
+        num_computed_tokens=np.array([5, 6]), scheduled_spec_decode_tokens={"a": [1, 2], "b": [3]},
+        block_table=torch.zeros(2, 4, dtype=torch.int32), block_size=16,
+    )
+    assert plan.groups.all_tokens_verify and plan.groups.other_index.numel() == 0
 
 
 def test_prefill_row_with_drafts_is_not_a_verify_row():
@@ -54,7 +77,19 @@ def test_prefill_row_with_drafts_is_not_a_verify_row():
         block_size=16,
     )
     assert not plan.is_verify_step
-    assert plan.token_is_verify.sum().item() == 0
+    assert plan.groups is None and plan.attention is None
+
+
+def test_attention_planner_is_called_once_per_verify_step_with_the_batch():
+    calls = []
+
+    def planner(batch, requests, query_start_loc):
+        calls.append((list(batch.req_ids), [r.req_id for r in requests], query_start_loc.tolist()))
+        return "attention-plan"
+
+    plan = _known_plan(attention_planner=planner)
+    assert plan.attention == "attention-plan"
+    assert calls == [(["a", "b", "c", "d"], ["a", "d"], [0, 4, 14, 15, 17])]
 
 
 def test_active_plan_is_scoped():
@@ -65,39 +100,42 @@ def test_active_plan_is_scoped():
     assert current_plan() is None
 
 
-def test_compiled_graph_reads_the_plan_of_each_step():
-    """A compiled function must not freeze the plan it was traced with."""
-    torch._dynamo.reset()
-    counter = {"compiles": 0}
+def _selection(layer):
+    return AnchorSelection(layer=layer, selected=torch.zeros(1, 1, 1, dtype=torch.int32),
+                           num_selected=torch.ones(1, 1, dtype=torch.int32))
 
-    def backend(gm, example_inputs):
-        counter["compiles"] += 1
-        return gm.forward
 
-    @torch.compile(backend=backend, fullgraph=True)
-    def layer(h):
-        # dense path for non-verify tokens, a different path for verify tokens
-        mask = verify_token_mask(h).unsqueeze(-1)
-        return h * (1 + mask)
+def test_layers_read_the_selection_of_their_own_anchor():
+    store = AnchorSelections([4, 10])  # layer 0 always anchors
+    assert [store.is_anchor(i) for i in (0, 1, 4, 5, 10, 11)] == [True, False, True, False, True, False]
+    assert [store.anchor_of(i) for i in (0, 3, 4, 9, 10, 27)] == [0, 0, 4, 4, 10, 10]
+    first, second = _selection(0), _selection(4)
+    store.publish(first)
+    store.publish(second)
+    assert store.for_layer(3) is first and store.for_layer(7) is second
+    with pytest.raises(AnchorSelectionUnavailable, match="anchor layer 10"):
+        store.for_layer(12)  # anchor 10 published nothing (e.g. it verified densely)
+    with pytest.raises(ValueError, match="already published"):
+        store.publish(_selection(4))
+    with pytest.raises(ValueError, match="not an anchor"):
+        store.publish(_selection(5))
 
-    h = torch.ones(17, 2)
-    with active_plan(_known_plan()):
-        out1 = layer(h)
-    with active_plan(None):
-        out2 = layer(h)
-    other = build_verification_plan(
-        step=8,
-        req_ids=["a", "b"],
-        num_scheduled_tokens=np.array([15, 2]),
-        num_computed_tokens=np.array([0, 4]),
-        scheduled_spec_decode_tokens={"b": [5]},
-        block_table=torch.zeros(2, 4, dtype=torch.int32),
-        block_size=16,
-    )
-    with active_plan(other):
-        out3 = layer(h)
 
-    assert counter["compiles"] == 1
-    assert out1[:, 0].tolist() == [2.0] * 4 + [1.0] * 11 + [2.0] * 2
-    assert out2[:, 0].tolist() == [1.0] * 17
-    assert out3[:, 0].tolist() == [1.0] * 15 + [2.0] * 2
+def test_every_layer_anchors_without_a_profile():
+    store = AnchorSelections(None)
+    assert all(store.is_anchor(i) and store.anchor_of(i) == i for i in range(5))
+
+
+def test_draft_topology_ancestor_mask():
+    chain = DraftTopology.chain(3)
+    assert chain.ancestor_mask().tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    tree = DraftTopology((-1, 0, 0, 1))  # root, two children, a grandchild under the first
+    assert not tree.is_chain
+    assert tree.ancestor_mask().tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, False, True, False],
+        [True, True, False, True],
+    ]
+    with pytest.raises(ValueError, match="precede"):
+        DraftTopology((-1, 2, 0)).ancestor_mask()

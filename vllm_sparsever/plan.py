@@ -1,21 +1,73 @@
-"""The per-step verification plan: which requests verify, where their draft tokens sit, their KV.
+"""The per-step verification plan: typed, built once per step, read-only for layers.
 
-Built once per step by the model runner (FlashInfer's plan/run split: indices and metadata are
-computed once, then read by every layer and kernel of the step). Layers read it through
-`current_plan()`. Under torch.compile a Python branch on the plan would be frozen at trace time,
-so per-step behaviour must be read inside opaque custom ops (as vLLM's
-`unified_attention_with_output` reads the forward context); `verify_token_mask` is the first such
-op and the pattern the sparse layers follow.
+FlashInfer's plan/run split: the model runner calls `build_verification_plan` once per step, after
+vLLM has prepared the step's inputs and before the target forward. Everything that depends only on
+the batch is computed there, once: which requests verify and where their draft tokens sit
+(`RequestVerification`), the token groups the FFN/MoE kernels run over (`TokenGroups`), and, when
+sparse attention is active, the attention rows, kept-block counts, compacted sequence lengths and
+kernel scheduling metadata (`AttentionStepPlan`, built by the attention backend's planner). Layers
+read the plan through `current_plan()` and never write it.
+
+The one thing a plan cannot know before the forward is what the anchor layers select (selection
+scores the anchor's own queries). Those selections go into the plan's `AnchorSelections`, a typed
+per-step store: an anchor layer publishes its selection once, and every other layer reads the
+selection of *its* anchor (the nearest anchor at or below it), so what a layer sees never depends on
+which layer happened to run last.
+
+Designed for the next verifiers: `VerifyLevel` says which level a forward verifies at (the full
+target today; hierarchical verification adds the intermediate early-exit level), and every request
+carries a `DraftTopology` (a chain today; draft trees put their parents here, and tree attention
+reads the ancestor mask from it).
+
+Under torch.compile a Python branch on the plan would be frozen at trace time, so per-step
+behaviour is read inside opaque custom ops (as vLLM's `unified_attention_with_output` reads the
+forward context): the sparse FFN and MoE wrappers are such ops.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
+
+
+class VerifyLevel(enum.Enum):
+    """Which verifier a target forward acts as."""
+
+    FULL = "full"  # the whole target: its tokens are final
+
+
+@dataclass(frozen=True)
+class DraftTopology:
+    """How a request's query tokens hang together: `parents[i]` is the query index of token i's
+    parent, -1 for the root (the last accepted token). A chain is (-1, 0, 1, ...)."""
+
+    parents: tuple[int, ...]
+
+    @classmethod
+    def chain(cls, num_query_tokens: int) -> "DraftTopology":
+        return cls(tuple(range(-1, num_query_tokens - 1)))
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[n, n] bool: token i may attend to query token j (j is i or one of its ancestors)."""
+        n = len(self.parents)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, parent in enumerate(self.parents):
+            if parent >= i:
+                raise ValueError(f"parents must precede their children: token {i} has parent {parent}")
+            if parent >= 0:
+                mask[i] |= mask[parent]
+        return mask
 
 
 @dataclass(frozen=True)
@@ -30,6 +82,7 @@ class RequestVerification:
     context_len: int  # tokens already in the KV cache before this step
     seq_len: int  # context_len + num_query_tokens
     draft_token_ids: tuple[int, ...]
+    topology: DraftTopology
 
     @property
     def draft_token_positions(self) -> range:
@@ -38,27 +91,119 @@ class RequestVerification:
         return range(first, first + self.num_draft_tokens)
 
 
-@dataclass
-class VerificationPlan:
-    """What the target forward of one step has to verify.
+@dataclass(frozen=True)
+class TokenGroups:
+    """The tokens a verify step sparsifies, one group per verifying request.
 
-    Tensors are on the runner's device and indexed by the step's batch rows:
-    `query_start_loc [num_reqs + 1]`, `seq_lens [num_reqs]`, `num_draft_tokens [num_reqs]`,
-    `block_table [num_reqs, max_blocks]` (physical KV block ids, KV cache group 0),
-    `token_is_verify [num_tokens]` (1 for every token of a verifying request).
+    `all_tokens_verify`: every token of the step belongs to a verify group, in order, so layers run
+    on the hidden states as they are (no gather). Otherwise `token_index` gathers the verify tokens
+    and the rest (prefill chunks, plain decode rows, padding) go through the dense path.
     """
+
+    num_tokens: int
+    all_tokens_verify: bool
+    token_index: torch.Tensor  # [Tv] long, positions of verify tokens in the step
+    other_index: torch.Tensor  # [T - Tv] long, the remaining (dense) tokens
+    group_start_loc: torch.Tensor  # [G+1] int32, indexes the gathered (or full) verify tokens
+    batch_rows: tuple[int, ...]  # the runner's batch row of each group (request)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.batch_rows)
+
+    def dense_index(self, num_rows: int) -> torch.Tensor:
+        """Rows of a hidden-state tensor with `num_rows` rows that take the dense path: the
+        non-verify tokens plus any padding past the step's tokens."""
+        if num_rows <= self.num_tokens:
+            return self.other_index
+        pad = torch.arange(self.num_tokens, num_rows, device=self.other_index.device)
+        return torch.cat([self.other_index, pad])
+
+
+@dataclass(frozen=True)
+class AttentionStepPlan:
+    """Sparse attention's view of one verify step (KV cache group 0), computed once per step.
+
+    Per batch row r: `query_lens[r]`, `seq_lens[r]`; `sparse_rows[r]` when the row is a verify row
+    with enough context to select from; `kept_blocks[r]`, the context blocks it reads per KV head
+    (every context block for dense rows); `compacted_seq_lens[r]`, the length a dense kernel sees
+    over the compacted block table (kept blocks, then the query's own blocks).
+    """
+
+    run_sparse: bool  # False: the step attends densely (nothing to save, or a prefill chunk)
+    query_lens: torch.Tensor  # [R] int32
+    sparse_rows: torch.Tensor  # [R] bool
+    kept_blocks: torch.Tensor  # [R] int32
+    compacted_seq_lens: torch.Tensor  # [R] int32
+    kv_blocks_read: int  # (row, KV head, block) reads of one sparse layer
+    kv_blocks_dense: int  # the same for dense attention
+    kernel_metadata: Any = None  # the attention kernel's work split for `compacted_seq_lens`
+
+
+@dataclass(frozen=True)
+class AnchorSelection:
+    """The KV blocks one anchor layer selected, reused by the layers up to the next anchor."""
+
+    layer: int
+    selected: torch.Tensor  # [R, heads, S] int32 logical block ids, ascending, -1 past num_selected
+    num_selected: torch.Tensor  # [R, heads] int32
+    block_table: torch.Tensor | None = None  # compacted physical block table (vLLM-kernel path)
+
+
+class AnchorSelectionUnavailable(LookupError):
+    """A layer's anchor published no selection this step (the anchor verified densely)."""
+
+
+class AnchorSelections:
+    """Per-step store of anchor selections: written once per anchor, read by the layers it governs.
+
+    `anchors` None means every layer is its own anchor. Layer 0 always anchors, so every layer has
+    one.
+    """
+
+    def __init__(self, anchors: Sequence[int] | None) -> None:
+        self._anchors = None if anchors is None else sorted(set(anchors) | {0})
+        self._by_anchor: dict[int, AnchorSelection] = {}
+
+    def is_anchor(self, layer: int) -> bool:
+        return self._anchors is None or layer in self._anchors
+
+    def anchor_of(self, layer: int) -> int:
+        if self._anchors is None:
+            return layer
+        return self._anchors[bisect.bisect_right(self._anchors, layer) - 1]
+
+    def publish(self, selection: AnchorSelection) -> None:
+        if not self.is_anchor(selection.layer):
+            raise ValueError(f"layer {selection.layer} is not an anchor (anchors: {self._anchors})")
+        if selection.layer in self._by_anchor:
+            raise ValueError(f"anchor layer {selection.layer} already published its selection this step")
+        self._by_anchor[selection.layer] = selection
+
+    def for_layer(self, layer: int) -> AnchorSelection:
+        anchor = self.anchor_of(layer)
+        found = self._by_anchor.get(anchor)
+        if found is None:
+            raise AnchorSelectionUnavailable(f"anchor layer {anchor} of layer {layer} has no selection")
+        return found
+
+    def __len__(self) -> int:
+        return len(self._by_anchor)
+
+
+@dataclass(frozen=True)
+class VerificationPlan:
+    """What the target forward of one step verifies, and how (see the module docstring)."""
 
     step: int
     num_reqs: int
     num_tokens: int
     block_size: int
-    requests: list[RequestVerification]
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    num_draft_tokens: torch.Tensor
-    block_table: torch.Tensor
-    token_is_verify: torch.Tensor
-    extras: dict = field(default_factory=dict)
+    level: VerifyLevel
+    requests: tuple[RequestVerification, ...]
+    groups: TokenGroups | None  # None when nothing verifies
+    attention: AttentionStepPlan | None  # None when sparse attention is not active this step
+    selections: AnchorSelections = field(compare=False)
 
     @property
     def is_verify_step(self) -> bool:
@@ -68,16 +213,21 @@ class VerificationPlan:
     def total_draft_tokens(self) -> int:
         return sum(r.num_draft_tokens for r in self.requests)
 
-    def request(self, req_id: str) -> RequestVerification | None:
-        for r in self.requests:
-            if r.req_id == req_id:
-                return r
-        return None
 
-    def kv_block_ids(self, req: RequestVerification) -> torch.Tensor:
-        """Physical KV block ids holding `req`'s sequence (context + this step's tokens)."""
-        num_blocks = (req.seq_len + self.block_size - 1) // self.block_size
-        return self.block_table[req.batch_index, :num_blocks]
+@dataclass(frozen=True)
+class StepBatch:
+    """The scheduler's view of one step, host side (what `build_verification_plan` reads)."""
+
+    req_ids: Sequence[str]
+    num_scheduled_tokens: np.ndarray  # [num_reqs]
+    num_computed_tokens: np.ndarray  # [>= num_reqs]
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    block_table: torch.Tensor  # [>= num_reqs, max_blocks] int32, KV cache group 0
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
 
 
 def build_verification_plan(
@@ -90,31 +240,32 @@ def build_verification_plan(
     block_table: torch.Tensor,
     block_size: int,
     device: torch.device | str = "cpu",
+    anchor_layers: Sequence[int] | None = None,
+    attention_planner: Any = None,
 ) -> VerificationPlan:
-    """Build the plan from the scheduler's view of the step (host-side numpy, one pass).
+    """Build the step's plan (host-side numpy, one pass over the batch).
 
     A request verifies when all its scheduled tokens are its last sampled token plus its drafts;
     a chunked-prefill row that also carries drafts is not a verify row (its drafts get rolled
-    back by vLLM), so it is left dense.
+    back by vLLM), so it is left dense. `attention_planner(batch, requests, query_start_loc)`
+    returns the step's `AttentionStepPlan` (or None); it is given only on verify steps with
+    sparse attention active.
     """
-    num_reqs = len(req_ids)
+    batch = StepBatch(req_ids, num_scheduled_tokens, num_computed_tokens, scheduled_spec_decode_tokens,
+                      block_table, block_size)
+    num_reqs = batch.num_reqs
     num_scheduled = np.asarray(num_scheduled_tokens[:num_reqs], dtype=np.int64)
     computed = np.asarray(num_computed_tokens[:num_reqs], dtype=np.int64)
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(num_scheduled, out=query_start_loc[1:])
-    seq_lens = computed + num_scheduled
     num_tokens = int(query_start_loc[-1])
 
-    num_drafts = np.zeros(num_reqs, dtype=np.int64)
-    token_is_verify = np.zeros(num_tokens, dtype=np.bool_)
     requests: list[RequestVerification] = []
     for i, req_id in enumerate(req_ids):
         drafts = scheduled_spec_decode_tokens.get(req_id) or []
         if not drafts or num_scheduled[i] != len(drafts) + 1:
             continue
-        num_drafts[i] = len(drafts)
         start, stop = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        token_is_verify[start:stop] = True
         requests.append(
             RequestVerification(
                 req_id=req_id,
@@ -123,22 +274,44 @@ def build_verification_plan(
                 num_query_tokens=stop - start,
                 num_draft_tokens=len(drafts),
                 context_len=int(computed[i]),
-                seq_len=int(seq_lens[i]),
+                seq_len=int(computed[i] + num_scheduled[i]),
                 draft_token_ids=tuple(int(t) for t in drafts),
+                topology=DraftTopology.chain(stop - start),
             )
         )
 
+    groups = _token_groups(requests, num_tokens, device) if requests else None
+    attention = None
+    if requests and attention_planner is not None:
+        attention = attention_planner(batch, requests, query_start_loc)
     return VerificationPlan(
         step=step,
         num_reqs=num_reqs,
         num_tokens=num_tokens,
         block_size=block_size,
-        requests=requests,
-        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        num_draft_tokens=torch.from_numpy(num_drafts.astype(np.int32)).to(device),
-        block_table=block_table[:num_reqs].to(device),
-        token_is_verify=torch.from_numpy(token_is_verify).to(device),
+        level=VerifyLevel.FULL,
+        requests=tuple(requests),
+        groups=groups,
+        attention=attention,
+        selections=AnchorSelections(anchor_layers),
+    )
+
+
+def _token_groups(requests: list[RequestVerification], num_tokens: int, device) -> TokenGroups:
+    starts = [0]
+    index: list[int] = []
+    for req in requests:  # requests are in batch (token) order
+        index.extend(range(req.query_start, req.query_start + req.num_query_tokens))
+        starts.append(len(index))
+    is_verify = np.zeros(num_tokens, dtype=np.bool_)
+    is_verify[index] = True
+    return TokenGroups(
+        num_tokens=num_tokens,
+        all_tokens_verify=len(index) == num_tokens,
+        token_index=torch.tensor(index, dtype=torch.long, device=device),
+        other_index=torch.from_numpy(np.flatnonzero(~is_verify)).to(device),
+        group_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        batch_rows=tuple(r.batch_index for r in requests),
     )
 
 
@@ -161,24 +334,3 @@ def active_plan(plan: VerificationPlan | None) -> Iterator[None]:
         yield
     finally:
         _current = previous
-
-
-@torch.library.custom_op("sparsever_plan::verify_token_mask", mutates_args=())
-def verify_token_mask(hidden_states: torch.Tensor) -> torch.Tensor:
-    """Per-token 1.0/0.0 mask of the tokens under verification in the current step.
-
-    Opaque to torch.compile, so a compiled graph reads the plan of the step it runs, not the one
-    it was traced with. Padded tokens (beyond the plan) and steps without a plan get 0.
-    """
-    num_tokens = hidden_states.shape[0]
-    out = torch.zeros(num_tokens, dtype=hidden_states.dtype, device=hidden_states.device)
-    plan = _current
-    if plan is not None and plan.is_verify_step:
-        n = min(num_tokens, plan.num_tokens)
-        out[:n] = plan.token_is_verify[:n].to(out.dtype)
-    return out
-
-
-@verify_token_mask.register_fake
-def _(hidden_states: torch.Tensor) -> torch.Tensor:
-    return hidden_states.new_empty(hidden_states.shape[0])

@@ -7,6 +7,7 @@ tiny random Mixtral with n-gram drafting.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 
@@ -103,6 +104,7 @@ def _runtime(**moe_section) -> SparseVerificationRuntime:
         "num_speculative_tokens": 3, "moe": {"enabled": True, **moe_section}, "profile": "none",
     })
     rt = SparseVerificationRuntime(config)
+    rt.stats_sample_every = 1  # count the dense reference on every step
     install_runtime(rt)
     return rt
 
@@ -192,8 +194,8 @@ def test_threshold_zero_equals_stock(vllm_env, blocks, which):
     got = _forward(vllm_env, model, x, _plan([(4, 3), (3, 2)]))
     torch.testing.assert_close(got, _forward(vllm_env, stock, x), atol=ATOL, rtol=1e-5)
     stats = rt.stats_summary()
-    assert stats["moe_layers"] == 1
-    assert stats["moe_experts_read"] == stats["moe_experts_dense"] > 0
+    assert stats["moe_layers"] == stats["moe_layers_sampled"] == 1
+    assert stats["moe_experts_read"] == stats["moe_experts_read_sampled"] == stats["moe_experts_dense_sampled"] > 0
 
 
 @pytest.mark.parametrize("threshold,budget", [(0.5, 0), (0.3, 2), (0.9, 1)])
@@ -207,7 +209,7 @@ def test_pruned_verify_matches_reference(vllm_env, blocks, threshold, budget):
     got = _forward(vllm_env, shared, x, plan)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
     stats = rt.stats_summary()
-    assert (stats["moe_experts_read"], stats["moe_experts_dense"]) == (used, dense)
+    assert (stats["moe_experts_read"], stats["moe_experts_dense_sampled"]) == (used, dense)
     if budget:
         assert used <= 2 * budget < dense
 
@@ -222,7 +224,7 @@ def test_step_budget_caps_the_union_of_requests(vllm_env, blocks):
     got = _forward(vllm_env, shared, x, _plan([(4, 3), (4, 3)]))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
     stats = rt.stats_summary()
-    assert (stats["moe_experts_read"], stats["moe_experts_dense"]) == (used, dense)
+    assert (stats["moe_experts_read"], stats["moe_experts_dense_sampled"]) == (used, dense)
     assert used <= 2 < dense
 
 
@@ -253,7 +255,46 @@ def test_error_falls_back_to_stock(vllm_env, blocks, monkeypatch):
     monkeypatch.setattr(moe.ops, "moe_route_and_prune", broken)
     got = _forward(vllm_env, shared, x, _plan([(4, 3)]))
     torch.testing.assert_close(got, _forward(vllm_env, stock, x), atol=ATOL, rtol=1e-5)
-    assert rt.stats_summary() == {"moe_fallbacks": 1}
+    assert rt.stats_summary() == {"moe_fallbacks": 1, "moe_fallback_kernel_error": 1}
+
+
+def test_programming_error_is_not_hidden(vllm_env, blocks, monkeypatch):
+    """A TypeError (e.g. an op whose signature changed) must propagate, not verify densely."""
+    from vllm_sparsever.verification import moe
+
+    _, shared, _, _ = blocks
+    rt = _runtime(ratio_threshold=0.9, expert_budget=1)
+
+    def changed(*args, **kwargs):
+        raise TypeError("moe_route_and_prune() got an unexpected keyword argument")
+
+    monkeypatch.setattr(moe.ops, "moe_route_and_prune", changed)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        _forward(vllm_env, shared, _x(4, seed=5), _plan([(4, 3)]))
+    assert rt.stats_summary() == {}
+
+
+def test_sampled_steps_only_route_twice(vllm_env, blocks):
+    """The dense-expert count (a second routing) is taken on sampled steps only."""
+    _, shared, _, _ = blocks
+    rt = _runtime(ratio_threshold=0.5)
+    rt.stats_sample_every = 4
+    for step in range(1, 9):
+        plan = _plan([(4, 3)])
+        _forward(vllm_env, shared, _x(4, seed=step), dataclasses.replace(plan, step=step))
+    stats = rt.stats_summary()
+    assert stats["moe_layers"] == 8 and stats["moe_layers_sampled"] == 2
+    assert 0 < stats["moe_experts_read_sampled"] <= stats["moe_experts_dense_sampled"]
+
+
+def test_reference_check_hook(vllm_env, blocks):
+    """With check_reference, the block compares its sparse output with the reference op."""
+    _, shared, _, _ = blocks
+    rt = _runtime(ratio_threshold=0.4, expert_budget=2)
+    rt.check_reference = True
+    _forward(vllm_env, shared, _x(8, seed=6), _plan([(4, 3), (4, 3)]))
+    stats = rt.stats_summary()
+    assert stats["moe_reference_checks"] == 1 and stats["moe_reference_max_abs_err"] < ATOL
 
 
 def test_install_errors(vllm_env):
@@ -297,8 +338,12 @@ def _llm(model, speculative_config=None):
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_engine_moe_sparsity(tiny_mixtral):
+def test_engine_moe_sparsity(tiny_mixtral, monkeypatch):
     from vllm_sparsever.metrics import get_metrics, reset_metrics
+
+    # Every MoE layer also runs the reference on its real inputs; count dense experts every step.
+    monkeypatch.setenv("VLLM_SPARSEVER_CHECK_REFERENCE", "1")
+    monkeypatch.setenv("VLLM_SPARSEVER_STATS_SAMPLE_EVERY", "1")
 
     llm = _llm(tiny_mixtral)
     try:
@@ -327,6 +372,8 @@ def test_engine_moe_sparsity(tiny_mixtral):
 
     assert lossless == plain
     assert stats["moe_layers"] > 0 and not stats.get("moe_fallbacks")
-    assert stats["moe_experts_read"] == stats["moe_experts_dense"]
+    assert stats["moe_experts_read"] == stats["moe_experts_read_sampled"] == stats["moe_experts_dense_sampled"]
     assert pruned["moe_layers"] > 0 and not pruned.get("moe_fallbacks")
-    assert pruned["moe_experts_read"] < pruned["moe_experts_dense"]
+    assert pruned["moe_experts_read_sampled"] < pruned["moe_experts_dense_sampled"]
+    for s in (stats, pruned):  # the sparse output equals the reference on the same inputs
+        assert s["moe_reference_checks"] == s["moe_layers"] and s["moe_reference_max_abs_err"] < 1e-4, s

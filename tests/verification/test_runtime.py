@@ -1,10 +1,15 @@
 """The runtime's knob resolution, run-time switch and fallback policy (no engine)."""
 
 import pytest
+import torch
 
 from vllm_sparsever.config import SparseverConfig, SparseverConfigError
 from vllm_sparsever.verification.profile import CalibrationProfile
-from vllm_sparsever.verification.runtime import SparseVerificationRuntime
+from vllm_sparsever.verification.runtime import (
+    STATS_SAMPLE_EVERY,
+    SparsePathUnavailable,
+    SparseVerificationRuntime,
+)
 
 
 def _config(**raw):
@@ -15,7 +20,7 @@ def test_values_come_from_config_then_profile_then_defaults():
     profile = CalibrationProfile(model="m", num_layers=3, anchor_layers=[0, 2],
                                  ffn_keep_ratios=[0.3, None, 0.7])
     rt = SparseVerificationRuntime(_config(ffn=True, attention=True), profile, "test", 3)
-    assert [rt.is_anchor(i) for i in range(3)] == [True, False, True]
+    assert rt.anchor_layers() == [0, 2]
     assert rt.ffn_keep_ratio(0) == 0.3 and rt.ffn_keep_ratio(1) == 0.5  # None -> default
     rt.set_sections({"ffn": {"enabled": True, "keep_ratio": 0.9}, "attention": {"enabled": True, "anchor_layers": [0]}})
     assert rt.ffn_keep_ratio(0) == 0.9 and rt.anchor_layers() == [0]
@@ -24,10 +29,49 @@ def test_values_come_from_config_then_profile_then_defaults():
 def test_fallback_warns_and_counts_or_raises():
     rt = SparseVerificationRuntime(_config(ffn=True))
     rt.fallback("ffn", "boom")
-    assert rt.stats_summary()["ffn_fallbacks"] == 1
+    assert rt.stats_summary() == {"ffn_fallbacks": 1, "ffn_fallback_boom": 1}
     strict = SparseVerificationRuntime(_config(ffn=True, fallback_to_dense=False))
     with pytest.raises(RuntimeError, match="fallback_to_dense is false"):
         strict.fallback("ffn", "boom")
+
+
+def _raise(exc):
+    def sparse():
+        raise exc
+    return sparse
+
+
+def test_run_time_problems_fall_back_counted_per_reason():
+    rt = SparseVerificationRuntime(_config(ffn=True))
+    assert rt.run_sparse("ffn", lambda: 42) == 42
+    assert rt.run_sparse("ffn", _raise(SparsePathUnavailable("metadata_mismatch", "3 rows vs 4"))) is None
+    assert rt.run_sparse("ffn", _raise(RuntimeError("kernel check failed"))) is None
+    assert rt.run_sparse("ffn", _raise(torch.OutOfMemoryError("no memory"))) is None
+    assert rt.stats_summary() == {"ffn_fallbacks": 3, "ffn_fallback_metadata_mismatch": 1,
+                                  "ffn_fallback_kernel_error": 2}
+
+
+@pytest.mark.parametrize("error", [TypeError("bad call"), AttributeError("no such field"), KeyError("x"),
+                                   IndexError("i"), ValueError("v"), NotImplementedError("gap")])
+def test_programming_errors_are_never_hidden_behind_a_fallback(error):
+    rt = SparseVerificationRuntime(_config(ffn=True))  # fallback_to_dense is on by default
+    with pytest.raises(type(error)):
+        rt.run_sparse("ffn", _raise(error))
+    assert rt.stats_summary() == {}
+
+
+def test_strict_mode_raises_run_time_problems_with_their_cause():
+    rt = SparseVerificationRuntime(_config(ffn=True, fallback_to_dense=False))
+    with pytest.raises(RuntimeError, match="kernel_error.*fallback_to_dense is false") as info:
+        rt.run_sparse("ffn", _raise(RuntimeError("kernel check failed")))
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_counters_that_cost_work_are_sampled():
+    rt = SparseVerificationRuntime(_config(moe=False))
+    assert [rt.should_sample(s) for s in range(1, 17)].count(True) == 16 // STATS_SAMPLE_EVERY
+    rt.stats_sample_every = 1
+    assert all(rt.should_sample(s) for s in range(5))
 
 
 def test_weights_mode_is_fixed_at_start():

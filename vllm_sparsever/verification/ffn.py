@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from vllm_sparsever import _custom_ops as ops
-from vllm_sparsever.plan import current_plan
+from vllm_sparsever.plan import TokenGroups, current_plan
 from vllm_sparsever.verification.runtime import (
+    SparsePathUnavailable,
     SparseVerificationRuntime,
     get_runtime,
     layer_index_of,
@@ -78,45 +79,38 @@ class SparseSwiGLUMLP(nn.Module):
 
     def forward_impl(self, x: torch.Tensor) -> torch.Tensor:
         plan, rt = current_plan(), get_runtime()
-        if (plan is None or rt is None or not rt.ffn.enabled or not plan.is_verify_step
+        if (plan is None or rt is None or not rt.ffn.enabled or plan.groups is None
                 or len(plan.requests) > rt.ffn.max_verify_requests):
             return self.mlp(x)
-        try:
-            out = self._sparse(x, plan, rt)
-        except Exception as exc:  # never emit a token from a half-done sparse pass
-            rt.fallback("ffn", f"{type(exc).__name__}: {exc}")
-            out = None
+        out = rt.run_sparse("ffn", lambda: self._sparse(x, plan.groups, rt))
         return self.mlp(x) if out is None else out
 
-    def _sparse(self, x: torch.Tensor, plan, rt: SparseVerificationRuntime) -> torch.Tensor | None:
+    def _sparse(self, x: torch.Tensor, groups: TokenGroups, rt: SparseVerificationRuntime) -> torch.Tensor | None:
         keep = min(self.intermediate, max(1, math.ceil(rt.ffn_keep_ratio(self.layer_idx) * self.intermediate)))
         if keep >= self.intermediate:
             return None
-        groups = rt.step_groups(plan)
+        if x.ndim != 2 or x.shape[0] < groups.num_tokens:
+            raise SparsePathUnavailable("shape_mismatch", f"hidden states {tuple(x.shape)} vs {groups.num_tokens} tokens")
         all_verify = groups.all_tokens_verify and x.shape[0] == groups.num_tokens
         xv = x if all_verify else x[groups.token_index]
         # This rank's share (its neurons only under tensor parallelism), then the all-reduce
         # down_proj would do.
-        partial, selected = ops.topk_swiglu_ffn(xv, self.w_gate_up, self.w_down_t, groups.group_start_loc, keep)
+        partial, _ = ops.topk_swiglu_ffn(xv, self.w_gate_up, self.w_down_t, groups.group_start_loc, keep)
         if rt.check_reference:
             self._check_reference(xv, partial, groups, keep, rt)
         sparse_out = self._reduce(partial)
         if all_verify:
             out = sparse_out
         else:  # mixed step: verify tokens sparse, the rest (and any padding) dense
-            other = groups.other_index
-            if x.shape[0] > groups.num_tokens:
-                pad = torch.arange(groups.num_tokens, x.shape[0], device=x.device)
-                other = torch.cat([other, pad])
+            other = groups.dense_index(x.shape[0])
             out = torch.empty_like(x)
             out[groups.token_index] = sparse_out
             if other.numel():
                 out[other] = self.mlp(x[other])
-        rt.record(
-            ffn_layers_sparse=1,
-            ffn_neurons_read=int(torch.unique(selected[selected >= 0]).numel()),
-            ffn_neurons_dense=self.intermediate,
-        )
+        # Each group reads the up/down rows of its own `keep` neurons (counted from the sizes, not
+        # from the selection: no extra work on the measured path).
+        rt.record(ffn_layers_sparse=1, ffn_neurons_read=keep * groups.num_groups,
+                  ffn_neurons_dense=self.intermediate)
         return out
 
     def _check_reference(self, xv, partial, groups, keep, rt) -> None:

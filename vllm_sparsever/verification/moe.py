@@ -35,8 +35,9 @@ import torch
 from torch import nn
 
 from vllm_sparsever import _custom_ops as ops
-from vllm_sparsever.plan import current_plan
+from vllm_sparsever.plan import VerificationPlan, current_plan
 from vllm_sparsever.verification.runtime import (
+    SparsePathUnavailable,
     SparseVerificationRuntime,
     get_runtime,
     layer_index_of,
@@ -187,23 +188,19 @@ class SparseMoEBlock:
 
     def forward_impl(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         plan, rt = current_plan(), get_runtime()
-        if (plan is None or rt is None or not rt.moe.enabled or not plan.is_verify_step
+        if (plan is None or rt is None or not rt.moe.enabled or plan.groups is None
                 or len(plan.requests) > rt.moe.max_verify_requests):
             return self.stock_forward(hidden_states, router_logits)
-        try:
-            out = self._sparse(hidden_states, router_logits, plan, rt)
-        except Exception as exc:  # never emit a token from a half-done sparse pass
-            if not rt.config.fallback_to_dense:
-                raise
-            rt.fallback("moe", f"{type(exc).__name__}: {exc}")
-            out = None
+        out = rt.run_sparse("moe", lambda: self._sparse(hidden_states, router_logits, plan, rt))
         return self.stock_forward(hidden_states, router_logits) if out is None else out
 
-    def _sparse(self, x: torch.Tensor, logits: torch.Tensor, plan, rt: SparseVerificationRuntime) -> torch.Tensor:
-        groups = rt.step_groups(plan)
+    def _sparse(self, x: torch.Tensor, logits: torch.Tensor, plan: VerificationPlan,
+                rt: SparseVerificationRuntime) -> torch.Tensor:
+        groups = plan.groups
         num_tokens = x.shape[0]
         if x.ndim != 2 or num_tokens < groups.num_tokens:
-            raise RuntimeError(f"hidden states {tuple(x.shape)} do not cover the plan's {groups.num_tokens} tokens")
+            raise SparsePathUnavailable(
+                "shape_mismatch", f"hidden states {tuple(x.shape)} vs the plan's {groups.num_tokens} tokens")
         if self.runner.gate is not None:  # the runner holds the gate: logits are computed inside
             logits, _ = self.runner.gate(x)
         all_verify = groups.all_tokens_verify and num_tokens == groups.num_tokens
@@ -214,11 +211,12 @@ class SparseMoEBlock:
         budget_groups = groups.group_start_loc
         if rt.moe.budget_scope == "step":  # one group: the budget caps the union over requests
             budget_groups = budget_groups[[0, -1]]
-        weights, ids = ops.moe_route_and_prune(
-            lv, self.top_k, rt.moe_ratio_threshold(self.layer_idx), budget_groups, budget, self.renormalize,
-        )
+        threshold = rt.moe_ratio_threshold(self.layer_idx)
+        weights, ids = ops.moe_route_and_prune(lv, self.top_k, threshold, budget_groups, budget, self.renormalize)
         w13, w2 = self.weights()
         out_v, used = ops.moe_grouped_dispatch(xv, weights, ids, w13, w2)
+        if rt.check_reference:
+            self._check_reference(xv, lv, threshold, budget_groups, budget, out_v, rt)
         # The stock block's TP reduction (same condition, same collective).
         out_v = self.runner._maybe_reduce_final_output(out_v, None, False)
 
@@ -226,22 +224,35 @@ class SparseMoEBlock:
             out = out_v
             _skip_moe_layer_slot()
         else:  # mixed step: verify tokens sparse, the rest (and any padding) stock
-            other = groups.other_index
-            if num_tokens > groups.num_tokens:
-                pad = torch.arange(groups.num_tokens, num_tokens, device=x.device)
-                other = torch.cat([other, pad])
+            other = groups.dense_index(num_tokens)
             out = torch.empty_like(x)
             out[groups.token_index] = out_v
             if other.numel():
                 out[other] = self.stock_forward(x[other], logits[other])
             else:
                 _skip_moe_layer_slot()
-        # Dense reference: distinct experts of the unpruned top-k routing of the same tokens (the
-        # same op, so ties in low-precision logits break the same way).
-        _, dense_ids = ops.moe_route_and_prune(lv, self.top_k, 0.0, None, 0, self.renormalize)
-        dense = dense_ids.unique().numel()
-        rt.record(moe_experts_read=int(used.item()), moe_experts_dense=int(dense), moe_layers=1)
+        used = int(used)  # the dispatch's own count of the experts it read
+        rt.record(moe_layers=1, moe_experts_read=used)
+        if rt.should_sample(plan.step):
+            # Dense reference on sampled steps only (a second routing): distinct experts of the
+            # unpruned top-k routing of the same tokens, by the same op so ties break the same way.
+            _, dense_ids = ops.moe_route_and_prune(lv, self.top_k, 0.0, None, 0, self.renormalize)
+            rt.record(moe_layers_sampled=1, moe_experts_read_sampled=used,
+                      moe_experts_dense_sampled=int(dense_ids.unique().numel()))
         return out
+
+    def _check_reference(self, xv, lv, threshold, budget_groups, budget, out_v, rt) -> None:
+        """Test hook: this rank's output for the verify tokens (before the TP all-reduce) equals
+        the reference routing + dispatch on the same inputs and weights."""
+        from vllm_sparsever import reference
+
+        tw = torch.empty(lv.shape[0], self.top_k, dtype=torch.float32)
+        ti = torch.empty(lv.shape[0], self.top_k, dtype=torch.int32)
+        reference.moe_route_and_prune(lv, self.top_k, threshold, budget_groups, budget, self.renormalize, tw, ti)
+        w13, w2 = self.weights()
+        expected = torch.empty_like(xv)
+        reference.moe_grouped_dispatch(expected, xv, tw, ti, w13, w2, torch.empty(1, dtype=torch.int32))
+        rt.record_reference_error("moe", float((out_v.float() - expected.float()).abs().max()))
 
 
 def _skip_moe_layer_slot() -> None:

@@ -1,13 +1,22 @@
-"""Per-worker state of sparse verification: the knobs in force, per-layer values, step groups, stats.
+"""Per-worker state of sparse verification: the knobs in force, per-layer values, counters, fallbacks.
 
 One `SparseVerificationRuntime` per worker process, installed by the model runner at start
-(`install_runtime`) and read by the sparse attention backend and the swapped FFN/MoE modules
-(`get_runtime`). Layers ask it three things per verify step:
-- `step_groups(plan)`: which tokens verify, grouped per request (computed once per step, FlashInfer's
-  plan/run split; every layer reuses it);
-- the per-layer value in force (`is_anchor`, `ffn_keep_ratio`, `moe_ratio_threshold`), resolved
+(`install_runtime`) and read by the sparse attention backend and the wrapped FFN/MoE blocks
+(`get_runtime`). Per-step data lives in the step's `VerificationPlan` (vllm_sparsever/plan.py),
+not here. Layers ask the runtime:
+- the per-layer value in force (`anchor_layers`, `ffn_keep_ratio`, `moe_ratio_threshold`), resolved
   from the config, else the calibration profile, else built-in defaults;
-- `record(...)`: how much was read versus dense (for metrics and the benchmark).
+- `run_sparse(component, fn)`: run a sparse path under the one fallback policy (below);
+- `record(...)`: how much was read versus dense (for metrics and the benchmark), from sizes the
+  plan and the kernels already produce; what costs extra work to count is sampled
+  (`should_sample(step)`).
+
+Fallback policy (one place): a *run-time problem* in a sparse path (`SparsePathUnavailable`, raised
+where the plugin detects a condition it cannot handle, or a RuntimeError raised by a kernel, e.g. an
+input check or out-of-memory) makes that layer verify densely, counted per component and reason
+and warned once per reason; with `fallback_to_dense: false` it is raised instead. A programming
+error (TypeError, AttributeError, KeyError, IndexError, ValueError, NotImplementedError, ...,
+e.g. after a vLLM change) is never turned into dense verification: it propagates.
 
 The attention/ffn/moe sections can be switched at run time (`set_sections`, an RPC used by the
 benchmark to compare policies in one engine); what needs start-up work (the attention backend and
@@ -22,10 +31,8 @@ import os
 import re
 import threading
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any
-
-import torch
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from vllm_sparsever.config import (
     DEFAULT_FFN_KEEP_RATIO,
@@ -33,10 +40,30 @@ from vllm_sparsever.config import (
     SparseverConfig,
     SparseverConfigError,
 )
-from vllm_sparsever.plan import VerificationPlan
 from vllm_sparsever.verification.profile import CalibrationProfile
 
 logger = logging.getLogger("vllm_sparsever")
+
+T = TypeVar("T")
+
+# Counters that cost extra work (a second routing of the tokens) are taken on one verify step in
+# this many (tests set VLLM_SPARSEVER_STATS_SAMPLE_EVERY=1); the rest come from sizes the plan and
+# the kernels produce anyway.
+STATS_SAMPLE_EVERY = 8
+STATS_SAMPLE_ENV = "VLLM_SPARSEVER_STATS_SAMPLE_EVERY"
+
+
+class SparsePathUnavailable(Exception):
+    """A run-time condition under which a sparse path cannot run this step; it verifies densely.
+
+    `reason` is a short fixed label (it becomes a counter name); `detail` is for the log only.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
 
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
@@ -45,24 +72,6 @@ def layer_index_of(prefix: str) -> int | None:
     """Decoder layer index in a module name such as 'model.layers.7.mlp' (None if absent)."""
     m = _LAYER_RE.search(prefix + ".")
     return int(m.group(1)) if m else None
-
-
-@dataclass(frozen=True)
-class StepGroups:
-    """The tokens a verify step sparsifies, one group per verifying request.
-
-    `all_tokens_verify`: every token of the step belongs to a verify group, in order, so layers can
-    run on the hidden states as they are (no gather). Otherwise `token_index` gathers the verify
-    tokens and the rest (prefill chunks, plain decode rows) go through the dense path.
-    `group_start_loc` [G+1] int32 indexes the gathered (or full) verify tokens.
-    """
-
-    num_tokens: int
-    all_tokens_verify: bool
-    token_index: torch.Tensor  # [Tv] long, positions of verify tokens in the step
-    other_index: torch.Tensor  # [T - Tv] long, the remaining (dense) tokens
-    group_start_loc: torch.Tensor  # [G+1] int32
-    batch_rows: tuple[int, ...]  # the runner's batch row of each group (request)
 
 
 # Knobs whose start-up work (KV layout, kept weights) fixes them for the engine's lifetime.
@@ -90,6 +99,10 @@ class SparseVerificationRuntime:
             "moe": config.moe.enabled,
         }
         self.stats: Counter[str] = Counter()
+        self.stats_sample_every = max(1, int(os.environ.get(STATS_SAMPLE_ENV, STATS_SAMPLE_EVERY)))
+        # Set by the sparse attention backend once it knows the KV layout and kernel (at KV cache
+        # set-up): computes a verify step's AttentionStepPlan (see plan.build_verification_plan).
+        self.attention_planner: Callable[..., Any] | None = None
         # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
         # records the largest difference (slow; for tests and debugging only).
         self.check_reference = os.environ.get("VLLM_SPARSEVER_CHECK_REFERENCE") == "1"
@@ -144,16 +157,18 @@ class SparseVerificationRuntime:
         self.config.attention, self.config.ffn, self.config.moe = new.attention, new.ffn, new.moe
         return {name: getattr(self.config, name).__dict__ for name in allowed}
 
+    def step_planners(self) -> dict[str, Any]:
+        """What `build_verification_plan` needs from the knobs in force this step."""
+        if not self.attention.enabled or self.attention_planner is None:
+            return {}
+        return {"anchor_layers": self.anchor_layers(), "attention_planner": self.attention_planner}
+
     def anchor_layers(self) -> list[int] | None:
         if self.attention.anchor_layers is not None:
             return self.attention.anchor_layers
         if self.profile is not None and self.profile.anchor_layers is not None:
             return self.profile.anchor_layers
         return None  # every layer selects
-
-    def is_anchor(self, layer: int) -> bool:
-        anchors = self.anchor_layers()
-        return anchors is None or layer in anchors
 
     def ffn_keep_ratio(self, layer: int) -> float:
         profile = self.profile.ffn_keep_ratios if self.profile is not None else None
@@ -162,36 +177,6 @@ class SparseVerificationRuntime:
     def moe_ratio_threshold(self, layer: int) -> float:
         profile = self.profile.moe_ratio_thresholds if self.profile is not None else None
         return _per_layer(self.moe.ratio_threshold, profile, layer, DEFAULT_MOE_RATIO_THRESHOLD)
-
-    # ---- per step -----------------------------------------------------------------------
-
-    def step_groups(self, plan: VerificationPlan) -> StepGroups | None:
-        """Verify groups of the step (cached on the plan), None if nothing verifies."""
-        if not plan.is_verify_step:
-            return None
-        cached = plan.extras.get("step_groups")
-        if cached is not None:
-            return cached
-        device = plan.token_is_verify.device
-        starts = [0]
-        index: list[int] = []
-        for req in plan.requests:  # requests are in batch (token) order
-            index.extend(range(req.query_start, req.query_start + req.num_query_tokens))
-            starts.append(len(index))
-        all_verify = len(index) == plan.num_tokens
-        token_index = torch.tensor(index, dtype=torch.long, device=device)
-        mask = torch.ones(plan.num_tokens, dtype=torch.bool, device=device)
-        mask[token_index] = False
-        groups = StepGroups(
-            num_tokens=plan.num_tokens,
-            all_tokens_verify=all_verify,
-            token_index=token_index,
-            other_index=mask.nonzero().flatten(),
-            group_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            batch_rows=tuple(r.batch_index for r in plan.requests),
-        )
-        plan.extras["step_groups"] = groups
-        return groups
 
     # ---- bookkeeping --------------------------------------------------------------------
 
@@ -207,17 +192,37 @@ class SparseVerificationRuntime:
             self.reference_errors[key] = max(self.reference_errors.get(key, 0.0), float(error))
             self.stats[f"{component}_reference_checks"] += 1
 
-    def fallback(self, component: str, reason: str) -> None:
-        """Note (and warn once per reason) that `component` verified densely this step; with
-        `fallback_to_dense: false` the problem is raised instead."""
+    def should_sample(self, step: int) -> bool:
+        """Whether counters that cost extra work are taken on this step (see STATS_SAMPLE_EVERY)."""
+        return step % self.stats_sample_every == 0
+
+    def run_sparse(self, component: str, sparse: Callable[[], T]) -> T | None:
+        """`sparse()`, or None when it hit a run-time problem and the layer must verify densely
+        (see the module docstring for the policy). Programming errors propagate."""
+        try:
+            return sparse()
+        except SparsePathUnavailable as exc:
+            self.fallback(component, exc.reason, exc.detail, cause=exc)
+        except NotImplementedError:
+            raise  # a RuntimeError subclass, but a gap in the code, not a run-time condition
+        except RuntimeError as exc:  # kernels (TORCH_CHECK), out of memory
+            self.fallback(component, "kernel_error", f"{type(exc).__name__}: {exc}", cause=exc)
+        return None
+
+    def fallback(self, component: str, reason: str, detail: str = "", cause: BaseException | None = None) -> None:
+        """Count (per component and reason) and warn once per reason that `component` verified
+        densely this step; with `fallback_to_dense: false` raise instead."""
         if not self.config.fallback_to_dense:
-            raise RuntimeError(f"sparsever: {component} sparse verification failed: {reason} "
-                               f"(fallback_to_dense is false)")
-        self.record(**{f"{component}_fallbacks": 1})
+            raise RuntimeError(
+                f"sparsever: {component} sparse verification failed: {reason}"
+                f"{f' ({detail})' if detail else ''} (fallback_to_dense is false)"
+            ) from cause
+        self.record(**{f"{component}_fallbacks": 1, f"{component}_fallback_{reason}": 1})
         key = f"{component}:{reason}"
         if key not in self._warned:
             self._warned.add(key)
-            logger.warning("sparsever: %s verifies densely: %s", component, reason)
+            logger.warning("sparsever: %s verifies densely: %s%s", component, reason,
+                           f" ({detail})" if detail else "")
 
     def stats_summary(self) -> dict[str, float]:
         with self._lock:
