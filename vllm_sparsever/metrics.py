@@ -39,7 +39,7 @@ class SparseverMetrics:
     step_time_s: float = 0.0
     verify_time_s: float = 0.0  # target forward + logits + rejection sampling, verify steps
     draft_time_s: float = 0.0
-    num_dense_fallbacks: int = 0  # sparse layer calls that verified densely instead
+    num_dense_fallbacks: int = 0  # sparse layer calls that verified densely instead (all reasons)
     # Sparse verification counters (what was read vs dense), copied from the worker's runtime.
     sparsity: dict[str, float] = field(default_factory=dict)
 
@@ -237,6 +237,16 @@ class SparseverCollector:
         )
         for name, value in sorted((s.get("sparsity") or {}).items()):
             c.add_metric([name], float(value))
+        yield c
+        c = CounterMetricFamily(
+            "sparsever:dense_fallbacks",
+            "Sparse layer calls that verified densely, per component and reason",
+            labels=["component", "reason"],
+        )
+        for name, value in sorted((s.get("sparsity") or {}).items()):
+            component, sep, reason = name.partition("_fallback_")
+            if sep:
+                c.add_metric([component, reason], float(value))
         yield c
         g = GaugeMetricFamily(
             "sparsever:per_position_acceptance",

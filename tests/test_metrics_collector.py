@@ -1,0 +1,18 @@
+"""The Prometheus collector: per-reason dense fallbacks become a labelled counter family."""
+
+from vllm_sparsever.metrics import SnapshotWriter, SparseverCollector, SparseverMetrics
+
+
+def test_fallbacks_per_component_and_reason(tmp_path):
+    metrics = SparseverMetrics(num_spec_tokens=3)
+    metrics.sparsity = {"attention_fallbacks": 3, "attention_fallback_metadata_mismatch": 2,
+                        "attention_fallback_kernel_error": 1, "ffn_neurons_read": 10}
+    metrics.num_dense_fallbacks = 3
+    SnapshotWriter(rank=0, directory=str(tmp_path)).write(metrics, force=True)
+
+    families = {f.name: f for f in SparseverCollector(str(tmp_path)).collect()}
+    fallbacks = {(s.labels["component"], s.labels["reason"]): s.value
+                 for s in families["sparsever:dense_fallbacks"].samples if s.name.endswith("_total")}
+    assert fallbacks == {("attention", "metadata_mismatch"): 2.0, ("attention", "kernel_error"): 1.0}
+    total = [s.value for s in families["sparsever:num_dense_fallbacks"].samples if s.name.endswith("_total")]
+    assert total == [3.0]
