@@ -33,7 +33,8 @@ def client(server):
 
 def test_completions_match_plain_greedy(client, plain_greedy):
     texts = prompts(len(plain_greedy))
-    for i, (prompt, (_, want)) in enumerate(zip(texts, plain_greedy)):
+    assert len(texts) == len(plain_greedy) > 0, f"{len(texts)} prompts for {len(plain_greedy)} references"
+    for i, (prompt, (_, want)) in enumerate(zip(texts, plain_greedy, strict=True)):
         resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=GREEDY_MAX_TOKENS,
                                          temperature=0.0)
         assert resp.choices[0].text == want, f"prompt {i}"
