@@ -32,11 +32,19 @@ def tiny_draft(tiny_dir, tiny_target) -> Path:
 
 GREEDY_PROMPTS = 6
 GREEDY_MAX_TOKENS = 32
+CHAT_MAX_TOKENS = 16
+
+
+def chat_messages() -> list[dict[str, str]]:
+    """The one-turn conversation the chat tests send (word-level vocabulary, repeated phrases)."""
+    from tiny_models import prompts
+
+    return [{"role": "user", "content": prompts(1, seed=3)[0]}]
 
 
 @pytest.fixture(scope="session")
-def plain_greedy(tiny_target):
-    """Non-speculative greedy fp32 output of the tiny target: the reference for lossless modes."""
+def _plain_greedy_outputs(tiny_target):
+    """One non-speculative greedy fp32 engine of the tiny target, run once for both references below."""
     import gc
 
     from vllm import LLM, SamplingParams
@@ -48,8 +56,24 @@ def plain_greedy(tiny_target):
     try:
         outs = llm.generate(prompts(GREEDY_PROMPTS),
                             SamplingParams(temperature=0.0, max_tokens=GREEDY_MAX_TOKENS))
-        result = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
+        completions = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
+        chat = llm.chat(chat_messages(), SamplingParams(temperature=0.0, max_tokens=CHAT_MAX_TOKENS))
+        assert len(chat) == 1
+        chat_text = chat[0].outputs[0].text
     finally:
         del llm
         gc.collect()
-    return result
+    return completions, chat_text
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(_plain_greedy_outputs):
+    """Non-speculative greedy fp32 output of the tiny target: the reference for lossless modes.
+    [(token_ids, text)] for prompts(GREEDY_PROMPTS), GREEDY_MAX_TOKENS each."""
+    return _plain_greedy_outputs[0]
+
+
+@pytest.fixture(scope="session")
+def plain_greedy_chat(_plain_greedy_outputs):
+    """Non-speculative greedy fp32 chat answer of the tiny target to chat_messages() (CHAT_MAX_TOKENS)."""
+    return _plain_greedy_outputs[1]

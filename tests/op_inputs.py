@@ -20,3 +20,83 @@ def ffn_weights(h: int, inter: int, dtype: torch.dtype, gen: torch.Generator):
     w_gate_up = (torch.randn(2 * inter, h, generator=gen) / h**0.5).to(dtype)
     w_down_t = (torch.randn(inter, h, generator=gen) / inter**0.5).to(dtype)
     return w_gate_up, w_down_t
+
+
+# Relative tolerance under which two neuron scores count as tied, per dtype of x and the weights.
+# Kernels may round the gate projection to that dtype (the CPU kernels' GEMM path from 16 tokens on,
+# like torch's own bf16 MLP) and sum in another order than the fp32 reference; unit roundoff is 2^-9
+# for bf16 and 2^-12 for fp16, so these leave a few-fold margin. fp32: summation order only.
+SELECTION_TIE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def ffn_neuron_scores(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """|silu(gate)| per token and neuron in fp32, [T, I]: a group's scores are its rows summed (the
+    definition in vllm_sparsever.reference.topk_swiglu_ffn)."""
+    inter = w_gate_up.shape[0] // 2
+    return torch.nn.functional.silu(x.float() @ w_gate_up[:inter].float().t()).abs()
+
+
+def assert_topk_selection(got, expected, scores: torch.Tensor, keep: int, tie_rtol: float) -> bool:
+    """Check a kernel's top-`keep` index set against the reference's; True iff the two sets are equal.
+
+    got, expected: the kernel's / reference's selected indices (ascending, as the ops store them).
+    scores: [n] fp32 scores the reference ranked. When the reference's keep-th and (keep+1)-th scores
+    are within `tie_rtol * (1 + keep-th)`, the cut falls in a near-tie that rounding may flip, so any
+    set of `keep` distinct indices whose scores are all >= keep-th minus that tolerance is accepted;
+    otherwise the sets must be equal.
+    """
+    got = [int(i) for i in got]
+    expected = [int(i) for i in expected]
+    n = scores.numel()
+    assert len(got) == keep, f"kernel selected {len(got)} indices, expected {keep}"
+    assert got == sorted(set(got)), f"kernel selection not ascending and distinct: {got}"
+    assert 0 <= got[0] and got[-1] < n, f"kernel selection out of range [0, {n}): {got}"
+    assert len(expected) == keep and expected == sorted(set(expected)), f"bad reference selection {expected}"
+    if got == expected:
+        return True
+    scores = scores.float()
+    kth = float(scores[expected].min())
+    rest = sorted(set(range(n)) - set(expected))
+    next_best = float(scores[rest].max()) if rest else float("-inf")
+    tol = tie_rtol * (1.0 + abs(kth))
+    assert kth - next_best <= tol, (
+        f"selection differs without a tie: kernel {got}, reference {expected}; "
+        f"{keep}-th score {kth:.6g}, next {next_best:.6g}, tie tolerance {tol:.3g}")
+    low = float(scores[got].min())
+    assert low >= kth - tol, (
+        f"kernel picked a neuron scoring {low:.6g} < {keep}-th score {kth:.6g} - {tol:.3g}: "
+        f"kernel {got}, reference {expected}")
+    return False
+
+
+def assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, group_start_loc, keep: int,
+                                 tie_rtol: float) -> int:
+    """Check a top-k SwiGLU FFN kernel's (out, selected) against vllm_sparsever.reference.topk_swiglu_ffn.
+
+    Per group: the selection against the reference selection (assert_topk_selection), then the output
+    against the reference output. Returns how many non-empty groups selected exactly the reference set.
+    """
+    from vllm_sparsever import reference
+
+    rsel = torch.full_like(sel, 77)
+    expected = torch.zeros_like(x)
+    reference.topk_swiglu_ffn(expected, x, w_gate_up, w_down_t, group_start_loc, keep, rsel)
+    scores = ffn_neuron_scores(x, w_gate_up)
+    rtol, atol = TOL[x.dtype]
+    starts = group_start_loc.tolist()
+    num_equal = 0
+    for g in range(len(starts) - 1):
+        t0, t1 = starts[g], starts[g + 1]
+        if t0 == t1:
+            assert sel[g].tolist() == rsel[g].tolist() == [-1] * keep, f"empty group {g}: {sel[g].tolist()}"
+            continue
+        if assert_topk_selection(sel[g], rsel[g], scores[t0:t1].sum(0), keep, tie_rtol):
+            num_equal += 1
+            want = expected[t0:t1]
+        else:
+            # A near-tie at the cut flipped the selection (accepted above): the reference output is for
+            # another neuron set, so compare with the reference recomputed on the kernel's set.
+            want = reference.swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, sel[g]).to(x.dtype)
+        torch.testing.assert_close(out[t0:t1].float(), want.float(), rtol=rtol, atol=atol,
+                                   msg=lambda m, g=g: f"group {g}: {m}")
+    return num_equal

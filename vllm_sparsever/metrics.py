@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 METRICS_DIR_ENV = "VLLM_SPARSEVER_METRICS_DIR"
 _SNAPSHOT_INTERVAL_S = 0.25
@@ -106,9 +106,14 @@ class SnapshotWriter:
     interval has passed, so the counters of a burst that ends (the engine goes idle) still arrive.
     """
 
-    def __init__(self, rank: int, directory: str | None = None) -> None:
+    def __init__(self, rank: int, directory: str | None = None, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 timer_factory: Callable[[float, Callable[[], None]], Any] = threading.Timer) -> None:
+        # clock / timer_factory: injectable so tests drive the throttle without sleeping.
         directory = directory or os.environ.get(METRICS_DIR_ENV)
         self.path = Path(directory) / f"rank{rank}.json" if directory else None
+        self._clock = clock
+        self._timer_factory = timer_factory
         self._last = 0.0
         self._lock = threading.Lock()
         self._pending: SparseverMetrics | None = None
@@ -118,11 +123,11 @@ class SnapshotWriter:
         if self.path is None:
             return
         with self._lock:
-            wait = _SNAPSHOT_INTERVAL_S - (time.monotonic() - self._last)
+            wait = _SNAPSHOT_INTERVAL_S - (self._clock() - self._last)
             if not force and wait > 0:
                 self._pending = metrics
                 if self._timer is None:
-                    self._timer = threading.Timer(wait, self._flush)
+                    self._timer = self._timer_factory(wait, self._flush)
                     self._timer.daemon = True
                     self._timer.start()
                 return
@@ -136,7 +141,7 @@ class SnapshotWriter:
                 self._write_now(pending)
 
     def _write_now(self, metrics: SparseverMetrics) -> None:
-        self._last = time.monotonic()
+        self._last = self._clock()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".tmp{os.getpid()}")

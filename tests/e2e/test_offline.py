@@ -81,7 +81,8 @@ def test_baseline_is_not_degenerate(baseline):
 
 def test_draft_model_greedy_equals_plain_greedy(baseline, draft_model_run):
     tokens, _, _ = draft_model_run
-    for i, (want, got) in enumerate(zip(baseline, tokens)):
+    assert len(tokens) == len(baseline), f"{len(tokens)} outputs for {len(baseline)} prompts"
+    for i, (want, got) in enumerate(zip(baseline, tokens, strict=True)):
         assert got == want, f"prompt {i} differs"
 
 
@@ -103,7 +104,8 @@ def test_draft_model_metrics(draft_model_run):
 
 def test_ngram_greedy_equals_plain_greedy(baseline, ngram_run):
     tokens, m, _ = ngram_run
-    for i, (want, got) in enumerate(zip(baseline, tokens)):
+    assert len(tokens) == len(baseline), f"{len(tokens)} outputs for {len(baseline)} prompts"
+    for i, (want, got) in enumerate(zip(baseline, tokens, strict=True)):
         assert got == want, f"prompt {i} differs"
     assert m["num_drafts"] > 0
 
@@ -148,7 +150,8 @@ def test_tensor_parallel_greedy_equals_plain_greedy_and_every_rank_registers(
     baseline, tensor_parallel_run, registration_log
 ):
     tokens, metrics, workers = tensor_parallel_run
-    for i, (want, got) in enumerate(zip(baseline, tokens)):
+    assert len(tokens) == len(baseline), f"{len(tokens)} outputs for {len(baseline)} prompts"
+    for i, (want, got) in enumerate(zip(baseline, tokens, strict=True)):
         assert got == want, f"prompt {i} differs"
     assert sorted(w["rank"] for w in workers) == [0, 1]
     assert all(w["model_runner"] == "SparseverCPUModelRunner" for w in workers)

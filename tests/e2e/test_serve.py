@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from conftest import GREEDY_MAX_TOKENS
+from conftest import CHAT_MAX_TOKENS, GREEDY_MAX_TOKENS, chat_messages
 from serve_utils import running_server, sparsever_metrics
 from tiny_models import prompts
 
@@ -33,7 +33,8 @@ def client(server):
 
 def test_completions_match_plain_greedy(client, plain_greedy):
     texts = prompts(len(plain_greedy))
-    for i, (prompt, (_, want)) in enumerate(zip(texts, plain_greedy)):
+    assert len(texts) == len(plain_greedy) > 0, f"{len(texts)} prompts for {len(plain_greedy)} references"
+    for i, (prompt, (_, want)) in enumerate(zip(texts, plain_greedy, strict=True)):
         resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=GREEDY_MAX_TOKENS,
                                          temperature=0.0)
         assert resp.choices[0].text == want, f"prompt {i}"
@@ -49,13 +50,16 @@ def test_streaming_equals_non_streaming(client, plain_greedy):
     assert "".join(chunks) == plain_greedy[0][1]
 
 
-def test_chat_completions_stream(client):
+def test_chat_completions_stream_matches_plain_greedy(client, plain_greedy_chat):
+    # The reference is an offline LLM.chat of the same target (fp32, greedy, no speculation): the same
+    # chat template, so the speculative server must stream exactly its text.
+    assert plain_greedy_chat, "the plain greedy chat reference is empty: nothing would be compared"
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": prompts(1, seed=3)[0]}],
-        max_tokens=16, temperature=0.0, stream=True,
+        model="tiny", messages=chat_messages(), max_tokens=CHAT_MAX_TOKENS, temperature=0.0, stream=True,
     )
-    text = "".join((c.choices[0].delta.content or "") for c in stream if c.choices)
-    assert text  # the tiny model's chat output is arbitrary words, but it must stream something
+    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len([c for c in chunks if c]) > 1, f"expected incremental chunks, got {chunks}"
+    assert "".join(chunks) == plain_greedy_chat
 
 
 def test_metrics_endpoint_exposes_acceptance_and_verification_share(server, client):

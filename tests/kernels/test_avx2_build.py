@@ -19,7 +19,7 @@ torch.set_num_threads(2)
 import vllm_sparsever._custom_ops as ops
 import vllm_sparsever.reference as ref
 sys.path.insert(0, "tests")
-from op_inputs import start_loc
+from op_inputs import SELECTION_TIE_RTOL, assert_ffn_matches_reference, start_loc
 from tests.kernels.kv_cache_utils import make_paged_kv
 assert torch.ops.sparsever.ext_info() == "avx2"
 gen = torch.Generator().manual_seed(0)
@@ -35,9 +35,11 @@ for dtype, tol in [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16
     x = torch.randn(5, 72, generator=gen).to(dtype)
     wgu = (torch.randn(200, 72, generator=gen) / 9).to(dtype)
     wdt = (torch.randn(100, 72, generator=gen) / 10).to(dtype)
-    out, sel = ops.topk_swiglu_ffn(x, wgu, wdt, start_loc([5]), 30)
-    exp = ref.swiglu_ffn_on_neurons(x, wgu, wdt, sel[0])
-    torch.testing.assert_close(out.float(), exp.to(dtype).float(), rtol=tol, atol=tol)
+    # Two groups, one of >= 16 tokens: both the streamed and the GEMM path, selection and output.
+    gsl = start_loc([5, 20])
+    xs = torch.randn(25, 72, generator=gen).to(dtype)
+    out, sel = ops.topk_swiglu_ffn(xs, wgu, wdt, gsl, 30)
+    assert_ffn_matches_reference(out, sel, xs, wgu, wdt, gsl, 30, SELECTION_TIE_RTOL[dtype])
     w13 = (torch.randn(4, 60, 72, generator=gen) / 9).to(dtype)
     w2 = (torch.randn(4, 72, 30, generator=gen) / 6).to(dtype)
     tw, ti = ops.moe_route_and_prune(torch.randn(5, 4, generator=gen), 2, 0.2)

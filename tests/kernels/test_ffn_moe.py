@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 import vllm_sparsever._custom_ops as ops
 import vllm_sparsever.reference as ref
 
-from op_inputs import TOL, ffn_weights, start_loc
+from op_inputs import (SELECTION_TIE_RTOL, TOL, assert_ffn_matches_reference, assert_topk_selection,
+                       ffn_weights, start_loc)
 
 
 @settings(max_examples=50, deadline=None)
@@ -28,28 +29,7 @@ def test_ffn_matches_reference(dtype, h, inter, groups, keep_frac, seed):
     x = torch.randn(sum(groups), h, generator=gen).to(dtype)
     gsl = start_loc(groups)
     out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, gsl, keep)
-    rsel = torch.empty_like(sel)
-    expected = torch.empty_like(x)
-    ref.topk_swiglu_ffn(expected, x, w_gate_up, w_down_t, gsl, keep, rsel)
-    act = F.silu(x.float() @ w_gate_up[:inter].float().t())
-    rtol, atol = TOL[dtype]
-    starts = gsl.tolist()
-    for g in range(len(groups)):
-        t0, t1 = starts[g], starts[g + 1]
-        if t0 == t1:
-            assert sel[g].tolist() == [-1] * keep
-            continue
-        got = sel[g].tolist()
-        assert got == sorted(set(got)) and len(got) == keep
-        if got != rsel[g].tolist():
-            # Only a near-tie may flip: fp summation order, and with >= 16 tokens the GEMM path rounds the
-            # gate to the input dtype (as torch's dense bf16 MLP does).
-            scores = act[t0:t1].abs().sum(0)
-            rest = sorted(set(range(inter)) - set(got))
-            tie_tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
-            assert scores[got].min() >= scores[rest].max() - tie_tol * (1 + scores.max())
-        expected_g = ref.swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, sel[g]).to(dtype)
-        torch.testing.assert_close(out[t0:t1].float(), expected_g.float(), rtol=rtol, atol=atol)
+    assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, gsl, keep, SELECTION_TIE_RTOL[dtype])
 
 
 def test_ffn_keep_all_is_dense_mlp():
@@ -68,7 +48,9 @@ def test_ffn_reads_only_selected_rows():
     h, inter, keep = 64, 128, 16
     w_gate_up, w_down_t = ffn_weights(h, inter, torch.bfloat16, gen)
     x = torch.randn(3, h, generator=gen).to(torch.bfloat16)
-    _, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, start_loc([3]), keep)
+    out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, start_loc([3]), keep)
+    assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, start_loc([3]), keep,
+                                 SELECTION_TIE_RTOL[torch.bfloat16])
     expected = ref.swiglu_ffn_on_neurons(x, w_gate_up, w_down_t, sel[0])
     unused = sorted(set(range(inter)) - set(sel[0].tolist()))
     w_gate_up[inter + torch.tensor(unused)] = float("nan")  # up rows of unselected neurons
@@ -76,6 +58,22 @@ def test_ffn_reads_only_selected_rows():
     out, sel2 = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, start_loc([3]), keep)
     assert torch.equal(sel, sel2) and torch.isfinite(out.float()).all()
     torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_selection_check_accepts_only_near_ties():
+    # The tie rule itself must be able to fail: a swap across a clear gap is rejected, one inside the
+    # tolerance accepted (and reported as a differing set), a below-cut pick inside a tie rejected.
+    scores = torch.tensor([5.0, 1.0, 3.0, 3.0001, 0.5])
+    assert assert_topk_selection([0, 3], [0, 3], scores, 2, 1e-3)
+    assert not assert_topk_selection([0, 2], [0, 3], scores, 2, 1e-3)
+    with pytest.raises(AssertionError, match="without a tie"):
+        assert_topk_selection([0, 2], [0, 3], scores, 2, 1e-6)
+    with pytest.raises(AssertionError, match="without a tie"):
+        assert_topk_selection([0, 1], [0, 2], torch.tensor([5.0, 2.0, 3.0, 0.0]), 2, 1e-3)
+    with pytest.raises(AssertionError, match="picked a neuron"):
+        assert_topk_selection([1, 3], [0, 2], torch.tensor([3.0, 1.0, 3.0, 3.0]), 2, 1e-3)
+    with pytest.raises(AssertionError, match="ascending and distinct"):
+        assert_topk_selection([3, 0], [0, 3], scores, 2, 1e-3)
 
 
 @settings(max_examples=50, deadline=None)
@@ -180,10 +178,8 @@ def test_many_tokens_gemm_path(dtype):
     x = torch.randn(40, h, generator=gen).to(dtype)
     gsl = start_loc([3, 33, 4])
     out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, gsl, keep)
+    assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, gsl, keep, SELECTION_TIE_RTOL[dtype])
     rtol, atol = TOL[dtype]
-    for g, (t0, t1) in enumerate([(0, 3), (3, 36), (36, 40)]):
-        expected = ref.swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, sel[g]).to(dtype)
-        torch.testing.assert_close(out[t0:t1].float(), expected.float(), rtol=rtol, atol=atol)
     _, w13, w2, logits = _moe_problem(40, h, 32, 4, 2, dtype, gen)
     w, ids = ops.moe_route_and_prune(logits, 2, 0.0)
     out, used = ops.moe_grouped_dispatch(x, w, ids, w13, w2)

@@ -42,7 +42,7 @@ def tiny_registry(tiny, tmp_path, monkeypatch):
     pieces = _split(gguf_path, 3, tmp_path)
     pkg = PinnedPackage("tiny-weights", "1.0")
     files = tuple(PackageFile(pkg, f"tiny/data/{p.name}") for p in pieces)
-    by_path = {f.path: p for f, p in zip(files, pieces)}
+    by_path = {f.path: p for f, p in zip(files, pieces, strict=True)}
     spec = registry.GgufModelSpec(
         name="tiny",
         description="tiny random qwen2",

@@ -5,12 +5,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "simt: runs CUDA kernel bodies on the SIMT executor (first run compiles the test extensions)"
-    )
-
-
+# The `simt` marker is registered in pyproject.toml; every test of this directory carries it.
 def pytest_collection_modifyitems(config, items):
     import pytest
 

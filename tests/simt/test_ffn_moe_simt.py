@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from simt_build import kernel_ops
 
-from op_inputs import TOL, ffn_weights, start_loc
+from op_inputs import SELECTION_TIE_RTOL, TOL, assert_ffn_matches_reference, ffn_weights, start_loc
 
 from vllm_sparsever import reference
 
@@ -21,30 +21,13 @@ def ops():
 
 
 def check_ffn(ops, x, w_gate_up, w_down_t, groups, keep, forced_splits=0):
-    inter = w_gate_up.shape[0] // 2
     gsl = start_loc(groups)
     out = torch.full_like(x, 5.0)
     sel = torch.full((len(groups), keep), 123, dtype=torch.int32)
     ops.topk_swiglu_ffn(out, x, w_gate_up, w_down_t, gsl, keep, sel, 4, forced_splits)
-    rsel = torch.empty_like(sel)
-    expected = torch.full_like(x, 5.0)
-    reference.topk_swiglu_ffn(expected, x, w_gate_up, w_down_t, gsl, keep, rsel)
-    act = F.silu(x.float() @ w_gate_up[:inter].float().t())
-    rtol, atol = TOL[x.dtype]
-    starts = gsl.tolist()
-    for g in range(len(groups)):
-        t0, t1 = starts[g], starts[g + 1]
-        if t0 == t1:
-            assert sel[g].tolist() == [-1] * keep
-            continue
-        got = sel[g].tolist()
-        assert got == sorted(set(got)) and len(got) == keep and 0 <= got[0] and got[-1] < inter
-        if got != rsel[g].tolist():  # only a near-tie of scores may flip (fp summation order)
-            scores = act[t0:t1].abs().sum(0)
-            rest = sorted(set(range(inter)) - set(got))
-            assert scores[got].min() >= scores[rest].max() - 1e-4 * (1 + scores.max())
-        expected_g = reference.swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, sel[g]).to(x.dtype)
-        torch.testing.assert_close(out[t0:t1].float(), expected_g.float(), rtol=rtol, atol=atol)
+    # The CUDA kernel keeps the gate in fp32 for every dtype (no matrix-engine rounding), so only fp32
+    # summation order separates its scores from the reference's: the fp32 tie tolerance applies.
+    assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, gsl, keep, SELECTION_TIE_RTOL[torch.float32])
     return out, sel
 
 

@@ -237,11 +237,13 @@ def test_ffn_keep_ratios_grow_with_mass(llama, llama_run, text_file):
     low = calibrate(str(llama), _options(text_file, ffn_mass=0.5), write=False).profile.ffn_keep_ratios
     mid = llama_run.profile.ffn_keep_ratios  # mass 0.9
     high = calibrate(str(llama), _options(text_file, ffn_mass=0.99), write=False).profile.ffn_keep_ratios
-    for lo, md, hi in zip(low, mid, high):
+    assert len(low) == len(mid) == len(high) > 0, f"keep ratios per layer: {len(low)}, {len(mid)}, {len(high)}"
+    for lo, md, hi in zip(low, mid, high, strict=True):
         assert 0.0 < lo < md < hi <= 1.0
         assert (lo * 64) == int(lo * 64)  # on the 1/64 grid
     raw = llama_run.profile.details["ffn"]["median_share_unrounded"]
-    assert all(r <= v < r + 1 / 64 + 1e-9 for r, v in zip(raw, mid))
+    assert len(raw) == len(mid), f"{len(raw)} unrounded shares for {len(mid)} layers"
+    assert all(r <= v < r + 1 / 64 + 1e-9 for r, v in zip(raw, mid, strict=True))
 
 
 # ---- MoE -----------------------------------------------------------------------------------------

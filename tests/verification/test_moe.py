@@ -114,7 +114,7 @@ def _plan(rows):
     num_scheduled == num_drafts + 1, otherwise it is a prefill chunk."""
     req_ids = [f"r{i}" for i in range(len(rows))]
     sched = np.array([n for n, _ in rows])
-    drafts = {rid: list(range(5, 5 + d)) for rid, (_, d) in zip(req_ids, rows) if d}
+    drafts = {rid: list(range(5, 5 + d)) for rid, (_, d) in zip(req_ids, rows, strict=True) if d}
     return build_verification_plan(
         step=1, req_ids=req_ids, num_scheduled_tokens=sched, num_computed_tokens=np.full(len(rows), 20),
         scheduled_spec_decode_tokens=drafts, block_table=torch.zeros(len(rows), 4, dtype=torch.int32),

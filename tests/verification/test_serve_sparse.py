@@ -23,8 +23,9 @@ def sparse_server(tiny_dir, tmp_path_factory):
         yield base
 
 
-def _long_completion(base: str) -> dict[str, float]:
-    """One ~700-token prompt (5+ KV blocks of 128); returns the server's sparsever metrics after."""
+def _long_completion(base: str) -> tuple[str, dict[str, float]]:
+    """One ~700-token prompt (5+ KV blocks of 128); returns the greedy text and the server's sparsever
+    metrics after it."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
@@ -35,15 +36,25 @@ def _long_completion(base: str) -> dict[str, float]:
     values = sparsever_metrics(base)
     assert values.get("sparsever:num_verify_steps_total", 0) > 0, values
     assert values.get("sparsever:num_dense_fallbacks_total", 0) == 0
-    return values
+    return resp.choices[0].text, values
 
 
 def _counter(values: dict[str, float], name: str) -> float:
     return values.get(f'sparsever:sparsity_total{{counter="{name}"}}', 0.0)
 
 
+def _assert_repeat_is_identical_and_sparse(base: str, first_text: str, first: dict[str, float],
+                                           counters: tuple[str, ...]) -> None:
+    """Sparse verification may change the text, so plain greedy is no reference here. What must hold:
+    the same greedy request (fp32) gives the same text again, and it was verified sparsely again."""
+    second_text, second = _long_completion(base)
+    assert second_text == first_text, "two identical greedy requests gave different text"
+    for name in counters:
+        assert _counter(second, name) > _counter(first, name), (name, first, second)
+
+
 def test_serve_runs_sparse_attention_and_ffn(sparse_server):
-    values = _long_completion(sparse_server)
+    text, values = _long_completion(sparse_server)
 
     def counter(name):
         return _counter(values, name)
@@ -52,6 +63,7 @@ def test_serve_runs_sparse_attention_and_ffn(sparse_server):
     assert 0 < counter("attn_kv_blocks_read") < counter("attn_kv_blocks_dense")
     assert counter("ffn_layers_sparse") > 0
     assert 0 < counter("ffn_neurons_read") < counter("ffn_neurons_dense")
+    _assert_repeat_is_identical_and_sparse(sparse_server, text, values, ("attn_layers_sparse", "ffn_layers_sparse"))
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +79,7 @@ def moe_server(tiny_dir, tmp_path_factory):
 
 
 def test_serve_runs_sparse_attention_and_moe(moe_server):
-    values = _long_completion(moe_server)
+    text, values = _long_completion(moe_server)
     assert _counter(values, "attn_layers_sparse") > 0, values
     assert 0 < _counter(values, "moe_experts_read") < _counter(values, "moe_experts_dense"), values
+    _assert_repeat_is_identical_and_sparse(moe_server, text, values, ("attn_layers_sparse", "moe_experts_read"))
