@@ -28,23 +28,24 @@ from __future__ import annotations
 
 import torch
 
+# Used by SparseverCPUAttentionImpl below; its rewrite switches them to the compat wrappers
+# (`vllm_attn.attention_over_block_table`, `scheduler_metadata`, `impl_supports_sparse`).
 from vllm import _custom_ops as vllm_ops
 from vllm import envs
-from vllm.config import get_layers_from_vllm_config
-from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import (
+
+from vllm_sparsever import _custom_ops as ops
+from vllm_sparsever.integration.compat import cpu_attention as vllm_attn
+from vllm_sparsever.integration.compat.cpu_attention import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
 )
-
-from vllm_sparsever import _custom_ops as ops
 from vllm_sparsever.plan import current_plan
 from vllm_sparsever.verification.runtime import get_runtime, layer_index_of
 
 # ISAs whose KV cache layout is K [D, block_size] + V [block_size, D] per block and head.
-_PLAIN_LAYOUT_ISAS = ("vec", "vec16")
+_PLAIN_LAYOUT_ISAS = vllm_attn.PLAIN_LAYOUT_ISAS
 
 
 def paged_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,16 +133,17 @@ class SparseverCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         rt = get_runtime()
-        self.sparse_kernel = resolve_attention_kernel(rt.attention.kernel if rt else "vllm", self.isa)
-        if self.sparse_kernel == "sparsever" and self.isa not in _PLAIN_LAYOUT_ISAS:
+        isa = vllm_attn.builder_isa(self)
+        self.sparse_kernel = resolve_attention_kernel(rt.attention.kernel if rt else "vllm", isa)
+        if self.sparse_kernel == "sparsever" and isa not in _PLAIN_LAYOUT_ISAS:
             # AMX packs K/V into tiles sparsever's kernels cannot read; the vec kernels handle
             # the same shapes (verification at small batch is memory-bound either way).
-            self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
+            vllm_attn.set_builder_isa(self, "vec" if self.block_size % 32 == 0 else "vec16")
         self._set_isa_to_layers(layer_names)
 
     def _set_isa_to_layers(self, layer_names: list[str]) -> None:
         super()._set_isa_to_layers(layer_names)
-        for layer in get_layers_from_vllm_config(self.vllm_config, Attention, layer_names).values():
+        for layer in vllm_attn.attention_layers(self.vllm_config, layer_names).values():
             layer.sparsever_attention_kernel = getattr(self, "sparse_kernel", None)
 
 
@@ -362,7 +364,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
 def _layer_kernel(layer) -> str | None:
     """The sparse kernel a layer can run: None when its KV layout does not allow one."""
     kernel = getattr(layer, "sparsever_attention_kernel", None)
-    if kernel == "sparsever" and getattr(layer, "isa", None) not in _PLAIN_LAYOUT_ISAS:
+    if kernel == "sparsever" and vllm_attn.layer_isa(layer) not in _PLAIN_LAYOUT_ISAS:
         return None
     return kernel
 
@@ -379,9 +381,4 @@ class SparseverCPUAttentionBackend(CPUAttentionBackend):
 
 def register_sparse_attention_backend() -> None:
     """Make vLLM pick the sparsever CPU backend for CPU_ATTN in this process."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    register_backend(
-        AttentionBackendEnum.CPU_ATTN,
-        f"{SparseverCPUAttentionBackend.__module__}.{SparseverCPUAttentionBackend.__qualname__}",
-    )
+    vllm_attn.register_cpu_attention_backend(SparseverCPUAttentionBackend)
