@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from vllm_sparsever.config import SparseverConfig
+from vllm_sparsever.integration.compat.runner import input_batch_view, sampled_tokens, scheduled_drafts
 from vllm_sparsever.metrics import SnapshotWriter, SparseverMetrics
 from vllm_sparsever.plan import VerificationPlan, active_plan, build_verification_plan
 from vllm_sparsever.verification.setup import (
@@ -94,9 +95,9 @@ class SparseverRunnerMixin:
             return output  # no forward ran this step (empty batch, pipeline pass-through)
         # With async scheduling (GPU) the output is an AsyncModelRunnerOutput whose tokens are not
         # ready here; acceptance is then not counted (timing still is).
-        sampled = getattr(output, "sampled_token_ids", None)
+        sampled = sampled_tokens(output)
         if sampled is not None and plan.is_verify_step:
-            self._count_acceptance(plan, output.req_id_to_index, sampled)
+            self._count_acceptance(plan, *sampled)
         self.sparsever_metrics.observe_step(
             step_time_s=timing["execute"] + sample_tokens_time,
             verify_time_s=(timing["execute"] + timing["sample"]) if plan.is_verify_step else 0.0,
@@ -116,17 +117,15 @@ class SparseverRunnerMixin:
 
     def _build_plan(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> VerificationPlan:
         self._sparsever_step += 1
-        batch = self.input_batch
-        num_reqs = batch.num_reqs
-        block_table = batch.block_table[0]
+        batch = input_batch_view(self)
         return build_verification_plan(
             step=self._sparsever_step,
-            req_ids=batch.req_ids[:num_reqs],
+            req_ids=batch.req_ids,
             num_scheduled_tokens=num_scheduled_tokens,
-            num_computed_tokens=batch.num_computed_tokens_cpu,
-            scheduled_spec_decode_tokens=scheduler_output.scheduled_spec_decode_tokens,
-            block_table=block_table.get_cpu_tensor(),
-            block_size=block_table.block_size,
+            num_computed_tokens=batch.num_computed_tokens,
+            scheduled_spec_decode_tokens=scheduled_drafts(scheduler_output),
+            block_table=batch.block_table_cpu,
+            block_size=batch.block_size,
             device=self.device,
             **self.sparsever_runtime.step_planners(),
         )

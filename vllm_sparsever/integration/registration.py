@@ -22,8 +22,12 @@ def register_all() -> None:
     global _done
     if _done:
         return
+    from vllm_sparsever.integration.compat import check_vllm_version
     from vllm_sparsever.integration.speculative import install_speculative_config_hook
 
+    # Before any hook: on a vLLM version the compat contracts were not checked against, every
+    # process stops here with one clear message instead of failing somewhere inside vLLM.
+    check_vllm_version()
     install_speculative_config_hook()
     _done = True
     log_path = os.environ.get(REGISTRATION_LOG_ENV)

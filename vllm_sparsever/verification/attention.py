@@ -29,18 +29,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm import _custom_ops as vllm_ops
-from vllm import envs
-from vllm.config import get_layers_from_vllm_config
-from vllm.model_executor.layers.attention import Attention
-from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import (
+from vllm_sparsever import _custom_ops as ops
+from vllm_sparsever.integration.compat import cpu_attention as vllm_attn
+from vllm_sparsever.integration.compat.cpu_attention import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
 )
-
-from vllm_sparsever import _custom_ops as ops
 from vllm_sparsever.plan import (
     AnchorSelection,
     AnchorSelectionUnavailable,
@@ -53,7 +48,7 @@ from vllm_sparsever.plan import (
 from vllm_sparsever.verification.runtime import SparsePathUnavailable, get_runtime, layer_index_of
 
 # ISAs whose KV cache layout is K [D, block_size] + V [block_size, D] per block and head.
-_PLAIN_LAYOUT_ISAS = ("vec", "vec16")
+_PLAIN_LAYOUT_ISAS = vllm_attn.PLAIN_LAYOUT_ISAS
 
 
 def paged_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,11 +173,11 @@ class AttentionPlanner:
         compacted_t = as_i32(compacted)
         metadata = None
         if self.kernel == "vllm":
-            metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
+            metadata = vllm_attn.scheduler_metadata(
                 num_reqs=num_reqs, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim, seq_lens=compacted_t, dtype=self.dtype,
                 query_start_loc=as_i32(query_start_loc), causal=True, sliding_window_size=-1,
-                isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype,
+                isa=self.isa, kv_cache_dtype=self.kv_cache_dtype,
             )
         return AttentionStepPlan(
             run_sparse=True,
@@ -200,18 +195,19 @@ class SparseverCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         rt = get_runtime()
-        self.sparse_kernel = resolve_attention_kernel(rt.attention.kernel if rt else "vllm", self.isa)
-        if self.sparse_kernel == "sparsever" and self.isa not in _PLAIN_LAYOUT_ISAS:
+        isa = vllm_attn.builder_isa(self)
+        self.sparse_kernel = resolve_attention_kernel(rt.attention.kernel if rt else "vllm", isa)
+        if self.sparse_kernel == "sparsever" and isa not in _PLAIN_LAYOUT_ISAS:
             # AMX packs K/V into tiles sparsever's kernels cannot read; the vec kernels handle
             # the same shapes (verification at small batch is memory-bound either way).
-            self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
+            vllm_attn.set_builder_isa(self, "vec" if self.block_size % 32 == 0 else "vec16")
         self._set_isa_to_layers(layer_names)
         if rt is not None:
             rt.attention_planner = AttentionPlanner(self)
 
     def _set_isa_to_layers(self, layer_names: list[str]) -> None:
         super()._set_isa_to_layers(layer_names)
-        for layer in get_layers_from_vllm_config(self.vllm_config, Attention, layer_names).values():
+        for layer in vllm_attn.attention_layers(self.vllm_config, layer_names).values():
             layer.sparsever_attention_kernel = getattr(self, "sparse_kernel", None)
 
 
@@ -222,14 +218,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         self._key_min: torch.Tensor | None = None
         self._key_max: torch.Tensor | None = None
-        self._supported = (
-            self.attn_type == AttentionType.DECODER
-            and self.sliding_window == -1
-            and self.alibi_slopes is None
-            and not self.logits_soft_cap
-            and self.sinks is None
-            and not self.is_fp8_kv_cache
-        )
+        self._supported = vllm_attn.impl_supports_sparse(self)
 
     # ---- summaries ----------------------------------------------------------------------
 
@@ -306,14 +295,15 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         selected, num_selected = selection.selected, selection.num_selected
 
         if shared:
-            key_cache, value_cache = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
-            vllm_ops.cpu_attention_with_kv_cache(
+            key_cache, value_cache = vllm_attn.stock_kv_halves(kv_cache)
+            k_scale, v_scale = vllm_attn.layer_kv_scales(layer)
+            vllm_attn.attention_over_block_table(
                 query=query[:num_tokens], key_cache=key_cache, value_cache=value_cache,
                 output=output[:num_tokens], query_start_loc=md.query_start_loc,
                 seq_lens=step.compacted_seq_lens, scale=self.scale, causal=True, alibi_slopes=None,
                 sliding_window=self.sliding_window, block_table=selection.block_table,
                 softcap=self.logits_soft_cap, scheduler_metadata=step.kernel_metadata, s_aux=None,
-                k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
+                k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.kv_cache_dtype,
             )
             selected, num_selected = selected.expand(-1, hkv, -1), num_selected.expand(-1, hkv)
         else:
@@ -323,7 +313,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
                 md.query_start_loc, self.scale, selected=selected, num_selected=num_selected,
                 out=output[:num_tokens],
             )
-        if rt.check_reference and layer.isa in _PLAIN_LAYOUT_ISAS:
+        if rt.check_reference and vllm_attn.layer_isa(layer) in _PLAIN_LAYOUT_ISAS:
             self._check_reference(query[:num_tokens], *paged_kv_views(kv_cache), md, selected,
                                   num_selected, output[:num_tokens], rt, exact_summaries=not shared)
         # Blocks read come from the plan's kept counts (the selection kernel keeps exactly those).
@@ -400,7 +390,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
 def _layer_kernel(layer) -> str | None:
     """The sparse kernel a layer can run: None when its KV layout does not allow one."""
     kernel = getattr(layer, "sparsever_attention_kernel", None)
-    if kernel == "sparsever" and getattr(layer, "isa", None) not in _PLAIN_LAYOUT_ISAS:
+    if kernel == "sparsever" and vllm_attn.layer_isa(layer) not in _PLAIN_LAYOUT_ISAS:
         return None
     return kernel
 
@@ -417,9 +407,4 @@ class SparseverCPUAttentionBackend(CPUAttentionBackend):
 
 def register_sparse_attention_backend() -> None:
     """Make vLLM pick the sparsever CPU backend for CPU_ATTN in this process."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    register_backend(
-        AttentionBackendEnum.CPU_ATTN,
-        f"{SparseverCPUAttentionBackend.__module__}.{SparseverCPUAttentionBackend.__qualname__}",
-    )
+    vllm_attn.register_cpu_attention_backend(SparseverCPUAttentionBackend)

@@ -27,6 +27,12 @@ import torch
 from torch import nn
 
 from vllm_sparsever import _custom_ops as ops
+from vllm_sparsever.integration.compat.linear import (
+    cpu_gemm_dispatch_override,
+    layer_prefix,
+    use_plain_cpu_linear,
+)
+from vllm_sparsever.integration.compat.worker import is_cpu_platform
 from vllm_sparsever.plan import TokenGroups, current_plan
 from vllm_sparsever.verification.runtime import (
     SparsePathUnavailable,
@@ -184,25 +190,17 @@ def install_ffn(model: nn.Module, architecture: str) -> int:
 def keep_mlp_weights(mode: str = "copy") -> Iterator[None]:
     """While the target loads on CPU: keep the MLP linears' plain weights ("copy": besides vLLM's
     packed ones; "shared": instead of them)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    if not is_cpu_platform():
         yield
         return
-    import vllm.model_executor.layers.utils as layer_utils
 
-    original = layer_utils.dispatch_cpu_unquantized_gemm
-
-    def dispatch(layer, remove_weight):
-        if getattr(layer, "prefix", "").endswith(_MLP_LINEAR_SUFFIXES) and layer.weight.ndim == 2:
+    def dispatch(layer, remove_weight, stock) -> None:
+        if layer_prefix(layer).endswith(_MLP_LINEAR_SUFFIXES) and layer.weight.ndim == 2:
             if mode == "shared":
-                layer.cpu_linear = torch.nn.functional.linear
+                use_plain_cpu_linear(layer)
                 return
             layer._sparsever_plain_weight = layer.weight.data  # survives the packing's removal
-        original(layer, remove_weight)
+        stock(layer, remove_weight)
 
-    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
-    try:
+    with cpu_gemm_dispatch_override(dispatch):
         yield
-    finally:
-        layer_utils.dispatch_cpu_unquantized_gemm = original

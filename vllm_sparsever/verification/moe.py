@@ -35,6 +35,9 @@ import torch
 from torch import nn
 
 from vllm_sparsever import _custom_ops as ops
+from vllm_sparsever.integration.compat import fused_moe as vllm_moe
+from vllm_sparsever.integration.compat.forward_context import skip_moe_layer_slot
+from vllm_sparsever.integration.compat.worker import is_cpu_platform
 from vllm_sparsever.plan import VerificationPlan, current_plan
 from vllm_sparsever.verification.runtime import (
     SparsePathUnavailable,
@@ -56,16 +59,11 @@ _BLOCKS: dict[str, "SparseMoEBlock"] = {}
 
 # ---- load-time: keep the expert weights the sparse path reads ---------------------------------------
 
-def _experts_cls():
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    return CPUUnquantizedExperts
-
-
 def _raw_apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
                global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
                expert_tokens_meta, apply_router_weight_on_input):
-    """`CPUUnquantizedExperts.apply` for layers whose weights stayed [E, 2I, H] / [E, H, I]."""
+    """`CPUUnquantizedExperts.apply` (same parameters, `vllm_moe.EXPERTS_APPLY_PARAMS`) for experts
+    whose weights stayed [E, 2I, H] / [E, H, I]; bound on those experts objects only."""
     if apply_router_weight_on_input:  # weights already applied to the input by prepare()
         topk_weights = torch.ones_like(topk_weights)
     if expert_map is not None:
@@ -78,31 +76,12 @@ def _raw_apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, acti
         output.copy_(result)
 
 
-def _install_apply_patch() -> None:
-    """Route `apply` of preserved experts to our kernel (class-level, once; others unchanged)."""
-    cls = _experts_cls()
-    if getattr(cls, "_sparsever_apply_patched", False):
-        return
-    original = cls.apply
-
-    def apply(self, *args, **kwargs):
-        if getattr(self, "_sparsever_raw", False):
-            return _raw_apply(self, *args, **kwargs)
-        return original(self, *args, **kwargs)
-
-    cls.apply = apply
-    cls._sparsever_apply_patched = True
-
-
 def _preservable(layer: nn.Module) -> bool:
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-
     moe_config = getattr(layer, "moe_config", None)
-    w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
+    w13, w2 = vllm_moe.expert_weights(layer)
     return (
         moe_config is not None
-        and moe_config.activation == MoEActivation.SILU
-        and not moe_config.has_bias
+        and vllm_moe.is_silu_without_bias(moe_config)
         and isinstance(w13, torch.Tensor) and w13.ndim == 3 and w13.is_floating_point()
         and isinstance(w2, torch.Tensor) and w2.ndim == 3 and w2.is_floating_point()
     )
@@ -116,32 +95,27 @@ def preserve_expert_weights(mode: str = "copy") -> Iterator[None]:
     memory). mode "copy": stock prepack plus a plain copy (+1x expert weights). The config's
     `moe.weights` chooses. No-op off CPU (Triton keeps the plain layout).
     """
-    from vllm.platforms import current_platform
-
     if mode not in WEIGHT_MODES:
         raise ValueError(f"moe.weights: {mode!r} (allowed: {', '.join(WEIGHT_MODES)})")
-    if not current_platform.is_cpu():
+    if not is_cpu_platform():
         yield
         return
-    cls = _experts_cls()
-    _install_apply_patch()
-    original = cls.process_weights_after_loading
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights(experts, layer: nn.Module, stock) -> None:
         if not _preservable(layer):
-            return original(self, layer)  # install_moe reports these layers
+            return stock(layer)  # install_moe reports these layers
         if mode == "copy":
-            self._sparsever_weights = (layer.w13_weight.detach().clone(), layer.w2_weight.detach().clone())
-            return original(self, layer)
-        # Shared: the loaded parameters are what the stock path (via `apply`) and ours read.
-        self._use_zentorch = False
-        self._sparsever_raw = True
+            w13, w2 = vllm_moe.expert_weights(layer)
+            experts._sparsever_weights = (w13.detach().clone(), w2.detach().clone())
+            return stock(layer)
+        # Shared: the loaded parameters are what the stock path (via `apply`) and ours read; only
+        # these experts objects run our kernel, the class (other engines, the draft) stays stock.
+        vllm_moe.disable_zentorch(experts)
+        vllm_moe.bind_experts_apply(experts, _raw_apply)
+        experts._sparsever_raw = True
 
-    cls.process_weights_after_loading = process_weights_after_loading
-    try:
+    with vllm_moe.experts_weight_processing(process_weights):
         yield
-    finally:
-        cls.process_weights_after_loading = original
 
 
 # ---- the wrapped block -------------------------------------------------------------------------------
@@ -168,16 +142,14 @@ class SparseMoEBlock:
         self.name = name
         self.layer_idx = layer_idx
         # The class's forward (not `runner.forward`, which we shadow on the instance).
-        self.stock_forward = type(runner).forward.__get__(runner, type(runner))
+        self.stock_forward = vllm_moe.stock_runner_forward(runner)
         self._w13, self._w2 = w13, w2  # None = the runner's own (unpacked) parameters
-        self.top_k = int(runner.router.top_k)
-        self.renormalize = bool(runner.router.renormalize)
+        self.top_k, self.renormalize = vllm_moe.router_top_k(runner)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._w13 is not None:
             return self._w13, self._w2
-        experts = self.runner.routed_experts
-        return experts.w13_weight, experts.w2_weight
+        return vllm_moe.expert_weights(vllm_moe.routed_experts(self.runner))
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
                 input_ids: torch.Tensor | None = None,
@@ -201,8 +173,9 @@ class SparseMoEBlock:
         if x.ndim != 2 or num_tokens < groups.num_tokens:
             raise SparsePathUnavailable(
                 "shape_mismatch", f"hidden states {tuple(x.shape)} vs the plan's {groups.num_tokens} tokens")
-        if self.runner.gate is not None:  # the runner holds the gate: logits are computed inside
-            logits, _ = self.runner.gate(x)
+        gate = vllm_moe.runner_gate(self.runner)
+        if gate is not None:  # the runner holds the gate: logits are computed inside
+            logits, _ = gate(x)
         all_verify = groups.all_tokens_verify and num_tokens == groups.num_tokens
         xv = (x if all_verify else x[groups.token_index]).contiguous()
         lv = (logits if all_verify else logits[groups.token_index]).contiguous()
@@ -218,7 +191,7 @@ class SparseMoEBlock:
         if rt.check_reference:
             self._check_reference(xv, lv, threshold, budget_groups, budget, out_v, rt)
         # The stock block's TP reduction (same condition, same collective).
-        out_v = self.runner._maybe_reduce_final_output(out_v, None, False)
+        out_v = vllm_moe.reduce_final_output(self.runner, out_v)
 
         if all_verify:
             out = out_v
@@ -256,92 +229,44 @@ class SparseMoEBlock:
 
 
 def _skip_moe_layer_slot() -> None:
-    """Keep vLLM's per-step MoE layer counter in step when the stock forward was not called.
-
-    Only used when layer names are not passed as opaque objects (VLLM_USE_LAYERNAME=0 or old
-    torch): then `_moe_forward` finds its layer by counting calls in the forward context.
-    """
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-    from vllm.utils.torch_utils import _USE_LAYERNAME
-
-    if _USE_LAYERNAME or not is_forward_context_available():
-        return
-    ctx = get_forward_context()
-    if ctx.all_moe_layers is not None:
-        ctx.moe_layer_index += 1
+    """Keep vLLM's per-step MoE layer counter in step when the stock forward was not called
+    (see `compat.forward_context.skip_moe_layer_slot`)."""
+    skip_moe_layer_slot()
 
 
 # ---- install -------------------------------------------------------------------------------------------
 
 def _unsupported_reason(runner: nn.Module) -> str | None:
     """Why this MoE runner cannot take the sparse path (None if it can)."""
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
-    experts = runner.routed_experts
-    router = runner.router
-    cfg = runner.moe_config
-    quant = experts.quant_method
-    if not isinstance(quant, UnquantizedFusedMoEMethod):
-        return (f"quantized experts ({type(quant).__name__}); MoE sparsity needs unquantized "
-                f"(bf16/fp16/fp32) expert weights")
-    checks = [
-        (type(router).__name__ in ("CPURouter", "FusedTopKRouter"), f"router {type(router).__name__}"),
-        (not getattr(router, "use_grouped_topk", False), "grouped top-k routing"),
-        (getattr(router, "scoring_func", "softmax") == "softmax", "non-softmax scoring"),
-        (getattr(router, "custom_routing_function", None) is None, "a custom routing function"),
-        (getattr(router, "e_score_correction_bias", None) is None, "an expert score correction bias"),
-        (getattr(router, "routed_scaling_factor", 1.0) == 1.0
-         and getattr(runner, "routed_scaling_factor", 1.0) == 1.0, "a routed scaling factor"),
-        (runner.shared_experts is None, "shared experts"),
-        (runner.routed_input_transform is None and runner.routed_output_transform is None,
-         "routed input/output transforms (latent MoE)"),
-        (cfg.activation == MoEActivation.SILU, f"activation {cfg.activation}"),
-        (not cfg.has_bias, "expert biases"),
-        (not experts.apply_router_weight_on_input, "router weights applied on the input"),
-        (experts.expert_map is None and not cfg.moe_parallel_config.use_ep, "expert parallelism"),
-        (cfg.dp_size == 1 and cfg.pcp_size == 1 and not cfg.is_sequence_parallel,
-         "data/context/sequence parallelism"),
-        (getattr(router, "eplb_state", None) is None, "EPLB"),
-        (cfg.hidden_dim == experts.w13_weight.shape[-1], "padded hidden size"),
-    ]
-    failed = [what for ok, what in checks if not ok]
+    failed = vllm_moe.unsupported_features(runner)
     return ", ".join(failed) if failed else None
 
 
 def _sparse_weights(runner: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The [E, 2I, H] / [E, H, I] tensors the sparse path reads (None, None = the runner's params)."""
-    from vllm.platforms import current_platform
-
-    experts = runner.routed_experts
-    quant = experts.quant_method
-    if current_platform.is_cpu():
-        kernel = getattr(quant, "moe_kernel", None)
-        fused = getattr(kernel, "fused_experts", None)
+    if is_cpu_platform():
+        fused = vllm_moe.fused_experts_of(runner)
         if getattr(fused, "_sparsever_raw", False):
             return None, None
         kept = getattr(fused, "_sparsever_weights", None)
         if kept is not None:
             return kept
         raise RuntimeError(
-            f"moe.enabled: the experts of {runner.layer_name} were prepacked for cpu_fused_moe and "
-            f"their plain weights freed; vllm_sparsever.verification.moe.preserve_expert_weights() "
+            f"moe.enabled: the experts of {vllm_moe.runner_layer_name(runner)} were prepacked for "
+            f"cpu_fused_moe and their plain weights freed; vllm_sparsever.verification.moe.preserve_expert_weights() "
             f"must be active while the target loads"
         )
-    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
-
-    if quant.unquantized_backend != UnquantizedMoeBackend.TRITON:
+    is_triton, backend = vllm_moe.triton_expert_backend(runner)
+    if not is_triton:
         raise RuntimeError(
-            f"moe.enabled: expert backend {quant.unquantized_backend.value} of {runner.layer_name} "
+            f"moe.enabled: expert backend {backend} of {vllm_moe.runner_layer_name(runner)} "
             f"stores weights in its own layout; supported: CPU (with preserve_expert_weights), TRITON"
         )
     return None, None
 
 
 def _find_runners(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoERunner)]
+    return vllm_moe.find_moe_runners(model)
 
 
 def install_moe(model: nn.Module, runtime: SparseVerificationRuntime | None = None) -> int:
@@ -362,16 +287,16 @@ def install_moe(model: nn.Module, runtime: SparseVerificationRuntime | None = No
         )
     count = 0
     for name, runner in runners:
-        layer_idx = layer_index_of(runner.layer_name) if runner.layer_name else None
+        layer_name = vllm_moe.runner_layer_name(runner)
+        layer_idx = layer_index_of(layer_name) if layer_name else None
         if layer_idx is None:
             layer_idx = layer_index_of(name)
         if layer_idx is None:
             raise RuntimeError(f"moe.enabled: cannot tell the decoder layer of MoE block {name}")
         w13, w2 = _sparse_weights(runner)
-        block = SparseMoEBlock(runner, runner.layer_name or name, layer_idx, w13, w2)
+        block = SparseMoEBlock(runner, layer_name or name, layer_idx, w13, w2)
         _BLOCKS[block.name] = block
-        # Shadow the class's forward on this instance; nn.Module.__call__ reads self.forward.
-        runner.forward = block.forward
+        vllm_moe.shadow_runner_forward(runner, block.forward)  # this instance only
         count += 1
     return count
 
@@ -380,7 +305,7 @@ def describe_weights(model: nn.Module) -> dict[str, Any]:
     """How the target's expert weights are held (for logs and tests)."""
     modes = []
     for _, runner in _find_runners(model):
-        fused = getattr(getattr(runner.routed_experts.quant_method, "moe_kernel", None), "fused_experts", None)
+        fused = vllm_moe.fused_experts_of(runner)
         if getattr(fused, "_sparsever_raw", False):
             modes.append("shared")
         elif getattr(fused, "_sparsever_weights", None) is not None:

@@ -63,16 +63,10 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
             from vllm_sparsever.verification import moe
 
             stack.enter_context(moe.preserve_expert_weights(runtime.moe.weights))
-        drafter = getattr(runner, "drafter", None)
-        if drafter is not None and hasattr(drafter, "load_model"):
-            original = drafter.load_model
+        from vllm_sparsever.integration.compat.runner import intercept_drafter_load
 
-            def load_drafter(*args, **kwargs):
-                stack.close()  # the draft model loads as stock vLLM would load it
-                return original(*args, **kwargs)
-
-            drafter.load_model = load_drafter
-            stack.callback(setattr, drafter, "load_model", original)
+        # The draft model loads as stock vLLM would load it: close the hooks right before.
+        stack.callback(intercept_drafter_load(runner, before_load=stack.close))
         yield
 
 

@@ -1,0 +1,139 @@
+"""The V1 model runner's hooks and per-step state the sparsever runner reads (compat.runner)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_sparsever.integration.compat import runner as compat_runner
+from vllm_sparsever.integration.compat import worker as compat_worker
+
+
+@pytest.fixture(scope="module")
+def runner_classes():
+    _, cpu_runner = compat_worker.cpu_worker_classes()
+    _, gpu_runner = compat_worker.gpu_worker_classes()  # imports on CPU; checked by signature only
+    return {"cpu": cpu_runner, "gpu": gpu_runner}
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_runner_hooks_have_the_assumed_signatures(runner_classes, platform):
+    compat_runner.check_runner_hooks(runner_classes[platform])
+
+
+def test_check_runner_hooks_rejects_a_changed_hook(runner_classes):
+    class Changed(runner_classes["cpu"]):
+        def _prepare_inputs(self, scheduler_output, num_tokens_per_req):  # renamed parameter
+            raise AssertionError
+
+    with pytest.raises(RuntimeError, match="_prepare_inputs"):
+        compat_runner.check_runner_hooks(Changed)
+
+
+def test_runner_loads_the_drafter_through_drafter_load_model(runner_classes):
+    """`intercept_drafter_load` relies on the runner calling `self.drafter.load_model(...)`."""
+    import inspect
+
+    for cls in runner_classes.values():
+        names = inspect.unwrap(cls.load_model).__code__.co_names  # unwrap vLLM's tracing decorator
+        assert "drafter" in names and "load_model" in names, cls
+
+
+def _input_batch(max_num_reqs=4, block_size=32, max_blocks=8):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    batch = InputBatch(max_num_reqs=max_num_reqs, max_model_len=max_blocks * block_size,
+                       max_num_batched_tokens=64, device=torch.device("cpu"), vocab_size=100,
+                       block_sizes=[block_size], max_num_blocks_per_req=[max_blocks])
+    for i, (computed, blocks) in enumerate([(40, [7, 3]), (5, [9])]):
+        batch.add_request(CachedRequestState(
+            req_id=f"r{i}", prompt_token_ids=list(range(computed + 1)), mm_features=[],
+            sampling_params=SamplingParams(temperature=0.0), generator=None, block_ids=(blocks,),
+            num_computed_tokens=computed, output_token_ids=[],
+        ))
+    return batch
+
+
+def test_input_batch_view_reads_a_real_input_batch():
+    view = compat_runner.input_batch_view(SimpleNamespace(input_batch=_input_batch()))
+    assert view.req_ids == ["r0", "r1"]
+    assert view.num_reqs == 2
+    assert isinstance(view.num_computed_tokens, np.ndarray)
+    assert view.num_computed_tokens[:2].tolist() == [40, 5]
+    assert isinstance(view.block_table_cpu, torch.Tensor) and view.block_table_cpu.device.type == "cpu"
+    assert view.block_table_cpu[0, :2].tolist() == [7, 3] and view.block_table_cpu[1, 0] == 9
+    assert view.block_size == 32
+    with pytest.raises(AttributeError):  # frozen
+        view.num_reqs = 3
+
+
+def test_scheduled_drafts_field_of_scheduler_output():
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    out = SchedulerOutput.make_empty()
+    out.scheduled_spec_decode_tokens["r0"] = [5, 6, 7]
+    assert compat_runner.scheduled_drafts(out) == {"r0": [5, 6, 7]}
+
+
+def test_sampled_tokens_of_model_runner_output():
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    out = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1},
+                            sampled_token_ids=[[1, 2], []])
+    assert compat_runner.sampled_tokens(out) == ({"a": 0, "b": 1}, [[1, 2], []])
+    # Async outputs carry no tokens at this point.
+    assert "sampled_token_ids" not in vars(AsyncModelRunnerOutput)
+    assert compat_runner.sampled_tokens(SimpleNamespace()) is None
+    assert compat_runner.sampled_tokens(None) is None
+
+
+class _Drafter:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def load_model(self, target):
+        self.calls.append(("load", target))
+
+
+def test_intercept_drafter_load_runs_before_and_undoes():
+    calls = []
+    drafter = _Drafter(calls)
+    undo = compat_runner.intercept_drafter_load(SimpleNamespace(drafter=drafter),
+                                                before_load=lambda: calls.append("before"))
+    drafter.load_model("target")
+    assert calls == ["before", ("load", "target")]
+    undo()
+    assert "load_model" not in vars(drafter)  # back to the class's method
+    drafter.load_model("again")
+    assert calls[-1] == ("load", "again") and calls.count("before") == 1
+
+
+def test_intercept_drafter_load_without_drafter_is_a_noop():
+    undo = compat_runner.intercept_drafter_load(SimpleNamespace(), before_load=pytest.fail)
+    undo()
+
+
+def test_target_load_hooks_close_before_the_drafter_loads():
+    """setup.target_load_hooks: the FFN hook is active while the target loads and closed when the
+    drafter loads (its model loads stock)."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    from vllm_sparsever.verification.setup import target_load_hooks
+
+    stock = layer_utils.dispatch_cpu_unquantized_gemm
+    seen = []
+
+    class Drafter:
+        def load_model(self, target):
+            seen.append(layer_utils.dispatch_cpu_unquantized_gemm is stock)
+
+    runtime = SimpleNamespace(started_with={"ffn": True, "moe": False}, ffn=SimpleNamespace(weights="copy"))
+    runner = SimpleNamespace(drafter=Drafter())
+    with target_load_hooks(runtime, runner):
+        assert layer_utils.dispatch_cpu_unquantized_gemm is not stock  # target loading
+        runner.drafter.load_model(None)
+    assert seen == [True]
+    assert "load_model" not in vars(runner.drafter)
+    assert layer_utils.dispatch_cpu_unquantized_gemm is stock

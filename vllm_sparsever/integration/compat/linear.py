@@ -1,0 +1,49 @@
+"""vLLM's CPU linear layers: how their weights are prepared after loading.
+
+Private symbols touched:
+- `vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight)`: called by
+  `UnquantizedLinearMethod.process_weights_after_loading` on CPU, which imports it from the module
+  *at call time*; it packs `layer.weight` for oneDNN/AMX (removing the plain weight) and sets
+  `layer.cpu_linear`. Replaced in the module for the duration of the target's load
+  (`cpu_gemm_dispatch_override`), so the draft model and other engines load stock;
+- `layer.cpu_linear` (the callable the CPU linear forward runs) and `layer.prefix`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+DISPATCH_PARAMS = ("layer", "remove_weight")
+
+# dispatch(layer, remove_weight, stock_dispatch): decides per layer, may call the stock dispatch.
+GemmDispatch = Callable[[torch.nn.Module, bool, Callable[[torch.nn.Module, bool], None]], None]
+
+
+@contextlib.contextmanager
+def cpu_gemm_dispatch_override(dispatch: GemmDispatch) -> Iterator[None]:
+    """Route vLLM's CPU GEMM weight preparation through `dispatch` while the context is active."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    stock = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def override(layer: torch.nn.Module, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight, stock)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = override
+    try:
+        yield
+    finally:
+        layer_utils.dispatch_cpu_unquantized_gemm = stock
+
+
+def use_plain_cpu_linear(layer: torch.nn.Module) -> None:
+    """Make the layer's CPU forward a plain `F.linear` over its unpacked `weight`."""
+    layer.cpu_linear = torch.nn.functional.linear
+
+
+def layer_prefix(layer: Any) -> str:
+    return getattr(layer, "prefix", "")

@@ -1,0 +1,115 @@
+"""vLLM's V1 model runner: the hooks the sparsever mixin overrides and the per-step state it reads.
+
+Private symbols touched:
+- runner methods overridden by `SparseverRunnerMixin` (table `RUNNER_HOOKS`): `load_model`,
+  `execute_model`, `_prepare_inputs`, `_model_forward`, `_sample`, `propose_draft_token_ids`,
+  `sample_tokens` of `GPUModelRunner` / `CPUModelRunner`;
+- `runner.input_batch` (`InputBatch`): `req_ids`, `num_reqs`, `num_computed_tokens_cpu`,
+  `block_table[0]` (KV cache group 0) with `.get_cpu_tensor()` and `.block_size`;
+- `SchedulerOutput.scheduled_spec_decode_tokens` (req id -> draft tokens being verified);
+- `ModelRunnerOutput.sampled_token_ids` / `.req_id_to_index` (absent on `AsyncModelRunnerOutput`);
+- `runner.drafter.load_model` (the draft model's load, after the target's): replaced on the
+  instance by `intercept_drafter_load`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_sparsever.integration.compat import check_signature
+
+# Hooks the mixin overrides -> the parameters (after self) it passes positionally and so relies on;
+# () = the mixin forwards *args/**kwargs unchanged, so the hook only has to exist.
+RUNNER_HOOKS: dict[str, tuple[str, ...]] = {
+    "load_model": (),
+    "execute_model": ("scheduler_output", "intermediate_tensors"),
+    "_prepare_inputs": ("scheduler_output", "num_scheduled_tokens"),
+    "_model_forward": (),
+    "_sample": (),
+    "propose_draft_token_ids": (),
+    "sample_tokens": ("grammar_output",),
+}
+
+# Attributes of the runner's InputBatch read each step.
+INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_reqs", "num_computed_tokens_cpu", "block_table")
+
+
+def check_runner_hooks(base_cls: type) -> None:
+    """Raise RuntimeError if `base_cls` lacks a hook of `RUNNER_HOOKS` or its parameters changed."""
+    problems = [p for name, params in RUNNER_HOOKS.items() if (p := check_signature(base_cls, name, params))]
+    if problems:
+        raise RuntimeError(
+            "vllm-sparsever cannot drive this vLLM model runner: " + "; ".join(problems)
+            + " (see docs/compat.md)"
+        )
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """What a step's plan needs from the runner's InputBatch (rows 0..num_reqs-1 are live)."""
+
+    req_ids: list[str]
+    num_reqs: int
+    num_computed_tokens: np.ndarray  # [max_num_reqs] (CPU, vLLM's buffer: read, do not keep)
+    block_table_cpu: Any  # torch.Tensor [max_num_reqs, max_blocks], KV cache group 0
+    block_size: int
+
+
+def input_batch_view(runner: Any) -> BatchView:
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    block_table = batch.block_table[0]
+    return BatchView(
+        req_ids=list(batch.req_ids[:num_reqs]),
+        num_reqs=num_reqs,
+        num_computed_tokens=batch.num_computed_tokens_cpu,
+        block_table_cpu=block_table.get_cpu_tensor(),
+        block_size=int(block_table.block_size),
+    )
+
+
+def scheduled_drafts(scheduler_output: Any) -> dict[str, list[int]]:
+    """Draft tokens being verified this step, per request id (requests without drafts absent)."""
+    return scheduler_output.scheduled_spec_decode_tokens
+
+
+def sampled_tokens(output: Any) -> tuple[dict[str, int], list[list[int]]] | None:
+    """(req_id_to_index, sampled token ids per row) of a runner output; None when the tokens are not
+    available here (async output, or no output)."""
+    sampled = getattr(output, "sampled_token_ids", None)
+    index = getattr(output, "req_id_to_index", None)
+    if sampled is None or index is None:
+        return None
+    return index, sampled
+
+
+def intercept_drafter_load(runner: Any, before_load: Callable[[], None]) -> Callable[[], None]:
+    """Call `before_load()` right before the runner's drafter loads its model (once).
+
+    Returns an undo callable restoring the drafter's own `load_model`; a no-op when the runner has
+    no drafter (n-gram drafting has `load_model` too; a runner without spec decode has none)."""
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None or not hasattr(drafter, "load_model"):
+        return lambda: None
+    had_instance_attr = "load_model" in getattr(drafter, "__dict__", {})
+    original = drafter.load_model
+
+    def load_model(*args: Any, **kwargs: Any) -> Any:
+        before_load()
+        return original(*args, **kwargs)
+
+    drafter.load_model = load_model
+
+    def undo() -> None:
+        if getattr(drafter, "load_model", None) is not load_model:
+            return  # already restored (or replaced by someone else: leave theirs)
+        if had_instance_attr:
+            drafter.load_model = original
+        else:
+            del drafter.load_model  # back to the class's method
+
+    return undo
