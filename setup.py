@@ -39,6 +39,12 @@ class CMakeBuild(build_ext):
     def run(self) -> None:
         import torch
 
+        if not (ROOT / "CMakeLists.txt").is_file() or not (ROOT / "csrc").is_dir():
+            # e.g. an sdist made without the C++ sources: say so instead of a CMake error.
+            raise RuntimeError(
+                f"{ROOT} has no CMakeLists.txt or csrc/: the extension's sources are missing; "
+                "build from a clone of the repository"
+            )
         build_temp = Path(self.build_temp).resolve() / "cmake"
         build_temp.mkdir(parents=True, exist_ok=True)
         cfg = "Debug" if self.debug else "Release"
