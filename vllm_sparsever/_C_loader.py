@@ -26,6 +26,6 @@ def load_extension() -> str:
                 last_error = e
         if _loaded is None:
             raise ImportError(
-                "vllm_sparsever's extension is not built; run `pip install --no-build-isolation -e .`"
+                "vllm_sparsever's extension is not built; run `pip install --no-build-isolation .` (`-e .` in a development checkout)"
             ) from last_error
     return _loaded
