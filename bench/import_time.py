@@ -34,15 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_decode import RESULTS, ROOT, binding_env, hardware, versions  # noqa: E402
 
-WORKER_PLUGIN_MODULES = [
-    "vllm_sparsever.integration.worker",
-    "vllm_sparsever.verification.setup",
-    "vllm_sparsever.verification.runtime",
-    "vllm_sparsever.verification.attention",
-    "vllm_sparsever.verification.ffn",
-    "vllm_sparsever.verification.moe",
-    "vllm_sparsever.metrics",
-]
+from vllm_sparsever.integration import WORKER_MODULES  # noqa: E402
+
+WORKER_PLUGIN_MODULES = list(WORKER_MODULES)
 
 # Printed to stderr between vLLM's step and the plugin's, so `-X importtime` lines can be split.
 MARK = "=== sparsever import_time: plugin step ==="

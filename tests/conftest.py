@@ -77,3 +77,22 @@ def plain_greedy(_plain_greedy_outputs):
 def plain_greedy_chat(_plain_greedy_outputs):
     """Non-speculative greedy fp32 chat answer of the tiny target to chat_messages() (CHAT_MAX_TOKENS)."""
     return _plain_greedy_outputs[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    """A VllmConfig made current plus a single-rank distributed group (what MoE layers need)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.utils.network_utils import get_open_port
+
+    cfg = VllmConfig()
+    with set_current_vllm_config(cfg):
+        if not model_parallel_is_initialized():
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
+            )
+            initialize_model_parallel(1, 1)
+        yield cfg

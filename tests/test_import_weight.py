@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_sparsever.integration import WORKER_MODULES
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Each check imports vLLM's front end or worker modules in a fresh interpreter (~10-25 s).
@@ -31,16 +33,6 @@ FORBIDDEN_OWN = ("vllm_sparsever.models", "vllm_sparsever.data", "vllm_sparsever
 # Not imported by the plugin beyond what vLLM's own modules already imported.
 FORBIDDEN_THIRD_PARTY = ("hypothesis", "tqdm", "matplotlib", "transformers")
 
-# The modules a worker imports at start (worker class, runner, sparse verification, metrics).
-WORKER_MODULES = [
-    "vllm_sparsever.integration.worker",
-    "vllm_sparsever.verification.setup",
-    "vllm_sparsever.verification.runtime",
-    "vllm_sparsever.verification.attention",
-    "vllm_sparsever.verification.ffn",
-    "vllm_sparsever.verification.moe",
-    "vllm_sparsever.metrics",
-]
 
 _REPORT = textwrap.dedent(
     """
@@ -125,7 +117,7 @@ def _assert_light(report: dict) -> None:
 
 
 def test_worker_imports_only_the_serving_path(tmp_path):
-    report = _run(_WORKER, json.dumps(WORKER_MODULES), tmp_path=tmp_path)
+    report = _run(_WORKER, json.dumps(list(WORKER_MODULES)), tmp_path=tmp_path)
     # The report sees the modules it should judge (a check on the check).
     assert set(WORKER_MODULES) <= set(report["plugin_modules"]), report["plugin_modules"]
     _assert_light(report)
@@ -142,7 +134,7 @@ def test_front_end_config_build_imports_only_the_serving_path(tiny_target, tiny_
 
 def test_the_check_flags_a_forbidden_import(tmp_path):
     """Negative control: the same script with calibration and hypothesis imported reports both."""
-    report = _run(_WORKER, json.dumps(WORKER_MODULES + ["vllm_sparsever.calibration", "hypothesis"]),
+    report = _run(_WORKER, json.dumps([*WORKER_MODULES, "vllm_sparsever.calibration", "hypothesis"]),
                   tmp_path=tmp_path)
     assert "vllm_sparsever.calibration" in report["own"]
     assert "hypothesis" in report["third_party_added"]

@@ -1,1 +1,13 @@
 """Everything that touches vLLM: speculative-config mapping, worker and model runner, metrics export."""
+
+# The plugin modules a vLLM worker imports at start (worker class, runner, sparse verification,
+# metrics): what the import-weight test and benchmark load. Kept import-free here on purpose.
+WORKER_MODULES = (
+    "vllm_sparsever.integration.worker",
+    "vllm_sparsever.verification.setup",
+    "vllm_sparsever.verification.runtime",
+    "vllm_sparsever.verification.attention",
+    "vllm_sparsever.verification.ffn",
+    "vllm_sparsever.verification.moe",
+    "vllm_sparsever.metrics",
+)
