@@ -32,6 +32,15 @@ def test_builder_isa_is_an_attribute_handed_to_layers():
     assert {"isa", "_k_scale_float", "_v_scale_float"} <= set(names)
 
 
+def test_builder_sets_the_geometry_the_planner_reads():
+    """The builder's __init__ assigns every attribute of BUILDER_GEOMETRY (read by the planner)."""
+    import dis
+
+    stored = {i.argval for i in dis.get_instructions(vllm_attn.CPUAttentionMetadataBuilder.__init__)
+              if i.opname == "STORE_ATTR"}
+    assert set(vllm_attn.BUILDER_GEOMETRY) <= stored
+
+
 def test_builder_isa_accessors():
     from types import SimpleNamespace
 

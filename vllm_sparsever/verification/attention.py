@@ -142,13 +142,14 @@ class AttentionPlanner:
 
     def __init__(self, builder: "SparseverCPUAttentionMetadataBuilder") -> None:
         self.kernel = builder.sparse_kernel
-        self.isa = builder.isa
-        self.block_size = builder.block_size
-        self.num_heads = builder.num_heads
-        self.num_kv_heads = builder.num_kv_heads
-        self.head_dim = builder.head_dim
-        self.dtype = builder.dtype
-        self.kv_cache_dtype = builder.kv_cache_dtype
+        geometry = vllm_attn.builder_geometry(builder)
+        self.isa = geometry["isa"]
+        self.block_size = geometry["block_size"]
+        self.num_heads = geometry["num_heads"]
+        self.num_kv_heads = geometry["num_kv_heads"]
+        self.head_dim = geometry["head_dim"]
+        self.dtype = geometry["dtype"]
+        self.kv_cache_dtype = geometry["kv_cache_dtype"]
 
     def __call__(self, batch: StepBatch, requests: list[RequestVerification],
                  query_start_loc: np.ndarray) -> AttentionStepPlan | None:

@@ -74,6 +74,16 @@ def builder_isa(builder: CPUAttentionMetadataBuilder) -> str:
     return builder.isa
 
 
+# What the builder knows about its layers' attention (set in its __init__), as the plugin reads it.
+BUILDER_GEOMETRY = ("isa", "block_size", "num_heads", "num_kv_heads", "head_dim", "dtype", "kv_cache_dtype")
+
+
+def builder_geometry(builder: CPUAttentionMetadataBuilder) -> dict[str, Any]:
+    """The builder's ISA, block size, head counts, head size, model dtype and KV cache dtype: what
+    vLLM's scheduler-metadata op takes besides the lengths."""
+    return {name: getattr(builder, name) for name in BUILDER_GEOMETRY}
+
+
 def set_builder_isa(builder: CPUAttentionMetadataBuilder, isa: str) -> None:
     """Change the ISA (and so the KV layout) of the builder's layers; call before
     `_set_isa_to_layers` hands it to the layers."""
