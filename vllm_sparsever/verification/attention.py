@@ -10,7 +10,12 @@ attention sparsity is enabled at start. What it changes:
   ids, valid for every layer of the KV cache group); `block_sparse_tree_attention` then reads only
   the kept blocks;
 - requests below `min_context_len` and plain decode rows of the same step stay dense (all their
-  blocks selected); a step with a prefill chunk, and anything unexpected, runs the stock kernel.
+  blocks selected); a step with a prefill chunk runs the stock kernel, and so does a layer that hits
+  a run-time problem (the runtime's fallback policy: counted per reason).
+
+What depends only on the batch (rows, kept blocks per row, compacted lengths, vLLM's work split for
+them, blocks read) is computed once per step by `AttentionPlanner` into the plan's
+`AttentionStepPlan`; layers only select (at anchors, into the plan's `AnchorSelections`) and attend.
 
 Two kernels attend over the kept blocks (`attention.kernel`, fixed at start):
 - "sparsever": `block_sparse_tree_attention`, a selection per request and KV head. It reads the `vec`

@@ -195,7 +195,7 @@ class SparseMoEBlock:
 
         if all_verify:
             out = out_v
-            _skip_moe_layer_slot()
+            skip_moe_layer_slot()  # the stock forward (which counts MoE layers) did not run
         else:  # mixed step: verify tokens sparse, the rest (and any padding) stock
             other = groups.dense_index(num_tokens)
             out = torch.empty_like(x)
@@ -203,7 +203,7 @@ class SparseMoEBlock:
             if other.numel():
                 out[other] = self.stock_forward(x[other], logits[other])
             else:
-                _skip_moe_layer_slot()
+                skip_moe_layer_slot()  # the stock forward (which counts MoE layers) did not run
         used = int(used)  # the dispatch's own count of the experts it read
         rt.record(moe_layers=1, moe_experts_read=used)
         if rt.should_sample(plan.step):
@@ -226,12 +226,6 @@ class SparseMoEBlock:
         expected = torch.empty_like(xv)
         reference.moe_grouped_dispatch(expected, xv, tw, ti, w13, w2, torch.empty(1, dtype=torch.int32))
         rt.record_reference_error("moe", float((out_v.float() - expected.float()).abs().max()))
-
-
-def _skip_moe_layer_slot() -> None:
-    """Keep vLLM's per-step MoE layer counter in step when the stock forward was not called
-    (see `compat.forward_context.skip_moe_layer_slot`)."""
-    skip_moe_layer_slot()
 
 
 # ---- install -------------------------------------------------------------------------------------------
