@@ -138,6 +138,9 @@ class AttentionStepPlan:
     kv_blocks_read: int  # (row, KV head, block) reads of one sparse layer
     kv_blocks_dense: int  # the same for dense attention
     kernel_metadata: Any = None  # the attention kernel's work split for `compacted_seq_lens`
+    # (block size, heads, KV heads, head size) the step was planned for; a layer of other shapes
+    # must not use it.
+    geometry: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 @dataclass(frozen=True)

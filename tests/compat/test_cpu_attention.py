@@ -41,6 +41,23 @@ def test_builder_sets_the_geometry_the_planner_reads():
     assert set(vllm_attn.BUILDER_GEOMETRY) <= stored
 
 
+def test_layer_names_of_builders_and_attention_layers():
+    """Builders keep the names of the layers they serve; attention layers keep the name the forward
+    context knows them by (what decides which builder plans the target's steps)."""
+    import dis
+
+    from vllm.v1.attention.backend import AttentionMetadataBuilder
+
+    def stored(fn):
+        return {i.argval for i in dis.get_instructions(fn) if i.opname == "STORE_ATTR"}
+
+    assert "layer_names" in stored(AttentionMetadataBuilder.__init__)
+    assert "layer_name" in stored(vllm_attn.Attention.__init__)
+    from types import SimpleNamespace
+
+    assert vllm_attn.builder_layer_names(SimpleNamespace(layer_names=("a", "b"))) == ["a", "b"]
+
+
 def test_builder_isa_accessors():
     from types import SimpleNamespace
 

@@ -60,6 +60,7 @@ def test_rows_kept_blocks_and_compacted_lengths(runtime):
     assert step.compacted_seq_lens.tolist() == [304 - 6 * BS, 201, 42]
     assert (step.kv_blocks_read, step.kv_blocks_dense) == ((4 + 7 + 2) * KV_HEADS, (10 + 7 + 2) * KV_HEADS)
     assert step.kernel_metadata is None  # sparsever's kernel needs no work split
+    assert step.geometry == (BS, HEADS, KV_HEADS, HEAD_DIM)  # layers of other shapes fall back
 
 
 def test_vllm_kernel_gets_its_work_split_for_the_compacted_lengths(runtime):

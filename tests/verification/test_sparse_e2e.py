@@ -40,12 +40,12 @@ def _env(**overrides):
 def _start(target, sections, env=None, **engine_args):
     from vllm import LLM
 
+    drafting = {} if "model" in sections else {"prompt_lookup_max": 3}  # n-gram unless a draft model
     with _env(VLLM_SPARSEVER_CHECK_REFERENCE="1", **(env or {})):
         return LLM(
             model=str(target), dtype="float32", enforce_eager=True, max_model_len=2048,
             max_num_seqs=4, seed=0,
-            speculative_config={"method": "sparsever", "num_speculative_tokens": 3,
-                                "prompt_lookup_max": 3, **sections},
+            speculative_config={"method": "sparsever", "num_speculative_tokens": 3, **drafting, **sections},
             **engine_args,
         )
 
@@ -172,6 +172,27 @@ def test_vllm_kernel_sparse_attention_matches_reference(vllm_kernel_llm):
     shared by the KV heads)."""
     _, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={**ATTENTION, "kernel": "vllm"})
     _assert_sparse_attention_matches_reference(metrics)
+
+
+def test_plan_follows_the_target_when_the_draft_has_other_shapes(target4, tiny_dir):
+    """A draft model with another head size gets its own attention group (and metadata builder) in
+    vLLM; the step plan (compacted lengths, vLLM's work split) must still be the target's."""
+    draft = make_tiny_llama(tiny_dir / "draft_other_shapes", seed=1, num_layers=2, num_heads=2,
+                            num_kv_heads=1)  # head size 64 and 1 KV head vs the target's 32 and 2
+    llm = _start(target4, {"model": str(draft), "attention": {**ATTENTION, "kernel": "vllm"}})
+    try:
+        _, metrics = _run(llm, LONG_PROMPTS, attention={**ATTENTION, "kernel": "vllm"})
+    finally:
+        del llm
+        gc.collect()
+    s = metrics["sparsity"]
+    # No layer saw a plan made for other shapes (that falls back as "geometry_mismatch"); every
+    # step planned sparse ran sparse in every target layer (a step with a prefill chunk stays dense).
+    assert s.get("attention_fallbacks", 0) == 0, s
+    assert s["attn_layers_sparse"] > 0 and s["attn_layers_sparse"] % NUM_LAYERS == 0, s
+    assert 0 < s["attn_kv_blocks_read"] < s["attn_kv_blocks_dense"]
+    assert s["attn_reference_checks"] == s["attn_layers_sparse"]
+    assert s["attn_reference_max_abs_err"] < 1e-4, s
 
 
 def test_vllm_kernel_keeping_every_block_is_identical_to_plain_greedy(vllm_kernel_llm, plain_greedy_long):

@@ -194,6 +194,7 @@ class AttentionPlanner:
             kv_blocks_read=int(kept.sum()) * self.num_kv_heads,
             kv_blocks_dense=int(ctx_blocks.sum()) * self.num_kv_heads,
             kernel_metadata=metadata,
+            geometry=(bs, self.num_heads, self.num_kv_heads, self.head_dim),
         )
 
 
@@ -208,7 +209,7 @@ class SparseverCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             # the same shapes (verification at small batch is memory-bound either way).
             vllm_attn.set_builder_isa(self, "vec" if self.block_size % 32 == 0 else "vec16")
         self._set_isa_to_layers(layer_names)
-        if rt is not None:
+        if rt is not None and rt.target_attention_layers.intersection(vllm_attn.builder_layer_names(self)):
             rt.attention_planner = AttentionPlanner(self)
 
     def _set_isa_to_layers(self, layer_names: list[str]) -> None:
@@ -288,6 +289,11 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
             raise SparsePathUnavailable("unknown_layer", layer.layer_name)
         step = plan.attention
         nb, hkv, bs, _ = kv_cache.shape
+        if step.geometry != (bs, self.num_heads, self.num_kv_heads, self.head_size):
+            # The step was planned for another attention group's shapes (lengths, work split).
+            raise SparsePathUnavailable(
+                "geometry_mismatch", f"layer {(bs, self.num_heads, self.num_kv_heads, self.head_size)} "
+                f"vs plan {step.geometry} (block size, heads, KV heads, head size)")
         shared = kernel == "vllm"  # one selection per request for all KV heads
         if plan.selections.is_anchor(layer_idx):
             selection = self._select(layer_idx, query[:num_tokens], md, step, rt.attention, shared, bs)

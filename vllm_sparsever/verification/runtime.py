@@ -103,6 +103,9 @@ class SparseVerificationRuntime:
         # Set by the sparse attention backend once it knows the KV layout and kernel (at KV cache
         # set-up): computes a verify step's AttentionStepPlan (see plan.build_verification_plan).
         self.attention_planner: Callable[..., Any] | None = None
+        # The target's attention layers (set after it loads): only a builder serving them plans
+        # steps, not the draft model's (another attention group when its head size differs).
+        self.target_attention_layers: frozenset[str] = frozenset()
         # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
         # records the largest difference (slow; for tests and debugging only).
         self.check_reference = os.environ.get("VLLM_SPARSEVER_CHECK_REFERENCE") == "1"

@@ -73,6 +73,10 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
 def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, architecture: str) -> dict[str, int]:
     """Wrap the target's FFN / MoE blocks for the sparsities enabled at start."""
     installed: dict[str, int] = {}
+    if runtime.started_with["attention"]:
+        from vllm_sparsever.integration.compat.cpu_attention import attention_layer_names
+
+        runtime.target_attention_layers = frozenset(attention_layer_names(model))
     if runtime.started_with["ffn"]:
         from vllm_sparsever.verification.ffn import install_ffn
 

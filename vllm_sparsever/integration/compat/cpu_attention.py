@@ -94,6 +94,17 @@ def attention_layers(vllm_config: Any, layer_names: list[str]) -> dict[str, Atte
     return get_layers_from_vllm_config(vllm_config, Attention, layer_names)
 
 
+def attention_layer_names(model: torch.nn.Module) -> list[str]:
+    """The names vLLM's forward context knows a model's attention layers by (`Attention.layer_name`)."""
+    return [m.layer_name for m in model.modules() if isinstance(m, Attention)]
+
+
+def builder_layer_names(builder: CPUAttentionMetadataBuilder) -> list[str]:
+    """The attention layers a metadata builder serves (one builder per attention group: layers of
+    the same backend and KV spec; a draft model with another head size gets its own)."""
+    return list(builder.layer_names)
+
+
 def layer_isa(layer: Any) -> str | None:
     return getattr(layer, "isa", None)
 
