@@ -149,21 +149,37 @@ class AdaptiveVerificationConfig:
 
 @dataclass
 class EarlyExitConfig:
-    """Hierarchical verification: early target layers verify first, full verification periodically."""
+    """The target's early exits: self-drafting (draft_source='early_exit') and, not yet available,
+    hierarchical verification (`enabled`: early layers verify first, the full target periodically)."""
 
+    # Self-drafting: the target's first `draft_layer` decoder layers plus the head trained at that
+    # layer (`vllm-sparsever train-exits`). None = the shallowest trained head.
+    draft_layer: int | None = None
+    # Stop drafting a request at the first draft whose head probability is below this (that draft is
+    # dropped): dynamic draft length. 0 = always draft num_speculative_tokens.
+    draft_confidence: float = 0.0
+    # Folder with the trained heads and their manifest.json. None = <target model folder>/exit_heads.
+    heads: str | None = None
+    # Hierarchical verification (not available yet).
     enabled: bool = False
-    exit_layer: int | None = None
+    verify_layer: int | None = None
     full_verify_every: int = 4
 
     def validate(self, prefix: str) -> None:
-        if self.exit_layer is not None:
-            _check_int(f"{prefix}.exit_layer", self.exit_layer, minimum=1)
+        for name in ("draft_layer", "verify_layer"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(f"{prefix}.{name}", value, minimum=1)
+        _check_float(f"{prefix}.draft_confidence", self.draft_confidence, low=0.0, high=1.0)
+        if self.heads is not None and not isinstance(self.heads, str):
+            raise SparseverConfigError(f"{prefix}.heads: expected a folder path (str), got {self.heads!r}")
         _check_int(f"{prefix}.full_verify_every", self.full_verify_every, minimum=1)
 
 
 # Capabilities whose code has not landed yet: enabling one fails at start rather than
 # silently running dense verification under a sparse label.
 _NOT_YET_IMPLEMENTED = ("adaptive", "early_exit")
+DRAFT_SOURCES = ("draft_model", "ngram", "early_exit")
 
 
 @dataclass
@@ -171,8 +187,9 @@ class SparseverConfig:
     """Every sparsever field. Defaults mean "off": dense verification, plain speculative decoding."""
 
     num_speculative_tokens: int
-    # Draft source: a separate draft model ("model" set) or n-gram prompt lookup.
-    draft_source: Literal["draft_model", "ngram"] = "draft_model"
+    # Draft source: a separate draft model ("model" set), n-gram prompt lookup, or the target's own
+    # first layers plus a trained exit head ("early_exit", see the early_exit section).
+    draft_source: Literal["draft_model", "ngram", "early_exit"] = "draft_model"
     model: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
@@ -239,7 +256,7 @@ class SparseverConfig:
 
     def validate(self) -> None:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
-        _check_choice("draft_source", self.draft_source, ("draft_model", "ngram"))
+        _check_choice("draft_source", self.draft_source, DRAFT_SOURCES)
         if self.draft_source == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise SparseverConfigError(
@@ -251,6 +268,15 @@ class SparseverConfig:
                     raise SparseverConfigError(
                         f"{name}: only valid with draft_source='ngram', not with a draft model"
                     )
+        elif self.draft_source == "early_exit":
+            if self.model is not None:
+                raise SparseverConfigError(
+                    "model: must be omitted with draft_source='early_exit' (the target drafts for "
+                    "itself with its first layers and a trained exit head)"
+                )
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise SparseverConfigError(f"{name}: only valid with draft_source='ngram'")
         else:
             if self.model is not None:
                 raise SparseverConfigError(
@@ -265,6 +291,13 @@ class SparseverConfig:
                 raise SparseverConfigError(
                     f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
                 )
+        if self.draft_source != "early_exit":
+            for name in ("draft_layer", "heads"):
+                if getattr(self.early_exit, name) is not None:
+                    raise SparseverConfigError(
+                        f"early_exit.{name}: only valid with draft_source='early_exit', "
+                        f"got draft_source={self.draft_source!r}"
+                    )
         if self.profile is not None:
             if not isinstance(self.profile, str):
                 raise SparseverConfigError(
@@ -295,6 +328,10 @@ class SparseverConfig:
         if self.draft_source == "draft_model":
             kwargs["method"] = "draft_model"
             kwargs["model"] = self.model
+        elif self.draft_source == "early_exit":
+            # vLLM drives it like its n-gram drafter (CPU token lists in, draft lists out, no draft
+            # model); the sparsever runner replaces the proposal with the self-drafter's.
+            kwargs["method"] = "ngram"
         else:
             kwargs["method"] = "ngram"
             if self.prompt_lookup_min is not None:

@@ -8,7 +8,9 @@ overrides the runner's per-step hooks only:
   the sparse attention planner when attention sparsity is on);
 - `_model_forward`: run the target forward with the plan active (layers and ops read it);
 - `execute_model`, `_sample`, `propose_draft_token_ids`, `sample_tokens`: time verification and
-  drafting, and count accepted tokens per request.
+  drafting, and count accepted tokens per request;
+- `propose_draft_token_ids` with draft_source='early_exit': the self-drafter (the target's first
+  layers + an exit head, vllm_sparsever/drafting/self_draft.py) proposes instead of vLLM's drafter.
 Sparse policies (attention backend, wrapped FFN/MoE blocks) read the plan during the forward.
 """
 
@@ -45,12 +47,26 @@ class SparseverRunnerMixin:
         self._sparsever_step = 0
         self._sparsever_timing: dict[str, float] = {}
         self.sparsever_runtime = start_sparse_verification(config, self.vllm_config)
+        self.sparsever_self_drafter = None
+        if config.draft_source == "early_exit":
+            from vllm_sparsever.drafting.self_draft import SelfDraftProposer
+
+            ee = config.early_exit
+            self.sparsever_self_drafter = SelfDraftProposer(
+                exit_layer=ee.draft_layer,
+                num_speculative_tokens=config.num_speculative_tokens,
+                confidence=ee.draft_confidence,
+                heads_dir=ee.heads,
+                max_model_len=self.model_config.max_model_len,
+            )
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         with target_load_hooks(self.sparsever_runtime, self):
             super().load_model(*args, **kwargs)
         architecture = ",".join(self.model_config.architectures or [])
         install_modules(self.model, self.sparsever_runtime, architecture)
+        if self.sparsever_self_drafter is not None:
+            self.sparsever_self_drafter.load(self)
 
     # ---- per-step hooks -----------------------------------------------------------------
     # Step time = execute_model + sample_tokens. Verification time (on verify steps) = the
@@ -79,9 +95,12 @@ class SparseverRunnerMixin:
         self._sparsever_timing["sample"] = time.perf_counter() - start
         return output
 
-    def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
+    def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        output = super().propose_draft_token_ids(*args, **kwargs)
+        if self.sparsever_self_drafter is not None:
+            output = self.sparsever_self_drafter.propose(sampled_token_ids)
+        else:
+            output = super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
         self._sparsever_timing["draft"] = time.perf_counter() - start
         return output
 

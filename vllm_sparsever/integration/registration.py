@@ -29,6 +29,11 @@ def register_all() -> None:
     # process stops here with one clear message instead of failing somewhere inside vLLM.
     check_vllm_version()
     install_speculative_config_hook()
+    # Engine core (scheduler) and workers (warm-up) read the KV lookahead from VllmConfig.
+    from vllm_sparsever.integration.compat.vllm_config import reserve_extra_lookahead
+    from vllm_sparsever.integration.speculative import self_draft_lookahead
+
+    reserve_extra_lookahead(self_draft_lookahead)
     _done = True
     log_path = os.environ.get(REGISTRATION_LOG_ENV)
     if log_path:

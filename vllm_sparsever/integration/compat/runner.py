@@ -9,7 +9,13 @@ Private symbols touched:
 - `SchedulerOutput.scheduled_spec_decode_tokens` (req id -> draft tokens being verified);
 - `ModelRunnerOutput.sampled_token_ids` / `.req_id_to_index` (absent on `AsyncModelRunnerOutput`);
 - `runner.drafter.load_model` (the draft model's load, after the target's): replaced on the
-  instance by `intercept_drafter_load`.
+  instance by `intercept_drafter_load`;
+- self-drafting (`decode_attention_context`): `runner.attn_groups` (`AttentionGroup.layer_names`,
+  `.kv_cache_group_id`, `.kernel_block_size`, `.get_metadata_builder()`), the builder's
+  `build(common_prefix_len, common_attn_metadata)`, `CommonAttentionMetadata`'s fields,
+  `input_batch.block_table[g]` (`get_cpu_tensor`, `block_size`, `num_blocks_per_row`),
+  `input_batch.num_tokens_no_spec`, and `set_forward_context(..., slot_mapping=)` (per-layer slot
+  mapping read by the attention layers' KV-cache write).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from vllm_sparsever.integration.compat import check_signature
 
@@ -30,7 +37,7 @@ RUNNER_HOOKS: dict[str, tuple[str, ...]] = {
     "_prepare_inputs": ("scheduler_output", "num_scheduled_tokens"),
     "_model_forward": (),
     "_sample": (),
-    "propose_draft_token_ids": (),
+    "propose_draft_token_ids": ("scheduler_output", "sampled_token_ids"),
     "sample_tokens": ("grammar_output",),
 }
 
@@ -113,3 +120,79 @@ def intercept_drafter_load(runner: Any, before_load: Callable[[], None]) -> Call
             del drafter.load_model  # back to the class's method
 
     return undo
+
+
+def tokens_no_spec(runner: Any) -> np.ndarray:
+    """Per batch row, the request's token count without drafts (prompt + accepted output); after
+    a step's bookkeeping the last one is the token sampled this step."""
+    batch = runner.input_batch
+    return batch.num_tokens_no_spec[: batch.num_reqs]
+
+
+def allocated_slots(runner: Any) -> np.ndarray:
+    """Per batch row, the KV slots allocated to the request (in every KV cache group): positions
+    below this may be written."""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    slots = None
+    for table in batch.block_table.block_tables:
+        group = table.num_blocks_per_row[:n].astype(np.int64) * int(table.block_size)
+        slots = group if slots is None else np.minimum(slots, group)
+    return slots
+
+
+def decode_attention_context(
+    runner: Any, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Attention metadata and slot mapping for one query token per request: batch row `rows[i]`
+    at position `positions[i]`, attending to the request's KV at positions <= positions[i] (its
+    own K/V written first). Returns (per-layer metadata, per-layer slot mapping) for `layer_names`
+    (all in the runner's attention groups), for `set_forward_context`.
+    """
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    wanted = set(layer_names)
+    per_layer: dict[str, Any] = {}
+    slots: dict[str, torch.Tensor] = {}
+    n = int(rows.numel())
+    rows_cpu = rows.cpu().long()
+    pos_cpu = positions.cpu().long()
+    device = positions.device
+    for groups in runner.attn_groups:
+        for group in groups:
+            names = wanted.intersection(group.layer_names)
+            if not names:
+                continue
+            if group.kernel_block_size is not None:
+                raise NotImplementedError(
+                    "self-drafting: attention groups with kernel blocks smaller than the KV cache's "
+                    "blocks are not supported"
+                )
+            table = runner.input_batch.block_table[group.kv_cache_group_id]
+            bs = int(table.block_size)
+            table_cpu = table.get_cpu_tensor()[rows_cpu]
+            slot = table_cpu.gather(1, (pos_cpu // bs).unsqueeze(1)).squeeze(1).long() * bs + pos_cpu % bs
+            seq_lens = (pos_cpu + 1).to(torch.int32)
+            query_start_loc = torch.arange(n + 1, dtype=torch.int32)
+            common = CommonAttentionMetadata(
+                query_start_loc=query_start_loc.to(device),
+                query_start_loc_cpu=query_start_loc,
+                seq_lens=seq_lens.to(device),
+                num_reqs=n,
+                num_actual_tokens=n,
+                max_query_len=1,
+                max_seq_len=int(seq_lens.max()),
+                block_table_tensor=table_cpu.to(device),
+                slot_mapping=slot.to(device),
+                causal=True,
+                positions=positions,
+                seq_lens_cpu_upper_bound=seq_lens,
+            )
+            metadata = group.get_metadata_builder().build(common_prefix_len=0, common_attn_metadata=common)
+            for name in names:
+                per_layer[name] = metadata
+                slots[name] = common.slot_mapping
+            wanted -= names
+    if wanted:
+        raise ValueError(f"attention layers not in the runner's attention groups: {sorted(wanted)}")
+    return per_layer, slots

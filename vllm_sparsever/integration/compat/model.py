@@ -1,0 +1,70 @@
+"""vLLM model internals the self-drafter runs: the decoder stack of Llama/Qwen-style models.
+
+Private symbols touched (vLLM model classes, `vllm/model_executor/models/{llama,qwen2,qwen3}.py`):
+- `model.model.embed_input_ids(input_ids)`, `model.model.layers` (a ModuleList; with pipeline
+  parallelism other ranks hold PPMissingLayer, which sparsever refuses at start);
+- a decoder layer's `forward(positions, hidden_states, residual) -> (hidden_states, residual)` with
+  the residual stream after the layer equal to `hidden_states + residual` (fused-add RMSNorm);
+- `layer.self_attn.attn.layer_name` (the attention layer's name in the forward context);
+- `model.model.norm.variance_epsilon` (RMSNorm eps) and `model.compute_logits(hidden_states)` (LM
+  head through the logits processor, which all-gathers vocabulary shards across TP ranks on
+  platforms whose `use_all_gather()` is true, CPU included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DECODER_LAYER_PARAMS = ("positions", "hidden_states", "residual")
+
+
+@dataclass(frozen=True)
+class DecoderStack:
+    embed: Any  # callable: input_ids [n] -> hidden [n, d]
+    layers: list[Any]
+    attention_layer_names: list[str]  # per decoder layer
+    rms_norm_eps: float
+    hidden_size: int
+    compute_logits: Any  # callable: normed hidden [n, d] -> logits [n, vocab] (all ranks)
+
+    def run_layers(self, num_layers: int, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the first `num_layers` decoder layers (inside a forward context)."""
+        hidden = self.embed(input_ids)
+        residual = None
+        for layer in self.layers[:num_layers]:
+            hidden, residual = layer(positions, hidden, residual)
+        return hidden if residual is None else hidden + residual
+
+
+def decoder_stack(model: Any) -> DecoderStack:
+    """The decoder stack of a vLLM Llama/Qwen-family model; ValueError naming what is missing."""
+    inner = getattr(model, "model", None)
+    missing = [name for name in ("embed_input_ids", "layers", "norm") if not hasattr(inner, name)]
+    if missing or not hasattr(model, "compute_logits"):
+        raise ValueError(
+            f"{type(model).__name__}: not a Llama/Qwen-style decoder stack (missing "
+            f"{missing or ['compute_logits']}); self-drafting supports these architectures only"
+        )
+    layers = list(inner.layers)
+    names = []
+    for i, layer in enumerate(layers):
+        attn = getattr(getattr(layer, "self_attn", None), "attn", None)
+        name = getattr(attn, "layer_name", None)
+        if name is None:
+            raise ValueError(f"{type(model).__name__}: decoder layer {i} has no self_attn.attn.layer_name")
+        names.append(name)
+    norm = inner.norm
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(norm, "eps")
+    return DecoderStack(
+        embed=inner.embed_input_ids,
+        layers=layers,
+        attention_layer_names=names,
+        rms_norm_eps=float(eps),
+        hidden_size=int(norm.weight.shape[0]),
+        compute_logits=model.compute_logits,
+    )
