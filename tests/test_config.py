@@ -76,7 +76,7 @@ def test_invalid_values_name_the_field(raw, words):
         assert word in message, message
 
 
-@pytest.mark.parametrize("section", ["adaptive", "early_exit"])
+@pytest.mark.parametrize("section", ["adaptive"])
 def test_capabilities_not_yet_landed_fail_instead_of_running_dense(section):
     with pytest.raises(SparseverConfigError, match=rf"{section}\.enabled.*not available"):
         SparseverConfig.from_dict(
@@ -180,3 +180,26 @@ def test_other_methods_are_untouched(tiny_target):
     assert vllm_config.speculative_config.method == "ngram"
     assert "sparsever" not in (vllm_config.additional_config or {})
     assert vllm_config.parallel_config.worker_cls != "vllm_sparsever.integration.worker.SparseverWorker"
+
+
+def test_early_exit_config():
+    base = {"method": "sparsever", "num_speculative_tokens": 8}
+    cfg = SparseverConfig.from_dict({**base, "draft_source": "early_exit",
+                                     "early_exit": {"enabled": True, "round_tokens": 2, "draft_confidence": 0.4}})
+    assert cfg.early_exit.enabled and cfg.early_exit.round_tokens == 2
+    assert cfg.to_vllm_speculative_kwargs() == {"method": "ngram", "num_speculative_tokens": 8}
+    assert SparseverConfig.from_serialized(cfg.to_dict()) == cfg
+    bad = [
+        ({**base, "model": "d", "early_exit": {"enabled": True}}, ["early_exit.enabled", "draft_source='early_exit'"]),
+        ({**base, "model": "d", "early_exit": {"draft_layer": 3}}, ["early_exit.draft_layer", "only valid"]),
+        ({**base, "draft_source": "early_exit", "model": "d"}, ["model", "must be omitted"]),
+        ({**base, "draft_source": "early_exit", "prompt_lookup_max": 2}, ["prompt_lookup_max"]),
+        ({**base, "draft_source": "early_exit", "early_exit": {"draft_confidence": 1.5}}, ["draft_confidence"]),
+        ({**base, "draft_source": "early_exit", "early_exit": {"round_tokens": 0}}, ["round_tokens", ">= 1"]),
+        ({**base, "draft_source": "early_exit", "early_exit": {"exit_layer": 3}}, ["unknown field", "draft_layer"]),
+    ]
+    for raw, words in bad:
+        with pytest.raises(SparseverConfigError) as info:
+            SparseverConfig.from_dict(raw)
+        for word in words:
+            assert word in str(info.value), (raw, str(info.value))

@@ -160,10 +160,14 @@ class EarlyExitConfig:
     draft_confidence: float = 0.0
     # Folder with the trained heads and their manifest.json. None = <target model folder>/exit_heads.
     heads: str | None = None
-    # Hierarchical verification (not available yet).
+    # Hierarchical verification: the first `verify_layer` layers plus their head verify each round
+    # of `round_tokens` drafts; the tokens they accept (plus their correction) are pending, and the
+    # full target verifies all pending tokens (at most num_speculative_tokens) in one pass after
+    # `full_verify_every` rounds or when the cap is reached. None = the deepest trained head.
     enabled: bool = False
     verify_layer: int | None = None
     full_verify_every: int = 4
+    round_tokens: int = 3
 
     def validate(self, prefix: str) -> None:
         for name in ("draft_layer", "verify_layer"):
@@ -174,11 +178,12 @@ class EarlyExitConfig:
         if self.heads is not None and not isinstance(self.heads, str):
             raise SparseverConfigError(f"{prefix}.heads: expected a folder path (str), got {self.heads!r}")
         _check_int(f"{prefix}.full_verify_every", self.full_verify_every, minimum=1)
+        _check_int(f"{prefix}.round_tokens", self.round_tokens, minimum=1)
 
 
 # Capabilities whose code has not landed yet: enabling one fails at start rather than
 # silently running dense verification under a sparse label.
-_NOT_YET_IMPLEMENTED = ("adaptive", "early_exit")
+_NOT_YET_IMPLEMENTED = ("adaptive",)
 DRAFT_SOURCES = ("draft_model", "ngram", "early_exit")
 
 
@@ -291,6 +296,11 @@ class SparseverConfig:
                 raise SparseverConfigError(
                     f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
                 )
+        if self.early_exit.enabled and self.draft_source != "early_exit":
+            raise SparseverConfigError(
+                "early_exit.enabled: hierarchical verification drafts with the target's own early "
+                f"layers (allowed: draft_source='early_exit'), got draft_source={self.draft_source!r}"
+            )
         if self.draft_source != "early_exit":
             for name in ("draft_layer", "heads"):
                 if getattr(self.early_exit, name) is not None:

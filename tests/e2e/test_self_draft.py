@@ -1,6 +1,8 @@
-"""Self-drafting (draft_source='early_exit'): the tiny target's first layer plus an exit head drafts
-inside the target worker. Lossless: greedy output equals non-speculative greedy (fp32, batch 6);
-sampled output follows the target's distribution (two-sample chi-square against plain sampling).
+"""Self-drafting (draft_source='early_exit') and hierarchical verification on a tiny 4-layer target:
+its first layer plus an exit head drafts inside the target worker; with early_exit.enabled, its
+first 3 layers plus a head verify each round first. Lossless: greedy output equals
+non-speculative greedy (fp32, batch 6, TP=1 and TP=2); sampled output follows the target's
+distribution (two-sample chi-square against plain sampling).
 
 One engine per configuration, shared by the tests of this module.
 """
@@ -19,13 +21,14 @@ from tiny_models import prompts
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 NUM_SPEC = 3
-DRAFT_LAYER = 1  # the tiny target has 2 decoder layers
+DRAFT_LAYER = 1
+VERIFY_LAYER = 3  # of 4 decoder layers
 SAMPLES = 800  # sampled completions per engine for the distribution test
 SAMPLE_TOKENS = 4
 
 
-def make_heads(model: Path, out: Path, layers: tuple[int, ...] = (DRAFT_LAYER,), *, seed: int = 0,
-               adapter_scale: float = 0.3) -> Path:
+def make_heads(model: Path, out: Path, layers: tuple[int, ...] = (DRAFT_LAYER, VERIFY_LAYER), *, seed: int = 0,
+               adapter_scale: float = 0.05) -> Path:
     """Exit heads for `model` with a random (untrained) adapter: drafts that are often but not
     always the target's tokens, so both acceptance and rejection are exercised."""
     from safetensors.torch import load_file
@@ -52,8 +55,26 @@ def make_heads(model: Path, out: Path, layers: tuple[int, ...] = (DRAFT_LAYER,),
 
 
 @pytest.fixture(scope="module")
-def heads(tiny_target, tmp_path_factory):
-    return make_heads(tiny_target, tmp_path_factory.mktemp("heads") / "exit_heads")
+def target(tmp_path_factory):
+    """A random 4-layer Llama whose layers 1..3 write half-scale outputs into the residual stream,
+    so early exits agree with the last layer often but not always (untrained exit at layer 1: about
+    60% top-1 agreement, layer 3: about 80%), like a trained model's."""
+    from transformers import LlamaForCausalLM
+
+    from tiny_models import make_tiny_llama, save_model
+
+    base = make_tiny_llama(tmp_path_factory.mktemp("target4") / "base", seed=3, num_layers=4)
+    model = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(0.5)
+            layer.mlp.down_proj.weight.mul_(0.5)
+    return save_model(model, tmp_path_factory.mktemp("target4") / "model", random_init=False)
+
+
+@pytest.fixture(scope="module")
+def heads(target, tmp_path_factory):
+    return make_heads(target, tmp_path_factory.mktemp("heads") / "exit_heads")
 
 
 def _spec(heads: Path, **early_exit) -> dict:
@@ -87,10 +108,10 @@ SAMPLE_PROMPT = prompts(1, seed=7)[0]
 
 
 @pytest.fixture(scope="module")
-def self_draft_run(tiny_target, heads):
+def self_draft_run(target, heads):
     from vllm_sparsever.metrics import get_metrics
 
-    llm = _engine(tiny_target, _spec(heads))
+    llm = _engine(target, _spec(heads, draft_layer=DRAFT_LAYER))
     try:
         greedy = _greedy(llm)
         greedy_metrics = get_metrics(llm)
@@ -102,13 +123,26 @@ def self_draft_run(tiny_target, heads):
 
 
 @pytest.fixture(scope="module")
-def plain_samples(tiny_target):
-    llm = _engine(tiny_target, None)
+def plain_run(target):
+    """Non-speculative reference: greedy outputs and samples."""
+    llm = _engine(target, None)
     try:
-        return _sample(llm, SAMPLE_PROMPT)
+        return _greedy(llm), _sample(llm, SAMPLE_PROMPT)
     finally:
         del llm
         gc.collect()
+
+
+@pytest.fixture(scope="module")
+def plain_greedy4(plain_run):
+    greedy = plain_run[0]
+    assert len({tuple(t) for t in greedy}) > 1  # not degenerate
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def plain_samples(plain_run):
+    return plain_run[1]
 
 
 def _assert_same(baseline, tokens):
@@ -117,9 +151,9 @@ def _assert_same(baseline, tokens):
         assert got == want, f"prompt {i} differs"
 
 
-def test_self_draft_greedy_equals_plain_greedy(plain_greedy, self_draft_run):
+def test_self_draft_greedy_equals_plain_greedy(plain_greedy4, self_draft_run):
     greedy, _, _ = self_draft_run
-    _assert_same([t for t, _ in plain_greedy], greedy)
+    _assert_same(plain_greedy4, greedy)
 
 
 def test_self_draft_drafts_full_length_and_some_are_accepted(self_draft_run):
@@ -133,7 +167,7 @@ def test_self_draft_drafts_full_length_and_some_are_accepted(self_draft_run):
     assert sd["self_draft_stopped_by_confidence"] == 0
     assert sd["self_draft_tokens"] >= m["num_draft_tokens"]
     assert sd["self_draft_forward_passes"] >= NUM_SPEC * sd["self_draft_rounds"] > 0
-    # A random adapter on layer 1 of 2: some drafts right, some wrong.
+    # A random adapter on layer 1 of 4: some drafts right, some wrong.
     assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
 
 
@@ -174,13 +208,13 @@ def test_self_draft_sampling_follows_the_target_distribution(self_draft_run, pla
 
 
 @pytest.fixture(scope="module")
-def dynamic_run(tiny_target, heads, self_draft_run):
+def dynamic_run(target, heads, self_draft_run):
     from vllm_sparsever.metrics import get_metrics
 
     # A threshold at the mean head probability seen without one: some drafts stop early, some not.
     threshold = self_draft_run[1]["self_draft"]["self_draft_mean_confidence"]
     assert 0.0 < threshold < 1.0
-    llm = _engine(tiny_target, _spec(heads, draft_confidence=threshold))
+    llm = _engine(target, _spec(heads, draft_layer=DRAFT_LAYER, draft_confidence=threshold))
     try:
         return _greedy(llm), get_metrics(llm)
     finally:
@@ -188,18 +222,19 @@ def dynamic_run(tiny_target, heads, self_draft_run):
         gc.collect()
 
 
-def test_dynamic_draft_length_is_lossless_and_stops_early(plain_greedy, dynamic_run):
+def test_dynamic_draft_length_is_lossless_and_stops_early(plain_greedy4, dynamic_run):
     greedy, m = dynamic_run
-    _assert_same([t for t, _ in plain_greedy], greedy)
+    _assert_same(plain_greedy4, greedy)
     assert m["self_draft"]["self_draft_stopped_by_confidence"] > 0
     assert 0 < m["num_draft_tokens"] < NUM_SPEC * m["num_drafts"]
 
 
-def test_tensor_parallel_self_draft_equals_plain_greedy(plain_greedy, tiny_target, heads, monkeypatch):
+def test_tensor_parallel_hierarchical_equals_plain_greedy(plain_greedy4, target, heads, monkeypatch):
     # Two ranks on two cores: no core reserved for the front end, one OpenMP thread per rank.
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    llm = _engine(tiny_target, _spec(heads), tensor_parallel_size=2, distributed_executor_backend="mp")
+    llm = _engine(target, _spec(heads, enabled=True, draft_layer=DRAFT_LAYER), tensor_parallel_size=2,
+                  distributed_executor_backend="mp")
     try:
         greedy = _greedy(llm)
         from vllm_sparsever.metrics import get_metrics
@@ -208,11 +243,14 @@ def test_tensor_parallel_self_draft_equals_plain_greedy(plain_greedy, tiny_targe
     finally:
         del llm
         gc.collect()
-    _assert_same([t for t, _ in plain_greedy], greedy)
+    _assert_same(plain_greedy4, greedy)
     ranks = m["ranks"]
     assert len(ranks) == 2
-    # Both ranks drafted the same tokens (all-gathered logits, same argmax, same stops).
+    # Both ranks drafted and kept the same tokens at every level (all-gathered logits, same argmax).
     assert ranks[0]["self_draft"]["self_draft_tokens"] == ranks[1]["self_draft"]["self_draft_tokens"] > 0
+    for key in ("hier_intermediate_accepted", "hier_pending_tokens"):
+        assert ranks[0]["hierarchical"][key] == ranks[1]["hierarchical"][key]
+    assert ranks[0]["hierarchical"]["hier_pending_tokens"] > 0
 
 
 @pytest.mark.parametrize(
@@ -221,12 +259,56 @@ def test_tensor_parallel_self_draft_equals_plain_greedy(plain_greedy, tiny_targe
         ({"heads": "/nonexistent/exit_heads"}, "no exit heads"),
         ({"draft_layer": 5}, "draft_layer"),
         ({"draft_layer": 0}, "draft_layer"),
+        ({"draft_layer": 2}, "no trained head for layer 2"),
+        ({"enabled": True, "draft_layer": 3, "verify_layer": 3}, "verify_layer"),
     ],
 )
-def test_bad_self_draft_config_fails_before_start(tiny_target, heads, early_exit, message):
+def test_bad_self_draft_config_fails_before_start(target, heads, early_exit, message):
     from vllm_sparsever.config import SparseverConfigError
 
     spec = _spec(heads)
     spec["early_exit"].update(early_exit)
     with pytest.raises(SparseverConfigError, match=message):
-        _engine(tiny_target, spec)
+        _engine(target, spec)
+
+
+HIER_CAP = 6
+
+
+@pytest.fixture(scope="module")
+def hierarchical_run(target, heads):
+    from vllm_sparsever.metrics import get_metrics
+
+    spec = _spec(heads, enabled=True, draft_layer=DRAFT_LAYER, verify_layer=VERIFY_LAYER,
+                 round_tokens=2, full_verify_every=3)
+    spec["num_speculative_tokens"] = HIER_CAP
+    llm = _engine(target, spec)
+    try:
+        greedy = _greedy(llm)
+        metrics = get_metrics(llm)
+        sampled = _sample(llm, SAMPLE_PROMPT)
+    finally:
+        del llm
+        gc.collect()
+    return greedy, metrics, sampled
+
+
+def test_hierarchical_greedy_equals_plain_greedy(plain_greedy4, hierarchical_run):
+    greedy, m, _ = hierarchical_run
+    _assert_same(plain_greedy4, greedy)
+    h = m["hierarchical"]
+    # The intermediate verifier accepted some drafts and rejected others ...
+    assert 0 < h["hier_intermediate_accepted"] < h["hier_intermediate_drafts"]
+    # ... and the pending tokens it passed on are what the full target verified.
+    assert h["hier_pending_tokens"] >= m["num_draft_tokens"] > 0
+    assert m["num_draft_tokens"] <= HIER_CAP * m["num_drafts"]
+    assert 0 < m["num_accepted_tokens"] <= m["num_draft_tokens"]
+    assert m["self_draft"]["self_draft_slot_limited"] == 0
+
+
+def test_hierarchical_sampling_follows_the_target_distribution(hierarchical_run, plain_samples):
+    _, _, sampled = hierarchical_run
+    assert all(len(s) == SAMPLE_TOKENS for s in sampled)
+    for position in range(1, SAMPLE_TOKENS):
+        p = _chi2_two_sample_p([s[position] for s in sampled], [s[position] for s in plain_samples])
+        assert p > 1e-3, f"token {position}: hierarchical samples differ from plain sampling (p={p:.2e})"

@@ -20,8 +20,8 @@ processor), so each rank takes the same argmax and the same stop decisions.
 
 from __future__ import annotations
 
-import time
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +30,13 @@ import numpy as np
 import torch
 
 from vllm_sparsever.config import SparseverConfig, SparseverConfigError
-from vllm_sparsever.drafting.exit_head import ExitHead, ExitHeadError, ExitHeadManifest, heads_dir
+from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
+from vllm_sparsever.drafting.exit_head import ExitHeadError, ExitHeadManifest, heads_dir
 
 
 def resolve_self_draft(config: SparseverConfig, model_config: Any) -> SparseverConfig:
-    """Front end, before start-up: the config with `early_exit.heads` and `early_exit.draft_layer`
-    made explicit, after checking the heads exist and fit the target. SparseverConfigError otherwise."""
+    """Front end, before start-up: the config with `early_exit.heads`, `.draft_layer` and (with
+    hierarchical verification) `.verify_layer` made explicit, after checking the heads exist and fit the target. SparseverConfigError otherwise."""
     ee = config.early_exit
     folder = Path(ee.heads) if ee.heads else heads_dir(model_config.model)
     hf = model_config.hf_text_config
@@ -50,12 +51,21 @@ def resolve_self_draft(config: SparseverConfig, model_config: Any) -> SparseverC
         layer = ee.draft_layer if ee.draft_layer is not None else trained[0]
         if not 1 <= layer < num_layers:
             raise ExitHeadError(f"early_exit.draft_layer: must be in 1..{num_layers - 1}, got {layer}")
-        entry = manifest.head_for(layer)
-        if not (folder / entry.file).is_file():
-            raise ExitHeadError(f"{folder / entry.file}: listed in the manifest but missing")
+        verify_layer = ee.verify_layer
+        if ee.enabled:
+            verify_layer = verify_layer if verify_layer is not None else trained[-1]
+            if not layer < verify_layer < num_layers:
+                raise ExitHeadError(
+                    f"early_exit.verify_layer: must be deeper than draft_layer ({layer}) and below "
+                    f"the last layer ({num_layers}), got {verify_layer}; trained heads: {trained}"
+                )
+        for needed in {layer, verify_layer} - {None}:
+            entry = manifest.head_for(needed)
+            if not (folder / entry.file).is_file():
+                raise ExitHeadError(f"{folder / entry.file}: listed in the manifest but missing")
     except ExitHeadError as exc:
         raise SparseverConfigError(f"early_exit (draft_source='early_exit'): {exc}") from exc
-    early_exit = dataclasses.replace(ee, heads=str(folder.resolve()), draft_layer=layer)
+    early_exit = dataclasses.replace(ee, heads=str(folder.resolve()), draft_layer=layer, verify_layer=verify_layer)
     return dataclasses.replace(config, early_exit=early_exit)
 
 
@@ -84,93 +94,96 @@ class SelfDraftStats:
         }
 
 
+@dataclass(frozen=True)
+class DraftRequests:
+    """Requests to draft for: batch rows, the last token of each (not yet run through any layer)
+    and its position, and how many drafts each may get (max_model_len, allocated KV slots)."""
+
+    rows: list[int]
+    tokens: list[int]
+    positions: list[int]
+    budgets: list[int]
+
+
 class SelfDraftProposer:
     def __init__(
         self,
+        model: EarlyExitModel,
         *,
         exit_layer: int,
         num_speculative_tokens: int,
         confidence: float,
-        heads_dir: str | Path,
         max_model_len: int,
     ) -> None:
+        self.model = model
         self.exit_layer = exit_layer
         self.num_speculative_tokens = num_speculative_tokens
         self.confidence = confidence
-        self.heads_dir = Path(heads_dir)
         self.max_model_len = max_model_len
         self.stats = SelfDraftStats()
-        self._stack = None
-        self._head: ExitHead | None = None
-        self._layer_names: list[str] = []
-        self._runner: Any = None
 
-    # ---- set-up -------------------------------------------------------------------------
-
-    def load(self, runner: Any) -> None:
-        """Bind to the runner's loaded target: its decoder stack and the trained head for
-        `exit_layer` (ExitHeadError if the heads do not fit this model)."""
-        from vllm_sparsever.integration.compat.model import decoder_stack
-
-        model = runner.model
-        architecture = ",".join(runner.model_config.architectures or [])
-        vocab_size = runner.model_config.get_vocab_size()
-        stack = decoder_stack(model)
-        manifest = ExitHeadManifest.load(self.heads_dir)
-        manifest.check_model(architecture, len(stack.layers), stack.hidden_size, vocab_size)
-        entry = manifest.head_for(self.exit_layer)
-        param = next(model.parameters())
-        head = ExitHead.load(self.heads_dir / entry.file, eps=stack.rms_norm_eps, dtype=param.dtype)
-        self._head = head.to(param.device)
-        self._stack = stack
-        self._layer_names = stack.attention_layer_names[: self.exit_layer]
-        self._runner = runner
-
-    # ---- drafting -----------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        """Draft tokens per batch row (row order of `sampled_token_ids`, as vLLM's n-gram drafter
-        returns them); a row that sampled nothing this step (mid-prefill, finished) gets none."""
+    def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
+        """The rows that sampled a token this step, with at most `reserve` positions each to write
+        from their sampled token on (limited by max_model_len and the allocated KV slots)."""
         from vllm_sparsever.integration.compat.runner import allocated_slots, tokens_no_spec
 
-        assert self._stack is not None, "SelfDraftProposer.load() was not called"
-        start = time.perf_counter()
-        num_tokens = tokens_no_spec(self._runner)
-        # Iteration j writes K/V at position + j: never past the request's allocated slots (the
-        # scheduler's lookahead covers num_speculative_tokens; this guards the rest).
-        allocated = allocated_slots(self._runner)
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        rows, tokens, positions, budgets = [], [], [], []
+        runner = self.model.runner
+        num_tokens = tokens_no_spec(runner)
+        # Never write K/V past a request's allocated slots: the scheduler's lookahead covers what
+        # sparsever asks for; this guards the rest (and counts it).
+        allocated = allocated_slots(runner)
+        out = DraftRequests([], [], [], [])
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled:
                 continue
             position = int(num_tokens[row]) - 1  # where the token sampled this step sits
-            budget = min(self.num_speculative_tokens, self.max_model_len - position - 1)
+            budget = min(reserve, self.max_model_len - position - 1)
             if int(allocated[row]) - position < budget:
                 budget = int(allocated[row]) - position
                 self.stats.slot_limited += 1
             if budget <= 0:
                 continue
-            rows.append(row)
-            tokens.append(sampled[-1])
-            positions.append(position)
-            budgets.append(budget)
-        if not rows:
+            out.rows.append(row)
+            out.tokens.append(sampled[-1])
+            out.positions.append(position)
+            out.budgets.append(budget)
+        return out
+
+    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """Draft tokens per batch row (row order of `sampled_token_ids`, as vLLM's n-gram drafter
+        returns them); a row that sampled nothing this step (mid-prefill, finished) gets none."""
+        start = time.perf_counter()
+        reqs = self.requests(sampled_token_ids, self.num_speculative_tokens)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        for row, tokens in zip(reqs.rows, self.draft(reqs), strict=True):
+            drafts[row] = tokens
+        self.stats.draft_time_s += time.perf_counter() - start
+        return drafts
+
+    @torch.inference_mode()
+    def draft(self, reqs: DraftRequests) -> list[list[int]]:
+        """Up to min(num_speculative_tokens, budget) drafts per request of `reqs`, one token per
+        request per iteration through layers 0..L-1 and the head."""
+        drafts: list[list[int]] = [[] for _ in reqs.rows]
+        if not reqs.rows:
             return drafts
-        device = self._head.norm_out.device
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
-        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
-        budgets_np = np.asarray(budgets)
-        active = np.ones(len(rows), dtype=bool)
+        device = self.model.device
+        rows_t = torch.tensor(reqs.rows, dtype=torch.long)
+        tokens_t = torch.tensor(reqs.tokens, dtype=torch.long, device=device)
+        positions_t = torch.tensor(reqs.positions, dtype=torch.long, device=device)
+        budgets = [min(b, self.num_speculative_tokens) for b in reqs.budgets]
+        active = np.array([b > 0 for b in budgets], dtype=bool)
         self.stats.rounds += 1
         for _ in range(self.num_speculative_tokens):
             idx = np.flatnonzero(active)
             if idx.size == 0:
                 break
             sel = torch.from_numpy(idx)
-            next_tokens, confidence = self._step(rows_t[sel], tokens_t[sel.to(device)], positions_t[sel.to(device)])
+            sel_dev = sel.to(device)
+            logits = self.model.logits(self.exit_layer, rows_t[sel], tokens_t[sel_dev], positions_t[sel_dev],
+                                       [1] * idx.size)
+            confidence, next_tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+            self.stats.forward_passes += 1
             next_list = next_tokens.tolist()
             conf_list = confidence.tolist()
             self.stats.confidence_sum += sum(conf_list)
@@ -180,28 +193,10 @@ class SelfDraftProposer:
                     active[i] = False
                     self.stats.stopped_by_confidence += 1
                     continue
-                drafts[rows[i]].append(next_list[j])
-                if len(drafts[rows[i]]) >= budgets_np[i]:
+                drafts[i].append(next_list[j])
+                if len(drafts[i]) >= budgets[i]:
                     active[i] = False
-            tokens_t[sel.to(device)] = next_tokens
-            positions_t[sel.to(device)] += 1
-        n = sum(len(d) for d in drafts)
-        self.stats.draft_tokens += n
-        self.stats.draft_time_s += time.perf_counter() - start
+            tokens_t[sel_dev] = next_tokens
+            positions_t[sel_dev] += 1
+        self.stats.draft_tokens += sum(len(d) for d in drafts)
         return drafts
-
-    def _step(self, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
-        """One token per request through layers 0..L-1 and the head: (argmax token, its prob)."""
-        from vllm.forward_context import set_forward_context
-
-        from vllm_sparsever.integration.compat.runner import decode_attention_context
-
-        runner = self._runner
-        metadata, slots = decode_attention_context(runner, self._layer_names, rows, positions)
-        with set_forward_context(metadata, runner.vllm_config, num_tokens=int(rows.numel()), slot_mapping=slots):
-            stream = self._stack.run_layers(self.exit_layer, tokens, positions)
-        logits = self._stack.compute_logits(self._head(stream)).float()
-        probs = torch.softmax(logits, dim=-1)
-        confidence, next_tokens = probs.max(dim=-1)
-        self.stats.forward_passes += 1
-        return next_tokens, confidence

@@ -49,16 +49,7 @@ class SparseverRunnerMixin:
         self.sparsever_runtime = start_sparse_verification(config, self.vllm_config)
         self.sparsever_self_drafter = None
         if config.draft_source == "early_exit":
-            from vllm_sparsever.drafting.self_draft import SelfDraftProposer
-
-            ee = config.early_exit
-            self.sparsever_self_drafter = SelfDraftProposer(
-                exit_layer=ee.draft_layer,
-                num_speculative_tokens=config.num_speculative_tokens,
-                confidence=ee.draft_confidence,
-                heads_dir=ee.heads,
-                max_model_len=self.model_config.max_model_len,
-            )
+            self.sparsever_self_drafter = _make_self_drafter(config, self.model_config.max_model_len)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         with target_load_hooks(self.sparsever_runtime, self):
@@ -66,7 +57,7 @@ class SparseverRunnerMixin:
         architecture = ",".join(self.model_config.architectures or [])
         install_modules(self.model, self.sparsever_runtime, architecture)
         if self.sparsever_self_drafter is not None:
-            self.sparsever_self_drafter.load(self)
+            self.sparsever_self_drafter.model.load(self)
 
     # ---- per-step hooks -----------------------------------------------------------------
     # Step time = execute_model + sample_tokens. Verification time (on verify steps) = the
@@ -161,6 +152,31 @@ class SparseverRunnerMixin:
                 continue
             # Emitted tokens = accepted drafts + one target token (correction or bonus).
             self.sparsever_metrics.observe_request(req.num_draft_tokens, len(tokens) - 1)
+
+
+def _make_self_drafter(config: SparseverConfig, max_model_len: int) -> Any:
+    """The proposer for draft_source='early_exit': the self-drafter, under the hierarchical
+    proposer when early_exit.enabled (layers resolved in the front end, see resolve_self_draft)."""
+    from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
+    from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
+    from vllm_sparsever.drafting.self_draft import SelfDraftProposer
+
+    ee = config.early_exit
+    layers = (ee.draft_layer, ee.verify_layer) if ee.enabled else (ee.draft_layer,)
+    model = EarlyExitModel(ee.heads, layers)
+    drafter = SelfDraftProposer(
+        model,
+        exit_layer=ee.draft_layer,
+        num_speculative_tokens=ee.round_tokens if ee.enabled else config.num_speculative_tokens,
+        confidence=ee.draft_confidence,
+        max_model_len=max_model_len,
+    )
+    if not ee.enabled:
+        return drafter
+    return HierarchicalProposer(
+        drafter, model, verify_layer=ee.verify_layer, cap=config.num_speculative_tokens,
+        rounds=ee.full_verify_every,
+    )
 
 
 def make_runner_class(base: type) -> type:

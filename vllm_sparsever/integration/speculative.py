@@ -24,12 +24,15 @@ def is_sparsever_request(speculative_config: Any) -> bool:
 
 def self_draft_lookahead(vllm_config: Any) -> int:
     """KV slots past the verified tokens a self-drafting config needs (0 otherwise): the drafter
-    writes layers 0..L-1's K/V for the sampled token and num_speculative_tokens - 1 drafts."""
+    writes layers 0..L-1's K/V for the sampled token and num_speculative_tokens - 1 drafts; with
+    hierarchical verification, up to num_speculative_tokens pending tokens plus a round of drafts."""
     additional = getattr(vllm_config, "additional_config", None) or {}
     data = additional.get(ADDITIONAL_CONFIG_KEY)
     if not data or data.get("draft_source") != "early_exit":
         return 0
-    return int(data["num_speculative_tokens"])
+    early_exit = data.get("early_exit") or {}
+    extra = int(early_exit.get("round_tokens", 0)) if early_exit.get("enabled") else 0
+    return int(data["num_speculative_tokens"]) + extra
 
 
 def sparsever_config_from_vllm(vllm_config: Any) -> SparseverConfig | None:

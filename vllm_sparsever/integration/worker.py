@@ -53,17 +53,22 @@ class _SparseverWorkerMixin:
     def sparsever_metrics(self) -> dict[str, Any]:
         summary = self.model_runner.sparsever_metrics.summary()
         summary["sparsity"] = self.model_runner.sparsever_runtime.stats_summary()  # up to now
-        drafter = self.model_runner.sparsever_self_drafter
-        if drafter is not None:
+        proposer = self.model_runner.sparsever_self_drafter
+        if proposer is not None:
+            drafter = getattr(proposer, "drafter", proposer)  # hierarchical wraps the self-drafter
             summary["self_draft"] = drafter.stats.summary()
+            if drafter is not proposer:
+                summary["hierarchical"] = proposer.stats.summary()
         return summary
 
     def reset_sparsever_metrics(self) -> None:
         metrics = self.model_runner.sparsever_metrics
         self.model_runner.sparsever_metrics = type(metrics)(num_spec_tokens=metrics.num_spec_tokens)
         self.model_runner.sparsever_runtime.reset_stats()
-        drafter = self.model_runner.sparsever_self_drafter
-        if drafter is not None:
+        proposer = self.model_runner.sparsever_self_drafter
+        if proposer is not None:
+            proposer.stats = type(proposer.stats)()
+            drafter = getattr(proposer, "drafter", proposer)
             drafter.stats = type(drafter.stats)()
 
     def sparsever_set_sparsity(self, sections: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ Private symbols touched:
 - `ModelRunnerOutput.sampled_token_ids` / `.req_id_to_index` (absent on `AsyncModelRunnerOutput`);
 - `runner.drafter.load_model` (the draft model's load, after the target's): replaced on the
   instance by `intercept_drafter_load`;
-- self-drafting (`decode_attention_context`): `runner.attn_groups` (`AttentionGroup.layer_names`,
+- self-drafting (`query_attention_context`): `runner.attn_groups` (`AttentionGroup.layer_names`,
   `.kv_cache_group_id`, `.kernel_block_size`, `.get_metadata_builder()`), the builder's
   `build(common_prefix_len, common_attn_metadata)`, `CommonAttentionMetadata`'s fields,
   `input_batch.block_table[g]` (`get_cpu_tensor`, `block_size`, `num_blocks_per_row`),
@@ -141,22 +141,27 @@ def allocated_slots(runner: Any) -> np.ndarray:
     return slots
 
 
-def decode_attention_context(
-    runner: Any, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor
+def query_attention_context(
+    runner: Any, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor, query_lens: list[int]
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Attention metadata and slot mapping for one query token per request: batch row `rows[i]`
-    at position `positions[i]`, attending to the request's KV at positions <= positions[i] (its
-    own K/V written first). Returns (per-layer metadata, per-layer slot mapping) for `layer_names`
-    (all in the runner's attention groups), for `set_forward_context`.
+    """Attention metadata and slot mapping for `query_lens[i]` consecutive query tokens of batch
+    row `rows[i]`, whose positions are `positions` (flattened, request after request), each token
+    attending causally to the request's KV up to its own position (its K/V written first). Returns
+    (per-layer metadata, per-layer slot mapping) for `layer_names`, for `set_forward_context`.
     """
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     wanted = set(layer_names)
     per_layer: dict[str, Any] = {}
     slots: dict[str, torch.Tensor] = {}
-    n = int(rows.numel())
-    rows_cpu = rows.cpu().long()
+    num_reqs = int(rows.numel())
+    num_tokens = int(positions.numel())
+    lens = torch.tensor(query_lens, dtype=torch.long)
+    token_rows = rows.cpu().long().repeat_interleave(lens)
     pos_cpu = positions.cpu().long()
+    query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(lens, 0).to(torch.int32)
+    seq_lens = (pos_cpu[query_start_loc[1:].long() - 1] + 1).to(torch.int32)  # last position + 1
     device = positions.device
     for groups in runner.attn_groups:
         for group in groups:
@@ -170,19 +175,18 @@ def decode_attention_context(
                 )
             table = runner.input_batch.block_table[group.kv_cache_group_id]
             bs = int(table.block_size)
-            table_cpu = table.get_cpu_tensor()[rows_cpu]
-            slot = table_cpu.gather(1, (pos_cpu // bs).unsqueeze(1)).squeeze(1).long() * bs + pos_cpu % bs
-            seq_lens = (pos_cpu + 1).to(torch.int32)
-            query_start_loc = torch.arange(n + 1, dtype=torch.int32)
+            table_cpu = table.get_cpu_tensor()
+            block = table_cpu[token_rows, pos_cpu // bs].long()
+            slot = block * bs + pos_cpu % bs
             common = CommonAttentionMetadata(
                 query_start_loc=query_start_loc.to(device),
                 query_start_loc_cpu=query_start_loc,
                 seq_lens=seq_lens.to(device),
-                num_reqs=n,
-                num_actual_tokens=n,
-                max_query_len=1,
+                num_reqs=num_reqs,
+                num_actual_tokens=num_tokens,
+                max_query_len=int(lens.max()),
                 max_seq_len=int(seq_lens.max()),
-                block_table_tensor=table_cpu.to(device),
+                block_table_tensor=table_cpu[rows.cpu().long()].to(device),
                 slot_mapping=slot.to(device),
                 causal=True,
                 positions=positions,

@@ -1,0 +1,74 @@
+"""The target's early exits inside the worker: its first L decoder layers plus the head trained at
+layer L, run outside vLLM's step on the target's own weights and KV cache.
+
+Used by the self-drafter (one token per request per call) and by the intermediate verifier of
+hierarchical verification (a round of drafts per request). Every call writes layers 0..L-1's K/V
+at the positions it runs; the caller only runs positions the next full verification rewrites.
+Logits come through the target's logits processor, all-gathered across tensor-parallel ranks, so
+every rank takes the same decisions from them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_sparsever.drafting.exit_head import ExitHead, ExitHeadManifest
+
+
+class EarlyExitModel:
+    def __init__(self, heads_dir: str | Path, layers: tuple[int, ...]) -> None:
+        self.heads_dir = Path(heads_dir)
+        self.layers = layers
+        self.heads: dict[int, ExitHead] = {}
+        self._stack = None
+        self._runner: Any = None
+
+    def load(self, runner: Any) -> None:
+        """Bind to the runner's loaded target and load the heads of `layers` (ExitHeadError if the
+        heads do not fit this model)."""
+        from vllm_sparsever.integration.compat.model import decoder_stack
+
+        model = runner.model
+        stack = decoder_stack(model)
+        manifest = ExitHeadManifest.load(self.heads_dir)
+        manifest.check_model(
+            ",".join(runner.model_config.architectures or []), len(stack.layers), stack.hidden_size,
+            runner.model_config.get_vocab_size(),
+        )
+        param = next(model.parameters())
+        for layer in self.layers:
+            entry = manifest.head_for(layer)
+            head = ExitHead.load(self.heads_dir / entry.file, eps=stack.rms_norm_eps, dtype=param.dtype)
+            self.heads[layer] = head.to(param.device)
+        self._stack = stack
+        self._runner = runner
+
+    @property
+    def runner(self) -> Any:
+        return self._runner
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.heads.values())).norm_out.device
+
+    @torch.inference_mode()
+    def logits(
+        self, exit_layer: int, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+        query_lens: list[int],
+    ) -> torch.Tensor:
+        """fp32 logits of the head at `exit_layer` for `query_lens[i]` consecutive tokens of batch
+        row `rows[i]` (tokens/positions flattened request after request)."""
+        from vllm.forward_context import set_forward_context
+
+        from vllm_sparsever.integration.compat.runner import query_attention_context
+
+        assert self._stack is not None, "EarlyExitModel.load() was not called"
+        names = self._stack.attention_layer_names[:exit_layer]
+        metadata, slots = query_attention_context(self._runner, names, rows, positions, query_lens)
+        with set_forward_context(metadata, self._runner.vllm_config, num_tokens=int(tokens.numel()),
+                                 slot_mapping=slots):
+            stream = self._stack.run_layers(exit_layer, tokens, positions)
+        return self._stack.compute_logits(self.heads[exit_layer](stream)).float()
