@@ -42,6 +42,9 @@ class SparseverMetrics:
     num_dense_fallbacks: int = 0  # sparse layer calls that verified densely instead (all reasons)
     # Sparse verification counters (what was read vs dense), copied from the worker's runtime.
     sparsity: dict[str, float] = field(default_factory=dict)
+    # Self-drafting / hierarchical verification counters (self_draft_*, hier_*), copied from the
+    # worker's proposer (empty for draft-model and n-gram drafting).
+    drafting: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.accepted_per_position:
@@ -253,6 +256,41 @@ class SparseverCollector:
             if sep:
                 c.add_metric([component, reason], float(value))
         yield c
+        drafting = s.get("drafting") or {}
+        c = CounterMetricFamily(
+            "sparsever:drafting",
+            "Self-drafting and hierarchical verification counters (self_draft_*, hier_*)",
+            labels=["counter"],
+        )
+        for name, value in sorted(drafting.items()):
+            c.add_metric([name], float(value))
+        yield c
+        if "hier_pending_tokens" in drafting:
+            g = GaugeMetricFamily(
+                "sparsever:level_acceptance_rate",
+                "Hierarchical verification: accepted / checked tokens per level "
+                "(intermediate: drafts the early-exit verifier kept; full: pending tokens the target kept)",
+                labels=["level"],
+            )
+            g.add_metric(["intermediate"], float(drafting.get("hier_intermediate_acceptance_rate", float("nan"))))
+            full = s.get("acceptance_rate")
+            g.add_metric(["full"], float("nan") if full is None else float(full))
+            yield g
+            c = CounterMetricFamily(
+                "sparsever:pending_rolled_back",
+                "Hierarchical verification: pending tokens the full target rejected (never emitted)",
+            )
+            c.add_metric([], float(s.get("num_draft_tokens", 0) - s.get("num_accepted_tokens", 0)))
+            yield c
+            c = CounterMetricFamily(
+                "sparsever:level_time_seconds",
+                "Hierarchical verification: time per level (draft, intermediate, full verification)",
+                labels=["level"],
+            )
+            c.add_metric(["draft"], float(drafting.get("hier_draft_time_s", 0.0)))
+            c.add_metric(["intermediate"], float(drafting.get("hier_intermediate_time_s", 0.0)))
+            c.add_metric(["full"], float(s.get("verify_time_s", 0.0)))
+            yield c
         g = GaugeMetricFamily(
             "sparsever:per_position_acceptance",
             "Acceptance rate of the draft token at each position",

@@ -97,11 +97,12 @@ def _sample(llm, prompt: str) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _greedy(llm) -> list[list[int]]:
+def _greedy(llm, with_text: bool = False):
     from vllm import SamplingParams
 
     outs = llm.generate(prompts(NUM_PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    return [list(o.outputs[0].token_ids) for o in outs]
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return (tokens, [o.outputs[0].text for o in outs]) if with_text else tokens
 
 
 SAMPLE_PROMPT = prompts(1, seed=7)[0]
@@ -127,7 +128,8 @@ def plain_run(target):
     """Non-speculative reference: greedy outputs and samples."""
     llm = _engine(target, None)
     try:
-        return _greedy(llm), _sample(llm, SAMPLE_PROMPT)
+        tokens, texts = _greedy(llm, with_text=True)
+        return tokens, _sample(llm, SAMPLE_PROMPT), texts
     finally:
         del llm
         gc.collect()
@@ -312,3 +314,45 @@ def test_hierarchical_sampling_follows_the_target_distribution(hierarchical_run,
     for position in range(1, SAMPLE_TOKENS):
         p = _chi2_two_sample_p([s[position] for s in sampled], [s[position] for s in plain_samples])
         assert p > 1e-3, f"token {position}: hierarchical samples differ from plain sampling (p={p:.2e})"
+
+
+@pytest.fixture(scope="module")
+def hierarchical_server(target, heads, tmp_path_factory):
+    """`vllm serve` with hierarchical verification on two tensor-parallel ranks."""
+    from serve_utils import running_server
+
+    spec = _spec(heads, enabled=True, draft_layer=DRAFT_LAYER, verify_layer=VERIFY_LAYER, round_tokens=2)
+    spec["num_speculative_tokens"] = HIER_CAP
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with running_server(target, spec, log, "--max-model-len", "512", "--tensor-parallel-size", "2",
+                        "--distributed-executor-backend", "mp", env=env) as base:
+        yield base
+
+
+def test_serve_hierarchical_tp2_streams_plain_greedy_text(hierarchical_server, plain_run):
+    import time
+
+    from openai import OpenAI
+
+    from serve_utils import sparsever_metrics
+
+    texts = plain_run[2]
+    client = OpenAI(base_url=f"{hierarchical_server}/v1", api_key="unused", timeout=120)
+    for i, (prompt, want) in enumerate(zip(prompts(NUM_PROMPTS), texts, strict=True)):
+        resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+        assert resp.choices[0].text == want, f"prompt {i}"
+    # Streaming shows only fully verified tokens: the chunks add up to the plain text, never more.
+    stream = client.completions.create(model="tiny", prompt=prompts(1)[0], max_tokens=MAX_TOKENS,
+                                       temperature=0.0, stream=True)
+    chunks = [c.choices[0].text for c in stream if c.choices]
+    assert len(chunks) > 1 and "".join(chunks) == texts[0]
+    time.sleep(0.6)  # snapshots are written at most every 0.25 s
+    values = sparsever_metrics(hierarchical_server)
+    assert values['sparsever:drafting_total{counter="hier_pending_tokens"}'] > 0, values
+    assert 0 < values['sparsever:level_acceptance_rate{level="intermediate"}'] < 1
+    assert 0 < values['sparsever:level_acceptance_rate{level="full"}'] <= 1
+    assert values["sparsever:pending_rolled_back_total"] == (
+        values["sparsever:num_draft_tokens_total"] - values["sparsever:num_accepted_tokens_total"])
+    for level in ("draft", "intermediate", "full"):
+        assert values[f'sparsever:level_time_seconds_total{{level="{level}"}}'] > 0

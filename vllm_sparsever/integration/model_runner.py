@@ -120,8 +120,23 @@ class SparseverRunnerMixin:
             self.sparsever_metrics.num_dense_fallbacks = int(
                 sum(v for k, v in stats.items() if k.endswith("_fallbacks"))
             )
+        if self.sparsever_self_drafter is not None:
+            self.sparsever_metrics.drafting = self.sparsever_drafting_stats()
         self._sparsever_snapshots.write(self.sparsever_metrics)
         return output
+
+    def sparsever_drafting_stats(self, split: bool = False) -> dict[str, Any]:
+        """The self-drafter's counters (and the hierarchical proposer's), merged or per level."""
+        proposer = self.sparsever_self_drafter
+        if proposer is None:
+            return {}
+        drafter = getattr(proposer, "drafter", proposer)  # hierarchical wraps the self-drafter
+        levels = {"self_draft": drafter.stats.summary()}
+        if drafter is not proposer:
+            levels["hierarchical"] = proposer.stats.summary()
+        if split:
+            return levels
+        return {k: v for level in levels.values() for k, v in level.items()}
 
     # ---- helpers ------------------------------------------------------------------------
 

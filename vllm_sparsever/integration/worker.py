@@ -53,12 +53,9 @@ class _SparseverWorkerMixin:
     def sparsever_metrics(self) -> dict[str, Any]:
         summary = self.model_runner.sparsever_metrics.summary()
         summary["sparsity"] = self.model_runner.sparsever_runtime.stats_summary()  # up to now
-        proposer = self.model_runner.sparsever_self_drafter
-        if proposer is not None:
-            drafter = getattr(proposer, "drafter", proposer)  # hierarchical wraps the self-drafter
-            summary["self_draft"] = drafter.stats.summary()
-            if drafter is not proposer:
-                summary["hierarchical"] = proposer.stats.summary()
+        # Up to now, per level: "self_draft" and, with hierarchical verification, "hierarchical".
+        summary.update(self.model_runner.sparsever_drafting_stats(split=True))
+        summary["drafting"] = self.model_runner.sparsever_drafting_stats()
         return summary
 
     def reset_sparsever_metrics(self) -> None:
