@@ -61,7 +61,27 @@ METHODS: dict[str, Method] = {
     "sparsever-ngram": Method(
         "sparsever-ngram", True, False,
         lambda a, d: {"method": "sparsever", "draft_source": "ngram", **_ngram(a)}),
+    # Self-drafting: the target's first --draft-layer layers + the trained exit head (no draft model).
+    "sparsever-self-draft": Method(
+        "sparsever-self-draft", True, False,
+        lambda a, d: {"method": "sparsever", "draft_source": "early_exit", "num_speculative_tokens": a.k,
+                      "early_exit": _early_exit(a)}),
+    # Self-drafting + hierarchical verification: --verify-layer layers + head verify each round of
+    # k drafts; the full target verifies up to --hier-cap pending tokens per pass.
+    "sparsever-hierarchical": Method(
+        "sparsever-hierarchical", True, False,
+        lambda a, d: {"method": "sparsever", "draft_source": "early_exit", "num_speculative_tokens": a.hier_cap,
+                      "early_exit": {**_early_exit(a), "enabled": True, "round_tokens": a.k,
+                                     "full_verify_every": a.full_verify_every,
+                                     **({"verify_layer": a.verify_layer} if a.verify_layer else {})}}),
 }
+
+
+def _early_exit(args) -> dict:
+    section: dict = {"draft_confidence": args.draft_confidence}
+    if args.draft_layer:
+        section["draft_layer"] = args.draft_layer
+    return section
 
 
 # ---- environment ------------------------------------------------------------------------------
@@ -197,6 +217,10 @@ def run_method(method: Method, args, target: str, draft: str | None, rows: list[
                 m = get_metrics(llm)
                 entry["verification_time_share"] = m["verification_time_share"]
                 entry["sparsever_mean_acceptance_length"] = m["mean_acceptance_length"]
+                entry["verify_time_s"] = m["verify_time_s"]
+                entry["draft_time_s"] = m["draft_time_s"]
+                if m.get("drafting"):
+                    entry["drafting"] = m["drafting"]
             per_category[category] = entry
             for r, out in zip(cat_rows, results):
                 outputs[f"{category}/{r['id']}"] = list(out.outputs[0].token_ids)
@@ -222,6 +246,25 @@ def summarize(results: dict[str, dict], methods: list[Method]) -> dict[str, dict
     return results
 
 
+def merge_rounds(rounds: list[dict[str, dict]], methods: list[Method]) -> dict[str, dict]:
+    """One result per method: the first round's entries, tokens/s and speed-up replaced by their
+    mean over rounds (each round's own values kept under `per_round`)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = rounds[0]
+    for method in methods:
+        for category, entry in merged[method.name]["categories"].items():
+            entries = [rd[method.name]["categories"][category] for rd in rounds]
+            for key in ("tokens_per_s", "speedup_vs_autoregressive"):
+                values = [e.get(key) for e in entries]
+                entry[f"{key}_per_round"] = values
+                if all(v is not None for v in values):
+                    entry[key] = sum(values) / len(values)
+            same = [e.get("greedy_match") for e in entries]
+            entry["greedy_match_per_round"] = same
+    return merged
+
+
 def markdown_table(results: dict[str, dict]) -> str:
     lines = ["| method | category | tok/s | speed-up | mean acc. len | acc. rate | verify share | greedy = AR |",
              "|---|---|---|---|---|---|---|---|"]
@@ -235,7 +278,31 @@ def markdown_table(results: dict[str, dict]) -> str:
                 f"| {name} | {category} | {f(e['tokens_per_s'])} | {f(e.get('speedup_vs_autoregressive'), '{:.2f}x')} "
                 f"| {f(e['mean_acceptance_length'])} | {f(e['acceptance_rate'])} "
                 f"| {f(e.get('verification_time_share'))} | {e.get('greedy_match', '-')} |")
+    lines += ["", "Short categories together (sum of tokens / sum of seconds; speed-up of the means per round):", "",
+              "| method | tok/s | vs autoregressive | vs draft_model | mean acc. len |", "|---|---|---|---|---|"]
+    overall = {name: _overall(res) for name, res in results.items()}
+    for name, o in overall.items():
+        ar, dm = overall.get("autoregressive"), overall.get("draft_model")
+        lines.append(
+            f"| {name} | {f(o['tokens_per_s'])} | {f(_ratio(o, ar), '{:.2f}x')} | {f(_ratio(o, dm), '{:.2f}x')} "
+            f"| {f(o['mean_acceptance_length'])} |")
     return "\n".join(lines)
+
+
+def _overall(res: dict) -> dict:
+    entries = [e for c, e in res["categories"].items() if not c.startswith("long_context")]
+    tokens = sum(e["output_tokens"] for e in entries)
+    seconds = sum(e["seconds"] for e in entries)
+    drafts = sum(e["num_drafts"] for e in entries)
+    accepted = sum(e["num_accepted_tokens"] for e in entries)
+    return {"tokens_per_s": tokens / seconds if seconds else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+
+
+def _ratio(a: dict, b: dict | None) -> float | None:
+    if not b or not a["tokens_per_s"] or not b["tokens_per_s"]:
+        return None
+    return a["tokens_per_s"] / b["tokens_per_s"]
 
 
 def plot(results: dict[str, dict], path: Path, title: str) -> None:
@@ -275,7 +342,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-long-prompts", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--batch-size", type=int, default=1, help="requests submitted together")
-    p.add_argument("-k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("-k", type=int, default=3, help="num_speculative_tokens (hierarchical: drafts per round)")
+    p.add_argument("--draft-layer", type=int, default=None,
+                   help="self-drafting exit layer (default: the shallowest trained head)")
+    p.add_argument("--draft-confidence", type=float, default=0.0,
+                   help="self-drafting: stop a request's draft below this head probability")
+    p.add_argument("--verify-layer", type=int, default=None,
+                   help="hierarchical: intermediate verifier exit layer (default: the deepest trained head)")
+    p.add_argument("--hier-cap", type=int, default=8, help="hierarchical: pending tokens per full verification")
+    p.add_argument("--full-verify-every", type=int, default=3, help="hierarchical: rounds per full verification")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every method this many times, alternating the method order (noise check)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--compile", action="store_true")
@@ -304,11 +381,16 @@ def main(argv=None) -> int:
     started = dt.datetime.now(dt.timezone.utc)
     hw_start = hardware()  # load average before the run: other work on the machine shows here
     results: dict[str, dict] = {}
-    with tqdm(total=len(rows) * len(methods), desc="requests", unit="req") as bar:
-        for method in methods:
-            bar.set_postfix_str(method.name)
-            results[method.name] = run_method(method, args, target, draft, rows, bar)
-    summarize(results, methods)
+    rounds: list[dict[str, dict]] = []
+    with tqdm(total=len(rows) * len(methods) * args.rounds, desc="requests", unit="req") as bar:
+        for r in range(args.rounds):
+            order = methods if r % 2 == 0 else methods[::-1]  # alternate: drift hits every method alike
+            this_round: dict[str, dict] = {}
+            for method in order:
+                bar.set_postfix_str(f"round {r + 1}: {method.name}")
+                this_round[method.name] = run_method(method, args, target, draft, rows, bar)
+            rounds.append(summarize(this_round, methods))
+    results = merge_rounds(rounds, methods)
 
     tag = args.tag or Path(target).name
     stamp = started.strftime("%Y%m%d-%H%M")
