@@ -160,6 +160,9 @@ class EarlyExitConfig:
     draft_confidence: float = 0.0
     # Folder with the trained heads and their manifest.json. None = <target model folder>/exit_heads.
     heads: str | None = None
+    # VocabTrim: draft over the target's N most frequent output tokens only (reads N LM head rows per
+    # draft token instead of the whole vocabulary). None = the full vocabulary.
+    draft_vocab: int | None = None
     # Hierarchical verification: the first `verify_layer` layers plus their head verify each round
     # of `round_tokens` drafts; the tokens they accept (plus their correction) are pending, and the
     # full target verifies all pending tokens (at most num_speculative_tokens) in one pass after
@@ -170,7 +173,7 @@ class EarlyExitConfig:
     round_tokens: int = 3
 
     def validate(self, prefix: str) -> None:
-        for name in ("draft_layer", "verify_layer"):
+        for name in ("draft_layer", "verify_layer", "draft_vocab"):
             value = getattr(self, name)
             if value is not None:
                 _check_int(f"{prefix}.{name}", value, minimum=1)
@@ -302,7 +305,7 @@ class SparseverConfig:
                 f"layers (allowed: draft_source='early_exit'), got draft_source={self.draft_source!r}"
             )
         if self.draft_source != "early_exit":
-            for name in ("draft_layer", "heads"):
+            for name in ("draft_layer", "heads", "draft_vocab"):
                 if getattr(self.early_exit, name) is not None:
                     raise SparseverConfigError(
                         f"early_exit.{name}: only valid with draft_source='early_exit', "

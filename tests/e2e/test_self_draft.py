@@ -72,9 +72,22 @@ def target(tmp_path_factory):
     return save_model(model, tmp_path_factory.mktemp("target4") / "model", random_init=False)
 
 
+DRAFT_VOCAB = 48
+
+
 @pytest.fixture(scope="module")
-def heads(target, tmp_path_factory):
-    return make_heads(target, tmp_path_factory.mktemp("heads") / "exit_heads")
+def heads(target, tmp_path_factory, plain_greedy4):
+    """Exit heads at layers 1 and 3, and a draft vocabulary (VocabTrim) ranked from the plain
+    greedy outputs (a test stand-in for the target's generated text)."""
+    from safetensors.torch import save_file
+
+    from vllm_sparsever.drafting.draft_vocab import DRAFT_VOCAB_FILE, rank_tokens
+
+    out = make_heads(target, tmp_path_factory.mktemp("heads") / "exit_heads")
+    ranked = rank_tokens(plain_greedy4, always=(2,))
+    assert ranked.numel() > DRAFT_VOCAB
+    save_file({"token_ids": ranked}, str(out / DRAFT_VOCAB_FILE))
+    return out
 
 
 def _spec(heads: Path, **early_exit) -> dict:
@@ -262,6 +275,7 @@ def test_tensor_parallel_hierarchical_equals_plain_greedy(plain_greedy4, target,
         ({"draft_layer": 5}, "draft_layer"),
         ({"draft_layer": 0}, "draft_layer"),
         ({"draft_layer": 2}, "no trained head for layer 2"),
+        ({"draft_vocab": 100000}, "draft_vocab"),
         ({"enabled": True, "draft_layer": 3, "verify_layer": 3}, "verify_layer"),
     ],
 )
@@ -281,8 +295,9 @@ HIER_CAP = 6
 def hierarchical_run(target, heads):
     from vllm_sparsever.metrics import get_metrics
 
+    # The drafter drafts over a trimmed vocabulary (VocabTrim); the intermediate verifier's is full.
     spec = _spec(heads, enabled=True, draft_layer=DRAFT_LAYER, verify_layer=VERIFY_LAYER,
-                 round_tokens=2, full_verify_every=3)
+                 round_tokens=2, full_verify_every=3, draft_vocab=DRAFT_VOCAB)
     spec["num_speculative_tokens"] = HIER_CAP
     llm = _engine(target, spec)
     try:

@@ -19,10 +19,14 @@ from vllm_sparsever.drafting.exit_head import ExitHead, ExitHeadManifest
 
 
 class EarlyExitModel:
-    def __init__(self, heads_dir: str | Path, layers: tuple[int, ...]) -> None:
+    def __init__(self, heads_dir: str | Path, layers: tuple[int, ...],
+                 trimmed_vocab: dict[int, int] | None = None) -> None:
         self.heads_dir = Path(heads_dir)
         self.layers = layers
+        # exit layer -> size of its trimmed draft vocabulary (VocabTrim); other layers: full vocab.
+        self.trimmed_vocab = dict(trimmed_vocab or {})
         self.heads: dict[int, ExitHead] = {}
+        self._trimmed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (ids, LM head rows)
         self._stack = None
         self._runner: Any = None
 
@@ -45,6 +49,13 @@ class EarlyExitModel:
             self.heads[layer] = head.to(param.device)
         self._stack = stack
         self._runner = runner
+        if self.trimmed_vocab:
+            from vllm_sparsever.drafting.draft_vocab import load_draft_vocab
+            from vllm_sparsever.integration.compat.model import lm_head_rows
+
+            for layer, size in self.trimmed_vocab.items():
+                ids = load_draft_vocab(self.heads_dir, size).to(param.device)
+                self._trimmed[layer] = (ids, lm_head_rows(model, ids))
 
     @property
     def runner(self) -> Any:
@@ -55,12 +66,38 @@ class EarlyExitModel:
         return next(iter(self.heads.values())).norm_out.device
 
     @torch.inference_mode()
+    def predict(
+        self, exit_layer: int, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+        query_lens: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(argmax token, its probability) of the head at `exit_layer` per query token; over the
+        layer's trimmed draft vocabulary if it has one (the LM head rows of those tokens only)."""
+        trimmed = self._trimmed.get(exit_layer)
+        if trimmed is None:
+            logits = self.logits(exit_layer, rows, tokens, positions, query_lens)
+            confidence, token = torch.softmax(logits, dim=-1).max(dim=-1)
+            return token, confidence
+        ids, weight = trimmed
+        normed = self.hidden(exit_layer, rows, tokens, positions, query_lens)
+        logits = torch.nn.functional.linear(normed, weight).float()
+        confidence, index = torch.softmax(logits, dim=-1).max(dim=-1)
+        return ids[index], confidence
+
+    @torch.inference_mode()
     def logits(
         self, exit_layer: int, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
         query_lens: list[int],
     ) -> torch.Tensor:
         """fp32 logits of the head at `exit_layer` for `query_lens[i]` consecutive tokens of batch
         row `rows[i]` (tokens/positions flattened request after request)."""
+        return self._stack.compute_logits(self.hidden(exit_layer, rows, tokens, positions, query_lens)).float()
+
+    @torch.inference_mode()
+    def hidden(
+        self, exit_layer: int, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+        query_lens: list[int],
+    ) -> torch.Tensor:
+        """The head's normed output (before the LM head) at `exit_layer` for the query tokens."""
         from vllm.forward_context import set_forward_context
 
         from vllm_sparsever.integration.compat.runner import query_attention_context
@@ -71,4 +108,4 @@ class EarlyExitModel:
         with set_forward_context(metadata, self._runner.vllm_config, num_tokens=int(tokens.numel()),
                                  slot_mapping=slots):
             stream = self._stack.run_layers(exit_layer, tokens, positions)
-        return self._stack.compute_logits(self.heads[exit_layer](stream)).float()
+        return self.heads[exit_layer](stream)

@@ -126,12 +126,12 @@ class HierarchicalProposer:
             tokens.extend(seq)
             positions.extend(range(sub.positions[j], sub.positions[j] + len(seq)))
             lens.append(len(seq))
-        logits = self.model.logits(
+        predicted_t, _ = self.model.predict(
             self.verify_layer, torch.tensor([sub.rows[j] for j in which], dtype=torch.long),
             torch.tensor(tokens, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device), lens,
         )
-        predicted = logits.argmax(dim=-1).tolist()
+        predicted = predicted_t.tolist()
         self.stats.intermediate_passes += 1
         offset = 0
         for j, length in zip(which, lens, strict=True):

@@ -59,6 +59,15 @@ def resolve_self_draft(config: SparseverConfig, model_config: Any) -> SparseverC
                     f"early_exit.verify_layer: must be deeper than draft_layer ({layer}) and below "
                     f"the last layer ({num_layers}), got {verify_layer}; trained heads: {trained}"
                 )
+        if ee.draft_vocab is not None:
+            from vllm_sparsever.drafting.draft_vocab import DRAFT_VOCAB_FILE, available_draft_vocab
+
+            available = available_draft_vocab(folder)
+            if available < ee.draft_vocab:
+                raise ExitHeadError(
+                    f"early_exit.draft_vocab: {ee.draft_vocab} tokens asked for, {folder / DRAFT_VOCAB_FILE} "
+                    f"ranks {available} (allowed: 1..{available}; `vllm-sparsever train-exits` writes it)"
+                )
         for needed in {layer, verify_layer} - {None}:
             entry = manifest.head_for(needed)
             if not (folder / entry.file).is_file():
@@ -180,9 +189,8 @@ class SelfDraftProposer:
                 break
             sel = torch.from_numpy(idx)
             sel_dev = sel.to(device)
-            logits = self.model.logits(self.exit_layer, rows_t[sel], tokens_t[sel_dev], positions_t[sel_dev],
-                                       [1] * idx.size)
-            confidence, next_tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+            next_tokens, confidence = self.model.predict(
+                self.exit_layer, rows_t[sel], tokens_t[sel_dev], positions_t[sel_dev], [1] * idx.size)
             self.stats.forward_passes += 1
             next_list = next_tokens.tolist()
             conf_list = confidence.tolist()

@@ -178,7 +178,8 @@ def _make_self_drafter(config: SparseverConfig, max_model_len: int) -> Any:
 
     ee = config.early_exit
     layers = (ee.draft_layer, ee.verify_layer) if ee.enabled else (ee.draft_layer,)
-    model = EarlyExitModel(ee.heads, layers)
+    trimmed = {ee.draft_layer: ee.draft_vocab} if ee.draft_vocab else None
+    model = EarlyExitModel(ee.heads, layers, trimmed_vocab=trimmed)
     drafter = SelfDraftProposer(
         model,
         exit_layer=ee.draft_layer,

@@ -8,7 +8,10 @@ Private symbols touched (vLLM model classes, `vllm/model_executor/models/{llama,
 - `layer.self_attn.attn.layer_name` (the attention layer's name in the forward context);
 - `model.model.norm.variance_epsilon` (RMSNorm eps) and `model.compute_logits(hidden_states)` (LM
   head through the logits processor, which all-gathers vocabulary shards across TP ranks on
-  platforms whose `use_all_gather()` is true, CPU included).
+  platforms whose `use_all_gather()` is true, CPU included);
+- `model.lm_head.weight` (`ParallelLMHead` / tied `VocabParallelEmbedding`: rank r holds rows
+  [r * n, (r + 1) * n) of the vocabulary padded at its end, so the all-gathered weight's first
+  `vocab_size` rows are the vocabulary in order).
 """
 
 from __future__ import annotations
@@ -68,3 +71,14 @@ def decoder_stack(model: Any) -> DecoderStack:
         hidden_size=int(norm.weight.shape[0]),
         compute_logits=model.compute_logits,
     )
+
+
+def lm_head_rows(model, token_ids: torch.Tensor) -> torch.Tensor:
+    """A copy of the LM head rows of `token_ids` (the whole vocabulary gathered across TP ranks
+    first, so every rank holds the same rows)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+
+    weight = model.lm_head.weight
+    if get_tensor_model_parallel_world_size() > 1:
+        weight = tensor_model_parallel_all_gather(weight.contiguous(), dim=0)
+    return weight[token_ids.to(weight.device)].contiguous()
