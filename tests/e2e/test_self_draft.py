@@ -123,17 +123,22 @@ SAMPLE_PROMPT = prompts(1, seed=7)[0]
 
 @pytest.fixture(scope="module")
 def self_draft_run(target, heads):
+    return _greedy_metrics_samples(target, _spec(heads, draft_layer=DRAFT_LAYER))
+
+
+def _greedy_metrics_samples(target: Path, spec: dict):
+    """One engine: greedy outputs, the sparsever metrics after them, then sampled completions."""
     from vllm_sparsever.metrics import get_metrics
 
-    llm = _engine(target, _spec(heads, draft_layer=DRAFT_LAYER))
+    llm = _engine(target, spec)
     try:
         greedy = _greedy(llm)
-        greedy_metrics = get_metrics(llm)
+        metrics = get_metrics(llm)
         sampled = _sample(llm, SAMPLE_PROMPT)
     finally:
         del llm
         gc.collect()
-    return greedy, greedy_metrics, sampled
+    return greedy, metrics, sampled
 
 
 @pytest.fixture(scope="module")
@@ -293,21 +298,11 @@ HIER_CAP = 6
 
 @pytest.fixture(scope="module")
 def hierarchical_run(target, heads):
-    from vllm_sparsever.metrics import get_metrics
-
     # The drafter drafts over a trimmed vocabulary (VocabTrim); the intermediate verifier's is full.
     spec = _spec(heads, enabled=True, draft_layer=DRAFT_LAYER, verify_layer=VERIFY_LAYER,
                  round_tokens=2, full_verify_every=3, draft_vocab=DRAFT_VOCAB)
     spec["num_speculative_tokens"] = HIER_CAP
-    llm = _engine(target, spec)
-    try:
-        greedy = _greedy(llm)
-        metrics = get_metrics(llm)
-        sampled = _sample(llm, SAMPLE_PROMPT)
-    finally:
-        del llm
-        gc.collect()
-    return greedy, metrics, sampled
+    return _greedy_metrics_samples(target, spec)
 
 
 def test_hierarchical_greedy_equals_plain_greedy(plain_greedy4, hierarchical_run):

@@ -7,13 +7,17 @@ globals, private attributes) goes through a module of this package, one per vLLM
 - `worker`: `CPUWorker`/GPU `Worker`, the `cpu_worker.CPUModelRunner` global, `_make_model_runner`,
   `use_v2_model_runner`;
 - `runner`: the V1 model runner hooks the sparsever mixin overrides, `input_batch` internals,
-  `SchedulerOutput.scheduled_spec_decode_tokens`, `ModelRunnerOutput` tokens, `drafter.load_model`;
+  `SchedulerOutput.scheduled_spec_decode_tokens`, `ModelRunnerOutput` tokens, `drafter.load_model`,
+  attention groups and metadata builders (the self-drafter's forward passes);
 - `cpu_attention`: the CPU_ATTN backend (bases, builder ISA, impl attributes, metadata fields,
   vLLM's CPU attention / scheduler-metadata / cache-write ops, KV layout, backend registry);
 - `linear`: `layers.utils.dispatch_cpu_unquantized_gemm` and the `cpu_linear` attribute;
 - `fused_moe`: CPU experts (`apply`, `process_weights_after_loading`, `_use_zentorch`), `MoERunner`
   (`forward`, `_maybe_reduce_final_output`), router/config attributes, expert backends;
-- `forward_context`: the per-step MoE layer counter and `_USE_LAYERNAME`.
+- `forward_context`: the per-step MoE layer counter and `_USE_LAYERNAME`;
+- `vllm_config`: `VllmConfig.num_lookahead_tokens` (KV slots reserved for self-drafting);
+- `model`: the decoder stack of Llama/Qwen models (self-drafting runs its first layers);
+- `sampling`: a fix for vLLM-CPU's rejection-sampler `expand_kernel` override.
 
 Each module's docstring lists the private symbols it touches; `tests/compat/` holds a contract test
 per symbol, so a vLLM upgrade fails a test rather than a user's engine. This package's top level
