@@ -17,12 +17,12 @@ _KNOBS = {
     "--num-heldout-prompts": ("num_heldout_prompts", int,
                               "articles held out for the agreement report (default: 8)"),
     "--max-prompt-tokens": ("max_prompt_tokens", int, "prompt text cut to this (default: 256)"),
-    "--max-new-tokens": ("max_new_tokens", int, "tokens generated per prompt (default: 256)"),
+    "--max-new-tokens": ("max_new_tokens", int, "tokens generated per prompt (default: 384)"),
     "--temperature": ("temperature", float, "sampling temperature of the generated text (default: 0.7)"),
     "--seed": ("seed", int, "seed of sampling, head init and batch order (default: 0)"),
-    "--epochs": ("epochs", int, "passes over the training tokens (default: 4)"),
-    "--lr": ("lr", float, "AdamW peak learning rate (default: 2e-3)"),
-    "--batch-tokens": ("batch_tokens", int, "tokens per training step (default: 256)"),
+    "--epochs": ("epochs", int, "passes over the training tokens (default: 2)"),
+    "--lr": ("lr", float, "AdamW peak learning rate (default: 5e-3)"),
+    "--batch-tokens": ("batch_tokens", int, "tokens per training step (default: 64)"),
     "--output": ("output_dir", str, "heads folder (default: <model>/exit_heads)"),
 }  # fmt: skip
 
