@@ -203,6 +203,26 @@ def test_bad_inputs_raise_before_any_work(model_dir, workdir, monkeypatch):
         train_exits(str(other), _options(workdir / "x"))
 
 
+def test_missing_calibration_data_names_the_build_command(model_dir, workdir, monkeypatch):
+    monkeypatch.setenv("VLLM_SPARSEVER_HOME", str(workdir / "empty_home"))
+    with pytest.raises(TrainExitsError, match="vllm-sparsever data build"):
+        train_exits(str(model_dir), _options(workdir / "x", prompt_rows=None))
+
+
+@pytest.mark.slow
+def test_vllm_generator_end_to_end(model_dir, workdir):
+    """The default generator: vLLM offline writes the text, then the same training runs (~1 min)."""
+    out = workdir / "heads_vllm"
+    result = train_exits(str(model_dir), _options(out, generator="vllm", generation_dtype="float32",
+                                                  max_new_tokens=48, epochs=1))  # fmt: skip
+    lines = (out / GENERATED_NAME).read_text().splitlines()
+    seqs = [json.loads(line) for line in lines[1:]]
+    assert len(seqs) == NUM_PROMPTS
+    assert all(0 < len(s["generated_ids"]) <= 48 for s in seqs)
+    assert result.train_tokens == sum(len(s["generated_ids"]) for s in seqs[: NUM_PROMPTS - NUM_HELDOUT])
+    assert ExitHeadManifest.load(out).training["settings"]["generator"] == "vllm"
+
+
 def test_default_exit_layers():
     assert default_exit_layers(28) == (7, 14, 21)
     assert default_exit_layers(30) == (8, 15, 22)

@@ -187,7 +187,10 @@ def split_prompts(options: TrainExitsOptions) -> tuple[list[dict], list[dict]]:
     else:
         from vllm_sparsever.data import load_prompts
 
-        rows = load_prompts(DATA_CATEGORY)
+        try:
+            rows = load_prompts(DATA_CATEGORY)
+        except FileNotFoundError as exc:  # DataNotBuiltError names the build command
+            raise TrainExitsError(f"calibration prompts: {exc}") from None
     rows = [r for r in rows if str(r.get("prompt", "")).strip()]
     if len(rows) <= options.num_heldout_prompts:
         raise TrainExitsError(
@@ -219,8 +222,7 @@ def prompt_token_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def _generate_vllm(model_dir: str, prompts: list[list[int]], seeds: list[int],
-                   options: TrainExitsOptions) -> list[list[int]]:
+def _generate_vllm(model_dir: str, prompts: list[list[int]], options: TrainExitsOptions) -> list[list[int]]:
     # Offline vLLM: both cores for the one worker (the front end idles while it waits).
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     import gc
@@ -233,7 +235,6 @@ def _generate_vllm(model_dir: str, prompts: list[list[int]], seeds: list[int],
     try:
         # One engine seed, not per-request seeds: vLLM-CPU 0.32 fails on seeded requests
         # ("CPU Generator does not use offset"). Same prompts, same batch -> same text.
-        del seeds
         params = SamplingParams(temperature=options.temperature, max_tokens=options.max_new_tokens)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                             use_tqdm=options.show_progress)
@@ -247,8 +248,8 @@ def _generate_vllm(model_dir: str, prompts: list[list[int]], seeds: list[int],
         gc.collect()
 
 
-def _generate_hf(model, tokenizer, prompts: list[list[int]], seeds: list[int],
-                 options: TrainExitsOptions, batch_size: int = 8) -> list[list[int]]:
+def _generate_hf(model, tokenizer, prompts: list[list[int]], options: TrainExitsOptions,
+                 batch_size: int = 8) -> list[list[int]]:
     from tqdm.auto import tqdm
 
     eos = model.generation_config.eos_token_id
@@ -261,7 +262,7 @@ def _generate_hf(model, tokenizer, prompts: list[list[int]], seeds: list[int],
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        torch.manual_seed(seeds[start])
+        torch.manual_seed(options.seed * 100_003 + start)  # each batch reproducible on its own
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                                  temperature=options.temperature, top_k=0, top_p=1.0,
@@ -279,8 +280,11 @@ def _generate_hf(model, tokenizer, prompts: list[list[int]], seeds: list[int],
 
 
 def _cache_key(model_dir: str, rows: list[dict], options: TrainExitsOptions) -> str:
+    weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime))
+                     for p in Path(model_dir).glob("*.safetensors"))  # a rebuilt model regenerates
     facts = {
         "config": read_config(model_dir),
+        "weights": weights,
         "ids": [r["id"] for r in rows],
         "prompts": hashlib.sha256("\x00".join(str(r["prompt"]) for r in rows).encode()).hexdigest(),
         **{k: getattr(options, k) for k in ("max_prompt_tokens", "max_new_tokens", "temperature",
@@ -298,11 +302,10 @@ def generated_sequences(model_dir: str, tokenizer, rows: list[dict], options: Tr
         if lines and json.loads(lines[0]).get("key") == key:
             return [json.loads(line) for line in lines[1:]]
     prompts = [prompt_token_ids(tokenizer, str(r["prompt"]), options.max_prompt_tokens) for r in rows]
-    seeds = [options.seed * 100_003 + i for i in range(len(rows))]
     if options.generator == "vllm":
-        generated = _generate_vllm(model_dir, prompts, seeds, options)
+        generated = _generate_vllm(model_dir, prompts, options)
     else:
-        generated = _generate_hf(hf_model, tokenizer, prompts, seeds, options)
+        generated = _generate_hf(hf_model, tokenizer, prompts, options)
     seqs = [{"id": r["id"], "prompt_ids": p, "generated_ids": g}
             for r, p, g in zip(rows, prompts, generated)]  # fmt: skip
     if cache_path is not None:
