@@ -96,3 +96,26 @@ def prompts(n: int, length: int = 12, seed: int = 0) -> list[str]:
         words = [_VOCAB_WORDS[i] for i in ids]
         out.append(" ".join(words + words[: length // 2]))
     return out
+
+
+def make_tiny_exit_llama(path: Path, *, seed: int = 0, num_layers: int = 6, logit_scale: float = 4.0) -> Path:
+    """A tiny random Llama whose next-token distributions are peaked (RMSNorm weights 1, LM head
+    scaled so logits have std ~`logit_scale`) and whose residual stream changes from layer to layer:
+    early exits then disagree with the final layer in a way a head can learn (early-exit tests).
+    The default tiny models' N(0, 0.08) norms make every distribution nearly uniform."""
+    from transformers import LlamaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    make_tiny_llama(path, seed=seed, num_layers=num_layers)
+    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+        head = model.lm_head.weight
+        head.copy_(torch.randn(head.shape, generator=g) * logit_scale / head.shape[1] ** 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

