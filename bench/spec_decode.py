@@ -66,6 +66,11 @@ METHODS: dict[str, Method] = {
         "sparsever-self-draft", True, False,
         lambda a, d: {"method": "sparsever", "draft_source": "early_exit", "num_speculative_tokens": a.k,
                       "early_exit": _early_exit(a)}),
+    # The same with VocabTrim: drafts over the --draft-vocab most frequent generated tokens.
+    "sparsever-self-draft-trim": Method(
+        "sparsever-self-draft-trim", True, False,
+        lambda a, d: {"method": "sparsever", "draft_source": "early_exit", "num_speculative_tokens": a.k,
+                      "early_exit": {**_early_exit(a), "draft_vocab": a.draft_vocab}}),
     # Self-drafting + hierarchical verification: --verify-layer layers + head verify each round of
     # k drafts; the full target verifies up to --hier-cap pending tokens per pass.
     "sparsever-hierarchical": Method(
@@ -347,6 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="self-drafting exit layer (default: the shallowest trained head)")
     p.add_argument("--draft-confidence", type=float, default=0.0,
                    help="self-drafting: stop a request's draft below this head probability")
+    p.add_argument("--draft-vocab", type=int, default=4096,
+                   help="sparsever-self-draft-trim: draft vocabulary size (VocabTrim)")
     p.add_argument("--verify-layer", type=int, default=None,
                    help="hierarchical: intermediate verifier exit layer (default: the deepest trained head)")
     p.add_argument("--hier-cap", type=int, default=8, help="hierarchical: pending tokens per full verification")

@@ -29,6 +29,10 @@ def test_build_and_load_from_generated_text(tmp_path):
     with pytest.raises(ValueError, match="4 ranked tokens, 5 asked"):
         load_draft_vocab(tmp_path, 5)
     assert available_draft_vocab(tmp_path / "nowhere") == 0
+    # With a manifest, only the training sequences are ranked (held-out text stays out).
+    (tmp_path / "manifest.json").write_text(json.dumps({"training": {"data": {"train_ids": ["b"]}}}))
+    build_draft_vocab(tmp_path)
+    assert load_draft_vocab(tmp_path, 3).tolist() == [3, 4, 8]
 
 
 def test_lm_head_rows_single_rank(vllm_env):

@@ -161,6 +161,24 @@ def test_manifest_round_trips_and_matches_the_model(result, hf_model):
     assert loaded.training["heldout_tokens"] == result.heldout_tokens
 
 
+def test_draft_vocabulary_ranks_the_training_text(result):
+    """train-exits also writes VocabTrim's ranking: training text only, EOS first."""
+    import json
+    from collections import Counter
+
+    from vllm_sparsever.drafting.draft_vocab import available_draft_vocab, load_draft_vocab
+
+    train_ids = set(result.manifest.training["data"]["train_ids"])
+    rows = [json.loads(x) for x in (result.output_dir / "generated.jsonl").read_text().splitlines()]
+    counts = Counter(t for r in rows if r.get("id") in train_ids for t in r["generated_ids"])
+    n = available_draft_vocab(result.output_dir)
+    assert n >= len(counts) > 0
+    ranked = load_draft_vocab(result.output_dir, n).tolist()
+    assert ranked[0] == 2  # the tiny model's EOS, always draftable
+    seen = [t for t in ranked[1:] if t in counts]
+    assert [counts[t] for t in seen] == sorted((counts[t] for t in seen), reverse=True)
+
+
 def test_same_seed_same_heads_and_time_budget_stops_cleanly(result, model_dir, workdir):
     again = train_exits(str(model_dir), _options(workdir / "heads_again"))
     for layer in EXIT_LAYERS:
@@ -243,3 +261,12 @@ def test_cli_reports_bad_flag_and_help_defaults_match_options(model_dir, capsys)
         stated = re.search(r"\(default: ([0-9.e-]+)\)", text)
         if stated:
             assert kind(stated.group(1)) == getattr(defaults, dest), flag
+
+
+def test_evaluation_articles_are_excluded_from_training_prompts():
+    from vllm_sparsever.drafting.train_exits import exclude_evaluation_articles
+
+    rows = [{"id": "wikipedia/657", "prompt": "a"}, {"id": "wikipedia/659", "prompt": "b"},
+            {"id": "wikipedia/7", "prompt": "c"}]
+    kept = exclude_evaluation_articles(rows, {"659", "70"})
+    assert [r["id"] for r in kept] == ["wikipedia/657", "wikipedia/7"]

@@ -39,14 +39,24 @@ def build_draft_vocab(heads_dir: str | Path, always: tuple[int, ...] = ()) -> Pa
     source = heads_dir / GENERATED_FILE
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no generated text to rank tokens from (run train-exits)")
+    train_ids = _training_ids(heads_dir)  # held-out text stays out of the ranking
     sequences = []
     for line in source.read_text().splitlines():
         row = json.loads(line)
-        if "generated_ids" in row:
+        if "generated_ids" in row and (train_ids is None or row.get("id") in train_ids):
             sequences.append(row["generated_ids"])
     path = heads_dir / DRAFT_VOCAB_FILE
     save_file({"token_ids": rank_tokens(sequences, always)}, str(path))
     return path
+
+
+def _training_ids(heads_dir: Path) -> set[str] | None:
+    """The training prompt ids recorded in the heads' manifest (None when it records none)."""
+    path = heads_dir / "manifest.json"
+    if not path.is_file():
+        return None
+    ids = ((json.loads(path.read_text()).get("training") or {}).get("data") or {}).get("train_ids")
+    return set(ids) if ids else None
 
 
 def available_draft_vocab(heads_dir: str | Path) -> int:

@@ -180,6 +180,30 @@ def validate(options: TrainExitsOptions, config: dict[str, Any]) -> tuple[tuple[
 # ---- prompts and generated text ----------------------------------------------------------------
 
 
+# Evaluation sets built from Wikipedia articles ("<category>/<article>/<n>" ids): their articles
+# are never continued for training, so no evaluation text is seen by the heads.
+WIKIPEDIA_EVALUATION_SETS = ("qa",)
+
+
+def evaluation_article_ids() -> set[str]:
+    """Article numbers used by the Wikipedia-based evaluation sets that are built (others: none)."""
+    from vllm_sparsever.data import load_prompts
+
+    articles: set[str] = set()
+    for category in WIKIPEDIA_EVALUATION_SETS:
+        try:
+            rows = load_prompts(category)
+        except FileNotFoundError:
+            continue
+        articles.update(str(r["id"]).split("/")[1] for r in rows if str(r.get("id", "")).count("/") >= 1)
+    return articles
+
+
+def exclude_evaluation_articles(rows: list[dict], articles: set[str]) -> list[dict]:
+    """`rows` (wikipedia/<article>) without the articles an evaluation set uses."""
+    return [r for r in rows if str(r.get("id", "")).split("/")[-1] not in articles]
+
+
 def split_prompts(options: TrainExitsOptions) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows): held out = the last `num_heldout_prompts` articles."""
     if options.prompt_rows is not None:
@@ -191,6 +215,7 @@ def split_prompts(options: TrainExitsOptions) -> tuple[list[dict], list[dict]]:
             rows = load_prompts(DATA_CATEGORY)
         except FileNotFoundError as exc:  # DataNotBuiltError names the build command
             raise TrainExitsError(f"calibration prompts: {exc}") from None
+        rows = exclude_evaluation_articles(rows, evaluation_article_ids())
     rows = [r for r in rows if str(r.get("prompt", "")).strip()]
     if len(rows) <= options.num_heldout_prompts:
         raise TrainExitsError(
@@ -554,10 +579,27 @@ def train_exits(model: str, options: TrainExitsOptions | None = None) -> TrainEx
         training=training,
     )
     manifest.save(output_dir)
+    _write_draft_vocab(model_dir, output_dir)
     return TrainExitsResult(model_dir=model_dir, output_dir=output_dir, manifest=manifest,
                             layers=layers, train_tokens=train.num_tokens,
                             heldout_tokens=heldout.num_tokens, steps=steps, planned_steps=planned,
                             stopped_by_budget=stopped, seconds=seconds, heads=heads)  # fmt: skip
+
+
+def _write_draft_vocab(model_dir: Path, output_dir: Path) -> None:
+    """VocabTrim's token ranking (`early_exit.draft_vocab`) from the generated training text, EOS
+    first so a draft can always end the text."""
+    from vllm_sparsever.drafting.draft_vocab import GENERATED_FILE, build_draft_vocab
+
+    if not (output_dir / GENERATED_FILE).is_file():
+        return
+    eos: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            eos += [value] if isinstance(value, int) else list(value or [])
+    build_draft_vocab(output_dir, always=tuple(dict.fromkeys(eos)))
 
 
 def summary(result: TrainExitsResult) -> str:
