@@ -267,6 +267,8 @@ def merge_rounds(rounds: list[dict[str, dict]], methods: list[Method]) -> dict[s
                     entry[key] = sum(values) / len(values)
             same = [e.get("greedy_match") for e in entries]
             entry["greedy_match_per_round"] = same
+            entry["seconds_per_round"] = [e["seconds"] for e in entries]
+            entry["output_tokens_per_round"] = [e["output_tokens"] for e in entries]
     return merged
 
 
@@ -283,31 +285,36 @@ def markdown_table(results: dict[str, dict]) -> str:
                 f"| {name} | {category} | {f(e['tokens_per_s'])} | {f(e.get('speedup_vs_autoregressive'), '{:.2f}x')} "
                 f"| {f(e['mean_acceptance_length'])} | {f(e['acceptance_rate'])} "
                 f"| {f(e.get('verification_time_share'))} | {e.get('greedy_match', '-')} |")
-    lines += ["", "Short categories together (sum of tokens / sum of seconds; speed-up of the means per round):", "",
-              "| method | tok/s | vs autoregressive | vs draft_model | mean acc. len |", "|---|---|---|---|---|"]
+    lines += ["", "Short categories together (sum of tokens / sum of seconds over all rounds; per round in brackets):",
+              "", "| method | tok/s | vs autoregressive | vs draft_model | mean acc. len |", "|---|---|---|---|---|"]
     overall = {name: _overall(res) for name, res in results.items()}
     for name, o in overall.items():
         ar, dm = overall.get("autoregressive"), overall.get("draft_model")
+        per_round = ", ".join(f(t) for t in o["tokens_per_s_per_round"])
         lines.append(
-            f"| {name} | {f(o['tokens_per_s'])} | {f(_ratio(o, ar), '{:.2f}x')} | {f(_ratio(o, dm), '{:.2f}x')} "
+            f"| {name} | {f(o['tokens_per_s'])} [{per_round}] | {_ratios(o, ar)} | {_ratios(o, dm)} "
             f"| {f(o['mean_acceptance_length'])} |")
     return "\n".join(lines)
 
 
 def _overall(res: dict) -> dict:
     entries = [e for c, e in res["categories"].items() if not c.startswith("long_context")]
-    tokens = sum(e["output_tokens"] for e in entries)
-    seconds = sum(e["seconds"] for e in entries)
+    tokens = [e.get("output_tokens_per_round", [e["output_tokens"]]) for e in entries]
+    seconds = [e.get("seconds_per_round", [e["seconds"]]) for e in entries]
+    per_round = [sum(t[r] for t in tokens) / sum(s[r] for s in seconds) for r in range(len(seconds[0]))]
     drafts = sum(e["num_drafts"] for e in entries)
     accepted = sum(e["num_accepted_tokens"] for e in entries)
-    return {"tokens_per_s": tokens / seconds if seconds else None,
+    return {"tokens_per_s": sum(map(sum, tokens)) / sum(map(sum, seconds)),
+            "tokens_per_s_per_round": per_round,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
 
 
-def _ratio(a: dict, b: dict | None) -> float | None:
-    if not b or not a["tokens_per_s"] or not b["tokens_per_s"]:
-        return None
-    return a["tokens_per_s"] / b["tokens_per_s"]
+def _ratios(a: dict, b: dict | None) -> str:
+    """a / b over all rounds, and per round in brackets (machines drift: compare within a round)."""
+    if not b:
+        return "-"
+    per = ", ".join(f"{x / y:.2f}" for x, y in zip(a["tokens_per_s_per_round"], b["tokens_per_s_per_round"]))
+    return f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x [{per}]"
 
 
 def plot(results: dict[str, dict], path: Path, title: str) -> None:

@@ -80,7 +80,7 @@ def resolve_self_draft(config: SparseverConfig, model_config: Any) -> SparseverC
 
 @dataclass
 class SelfDraftStats:
-    rounds: int = 0  # propose() calls that drafted for at least one request
+    rounds: int = 0  # draft() calls (per step; with hierarchical verification, per round)
     forward_passes: int = 0  # layer-0..L-1 iterations
     draft_tokens: int = 0
     stopped_by_confidence: int = 0  # requests that stopped before k drafts on a low-confidence token
