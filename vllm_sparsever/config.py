@@ -265,26 +265,24 @@ class SparseverConfig:
     def validate(self) -> None:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
         _check_choice("draft_source", self.draft_source, DRAFT_SOURCES)
+        if self.draft_source != "ngram":
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise SparseverConfigError(
+                        f"{name}: only valid with draft_source='ngram', got draft_source={self.draft_source!r}"
+                    )
         if self.draft_source == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise SparseverConfigError(
                     "model: required with draft_source='draft_model' (path or name of the draft "
                     "model); omit it and set draft_source='ngram' for n-gram prompt lookup"
                 )
-            for name in ("prompt_lookup_min", "prompt_lookup_max"):
-                if getattr(self, name) is not None:
-                    raise SparseverConfigError(
-                        f"{name}: only valid with draft_source='ngram', not with a draft model"
-                    )
         elif self.draft_source == "early_exit":
             if self.model is not None:
                 raise SparseverConfigError(
                     "model: must be omitted with draft_source='early_exit' (the target drafts for "
                     "itself with its first layers and a trained exit head)"
                 )
-            for name in ("prompt_lookup_min", "prompt_lookup_max"):
-                if getattr(self, name) is not None:
-                    raise SparseverConfigError(f"{name}: only valid with draft_source='ngram'")
         else:
             if self.model is not None:
                 raise SparseverConfigError(
@@ -341,11 +339,10 @@ class SparseverConfig:
         if self.draft_source == "draft_model":
             kwargs["method"] = "draft_model"
             kwargs["model"] = self.model
-        elif self.draft_source == "early_exit":
-            # vLLM drives it like its n-gram drafter (CPU token lists in, draft lists out, no draft
-            # model); the sparsever runner replaces the proposal with the self-drafter's.
-            kwargs["method"] = "ngram"
         else:
+            # n-gram drafting, and self-drafting, which vLLM drives like its n-gram drafter (CPU
+            # token lists in, draft lists out, no draft model; the sparsever runner replaces the
+            # proposal with the self-drafter's, and the prompt-lookup fields are unset).
             kwargs["method"] = "ngram"
             if self.prompt_lookup_min is not None:
                 kwargs["prompt_lookup_min"] = self.prompt_lookup_min

@@ -175,6 +175,9 @@ def test_draft_vocabulary_ranks_the_training_text(result):
     assert n >= len(counts) > 0
     ranked = load_draft_vocab(result.output_dir, n).tolist()
     assert ranked[0] == 2  # the tiny model's EOS, always draftable
+    # Only the training sequences are ranked: held-out text stays out.
+    assert set(ranked) <= set(counts) | {2}
+    assert len(ranked) == len(set(counts) | {2})
     seen = [t for t in ranked[1:] if t in counts]
     assert [counts[t] for t in seen] == sorted((counts[t] for t in seen), reverse=True)
 

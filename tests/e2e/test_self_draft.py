@@ -79,14 +79,12 @@ DRAFT_VOCAB = 48
 def heads(target, tmp_path_factory, plain_greedy4):
     """Exit heads at layers 1 and 3, and a draft vocabulary (VocabTrim) ranked from the plain
     greedy outputs (a test stand-in for the target's generated text)."""
-    from safetensors.torch import save_file
-
-    from vllm_sparsever.drafting.draft_vocab import DRAFT_VOCAB_FILE, rank_tokens
+    from vllm_sparsever.drafting.draft_vocab import rank_tokens, save_draft_vocab
 
     out = make_heads(target, tmp_path_factory.mktemp("heads") / "exit_heads")
     ranked = rank_tokens(plain_greedy4, always=(2,))
     assert ranked.numel() > DRAFT_VOCAB
-    save_file({"token_ids": ranked}, str(out / DRAFT_VOCAB_FILE))
+    save_draft_vocab(out, ranked)
     return out
 
 

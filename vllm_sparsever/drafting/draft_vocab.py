@@ -4,22 +4,20 @@ The LM head of a 150K-token vocabulary is a large share of a shallow draft's byt
 Qwen2.5-1.5B, 21% of SmolLM2-135M whose head is its tied embedding). Drafting over the few thousand
 tokens the target actually emits reads only their LM head rows; a draft outside them is simply not
 proposed (lossless: drafts are only proposals). The ranking comes from the text the target itself
-generated for `train-exits` (`exit_heads/generated.jsonl`, `generated_ids` per line), never from
-evaluation sets.
+generated for `train-exits` (its training sequences, not the held-out ones), never from evaluation
+sets; `train-exits` writes it next to the heads.
 
     exit_heads/draft_vocab.safetensors   token_ids [n]: every token seen, most frequent first
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import torch
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
-GENERATED_FILE = "generated.jsonl"
 
 
 def rank_tokens(sequences: list[list[int]], always: tuple[int, ...] = ()) -> torch.Tensor:
@@ -31,32 +29,13 @@ def rank_tokens(sequences: list[list[int]], always: tuple[int, ...] = ()) -> tor
     return torch.tensor(ranked, dtype=torch.long)
 
 
-def build_draft_vocab(heads_dir: str | Path, always: tuple[int, ...] = ()) -> Path:
-    """Write `draft_vocab.safetensors` from the generated text next to the heads."""
+def save_draft_vocab(heads_dir: str | Path, ranked: torch.Tensor) -> Path:
+    """Write `rank_tokens` output as the heads' draft vocabulary."""
     from safetensors.torch import save_file
 
-    heads_dir = Path(heads_dir)
-    source = heads_dir / GENERATED_FILE
-    if not source.is_file():
-        raise FileNotFoundError(f"{source}: no generated text to rank tokens from (run train-exits)")
-    train_ids = _training_ids(heads_dir)  # held-out text stays out of the ranking
-    sequences = []
-    for line in source.read_text().splitlines():
-        row = json.loads(line)
-        if "generated_ids" in row and (train_ids is None or row.get("id") in train_ids):
-            sequences.append(row["generated_ids"])
-    path = heads_dir / DRAFT_VOCAB_FILE
-    save_file({"token_ids": rank_tokens(sequences, always)}, str(path))
+    path = Path(heads_dir) / DRAFT_VOCAB_FILE
+    save_file({"token_ids": ranked.long().contiguous()}, str(path))
     return path
-
-
-def _training_ids(heads_dir: Path) -> set[str] | None:
-    """The training prompt ids recorded in the heads' manifest (None when it records none)."""
-    path = heads_dir / "manifest.json"
-    if not path.is_file():
-        return None
-    ids = ((json.loads(path.read_text()).get("training") or {}).get("data") or {}).get("train_ids")
-    return set(ids) if ids else None
 
 
 def available_draft_vocab(heads_dir: str | Path) -> int:

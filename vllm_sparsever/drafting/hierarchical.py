@@ -73,6 +73,13 @@ class HierarchicalProposer:
         self.round_tokens = drafter.num_speculative_tokens
         self.stats = HierarchicalStats()
 
+    def stats_by_level(self) -> dict[str, dict[str, Any]]:
+        return {**self.drafter.stats_by_level(), "hierarchical": self.stats.summary()}
+
+    def reset_stats(self) -> None:
+        self.drafter.reset_stats()
+        self.stats = HierarchicalStats()
+
     def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Pending tokens per batch row, to be verified by the full target as this step's drafts."""
         reqs = self.drafter.requests(sampled_token_ids, reserve=self.cap + self.round_tokens)

@@ -131,6 +131,12 @@ class SelfDraftProposer:
         self.max_model_len = max_model_len
         self.stats = SelfDraftStats()
 
+    def stats_by_level(self) -> dict[str, dict[str, Any]]:
+        return {"self_draft": self.stats.summary()}
+
+    def reset_stats(self) -> None:
+        self.stats = SelfDraftStats()
+
     def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
         """The rows that sampled a token this step, with at most `reserve` positions each to write
         from their sampled token on (limited by max_model_len and the allocated KV slots)."""

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vllm_sparsever.drafting.draft_vocab import rank_tokens, save_draft_vocab
 from vllm_sparsever.drafting.exit_head import (
     SUPPORTED_ARCHITECTURES,
     ExitHead,
@@ -277,8 +278,7 @@ def _generate_hf(model, tokenizer, prompts: list[list[int]], options: TrainExits
                  batch_size: int = 8) -> list[list[int]]:
     from tqdm.auto import tqdm
 
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    eos_ids = set(eos_token_ids(model.generation_config))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids), 0)
     outputs: list[list[int]] = []
     bar = tqdm(total=len(prompts), desc="generate (HF)", disable=not options.show_progress)
@@ -514,6 +514,7 @@ def train_exits(model: str, options: TrainExitsOptions | None = None) -> TrainEx
                                "features (held-out)", options.show_progress)  # fmt: skip
     seconds["features"] = time.monotonic() - t0
 
+    eos_ids = eos_token_ids(hf_model.generation_config)
     lm_head = hf_model.get_output_embeddings().weight.detach().float()
     final_norm = hf_model.model.norm.weight.detach().float()
     eps = float(config.get("rms_norm_eps", 1e-6))
@@ -579,27 +580,20 @@ def train_exits(model: str, options: TrainExitsOptions | None = None) -> TrainEx
         training=training,
     )
     manifest.save(output_dir)
-    _write_draft_vocab(model_dir, output_dir)
+    # VocabTrim's ranking (`early_exit.draft_vocab`): the training text only, EOS first so a draft
+    # can always end the text.
+    save_draft_vocab(output_dir, rank_tokens([s["generated_ids"] for s in seqs if s["id"] not in heldout_ids],
+                                             always=eos_ids))
     return TrainExitsResult(model_dir=model_dir, output_dir=output_dir, manifest=manifest,
                             layers=layers, train_tokens=train.num_tokens,
                             heldout_tokens=heldout.num_tokens, steps=steps, planned_steps=planned,
                             stopped_by_budget=stopped, seconds=seconds, heads=heads)  # fmt: skip
 
 
-def _write_draft_vocab(model_dir: Path, output_dir: Path) -> None:
-    """VocabTrim's token ranking (`early_exit.draft_vocab`) from the generated training text, EOS
-    first so a draft can always end the text."""
-    from vllm_sparsever.drafting.draft_vocab import GENERATED_FILE, build_draft_vocab
-
-    if not (output_dir / GENERATED_FILE).is_file():
-        return
-    eos: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            eos += [value] if isinstance(value, int) else list(value or [])
-    build_draft_vocab(output_dir, always=tuple(dict.fromkeys(eos)))
+def eos_token_ids(generation_config) -> tuple[int, ...]:
+    """The EOS token ids of a HF generation config (one id or a list), in order, without None."""
+    eos = generation_config.eos_token_id
+    return tuple(dict.fromkeys(t for t in (eos if isinstance(eos, list) else [eos]) if t is not None))
 
 
 def summary(result: TrainExitsResult) -> str:

@@ -127,13 +127,9 @@ class SparseverRunnerMixin:
 
     def sparsever_drafting_stats(self, split: bool = False) -> dict[str, Any]:
         """The self-drafter's counters (and the hierarchical proposer's), merged or per level."""
-        proposer = self.sparsever_self_drafter
-        if proposer is None:
+        if self.sparsever_self_drafter is None:
             return {}
-        drafter = getattr(proposer, "drafter", proposer)  # hierarchical wraps the self-drafter
-        levels = {"self_draft": drafter.stats.summary()}
-        if drafter is not proposer:
-            levels["hierarchical"] = proposer.stats.summary()
+        levels = self.sparsever_self_drafter.stats_by_level()
         if split:
             return levels
         return {k: v for level in levels.values() for k, v in level.items()}

@@ -62,11 +62,8 @@ class _SparseverWorkerMixin:
         metrics = self.model_runner.sparsever_metrics
         self.model_runner.sparsever_metrics = type(metrics)(num_spec_tokens=metrics.num_spec_tokens)
         self.model_runner.sparsever_runtime.reset_stats()
-        proposer = self.model_runner.sparsever_self_drafter
-        if proposer is not None:
-            proposer.stats = type(proposer.stats)()
-            drafter = getattr(proposer, "drafter", proposer)
-            drafter.stats = type(drafter.stats)()
+        if self.model_runner.sparsever_self_drafter is not None:
+            self.model_runner.sparsever_self_drafter.reset_stats()
 
     def sparsever_set_sparsity(self, sections: dict[str, Any]) -> dict[str, Any]:
         """Switch the attention/ffn/moe sections at run time (within what was set up at start)."""
