@@ -190,13 +190,40 @@ def test_early_exit_config():
     assert cfg.to_vllm_speculative_kwargs() == {"method": "ngram", "num_speculative_tokens": 8}
     assert SparseverConfig.from_serialized(cfg.to_dict()) == cfg
     bad = [
-        ({**base, "model": "d", "early_exit": {"enabled": True}}, ["early_exit.enabled", "draft_source='early_exit'"]),
+        ({**base, "model": "d", "early_exit": {"enabled": True}}, ["early_exit.enabled", "draft_source='early_exit' or 'ngram'"]),
         ({**base, "model": "d", "early_exit": {"draft_layer": 3}}, ["early_exit.draft_layer", "only valid"]),
         ({**base, "draft_source": "early_exit", "model": "d"}, ["model", "must be omitted"]),
         ({**base, "draft_source": "early_exit", "prompt_lookup_max": 2}, ["prompt_lookup_max"]),
         ({**base, "draft_source": "early_exit", "early_exit": {"draft_confidence": 1.5}}, ["draft_confidence"]),
         ({**base, "draft_source": "early_exit", "early_exit": {"round_tokens": 0}}, ["round_tokens", ">= 1"]),
         ({**base, "draft_source": "early_exit", "early_exit": {"exit_layer": 3}}, ["unknown field", "draft_layer"]),
+    ]
+    for raw, words in bad:
+        with pytest.raises(SparseverConfigError) as info:
+            SparseverConfig.from_dict(raw)
+        for word in words:
+            assert word in str(info.value), (raw, str(info.value))
+
+
+def test_hierarchy_config():
+    base = {"method": "sparsever", "num_speculative_tokens": 6, "draft_source": "ngram"}
+    sparse = {"enabled": True, "intermediate": "sparse"}
+    cfg = SparseverConfig.from_dict({**base, "attention": True, "early_exit": sparse})
+    assert cfg.early_exit.intermediate == "sparse" and not cfg.early_exit.uses_heads
+    assert cfg.to_vllm_speculative_kwargs() == {"method": "ngram", "num_speculative_tokens": 6}
+    # An n-gram drafter under an early-exit intermediate verifier uses exit heads.
+    assert SparseverConfig.from_dict({**base, "early_exit": {"enabled": True}}).early_exit.uses_heads
+    bad = [
+        ({**base, "early_exit": sparse}, ["early_exit.intermediate", "no sparse section is enabled"]),
+        ({**base, "attention": True, "early_exit": {**sparse, "verify_layer": 2}},
+         ["early_exit.verify_layer", "intermediate='early_exit'"]),
+        ({**base, "attention": True, "early_exit": {**sparse, "intermediate": "dense"}},
+         ["early_exit.intermediate", "'early_exit', 'sparse'"]),
+        ({**base, "attention": True, "early_exit": {"intermediate": "sparse"}}, ["early_exit.enabled"]),
+        ({**base, "draft_source": "draft_model", "model": "d", "attention": True, "early_exit": sparse},
+         ["early_exit.enabled", "draft model is not supported yet"]),
+        ({**base, "early_exit": {"draft_layer": 2}}, ["early_exit.draft_layer", "only valid"]),
+        ({**base, "early_exit": {"heads": "/h"}}, ["early_exit.heads", "only valid"]),
     ]
     for raw, words in bad:
         with pytest.raises(SparseverConfigError) as info:

@@ -149,8 +149,9 @@ class AdaptiveVerificationConfig:
 
 @dataclass
 class EarlyExitConfig:
-    """The target's early exits: self-drafting (draft_source='early_exit') and, not yet available,
-    hierarchical verification (`enabled`: early layers verify first, the full target periodically)."""
+    """The target's early exits and hierarchical verification: self-drafting (draft_source=
+    'early_exit'), and `enabled`: an intermediate verifier (the target's early layers, or the sparse
+    target) checks every round of drafts first, the full target the accumulated tokens periodically."""
 
     # Self-drafting: the target's first `draft_layer` decoder layers plus the head trained at that
     # layer (`vllm-sparsever train-exits`). None = the shallowest trained head.
@@ -163,11 +164,17 @@ class EarlyExitConfig:
     # VocabTrim: draft over the target's N most frequent output tokens only (reads N LM head rows per
     # draft token instead of the whole vocabulary). None = the full vocabulary.
     draft_vocab: int | None = None
-    # Hierarchical verification: the first `verify_layer` layers plus their head verify each round
-    # of `round_tokens` drafts; the tokens they accept (plus their correction) are pending, and the
-    # full target verifies all pending tokens (at most num_speculative_tokens) in one pass after
-    # `full_verify_every` rounds or when the cap is reached. None = the deepest trained head.
+    # Hierarchical verification: the intermediate verifier checks each round of `round_tokens`
+    # drafts; the tokens it accepts (plus its correction) are pending, and the full target verifies
+    # all pending tokens (at most num_speculative_tokens) in one pass after `full_verify_every`
+    # rounds, when the cap is reached, or at a stop token / max_tokens. Drafts come from
+    # draft_source 'early_exit' or 'ngram'.
     enabled: bool = False
+    # The intermediate verifier: "early_exit" = the first `verify_layer` layers plus their head
+    # (None = the deepest trained head); "sparse" = the whole target with the enabled sparse
+    # sections (attention/ffn/moe), which then apply to this level only: the full level verifies
+    # densely, so sparse verification becomes lossless.
+    intermediate: Literal["early_exit", "sparse"] = "early_exit"
     verify_layer: int | None = None
     full_verify_every: int = 4
     round_tokens: int = 3
@@ -182,12 +189,30 @@ class EarlyExitConfig:
             raise SparseverConfigError(f"{prefix}.heads: expected a folder path (str), got {self.heads!r}")
         _check_int(f"{prefix}.full_verify_every", self.full_verify_every, minimum=1)
         _check_int(f"{prefix}.round_tokens", self.round_tokens, minimum=1)
+        _check_choice(f"{prefix}.intermediate", self.intermediate, INTERMEDIATE_VERIFIERS)
+        if not self.enabled and self.intermediate != "early_exit":
+            raise SparseverConfigError(
+                f"{prefix}.intermediate: only used by hierarchical verification; set "
+                f"{prefix}.enabled to true (or drop {prefix}.intermediate)"
+            )
+        if self.intermediate == "sparse" and self.verify_layer is not None:
+            raise SparseverConfigError(
+                f"{prefix}.verify_layer: only valid with {prefix}.intermediate='early_exit' (the sparse "
+                f"intermediate verifier runs every layer), got verify_layer={self.verify_layer}"
+            )
+
+    @property
+    def uses_heads(self) -> bool:
+        """Whether the intermediate verifier is an exit head (hierarchical, 'early_exit')."""
+        return self.enabled and self.intermediate == "early_exit"
 
 
 # Capabilities whose code has not landed yet: enabling one fails at start rather than
 # silently running dense verification under a sparse label.
 _NOT_YET_IMPLEMENTED = ("adaptive",)
 DRAFT_SOURCES = ("draft_model", "ngram", "early_exit")
+INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
+HIERARCHY_DRAFT_SOURCES = ("early_exit", "ngram")
 
 
 @dataclass
@@ -297,18 +322,32 @@ class SparseverConfig:
                 raise SparseverConfigError(
                     f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
                 )
-        if self.early_exit.enabled and self.draft_source != "early_exit":
+        ee = self.early_exit
+        if ee.enabled and self.draft_source not in HIERARCHY_DRAFT_SOURCES:
             raise SparseverConfigError(
-                "early_exit.enabled: hierarchical verification drafts with the target's own early "
-                f"layers (allowed: draft_source='early_exit'), got draft_source={self.draft_source!r}"
+                "early_exit.enabled: hierarchical verification drafts in rounds with the target's own "
+                "early layers or n-gram prompt lookup (allowed: draft_source='early_exit' or 'ngram'); "
+                f"a separate draft model is not supported yet, got draft_source={self.draft_source!r}"
             )
         if self.draft_source != "early_exit":
-            for name in ("draft_layer", "heads", "draft_vocab"):
-                if getattr(self.early_exit, name) is not None:
+            for name in ("draft_layer", "draft_vocab", "draft_confidence"):
+                default = 0.0 if name == "draft_confidence" else None
+                if getattr(ee, name) != default:
                     raise SparseverConfigError(
                         f"early_exit.{name}: only valid with draft_source='early_exit', "
                         f"got draft_source={self.draft_source!r}"
                     )
+            if ee.heads is not None and not ee.uses_heads:
+                raise SparseverConfigError(
+                    "early_exit.heads: only valid when exit heads are used (draft_source='early_exit', "
+                    f"or early_exit.enabled with intermediate='early_exit'), got draft_source="
+                    f"{self.draft_source!r}"
+                )
+        if ee.enabled and ee.intermediate == "sparse" and not self.any_sparsity:
+            raise SparseverConfigError(
+                "early_exit.intermediate: 'sparse' verifies with the sparse target, but no sparse "
+                "section is enabled (enable attention, ffn or moe)"
+            )
         if self.profile is not None:
             if not isinstance(self.profile, str):
                 raise SparseverConfigError(

@@ -199,6 +199,12 @@ def set_sparsity(llm: Any, **sections: Any) -> dict[str, Any]:
     return llm.collective_rpc("sparsever_set_sparsity", args=(sections,))[0]
 
 
+def set_hierarchy(llm: Any, enabled: bool) -> bool:
+    """Switch hierarchical verification of a running `LLM` off (the drafter alone proposes; sparse
+    sections verify at the full level) or back on. Only a hierarchy set up at start can be switched."""
+    return llm.collective_rpc("sparsever_set_hierarchy", args=(enabled,))[0]
+
+
 # ---- Prometheus (API server process) --------------------------------------------------------
 
 _collector_lock = threading.Lock()

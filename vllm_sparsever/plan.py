@@ -14,8 +14,9 @@ per-step store: an anchor layer publishes its selection once, and every other la
 selection of *its* anchor (the nearest anchor at or below it), so what a layer sees never depends on
 which layer happened to run last.
 
-Designed for the next verifiers: `VerifyLevel` says which level a forward verifies at (the full
-target today; hierarchical verification adds the intermediate early-exit level), and every request
+`VerifyLevel` says which level a forward verifies at: the full target (vLLM's step), or the
+intermediate level of hierarchical verification when that level is the sparse target (a plan built
+by drafting/intermediate.py for its own forward; the full level is then planned dense). Every request
 carries a `DraftTopology` (a chain today; draft trees put their parents here, and tree attention
 reads the ancestor mask from it).
 
@@ -41,6 +42,9 @@ class VerifyLevel(enum.Enum):
     """Which verifier a target forward acts as."""
 
     FULL = "full"  # the whole target: its tokens are final
+    # Hierarchical verification's level 1 (drafting/hierarchical.py): the tokens it keeps are only
+    # pending until a FULL forward verifies them.
+    INTERMEDIATE = "intermediate"
 
 
 @dataclass(frozen=True)
@@ -245,6 +249,9 @@ def build_verification_plan(
     device: torch.device | str = "cpu",
     anchor_layers: Sequence[int] | None = None,
     attention_planner: Any = None,
+    level: VerifyLevel = VerifyLevel.FULL,
+    sparsify: bool = True,
+    verify_plain_rows: bool = False,
 ) -> VerificationPlan:
     """Build the step's plan (host-side numpy, one pass over the batch).
 
@@ -253,6 +260,11 @@ def build_verification_plan(
     back by vLLM), so it is left dense. `attention_planner(batch, requests, query_start_loc)`
     returns the step's `AttentionStepPlan` (or None); it is given only on verify steps with
     sparse attention active.
+
+    `sparsify=False` plans a dense verification (no token groups, no attention plan): the full
+    level of a hierarchy whose intermediate level is the sparse target. `verify_plain_rows`: a row
+    of one token and no drafts verifies too (the sparse intermediate level predicts its next token
+    sparsely, as a sparse self-drafter would).
     """
     batch = StepBatch(req_ids, num_scheduled_tokens, num_computed_tokens, scheduled_spec_decode_tokens,
                       block_table, block_size)
@@ -266,7 +278,7 @@ def build_verification_plan(
     requests: list[RequestVerification] = []
     for i, req_id in enumerate(req_ids):
         drafts = scheduled_spec_decode_tokens.get(req_id) or []
-        if not drafts or num_scheduled[i] != len(drafts) + 1:
+        if num_scheduled[i] != len(drafts) + 1 or not (drafts or verify_plain_rows):
             continue
         start, stop = int(query_start_loc[i]), int(query_start_loc[i + 1])
         requests.append(
@@ -283,16 +295,16 @@ def build_verification_plan(
             )
         )
 
-    groups = _token_groups(requests, num_tokens, device) if requests else None
+    groups = _token_groups(requests, num_tokens, device) if requests and sparsify else None
     attention = None
-    if requests and attention_planner is not None:
+    if requests and sparsify and attention_planner is not None:
         attention = attention_planner(batch, requests, query_start_loc)
     return VerificationPlan(
         step=step,
         num_reqs=num_reqs,
         num_tokens=num_tokens,
         block_size=block_size,
-        level=VerifyLevel.FULL,
+        level=level,
         requests=tuple(requests),
         groups=groups,
         attention=attention,

@@ -83,7 +83,7 @@ def test_lookahead_property_is_wrapped_and_restored():
     assert "vllm_config.num_lookahead_tokens" in inspect.getsource(Scheduler.__init__)
 
 
-def test_plugin_lookahead_for_self_drafting_only():
+def test_plugin_lookahead_for_sparsever_proposers_only():
     from vllm_sparsever.integration.speculative import self_draft_lookahead
 
     def cfg(data):
@@ -91,6 +91,9 @@ def test_plugin_lookahead_for_self_drafting_only():
 
     assert self_draft_lookahead(cfg({"draft_source": "early_exit", "num_speculative_tokens": 4})) == 4
     assert self_draft_lookahead(cfg({"draft_source": "ngram", "num_speculative_tokens": 4})) == 0
+    # A hierarchy over n-gram drafts writes up to the cap plus a round past the verified tokens.
+    hierarchy = {"enabled": True, "intermediate": "sparse", "round_tokens": 3}
+    assert self_draft_lookahead(cfg({"draft_source": "ngram", "num_speculative_tokens": 4, "early_exit": hierarchy})) == 7
     assert self_draft_lookahead(cfg(None)) == 0
 
 

@@ -32,9 +32,11 @@ class EarlyExitModel:
 
     def load(self, runner: Any) -> None:
         """Bind to the runner's loaded target and load the heads of `layers` (ExitHeadError if the
-        heads do not fit this model)."""
+        heads do not fit this model). Once per runner: the drafter and the verifier share it."""
         from vllm_sparsever.integration.compat.model import decoder_stack
 
+        if self._runner is runner:
+            return
         model = runner.model
         stack = decoder_stack(model)
         manifest = ExitHeadManifest.load(self.heads_dir)

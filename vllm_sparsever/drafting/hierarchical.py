@@ -1,12 +1,13 @@
 """Hierarchical verification (HiSpec): drafter -> intermediate verifier -> full target.
 
-The intermediate verifier is the target's first L_v layers plus the head trained at L_v. Each round,
-the self-drafter proposes up to `round_tokens` drafts per request; the intermediate verifier runs
-[last pending token, drafts] through layers 0..L_v-1 in one pass and keeps the drafts its head agrees
-with (greedy) plus its own next token (the correction, or a bonus when all agree). These tokens
-accumulate as *pending*. Rounds repeat up to `rounds` times or until `cap` tokens are pending; then
-the pending tokens go to vLLM as this step's drafts, and the full target verifies them all in one
-pass with vLLM's rejection sampler.
+Each round, the drafter (the self-drafter, or n-gram prompt lookup) proposes up to `round_tokens`
+drafts per request; the intermediate verifier (drafting/intermediate.py: the target's first L_v
+layers plus their exit head, or the whole target with sparse verification) runs [last pending
+token, drafts] in one pass and keeps the drafts it agrees with (greedy) plus its own next token
+(the correction, or a bonus when all agree). These tokens accumulate as *pending*. Rounds repeat up
+to `rounds` times, until `cap` tokens are pending, or until a request's pending tokens reach one of
+its stop tokens or its max_tokens; then the pending tokens go to vLLM as this step's drafts, and
+the full target verifies them all in one pass with vLLM's rejection sampler.
 
 Only fully verified tokens are ever emitted: pending tokens are drafts to vLLM, so the scheduler
 emits what the full target accepts, plus its own correction or bonus token, and nothing else. A
@@ -15,9 +16,12 @@ its KV slots are rewritten by the next step. The output is therefore the target'
 (greedy), and distributed as the target's when sampling (the pending tokens are one-hot proposals
 to the rejection sampler).
 
-KV: every intermediate pass writes layers 0..L_v-1's K/V at the positions of its tokens, the drafter
-layers 0..L_d-1's; all these positions are rewritten by the next full verification before being
-read, and the scheduler reserves cap + round_tokens lookahead slots for them.
+KV: every intermediate pass writes the K/V of the layers it runs at the positions of its tokens, the
+self-drafter layers 0..L_d-1's; all these positions are rewritten by the next full verification
+before being read, and the scheduler reserves cap + round_tokens lookahead slots for them.
+
+With the sparse target as the intermediate verifier, a round whose drafter found nothing still runs
+it on the last pending token alone: the sparse target then drafts for the dense one by itself.
 """
 
 from __future__ import annotations
@@ -28,8 +32,7 @@ from typing import Any
 
 import torch
 
-from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
-from vllm_sparsever.drafting.self_draft import DraftRequests, SelfDraftProposer
+from vllm_sparsever.drafting.self_draft import DraftRequests
 
 
 @dataclass
@@ -39,6 +42,8 @@ class HierarchicalStats:
     intermediate_drafts: int = 0  # drafts the intermediate verifier checked
     intermediate_accepted: int = 0  # ... and accepted
     pending_tokens: int = 0  # tokens sent to the full target (accepted drafts + corrections, capped)
+    stopped_at_stop_token: int = 0  # requests whose rounds ended on a stop token (EOS, stop ids)
+    stopped_at_max_tokens: int = 0  # requests whose pending tokens reached their max_tokens
     draft_time_s: float = 0.0
     intermediate_time_s: float = 0.0
 
@@ -50,28 +55,29 @@ class HierarchicalStats:
             "hier_intermediate_accepted": self.intermediate_accepted,
             "hier_intermediate_acceptance_rate": self.intermediate_accepted / max(self.intermediate_drafts, 1),
             "hier_pending_tokens": self.pending_tokens,
+            "hier_stopped_at_stop_token": self.stopped_at_stop_token,
+            "hier_stopped_at_max_tokens": self.stopped_at_max_tokens,
             "hier_draft_time_s": self.draft_time_s,
             "hier_intermediate_time_s": self.intermediate_time_s,
         }
 
 
 class HierarchicalProposer:
-    def __init__(
-        self,
-        drafter: SelfDraftProposer,
-        model: EarlyExitModel,
-        *,
-        verify_layer: int,
-        cap: int,
-        rounds: int,
-    ) -> None:
+    def __init__(self, drafter: Any, verifier: Any, *, cap: int, rounds: int) -> None:
+        """`drafter`: `requests()`/`draft()` (SelfDraftProposer, PromptLookupDrafter); `verifier`:
+        `predict()` (EarlyExitVerifier, SparseTargetVerifier)."""
         self.drafter = drafter
-        self.model = model
-        self.verify_layer = verify_layer
+        self.verifier = verifier
         self.cap = cap
         self.rounds = rounds
         self.round_tokens = drafter.num_speculative_tokens
+        # The sparse target is a drafter in its own right: it runs even when the drafter has nothing.
+        self.verify_without_drafts = verifier.name == "sparse"
         self.stats = HierarchicalStats()
+
+    def load(self, runner: Any) -> None:
+        self.drafter.load(runner)
+        self.verifier.load(runner)
 
     def stats_by_level(self) -> dict[str, dict[str, Any]]:
         return {**self.drafter.stats_by_level(), "hierarchical": self.stats.summary()}
@@ -82,17 +88,26 @@ class HierarchicalProposer:
 
     def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Pending tokens per batch row, to be verified by the full target as this step's drafts."""
+        from vllm_sparsever.integration.compat.runner import request_limits
+
         reqs = self.drafter.requests(sampled_token_ids, reserve=self.cap + self.round_tokens)
         n = len(reqs.rows)
+        limits = request_limits(self.drafter.runner, reqs.rows)
+        # Pending tokens past max_tokens would be verified for nothing: all accepted plus the full
+        # target's own token make remaining_tokens.
+        caps = [self.cap if lim.remaining_tokens is None else max(0, min(self.cap, lim.remaining_tokens - 1))
+                for lim in limits]
         pending: list[list[int]] = [[] for _ in range(n)]
-        live = [True] * n
+        live = [c > 0 for c in caps]
         for _ in range(self.rounds):
             # Positions P+m .. P+m+g are written this round (drafter: g, verifier: g + 1).
-            idx = [i for i in range(n) if live[i] and len(pending[i]) < self.cap]
-            budgets = [min(self.round_tokens, reqs.budgets[i] - len(pending[i]) - 1,
-                           self.cap - len(pending[i])) for i in idx]
-            idx = [i for i, b in zip(idx, budgets, strict=True) if b > 0]
-            budgets = [b for b in budgets if b > 0]
+            idx, budgets = [], []
+            for i in range(n):
+                m = len(pending[i])
+                g = min(self.round_tokens, reqs.budgets[i] - m - 1, caps[i] - m)
+                if live[i] and m < caps[i] and (g > 0 or (self.verify_without_drafts and g == 0)):
+                    idx.append(i)
+                    budgets.append(g)
             if not idx:
                 break
             sub = DraftRequests(
@@ -102,47 +117,44 @@ class HierarchicalProposer:
                 budgets=budgets,
             )
             start = time.perf_counter()
-            drafts = self.drafter.draft(sub)
+            drafts = self.drafter.draft(sub, [pending[i] for i in idx])
             self.stats.draft_time_s += time.perf_counter() - start
             start = time.perf_counter()
             kept = self._verify(sub, drafts)
             self.stats.intermediate_time_s += time.perf_counter() - start
             for i, d, k in zip(idx, drafts, kept, strict=True):
-                if not d:  # the drafter stopped (confidence): nothing more for this request
+                if not k:  # no drafts and no verification: nothing more for this request
                     live[i] = False
                     continue
                 self.stats.rounds += 1
+                stop = next((j for j, t in enumerate(k) if t in limits[i].stop_token_ids), None)
+                if stop is not None:  # nothing after a stop token is ever emitted
+                    k = k[: stop + 1]
+                    live[i] = False
+                    self.stats.stopped_at_stop_token += 1
                 pending[i].extend(k)
+                if live[i] and len(pending[i]) >= caps[i] and caps[i] < self.cap:
+                    self.stats.stopped_at_max_tokens += 1
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         for i, row in enumerate(reqs.rows):
-            out[row] = pending[i][: self.cap]
+            out[row] = pending[i][: caps[i]]
             self.stats.pending_tokens += len(out[row])
         return out
 
     @torch.inference_mode()
     def _verify(self, sub: DraftRequests, drafts: list[list[int]]) -> list[list[int]]:
-        """Per request: the drafts the intermediate head agrees with, then its own next token."""
-        which = [j for j, d in enumerate(drafts) if d]
+        """Per request: the drafts the intermediate verifier agrees with, then its own next token
+        ([] for a request it does not run: no drafts, and the verifier only checks drafts)."""
+        which = [j for j, d in enumerate(drafts) if d or self.verify_without_drafts]
         kept: list[list[int]] = [[] for _ in drafts]
         if not which:
             return kept
-        device = self.model.device
-        tokens, positions, lens = [], [], []
-        for j in which:
-            seq = [sub.tokens[j], *drafts[j]]
-            tokens.extend(seq)
-            positions.extend(range(sub.positions[j], sub.positions[j] + len(seq)))
-            lens.append(len(seq))
-        predicted_t, _ = self.model.predict(
-            self.verify_layer, torch.tensor([sub.rows[j] for j in which], dtype=torch.long),
-            torch.tensor(tokens, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device), lens,
+        predicted = self.verifier.predict(
+            [sub.rows[j] for j in which], [[sub.tokens[j], *drafts[j]] for j in which],
+            [sub.positions[j] for j in which],
         )
-        predicted = predicted_t.tolist()
         self.stats.intermediate_passes += 1
-        offset = 0
-        for j, length in zip(which, lens, strict=True):
-            pred = predicted[offset: offset + length]  # pred[t]: the head's token after position t
+        for j, pred in zip(which, predicted, strict=True):  # pred[t]: the verifier's token after position t
             d = drafts[j]
             accepted = 0
             while accepted < len(d) and d[accepted] == pred[accepted]:
@@ -150,5 +162,4 @@ class HierarchicalProposer:
             kept[j] = d[:accepted] + [pred[accepted]]
             self.stats.intermediate_drafts += len(d)
             self.stats.intermediate_accepted += accepted
-            offset += length
         return kept

@@ -35,9 +35,11 @@ from vllm_sparsever.drafting.exit_head import ExitHeadError, ExitHeadManifest, h
 
 
 def resolve_self_draft(config: SparseverConfig, model_config: Any) -> SparseverConfig:
-    """Front end, before start-up: the config with `early_exit.heads`, `.draft_layer` and (with
-    hierarchical verification) `.verify_layer` made explicit, after checking the heads exist and fit the target. SparseverConfigError otherwise."""
+    """Front end, before start-up: the config with `early_exit.heads` and the exit layers it uses
+    made explicit (`.draft_layer` for self-drafting, `.verify_layer` for an early-exit intermediate
+    verifier), after checking the heads exist and fit the target. SparseverConfigError otherwise."""
     ee = config.early_exit
+    self_drafting = config.draft_source == "early_exit"
     folder = Path(ee.heads) if ee.heads else heads_dir(model_config.model)
     hf = model_config.hf_text_config
     architecture = ",".join(model_config.architectures or [])
@@ -48,15 +50,18 @@ def resolve_self_draft(config: SparseverConfig, model_config: Any) -> SparseverC
         trained = sorted(e.exit_layer for e in manifest.heads)
         if not trained:
             raise ExitHeadError(f"{folder}: the manifest lists no heads")
-        layer = ee.draft_layer if ee.draft_layer is not None else trained[0]
-        if not 1 <= layer < num_layers:
-            raise ExitHeadError(f"early_exit.draft_layer: must be in 1..{num_layers - 1}, got {layer}")
+        layer = None
+        if self_drafting:
+            layer = ee.draft_layer if ee.draft_layer is not None else trained[0]
+            if not 1 <= layer < num_layers:
+                raise ExitHeadError(f"early_exit.draft_layer: must be in 1..{num_layers - 1}, got {layer}")
         verify_layer = ee.verify_layer
-        if ee.enabled:
+        if ee.uses_heads:
             verify_layer = verify_layer if verify_layer is not None else trained[-1]
-            if not layer < verify_layer < num_layers:
+            lowest = layer or 0
+            if not lowest < verify_layer < num_layers:
                 raise ExitHeadError(
-                    f"early_exit.verify_layer: must be deeper than draft_layer ({layer}) and below "
+                    f"early_exit.verify_layer: must be deeper than draft_layer ({lowest}) and below "
                     f"the last layer ({num_layers}), got {verify_layer}; trained heads: {trained}"
                 )
         if ee.draft_vocab is not None:
@@ -73,7 +78,7 @@ def resolve_self_draft(config: SparseverConfig, model_config: Any) -> SparseverC
             if not (folder / entry.file).is_file():
                 raise ExitHeadError(f"{folder / entry.file}: listed in the manifest but missing")
     except ExitHeadError as exc:
-        raise SparseverConfigError(f"early_exit (draft_source='early_exit'): {exc}") from exc
+        raise SparseverConfigError(f"early_exit (exit heads): {exc}") from exc
     early_exit = dataclasses.replace(ee, heads=str(folder.resolve()), draft_layer=layer, verify_layer=verify_layer)
     return dataclasses.replace(config, early_exit=early_exit)
 
@@ -114,6 +119,36 @@ class DraftRequests:
     budgets: list[int]
 
 
+def collect_draft_requests(
+    runner: Any, sampled_token_ids: list[list[int]], reserve: int, max_model_len: int
+) -> tuple[DraftRequests, int]:
+    """The rows that sampled a token this step, with at most `reserve` positions each to write
+    from their sampled token on (limited by max_model_len and the allocated KV slots); and how many
+    rows the allocated slots limited (should stay 0: the scheduler reserves lookahead slots for
+    sparsever's drafters, see `integration.speculative.extra_lookahead`)."""
+    from vllm_sparsever.integration.compat.runner import allocated_slots, tokens_no_spec
+
+    num_tokens = tokens_no_spec(runner)
+    allocated = allocated_slots(runner)  # never write K/V past a request's allocated slots
+    out = DraftRequests([], [], [], [])
+    slot_limited = 0
+    for row, sampled in enumerate(sampled_token_ids):
+        if not sampled:
+            continue
+        position = int(num_tokens[row]) - 1  # where the token sampled this step sits
+        budget = min(reserve, max_model_len - position - 1)
+        if int(allocated[row]) - position < budget:
+            budget = int(allocated[row]) - position
+            slot_limited += 1
+        if budget <= 0:
+            continue
+        out.rows.append(row)
+        out.tokens.append(sampled[-1])
+        out.positions.append(position)
+        out.budgets.append(budget)
+    return out, slot_limited
+
+
 class SelfDraftProposer:
     def __init__(
         self,
@@ -131,6 +166,13 @@ class SelfDraftProposer:
         self.max_model_len = max_model_len
         self.stats = SelfDraftStats()
 
+    def load(self, runner: Any) -> None:
+        self.model.load(runner)
+
+    @property
+    def runner(self) -> Any:
+        return self.model.runner
+
     def stats_by_level(self) -> dict[str, dict[str, Any]]:
         return {"self_draft": self.stats.summary()}
 
@@ -138,31 +180,9 @@ class SelfDraftProposer:
         self.stats = SelfDraftStats()
 
     def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
-        """The rows that sampled a token this step, with at most `reserve` positions each to write
-        from their sampled token on (limited by max_model_len and the allocated KV slots)."""
-        from vllm_sparsever.integration.compat.runner import allocated_slots, tokens_no_spec
-
-        runner = self.model.runner
-        num_tokens = tokens_no_spec(runner)
-        # Never write K/V past a request's allocated slots: the scheduler's lookahead covers what
-        # sparsever asks for; this guards the rest (and counts it).
-        allocated = allocated_slots(runner)
-        out = DraftRequests([], [], [], [])
-        for row, sampled in enumerate(sampled_token_ids):
-            if not sampled:
-                continue
-            position = int(num_tokens[row]) - 1  # where the token sampled this step sits
-            budget = min(reserve, self.max_model_len - position - 1)
-            if int(allocated[row]) - position < budget:
-                budget = int(allocated[row]) - position
-                self.stats.slot_limited += 1
-            if budget <= 0:
-                continue
-            out.rows.append(row)
-            out.tokens.append(sampled[-1])
-            out.positions.append(position)
-            out.budgets.append(budget)
-        return out
+        reqs, slot_limited = collect_draft_requests(self.model.runner, sampled_token_ids, reserve, self.max_model_len)
+        self.stats.slot_limited += slot_limited
+        return reqs
 
     def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Draft tokens per batch row (row order of `sampled_token_ids`, as vLLM's n-gram drafter
@@ -176,9 +196,10 @@ class SelfDraftProposer:
         return drafts
 
     @torch.inference_mode()
-    def draft(self, reqs: DraftRequests) -> list[list[int]]:
+    def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
         """Up to min(num_speculative_tokens, budget) drafts per request of `reqs`, one token per
-        request per iteration through layers 0..L-1 and the head."""
+        request per iteration through layers 0..L-1 and the head. (`pending`, the tokens a
+        hierarchy holds before `reqs.tokens`, is already in the KV cache: not needed here.)"""
         drafts: list[list[int]] = [[] for _ in reqs.rows]
         if not reqs.rows:
             return drafts

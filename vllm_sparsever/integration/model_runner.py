@@ -9,8 +9,9 @@ overrides the runner's per-step hooks only:
 - `_model_forward`: run the target forward with the plan active (layers and ops read it);
 - `execute_model`, `_sample`, `propose_draft_token_ids`, `sample_tokens`: time verification and
   drafting, and count accepted tokens per request;
-- `propose_draft_token_ids` with draft_source='early_exit': the self-drafter (the target's first
-  layers + an exit head, vllm_sparsever/drafting/self_draft.py) proposes instead of vLLM's drafter.
+- `propose_draft_token_ids` with draft_source='early_exit' or hierarchical verification: sparsever's
+  proposer (the self-drafter, vllm_sparsever/drafting/self_draft.py, or the hierarchy,
+  drafting/hierarchical.py) proposes instead of vLLM's drafter.
 Sparse policies (attention backend, wrapped FFN/MoE blocks) read the plan during the forward.
 """
 
@@ -47,17 +48,18 @@ class SparseverRunnerMixin:
         self._sparsever_step = 0
         self._sparsever_timing: dict[str, float] = {}
         self.sparsever_runtime = start_sparse_verification(config, self.vllm_config)
-        self.sparsever_self_drafter = None
-        if config.draft_source == "early_exit":
-            self.sparsever_self_drafter = _make_self_drafter(config, self.model_config.max_model_len)
+        self.sparsever_proposer = _make_proposer(config, self.model_config.max_model_len)
+        self._sparsever_hierarchy = self.sparsever_proposer if config.early_exit.enabled else None
+        # The full level of a hierarchy over the sparse target verifies densely.
+        self._sparsever_dense_full = config.early_exit.enabled and config.early_exit.intermediate == "sparse"
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         with target_load_hooks(self.sparsever_runtime, self):
             super().load_model(*args, **kwargs)
         architecture = ",".join(self.model_config.architectures or [])
         install_modules(self.model, self.sparsever_runtime, architecture)
-        if self.sparsever_self_drafter is not None:
-            self.sparsever_self_drafter.model.load(self)
+        if self.sparsever_proposer is not None:
+            self.sparsever_proposer.load(self)
 
     # ---- per-step hooks -----------------------------------------------------------------
     # Step time = execute_model + sample_tokens. Verification time (on verify steps) = the
@@ -88,8 +90,8 @@ class SparseverRunnerMixin:
 
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        if self.sparsever_self_drafter is not None:
-            output = self.sparsever_self_drafter.propose(sampled_token_ids)
+        if self.sparsever_proposer is not None:
+            output = self.sparsever_proposer.propose(sampled_token_ids)
         else:
             output = super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
         self._sparsever_timing["draft"] = time.perf_counter() - start
@@ -120,19 +122,32 @@ class SparseverRunnerMixin:
             self.sparsever_metrics.num_dense_fallbacks = int(
                 sum(v for k, v in stats.items() if k.endswith("_fallbacks"))
             )
-        if self.sparsever_self_drafter is not None:
+        if self.sparsever_proposer is not None:
             self.sparsever_metrics.drafting = self.sparsever_drafting_stats()
         self._sparsever_snapshots.write(self.sparsever_metrics)
         return output
 
     def sparsever_drafting_stats(self, split: bool = False) -> dict[str, Any]:
-        """The self-drafter's counters (and the hierarchical proposer's), merged or per level."""
-        if self.sparsever_self_drafter is None:
+        """The proposer's counters per level (drafter, hierarchy), merged or per level."""
+        if self.sparsever_proposer is None:
             return {}
-        levels = self.sparsever_self_drafter.stats_by_level()
+        levels = self.sparsever_proposer.stats_by_level()
         if split:
             return levels
         return {k: v for level in levels.values() for k, v in level.items()}
+
+    def sparsever_set_hierarchy(self, enabled: bool) -> bool:
+        """Switch hierarchical verification set up at start off (its drafter alone proposes, or vLLM's
+        n-gram drafter; sparse sections then verify at the full level) or back on. For benchmarks
+        comparing both in one engine."""
+        hierarchy = self._sparsever_hierarchy
+        if hierarchy is None:
+            raise ValueError("early_exit.enabled: hierarchical verification was off at start, so it cannot be "
+                             "switched at run time (allowed: start with early_exit.enabled=true)")
+        drafter = hierarchy.drafter if self.sparsever_config.draft_source == "early_exit" else None
+        self.sparsever_proposer = hierarchy if enabled else drafter
+        self._sparsever_dense_full = enabled and self.sparsever_config.early_exit.intermediate == "sparse"
+        return enabled
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -148,6 +163,7 @@ class SparseverRunnerMixin:
             block_table=batch.block_table_cpu,
             block_size=batch.block_size,
             device=self.device,
+            sparsify=not self._sparsever_dense_full,
             **self.sparsever_runtime.step_planners(),
         )
 
@@ -165,30 +181,46 @@ class SparseverRunnerMixin:
             self.sparsever_metrics.observe_request(req.num_draft_tokens, len(tokens) - 1)
 
 
-def _make_self_drafter(config: SparseverConfig, max_model_len: int) -> Any:
-    """The proposer for draft_source='early_exit': the self-drafter, under the hierarchical
-    proposer when early_exit.enabled (layers resolved in the front end, see resolve_self_draft)."""
-    from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
+def _make_proposer(config: SparseverConfig, max_model_len: int) -> Any:
+    """sparsever's proposer, or None when vLLM's drafter proposes as it is (draft model, n-gram):
+    the self-drafter for draft_source='early_exit'; with early_exit.enabled, the hierarchy over the
+    drafter (self-drafter or prompt lookup) and the intermediate verifier (layers resolved in the
+    front end, see resolve_self_draft)."""
     from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
-    from vllm_sparsever.drafting.self_draft import SelfDraftProposer
 
     ee = config.early_exit
-    layers = (ee.draft_layer, ee.verify_layer) if ee.enabled else (ee.draft_layer,)
-    trimmed = {ee.draft_layer: ee.draft_vocab} if ee.draft_vocab else None
-    model = EarlyExitModel(ee.heads, layers, trimmed_vocab=trimmed)
-    drafter = SelfDraftProposer(
-        model,
-        exit_layer=ee.draft_layer,
-        num_speculative_tokens=ee.round_tokens if ee.enabled else config.num_speculative_tokens,
-        confidence=ee.draft_confidence,
-        max_model_len=max_model_len,
-    )
+    if config.draft_source != "early_exit" and not ee.enabled:
+        return None
+    round_tokens = ee.round_tokens if ee.enabled else config.num_speculative_tokens
+    heads = []
+    if config.draft_source == "early_exit":
+        heads.append(ee.draft_layer)
+    if ee.enabled and ee.intermediate == "early_exit":
+        heads.append(ee.verify_layer)
+    model = None
+    if heads:
+        from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
+
+        trimmed = {ee.draft_layer: ee.draft_vocab} if ee.draft_vocab else None
+        model = EarlyExitModel(ee.heads, tuple(heads), trimmed_vocab=trimmed)
+    if config.draft_source == "early_exit":
+        from vllm_sparsever.drafting.self_draft import SelfDraftProposer
+
+        drafter = SelfDraftProposer(model, exit_layer=ee.draft_layer, num_speculative_tokens=round_tokens,
+                                    confidence=ee.draft_confidence, max_model_len=max_model_len)
+    else:
+        from vllm_sparsever.drafting.prompt_lookup import PromptLookupDrafter
+
+        drafter = PromptLookupDrafter(num_speculative_tokens=round_tokens, max_model_len=max_model_len)
     if not ee.enabled:
         return drafter
-    return HierarchicalProposer(
-        drafter, model, verify_layer=ee.verify_layer, cap=config.num_speculative_tokens,
-        rounds=ee.full_verify_every,
-    )
+    from vllm_sparsever.drafting.intermediate import EarlyExitVerifier, SparseTargetVerifier
+
+    if ee.intermediate == "sparse":
+        verifier = SparseTargetVerifier()
+    else:
+        verifier = EarlyExitVerifier(model, ee.verify_layer)
+    return HierarchicalProposer(drafter, verifier, cap=config.num_speculative_tokens, rounds=ee.full_verify_every)
 
 
 def make_runner_class(base: type) -> type:

@@ -23,14 +23,17 @@ def is_sparsever_request(speculative_config: Any) -> bool:
 
 
 def self_draft_lookahead(vllm_config: Any) -> int:
-    """KV slots past the verified tokens a self-drafting config needs (0 otherwise): the drafter
-    writes layers 0..L-1's K/V for the sampled token and num_speculative_tokens - 1 drafts; with
-    hierarchical verification, up to num_speculative_tokens pending tokens plus a round of drafts."""
+    """KV slots past the verified tokens sparsever's proposer needs (0 when vLLM's drafter runs as
+    it is): the self-drafter writes layers 0..L-1's K/V for the sampled token and
+    num_speculative_tokens - 1 drafts; hierarchical verification writes up to num_speculative_tokens
+    pending tokens plus a round of drafts."""
     additional = getattr(vllm_config, "additional_config", None) or {}
     data = additional.get(ADDITIONAL_CONFIG_KEY)
-    if not data or data.get("draft_source") != "early_exit":
+    if not data:
         return 0
     early_exit = data.get("early_exit") or {}
+    if data.get("draft_source") != "early_exit" and not early_exit.get("enabled"):
+        return 0
     extra = int(early_exit.get("round_tokens", 0)) if early_exit.get("enabled") else 0
     return int(data["num_speculative_tokens"]) + extra
 
@@ -65,7 +68,7 @@ def _create_speculative_config(engine_args, call_vllm, target_model_config, targ
     config = SparseverConfig.from_dict(raw)
     _check_target_supported(target_model_config, target_parallel_config)
     check_sparsity_supported(config, target_model_config)
-    if config.draft_source == "early_exit":
+    if config.draft_source == "early_exit" or config.early_exit.uses_heads:
         from vllm_sparsever.drafting.self_draft import resolve_self_draft
 
         config = resolve_self_draft(config, target_model_config)

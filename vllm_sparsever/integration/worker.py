@@ -62,12 +62,17 @@ class _SparseverWorkerMixin:
         metrics = self.model_runner.sparsever_metrics
         self.model_runner.sparsever_metrics = type(metrics)(num_spec_tokens=metrics.num_spec_tokens)
         self.model_runner.sparsever_runtime.reset_stats()
-        if self.model_runner.sparsever_self_drafter is not None:
-            self.model_runner.sparsever_self_drafter.reset_stats()
+        for proposer in {id(p): p for p in (self.model_runner.sparsever_proposer,
+                                             self.model_runner._sparsever_hierarchy) if p is not None}.values():
+            proposer.reset_stats()
 
     def sparsever_set_sparsity(self, sections: dict[str, Any]) -> dict[str, Any]:
         """Switch the attention/ffn/moe sections at run time (within what was set up at start)."""
         return self.model_runner.sparsever_runtime.set_sections(sections)
+
+    def sparsever_set_hierarchy(self, enabled: bool) -> bool:
+        """Switch hierarchical verification (set up at start) off or on at run time (benchmarks)."""
+        return self.model_runner.sparsever_set_hierarchy(enabled)
 
     def sparsever_sparsity_info(self) -> dict[str, Any]:
         return self.model_runner.sparsever_runtime.describe()

@@ -6,7 +6,8 @@ Private symbols touched (vLLM model classes, `vllm/model_executor/models/{llama,
 - a decoder layer's `forward(positions, hidden_states, residual) -> (hidden_states, residual)` with
   the residual stream after the layer equal to `hidden_states + residual` (fused-add RMSNorm);
 - `layer.self_attn.attn.layer_name` (the attention layer's name in the forward context);
-- `model.model.norm.variance_epsilon` (RMSNorm eps) and `model.compute_logits(hidden_states)` (LM
+- `model.model.norm(hidden_states, residual) -> (normed, residual)` (the final fused-add RMSNorm),
+  `model.model.norm.variance_epsilon` (RMSNorm eps) and `model.compute_logits(hidden_states)` (LM
   head through the logits processor, which all-gathers vocabulary shards across TP ranks on
   platforms whose `use_all_gather()` is true, CPU included);
 - `model.lm_head.weight` (`ParallelLMHead` / tied `VocabParallelEmbedding`: rank r holds rows
@@ -32,6 +33,7 @@ class DecoderStack:
     rms_norm_eps: float
     hidden_size: int
     compute_logits: Any  # callable: normed hidden [n, d] -> logits [n, vocab] (all ranks)
+    norm: Any  # the final RMSNorm: (hidden, residual) -> (normed, residual)
 
     def run_layers(self, num_layers: int, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The residual stream after the first `num_layers` decoder layers (inside a forward context)."""
@@ -40,6 +42,18 @@ class DecoderStack:
         for layer in self.layers[:num_layers]:
             hidden, residual = layer(positions, hidden, residual)
         return hidden if residual is None else hidden + residual
+
+    def run_all(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's final normed hidden states (every layer, then the final norm), as its own
+        forward computes them (inside a forward context)."""
+        hidden = self.embed(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        if residual is None:
+            return self.norm(hidden)
+        normed, _ = self.norm(hidden, residual)
+        return normed
 
 
 def decoder_stack(model: Any) -> DecoderStack:
@@ -70,6 +84,7 @@ def decoder_stack(model: Any) -> DecoderStack:
         rms_norm_eps=float(eps),
         hidden_size=int(norm.weight.shape[0]),
         compute_logits=model.compute_logits,
+        norm=norm,
     )
 
 

@@ -15,7 +15,11 @@ Private symbols touched:
   `build(common_prefix_len, common_attn_metadata)`, `CommonAttentionMetadata`'s fields,
   `input_batch.block_table[g]` (`get_cpu_tensor`, `block_size`, `num_blocks_per_row`),
   `input_batch.num_tokens_no_spec`, and `set_forward_context(..., slot_mapping=)` (per-layer slot
-  mapping read by the attention layers' KV-cache write).
+  mapping read by the attention layers' KV-cache write);
+- hierarchical verification: `input_batch.token_ids_cpu` (prompt + output tokens per row, for
+  prompt lookup over pending tokens) and `runner.requests[req_id]` (`CachedRequestState`:
+  `sampling_params.max_tokens`, `.stop_token_ids`, `.all_stop_token_ids`, `.ignore_eos`,
+  `num_prompt_tokens`), to stop a request's rounds at its stop tokens and `max_tokens`.
 """
 
 from __future__ import annotations
@@ -127,6 +131,41 @@ def tokens_no_spec(runner: Any) -> np.ndarray:
     a step's bookkeeping the last one is the token sampled this step."""
     batch = runner.input_batch
     return batch.num_tokens_no_spec[: batch.num_reqs]
+
+
+def token_history(runner: Any, row: int) -> np.ndarray:
+    """The committed tokens of batch row `row` (prompt + accepted output, no drafts): a view of
+    vLLM's buffer, read it before the next step."""
+    batch = runner.input_batch
+    return batch.token_ids_cpu[row, : int(batch.num_tokens_no_spec[row])]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What ends a request: the tokens that stop it and how many output tokens it may still emit."""
+
+    stop_token_ids: frozenset[int]
+    remaining_tokens: int | None  # None: no max_tokens
+
+
+def request_limits(runner: Any, rows: list[int]) -> list[RequestLimits]:
+    """Per batch row: its stop tokens (EOS included unless ignore_eos) and remaining max_tokens,
+    counted from the tokens committed so far (the one sampled this step included)."""
+    batch = runner.input_batch
+    out = []
+    for row in rows:
+        state = runner.requests[batch.req_ids[row]]
+        params = state.sampling_params
+        if params is None:  # pooling request: nothing to stop on
+            out.append(RequestLimits(frozenset(), None))
+            continue
+        stops = params.all_stop_token_ids if not params.ignore_eos else set(params.stop_token_ids or ())
+        remaining = None
+        if params.max_tokens is not None:
+            emitted = int(batch.num_tokens_no_spec[row]) - int(state.num_prompt_tokens)
+            remaining = int(params.max_tokens) - emitted
+        out.append(RequestLimits(frozenset(int(t) for t in stops), remaining))
+    return out
 
 
 def allocated_slots(runner: Any) -> np.ndarray:

@@ -1,0 +1,219 @@
+"""Lossless sparse verification at long context: dense verification vs the sparse-target hierarchy.
+
+One engine (target + n-gram prompt lookup, bf16, prefix caching so each long prompt is prefilled
+once) runs every mode on the same prompts, interleaved per prompt (the order alternates), switched
+at run time:
+- `dense`: vLLM's n-gram drafting, dense verification (the baseline);
+- `sparse-hier`: hierarchical verification, intermediate level = the sparse target (block-sparse
+  attention), full level dense: the lossless sparse hierarchy;
+- `sparse-approx`: the same sparse attention verifying at the full level (approximate; changes the
+  text), to show what losslessness costs.
+
+Per mode and context: decode tokens/s (wall time of the request with its prompt already cached,
+so prefill is out of it), ratio to dense, tokens per full verification, intermediate acceptance,
+full-level acceptance of pending tokens, and whether the output equals the dense mode's (bf16: the
+hierarchy's batch shapes differ from dense verification's, so near-ties can flip; PLATFORM.md).
+
+    python bench/lossless_sparse.py --contexts 8192 32000 --num-prompts 3 --tag qwen
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
+
+MODES = ("dense", "sparse-hier", "sparse-approx")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="qwen2.5-coder-1.5b")
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32000])
+    p.add_argument("--num-prompts", type=int, default=3, help="long documents per context")
+    p.add_argument("--task", choices=["summarize", "qa"], default="summarize")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--cap", type=int, default=8, help="num_speculative_tokens: n-gram k, and the hierarchy's cap")
+    p.add_argument("--round-tokens", type=int, default=3)
+    p.add_argument("--full-verify-every", type=int, default=3)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--top-k-blocks", type=int, default=8)
+    p.add_argument("--min-context-len", type=int, default=2048)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tag", default=None)
+    return p.parse_args(argv)
+
+
+def start_engine(args, target: str, max_len: int):
+    from vllm import LLM
+
+    spec = {
+        "method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": args.cap,
+        "prompt_lookup_max": args.prompt_lookup_max,
+        "attention": {"enabled": True, "top_k_blocks": args.top_k_blocks, "min_context_len": args.min_context_len},
+        "early_exit": {"enabled": True, "intermediate": "sparse", "round_tokens": args.round_tokens,
+                       "full_verify_every": args.full_verify_every},
+    }
+    return LLM(model=target, dtype=args.dtype, enforce_eager=True, max_model_len=max_len, max_num_seqs=1,
+               seed=0, speculative_config=spec, enable_prefix_caching=True), spec
+
+
+def set_mode(llm, args, mode: str) -> None:
+    from vllm_sparsever.metrics import set_hierarchy, set_sparsity
+
+    attention = {"enabled": mode != "dense", "top_k_blocks": args.top_k_blocks,
+                 "min_context_len": args.min_context_len}
+    set_sparsity(llm, attention=attention)
+    set_hierarchy(llm, mode == "sparse-hier")
+
+
+def run_one(llm, args, mode: str, prompt: list[dict]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    from vllm_sparsever.metrics import get_metrics, reset_metrics
+
+    set_mode(llm, args, mode)
+    reset_metrics(llm)
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    out = llm.chat([prompt], SamplingParams(temperature=0.0, max_tokens=args.max_tokens), use_tqdm=False)[0]
+    wall = time.perf_counter() - start
+    m = get_metrics(llm)
+    tokens = list(out.outputs[0].token_ids)
+    h = m.get("hierarchical") or {}
+    return {
+        "mode": mode, "wall_s": wall, "num_tokens": len(tokens), "tokens_per_s": len(tokens) / wall,
+        "loadavg_1m_before": load, "cached_prompt_tokens": out.num_cached_tokens,
+        "verify_steps": m["num_verify_steps"], "verify_time_s": m["verify_time_s"], "draft_time_s": m["draft_time_s"],
+        "num_draft_tokens": m["num_draft_tokens"], "num_accepted_tokens": m["num_accepted_tokens"],
+        "mean_acceptance_length": m["mean_acceptance_length"],
+        "hierarchical": h, "prompt_lookup": m.get("prompt_lookup") or {}, "sparsity": m.get("sparsity") or {},
+        "tokens": tokens, "text": out.outputs[0].text,
+    }
+
+
+def summarize(runs: list[dict], modes: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for ctx in sorted({r["context"] for r in runs}):
+        at = [r for r in runs if r["context"] == ctx]
+        dense = {r["prompt"]: r for r in at if r["mode"] == "dense"}
+        dense_tps = sum(r["num_tokens"] for r in dense.values()) / max(sum(r["wall_s"] for r in dense.values()), 1e-9)
+        for mode in modes:
+            rs = [r for r in at if r["mode"] == mode]
+            tps = sum(r["num_tokens"] for r in rs) / max(sum(r["wall_s"] for r in rs), 1e-9)
+            ratios = [r["tokens_per_s"] / dense[r["prompt"]]["tokens_per_s"] for r in rs if r["prompt"] in dense]
+            same = [r["tokens"] == dense[r["prompt"]]["tokens"] for r in rs if r["prompt"] in dense]
+            steps = sum(r["verify_steps"] for r in rs)
+            drafts = sum(r["num_draft_tokens"] for r in rs)
+            inter = [r["hierarchical"] for r in rs if r["hierarchical"]]
+            rows.append({
+                "context": ctx, "mode": mode, "prompts": len(rs), "tokens": sum(r["num_tokens"] for r in rs),
+                "tokens_per_s": tps, "vs_dense": tps / dense_tps if dense_tps else None,
+                "per_prompt_ratio_median": statistics.median(ratios) if ratios else None,
+                "tokens_per_full_verification": sum(r["num_tokens"] for r in rs) / steps if steps else None,
+                "verify_ms_per_step": 1e3 * sum(r["verify_time_s"] for r in rs) / steps if steps else None,
+                "full_level_acceptance": sum(r["num_accepted_tokens"] for r in rs) / drafts if drafts else None,
+                "intermediate_acceptance": (sum(h["hier_intermediate_accepted"] for h in inter)
+                                            / max(sum(h["hier_intermediate_drafts"] for h in inter), 1)) if inter else None,
+                "intermediate_ms_per_pass": (1e3 * sum(h["hier_intermediate_time_s"] for h in inter)
+                                             / max(sum(h["hier_intermediate_passes"] for h in inter), 1)) if inter else None,
+                "same_as_dense": f"{sum(same)}/{len(same)}",
+            })
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = ["context", "mode", "prompts", "tokens", "tokens_per_s", "vs_dense", "per_prompt_ratio_median",
+            "tokens_per_full_verification", "verify_ms_per_step", "intermediate_ms_per_pass",
+            "intermediate_acceptance", "full_level_acceptance", "same_as_dense"]
+    fmt = lambda v: "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_report(record: dict, base: Path) -> str:
+    record["summary"] = summarize(record["runs"], record["args"]["modes"])
+    base.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
+    table = markdown(record["summary"])
+    base.with_suffix(".md").write_text(
+        f"# lossless sparse verification: {Path(record['target']).name}, n-gram drafts\n\n"
+        f"`{record['command']}`\n\nhardware: {record['hardware']}\n\nbinding: {record['env']}\n\n"
+        f"versions: {record['versions']}\n\nengine speculative_config: `{json.dumps(record['spec'])}`\n\n"
+        "Decode tokens/s per request with its prompt cached (prefill excluded), all modes in one engine, "
+        "interleaved per prompt. 'vs dense' = all tokens over all seconds of the mode / the same for "
+        "dense; 'per prompt ratio' = median over prompts. 'tokens per full verification' = output "
+        "tokens / full (vLLM) verify steps. 'same as dense' = prompts whose output equals the dense "
+        f"mode's token for token.\n\n{table}\n")
+    return table
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--from-json":
+        path = Path(sys.argv[2])
+        print(write_report(json.loads(path.read_text()), path.with_suffix("")))
+        return 0
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from vllm_sparsever.cli import resolve_model
+    from vllm_sparsever.data.long_context import long_context_prompts
+
+    target = resolve_model(args.target)
+    max_pos = json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings", 32768)
+    fit = max_pos - args.max_tokens - 64
+    args.contexts = list(dict.fromkeys(min(c, fit) for c in args.contexts))
+    max_len = min(max_pos, max(args.contexts) + args.max_tokens + 64)
+    started = dt.datetime.now(dt.timezone.utc)
+    tag = args.tag or Path(target).name
+    base = RESULTS / f"lossless_sparse_{tag}_{started.strftime('%Y%m%d-%H%M')}"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]), "target": target, "args": vars(args),
+        "started": started.isoformat(), "hardware": hardware(), "env": binding_env(), "versions": versions(),
+        "runs": [],
+    }
+    llm, record["spec"] = start_engine(args, target, max_len)
+    try:
+        total = len(args.contexts) * args.num_prompts * (len(args.modes) + 1)
+        with tqdm(total=total, desc="runs", unit="run") as bar:
+            for ctx in args.contexts:
+                rows = long_context_prompts(target, ctx, task=args.task, n=args.num_prompts)
+                for p, row in enumerate(rows):
+                    prompt = [{"role": "user", "content": row["prompt"]}]
+                    bar.set_postfix_str(f"{ctx} prompt {p} prefill")
+                    set_mode(llm, args, "dense")
+                    from vllm import SamplingParams
+
+                    llm.chat([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)  # cache it
+                    bar.update()
+                    order = args.modes if p % 2 == 0 else list(reversed(args.modes))
+                    for mode in order:
+                        bar.set_postfix_str(f"{ctx} prompt {p} {mode}")
+                        run = run_one(llm, args, mode, prompt)
+                        run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
+                        record["runs"].append(run)
+                        base.with_suffix(".partial.json").write_text(json.dumps(record, default=str))
+                        bar.update()
+    finally:
+        del llm
+    record["hardware_end"] = hardware()
+    print(write_report(record, base))
+    base.with_suffix(".partial.json").unlink(missing_ok=True)
+    print(f"results: {base}.md / .json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""vLLM internals hierarchical verification relies on: vLLM's n-gram matcher and the n-gram
+drafter's bounds (compat.ngram), a request's committed tokens and its stop conditions in the
+runner's state (compat.runner), and the model's final norm (compat.model)."""
+
+import inspect
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from vllm_sparsever.integration.compat import model as compat_model
+from vllm_sparsever.integration.compat import ngram as compat_ngram
+from vllm_sparsever.integration.compat import runner as compat_runner
+
+
+def test_ngram_matcher_proposes_what_followed_the_longest_match():
+    # In a subprocess: numba's llvmlite, once imported, trips vLLM's Triton-override module scan
+    # (vllm/triton_utils/dispatcher.py) that test_self_draft_compat runs in this process.
+    code = """
+import numpy as np
+from vllm_sparsever.integration.compat.ngram import match_ngram
+tokens = np.array([5, 1, 2, 3, 9, 8, 4, 2, 3, 7, 6, 1, 2, 3], dtype=np.int32)
+# Suffix [1, 2, 3] matched at the start (longest); what followed it: 9, 8.
+assert match_ngram(tokens, 1, 3, 1024, 2) == [9, 8]
+assert match_ngram(np.array([1, 2, 3, 4], dtype=np.int32), 2, 3, 1024, 2) == []
+# Never past max_model_len.
+assert match_ngram(tokens, 1, 3, len(tokens) + 1, 5) == [9]
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_ngram_proposer_keeps_its_bounds():
+    import importlib.util
+    from pathlib import Path
+
+    # Read, not imported: see the test above (numba).
+    source = Path(importlib.util.find_spec("vllm.v1.spec_decode.ngram_proposer").origin).read_text()
+    assert "self.min_n = " in source and "self.max_n = " in source
+    assert "def _find_longest_matched_ngram_and_propose_tokens(" in source
+    assert compat_ngram.ngram_bounds(SimpleNamespace(drafter=SimpleNamespace(min_n=2, max_n=4))) == (2, 4)
+
+
+def test_token_history_and_request_limits_of_a_real_input_batch():
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    batch = InputBatch(max_num_reqs=4, max_model_len=256, max_num_batched_tokens=64, device=torch.device("cpu"),
+                       vocab_size=100, block_sizes=[32], max_num_blocks_per_req=[8])
+    params = [SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[7]),
+              SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, stop_token_ids=[3])]
+    params[0].update_from_generation_config({}, eos_token_id=2)
+    params[1].update_from_generation_config({}, eos_token_id=2)
+    states = {}
+    for i, (prompt, output) in enumerate([([11, 12, 13], [14, 15]), ([21, 22], [])]):
+        states[f"r{i}"] = CachedRequestState(
+            req_id=f"r{i}", prompt_token_ids=prompt, mm_features=[], sampling_params=params[i], generator=None,
+            block_ids=([i],), num_computed_tokens=len(prompt), output_token_ids=output,
+        )
+        batch.add_request(states[f"r{i}"])
+    runner = SimpleNamespace(input_batch=batch, requests=states)
+    assert compat_runner.token_history(runner, 0).tolist() == [11, 12, 13, 14, 15]
+    assert compat_runner.token_history(runner, 1).tolist() == [21, 22]
+    first, second = compat_runner.request_limits(runner, [0, 1])
+    assert first.stop_token_ids == {7, 2} and first.remaining_tokens == 8  # 2 of 10 emitted
+    assert second.stop_token_ids == {3} and second.remaining_tokens is None  # ignore_eos: no EOS
+
+
+def test_final_norm_of_a_vllm_like_model():
+    class Attn:
+        layer_name = "model.layers.0.self_attn.attn"
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = SimpleNamespace(attn=Attn())
+
+        def forward(self, positions, hidden_states, residual):
+            residual = hidden_states if residual is None else residual + hidden_states
+            return hidden_states * 2, residual
+
+    class Norm:
+        variance_epsilon = 1e-5
+        weight = torch.ones(4)
+
+        def __call__(self, hidden, residual=None):
+            stream = hidden if residual is None else hidden + residual
+            return stream * 10, stream
+
+    inner = SimpleNamespace(embed_input_ids=lambda ids: torch.ones(len(ids), 4), layers=[Layer(), Layer()], norm=Norm())
+    stack = compat_model.decoder_stack(SimpleNamespace(model=inner, compute_logits=lambda h: h))
+    # Layer 0: h=2, r=1; layer 1: h=4, r=3; norm(4 + 3) * 10.
+    assert torch.equal(stack.run_all(torch.tensor([3]), torch.tensor([0])), torch.full((1, 4), 70.0))
+
+
+def test_vllm_model_forward_ends_with_the_fused_final_norm():
+    from vllm.model_executor.models import llama, qwen2
+
+    for model in (llama.LlamaModel, qwen2.Qwen2Model):
+        assert "hidden_states, _ = self.norm(hidden_states, residual)" in inspect.getsource(model.forward)

@@ -1,0 +1,111 @@
+"""The intermediate level of hierarchical verification: what checks each round of drafts before the
+full target does (`early_exit.intermediate`).
+
+- `EarlyExitVerifier` ("early_exit"): the target's first `verify_layer` layers plus the exit head
+  trained there (HiSpec). Cheap in layers, as good as the head.
+- `SparseTargetVerifier` ("sparse"): the whole target with the sparse-verification sections in
+  force (block-sparse attention, top-k FFN, MoE pruning; the sections enabled in the config), run
+  under its own `VerificationPlan` at level INTERMEDIATE. The full level (vLLM's verify step) is
+  then planned dense, so sparse verification becomes lossless: what the sparse target gets wrong,
+  the dense pass rejects and corrects.
+
+Both predict, for `seqs[i]` = [last pending token, drafts...] of batch row `rows[i]` at positions
+`first_positions[i]`..., the verifier's greedy next token after every position. They write the K/V
+of the layers they run at those positions; every such position is rewritten by the next full
+verification before it is read (the hierarchy reserves the slots). Logits are all-gathered across
+tensor-parallel ranks (vLLM's logits processor), so every rank takes the same argmax.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
+
+
+def _flatten(seqs: list[list[int]], first_positions: list[int], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    tokens, positions, lens = [], [], []
+    for seq, first in zip(seqs, first_positions, strict=True):
+        tokens.extend(seq)
+        positions.extend(range(first, first + len(seq)))
+        lens.append(len(seq))
+    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    return as_long(tokens), as_long(positions), lens
+
+
+def _split(flat: list[int], lens: list[int]) -> list[list[int]]:
+    out, offset = [], 0
+    for length in lens:
+        out.append(flat[offset: offset + length])
+        offset += length
+    return out
+
+
+class EarlyExitVerifier:
+    name = "early_exit"
+
+    def __init__(self, model: EarlyExitModel, layer: int) -> None:
+        self.model = model
+        self.layer = layer
+
+    def load(self, runner: Any) -> None:
+        self.model.load(runner)  # once per runner, shared with the self-drafter
+
+    @torch.inference_mode()
+    def predict(self, rows: list[int], seqs: list[list[int]], first_positions: list[int]) -> list[list[int]]:
+        tokens, positions, lens = _flatten(seqs, first_positions, self.model.device)
+        predicted, _ = self.model.predict(self.layer, torch.tensor(rows, dtype=torch.long), tokens, positions, lens)
+        return _split(predicted.tolist(), lens)
+
+
+class SparseTargetVerifier:
+    name = "sparse"
+
+    def __init__(self) -> None:
+        self._runner: Any = None
+        self._stack: Any = None
+        self._passes = 0
+
+    def load(self, runner: Any) -> None:
+        from vllm_sparsever.integration.compat.model import decoder_stack
+
+        self._runner = runner
+        self._stack = decoder_stack(runner.model)
+
+    @torch.inference_mode()
+    def predict(self, rows: list[int], seqs: list[list[int]], first_positions: list[int]) -> list[list[int]]:
+        from vllm.forward_context import set_forward_context
+
+        from vllm_sparsever.integration.compat.runner import input_batch_view, query_attention_context
+        from vllm_sparsever.plan import VerifyLevel, active_plan, build_verification_plan
+        from vllm_sparsever.verification.runtime import get_runtime
+
+        runner, stack = self._runner, self._stack
+        assert stack is not None, "SparseTargetVerifier.load() was not called"
+        device = runner.device
+        tokens, positions, lens = _flatten(seqs, first_positions, device)
+        batch = input_batch_view(runner)
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        self._passes += 1
+        runtime = get_runtime()
+        plan = build_verification_plan(
+            step=self._passes,
+            req_ids=[batch.req_ids[r] for r in rows],
+            num_scheduled_tokens=torch.tensor(lens).numpy(),
+            num_computed_tokens=torch.tensor(first_positions).numpy(),
+            scheduled_spec_decode_tokens={batch.req_ids[r]: seq[1:] for r, seq in zip(rows, seqs, strict=True)},
+            block_table=batch.block_table_cpu[rows_t],
+            block_size=batch.block_size,
+            device=device,
+            level=VerifyLevel.INTERMEDIATE,
+            verify_plain_rows=True,
+            **runtime.step_planners(),
+        )
+        metadata, slots = query_attention_context(runner, stack.attention_layer_names, rows_t, positions, lens)
+        with active_plan(plan), set_forward_context(metadata, runner.vllm_config, num_tokens=int(tokens.numel()),
+                                                    slot_mapping=slots):
+            normed = stack.run_all(tokens, positions)
+        logits = stack.compute_logits(normed)
+        return _split(logits.argmax(dim=-1).tolist(), lens)

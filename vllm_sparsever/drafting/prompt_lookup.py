@@ -1,0 +1,92 @@
+"""n-gram prompt lookup as the drafter of hierarchical verification (draft_source='ngram').
+
+Each round drafts what followed the longest earlier match of the request's suffix, where the suffix
+includes the tokens the hierarchy holds pending (vLLM's own n-gram drafter sees committed tokens
+only, so it cannot draft a second round). The matcher is vLLM's (compat.ngram), with the
+prompt-lookup bounds vLLM resolved for this engine. It reads no weights and writes no KV.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_sparsever.drafting.self_draft import DraftRequests, collect_draft_requests
+
+
+@dataclass
+class PromptLookupStats:
+    rounds: int = 0  # draft() calls
+    lookups: int = 0  # requests looked up
+    no_match: int = 0  # ... that found no n-gram match
+    draft_tokens: int = 0
+    slot_limited: int = 0  # see SelfDraftStats.slot_limited
+    draft_time_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "prompt_lookup_rounds": self.rounds,
+            "prompt_lookup_lookups": self.lookups,
+            "prompt_lookup_no_match": self.no_match,
+            "prompt_lookup_tokens": self.draft_tokens,
+            "prompt_lookup_slot_limited": self.slot_limited,
+            "prompt_lookup_time_s": self.draft_time_s,
+        }
+
+
+class PromptLookupDrafter:
+    def __init__(self, *, num_speculative_tokens: int, max_model_len: int) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.stats = PromptLookupStats()
+        self._runner: Any = None
+        self._bounds = (0, 0)
+
+    def load(self, runner: Any) -> None:
+        from vllm_sparsever.integration.compat.ngram import match_ngram, ngram_bounds
+
+        self._runner = runner
+        self._bounds = ngram_bounds(runner)
+        # Compile the numba matcher now (seconds), not on the first request.
+        match_ngram(np.arange(4, dtype=np.int32), *self._bounds, self.max_model_len, 1)
+
+    @property
+    def runner(self) -> Any:
+        return self._runner
+
+    def stats_by_level(self) -> dict[str, dict[str, Any]]:
+        return {"prompt_lookup": self.stats.summary()}
+
+    def reset_stats(self) -> None:
+        self.stats = PromptLookupStats()
+
+    def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
+        reqs, slot_limited = collect_draft_requests(self._runner, sampled_token_ids, reserve, self.max_model_len)
+        self.stats.slot_limited += slot_limited
+        return reqs
+
+    def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
+        """Up to min(num_speculative_tokens, budget) drafts per request: what followed the longest
+        earlier match of its committed tokens + `pending[i]` (which end with `reqs.tokens[i]`)."""
+        from vllm_sparsever.integration.compat.ngram import match_ngram
+        from vllm_sparsever.integration.compat.runner import token_history
+
+        start = time.perf_counter()
+        min_n, max_n = self._bounds
+        drafts = []
+        for i, row in enumerate(reqs.rows):
+            tail = pending[i] if pending else []
+            history = token_history(self._runner, row)
+            tokens = np.concatenate([history, np.asarray(tail, dtype=history.dtype)]) if tail else history
+            k = min(self.num_speculative_tokens, reqs.budgets[i])
+            found = match_ngram(tokens, min_n, max_n, self.max_model_len, k) if k > 0 else []
+            self.stats.lookups += 1
+            self.stats.no_match += not found
+            self.stats.draft_tokens += len(found)
+            drafts.append(found)
+        self.stats.rounds += 1
+        self.stats.draft_time_s += time.perf_counter() - start
+        return drafts
