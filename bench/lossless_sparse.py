@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--cap", type=int, default=8, help="num_speculative_tokens: n-gram k, and the hierarchy's cap")
     p.add_argument("--round-tokens", type=int, default=3)
-    p.add_argument("--full-verify-every", type=int, default=3)
+    p.add_argument("--full-verify-every", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--top-k-blocks", type=int, default=8)
     p.add_argument("--min-context-len", type=int, default=2048)
@@ -61,7 +62,7 @@ def start_engine(args, target: str, max_len: int):
 
     spec = {
         "method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": args.cap,
-        "prompt_lookup_max": args.prompt_lookup_max,
+        "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
         "attention": {"enabled": True, "top_k_blocks": args.top_k_blocks, "min_context_len": args.min_context_len},
         "early_exit": {"enabled": True, "intermediate": "sparse", "round_tokens": args.round_tokens,
                        "full_verify_every": args.full_verify_every},

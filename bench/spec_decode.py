@@ -79,6 +79,21 @@ METHODS: dict[str, Method] = {
                       "early_exit": {**_early_exit(a), "enabled": True, "round_tokens": a.k,
                                      "full_verify_every": a.full_verify_every,
                                      **({"verify_layer": a.verify_layer} if a.verify_layer else {})}}),
+    # The same, with the full pass starting at the verify layer from the intermediate passes'
+    # hidden states (reuse across levels; the verifier's last correction is dropped for it).
+    "sparsever-hierarchical-reuse": Method(
+        "sparsever-hierarchical-reuse", True, False,
+        lambda a, d: {"method": "sparsever", "draft_source": "early_exit", "num_speculative_tokens": a.hier_cap,
+                      "early_exit": {**_early_exit(a), "enabled": True, "round_tokens": a.k,
+                                     "full_verify_every": a.full_verify_every, "reuse_hidden_states": True,
+                                     **({"verify_layer": a.verify_layer} if a.verify_layer else {})}}),
+    # The draft model drafting in rounds of k under the early-exit intermediate verifier (HiSpec's
+    # set-up: draft model -> early layers -> full target).
+    "sparsever-draft-hierarchical": Method(
+        "sparsever-draft-hierarchical", True, True,
+        lambda a, d: {"method": "sparsever", "model": d, "num_speculative_tokens": a.hier_cap,
+                      "early_exit": {"enabled": True, "round_tokens": a.k, "full_verify_every": a.full_verify_every,
+                                     **({"verify_layer": a.verify_layer} if a.verify_layer else {})}}),
 }
 
 

@@ -167,8 +167,8 @@ class EarlyExitConfig:
     # Hierarchical verification: the intermediate verifier checks each round of `round_tokens`
     # drafts; the tokens it accepts (plus its correction) are pending, and the full target verifies
     # all pending tokens (at most num_speculative_tokens) in one pass after `full_verify_every`
-    # rounds, when the cap is reached, or at a stop token / max_tokens. Drafts come from
-    # draft_source 'early_exit' or 'ngram'.
+    # rounds, when the cap is reached, or at a stop token / max_tokens. Drafts come from any
+    # draft_source (the self-drafter, n-gram prompt lookup, or the draft model, run in rounds).
     enabled: bool = False
     # The intermediate verifier: "early_exit" = the first `verify_layer` layers plus their head
     # (None = the deepest trained head); "sparse" = the whole target with the enabled sparse
@@ -176,6 +176,10 @@ class EarlyExitConfig:
     # densely, so sparse verification becomes lossless.
     intermediate: Literal["early_exit", "sparse"] = "early_exit"
     verify_layer: int | None = None
+    # Reuse across levels (intermediate 'early_exit' only): the full pass starts at verify_layer from
+    # the residual streams the intermediate passes computed (dropping the verifier's last correction,
+    # which no pass has run), so it reads verify_layer fewer layers' weights.
+    reuse_hidden_states: bool = False
     full_verify_every: int = 4
     round_tokens: int = 3
 
@@ -195,6 +199,12 @@ class EarlyExitConfig:
                 f"{prefix}.intermediate: only used by hierarchical verification; set "
                 f"{prefix}.enabled to true (or drop {prefix}.intermediate)"
             )
+        _check_bool(f"{prefix}.reuse_hidden_states", self.reuse_hidden_states)
+        if self.reuse_hidden_states and not self.uses_heads:
+            raise SparseverConfigError(
+                f"{prefix}.reuse_hidden_states: needs hierarchical verification with an early-exit "
+                f"intermediate verifier ({prefix}.enabled: true, {prefix}.intermediate: 'early_exit')"
+            )
         if self.intermediate == "sparse" and self.verify_layer is not None:
             raise SparseverConfigError(
                 f"{prefix}.verify_layer: only valid with {prefix}.intermediate='early_exit' (the sparse "
@@ -212,7 +222,6 @@ class EarlyExitConfig:
 _NOT_YET_IMPLEMENTED = ("adaptive",)
 DRAFT_SOURCES = ("draft_model", "ngram", "early_exit")
 INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
-HIERARCHY_DRAFT_SOURCES = ("early_exit", "ngram")
 
 
 @dataclass
@@ -254,13 +263,7 @@ class SparseverConfig:
         if method != METHOD_NAME:
             raise SparseverConfigError(f"method: expected {METHOD_NAME!r}, got {method!r}")
 
-        sections = {
-            "attention": AttentionSparsityConfig,
-            "ffn": FFNSparsityConfig,
-            "moe": MoESparsityConfig,
-            "adaptive": AdaptiveVerificationConfig,
-            "early_exit": EarlyExitConfig,
-        }
+        sections = SECTIONS
         top_level = {f.name for f in dataclasses.fields(cls)} - {"passthrough"}
         allowed = sorted(top_level | set(PASSTHROUGH_FIELDS))
         kwargs: dict[str, Any] = {}
@@ -286,6 +289,15 @@ class SparseverConfig:
         config = cls(**kwargs, passthrough=passthrough)
         config.validate()
         return config
+
+    @staticmethod
+    def section_from_dict(name: str, value: Any) -> Any:
+        """One section (e.g. "attention") built and validated on its own: the run-time switch of
+        the sparse sections, whose cross-section rules were checked at start."""
+        section = _section_from_dict(name, SECTIONS[name], value)
+        _check_bool(f"{name}.enabled", section.enabled)
+        section.validate(name)
+        return section
 
     def validate(self) -> None:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
@@ -323,12 +335,6 @@ class SparseverConfig:
                     f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
                 )
         ee = self.early_exit
-        if ee.enabled and self.draft_source not in HIERARCHY_DRAFT_SOURCES:
-            raise SparseverConfigError(
-                "early_exit.enabled: hierarchical verification drafts in rounds with the target's own "
-                "early layers or n-gram prompt lookup (allowed: draft_source='early_exit' or 'ngram'); "
-                f"a separate draft model is not supported yet, got draft_source={self.draft_source!r}"
-            )
         if self.draft_source != "early_exit":
             for name in ("draft_layer", "draft_vocab", "draft_confidence"):
                 default = 0.0 if name == "draft_confidence" else None
@@ -378,6 +384,7 @@ class SparseverConfig:
         if self.draft_source == "draft_model":
             kwargs["method"] = "draft_model"
             kwargs["model"] = self.model
+
         else:
             # n-gram drafting, and self-drafting, which vLLM drives like its n-gram drafter (CPU
             # token lists in, draft lists out, no draft model; the sparsever runner replaces the
@@ -407,6 +414,14 @@ class SparseverConfig:
         raw = {**data, **passthrough}
         return cls.from_dict(raw)
 
+
+SECTIONS: dict[str, type] = {
+    "attention": AttentionSparsityConfig,
+    "ffn": FFNSparsityConfig,
+    "moe": MoESparsityConfig,
+    "adaptive": AdaptiveVerificationConfig,
+    "early_exit": EarlyExitConfig,
+}
 
 # ---- helpers ------------------------------------------------------------------------------
 

@@ -275,7 +275,7 @@ class SparseverCollector:
             g = GaugeMetricFamily(
                 "sparsever:level_acceptance_rate",
                 "Hierarchical verification: accepted / checked tokens per level "
-                "(intermediate: drafts the early-exit verifier kept; full: pending tokens the target kept)",
+                "(intermediate: drafts the intermediate verifier kept; full: pending tokens the target kept)",
                 labels=["level"],
             )
             g.add_metric(["intermediate"], float(drafting.get("hier_intermediate_acceptance_rate", float("nan"))))
@@ -296,6 +296,13 @@ class SparseverCollector:
             c.add_metric(["draft"], float(drafting.get("hier_draft_time_s", 0.0)))
             c.add_metric(["intermediate"], float(drafting.get("hier_intermediate_time_s", 0.0)))
             c.add_metric(["full"], float(s.get("verify_time_s", 0.0)))
+            yield c
+            c = CounterMetricFamily(
+                "sparsever:reuse_layers_skipped",
+                "Hierarchical verification: decoder layers full passes skipped by starting from the "
+                "intermediate verifier's hidden states (reuse_hidden_states)",
+            )
+            c.add_metric([], float(drafting.get("hier_reuse_layers_skipped", 0)))
             yield c
         g = GaugeMetricFamily(
             "sparsever:per_position_acceptance",

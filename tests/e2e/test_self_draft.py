@@ -251,8 +251,8 @@ def test_tensor_parallel_hierarchical_equals_plain_greedy(plain_greedy4, target,
     # Two ranks on two cores: no core reserved for the front end, one OpenMP thread per rank.
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    llm = _engine(target, _spec(heads, enabled=True, draft_layer=DRAFT_LAYER), tensor_parallel_size=2,
-                  distributed_executor_backend="mp")
+    llm = _engine(target, _spec(heads, enabled=True, draft_layer=DRAFT_LAYER, reuse_hidden_states=True),
+                  tensor_parallel_size=2, distributed_executor_backend="mp")
     try:
         greedy = _greedy(llm)
         from vllm_sparsever.metrics import get_metrics
@@ -266,9 +266,10 @@ def test_tensor_parallel_hierarchical_equals_plain_greedy(plain_greedy4, target,
     assert len(ranks) == 2
     # Both ranks drafted and kept the same tokens at every level (all-gathered logits, same argmax).
     assert ranks[0]["self_draft"]["self_draft_tokens"] == ranks[1]["self_draft"]["self_draft_tokens"] > 0
-    for key in ("hier_intermediate_accepted", "hier_pending_tokens"):
+    for key in ("hier_intermediate_accepted", "hier_pending_tokens", "hier_reuse_steps"):
         assert ranks[0]["hierarchical"][key] == ranks[1]["hierarchical"][key]
     assert ranks[0]["hierarchical"]["hier_pending_tokens"] > 0
+    assert ranks[0]["hierarchical"]["hier_reuse_steps"] > 0  # each rank started its full passes at layer 3
 
 
 @pytest.mark.parametrize(
@@ -322,6 +323,71 @@ def test_hierarchical_sampling_follows_the_target_distribution(hierarchical_run,
     for position in range(1, SAMPLE_TOKENS):
         p = _chi2_two_sample_p([s[position] for s in sampled], [s[position] for s in plain_samples])
         assert p > 1e-3, f"token {position}: hierarchical samples differ from plain sampling (p={p:.2e})"
+
+
+@pytest.fixture(scope="module")
+def reuse_run(target, heads):
+    """Hierarchical verification whose full pass starts at the verify layer from the intermediate
+    passes' residual streams (reuse across levels)."""
+    spec = _spec(heads, enabled=True, draft_layer=DRAFT_LAYER, verify_layer=VERIFY_LAYER,
+                 round_tokens=2, full_verify_every=3, reuse_hidden_states=True)
+    spec["num_speculative_tokens"] = HIER_CAP
+    return _greedy_metrics_samples(target, spec)
+
+
+def test_reuse_across_levels_greedy_equals_plain_greedy(plain_greedy4, reuse_run):
+    greedy, m, _ = reuse_run
+    _assert_same(plain_greedy4, greedy)
+    h = m["hierarchical"]
+    # Most full passes started at layer 3 (a step with a prefill, or a request that drafted nothing,
+    # runs the whole model) ...
+    assert h["hier_reuse_steps"] > m["num_verify_steps"] / 2, h
+    assert h["hier_reuse_layers_skipped"] == VERIFY_LAYER * h["hier_reuse_steps"]
+    assert h["hier_reuse_tokens"] >= h["hier_reuse_steps"]
+    # ... after dropping the verifier's last correction, which no pass had run.
+    assert h["hier_reuse_dropped_corrections"] > 0
+    assert 0 < m["num_accepted_tokens"] <= m["num_draft_tokens"]
+
+
+def test_reuse_across_levels_sampling_follows_the_target_distribution(reuse_run, plain_samples):
+    _, _, sampled = reuse_run
+    for position in range(1, SAMPLE_TOKENS):
+        p = _chi2_two_sample_p([s[position] for s in sampled], [s[position] for s in plain_samples])
+        assert p > 1e-3, f"token {position}: samples with reuse differ from plain sampling (p={p:.2e})"
+
+
+@pytest.fixture(scope="module")
+def draft_model_hierarchy_run(target, heads, tmp_path_factory):
+    """A separate draft model (the target plus noise) drafting in rounds under the layer-3 verifier."""
+    from tiny_models import make_tiny_llama
+
+    draft = make_tiny_llama(tmp_path_factory.mktemp("draft4") / "model", seed=5, num_layers=4,
+                            perturb_from=target, perturb_scale=0.03)
+    spec = {"method": "sparsever", "model": str(draft), "num_speculative_tokens": HIER_CAP,
+            "early_exit": {"heads": str(heads), "enabled": True, "verify_layer": VERIFY_LAYER, "round_tokens": 2,
+                           "full_verify_every": 3}}
+    return _greedy_metrics_samples(target, spec)
+
+
+def test_draft_model_hierarchy_greedy_equals_plain_greedy(plain_greedy4, draft_model_hierarchy_run):
+    greedy, m, _ = draft_model_hierarchy_run
+    _assert_same(plain_greedy4, greedy)
+    d, h = m["draft_model"], m["hierarchical"]
+    # The drafter brought its KV up to date itself (prompts, then tokens the levels changed) ...
+    assert d["draft_model_catch_up_tokens"] > 0 and d["draft_model_tokens"] > 0
+    assert d["draft_model_slot_limited"] == 0
+    # ... its drafts were checked by the intermediate verifier, and the pending ones by the target.
+    assert 0 < h["hier_intermediate_accepted"] < h["hier_intermediate_drafts"]
+    assert 0 < m["num_accepted_tokens"] <= m["num_draft_tokens"] <= HIER_CAP * m["num_drafts"]
+    # More than one round per full verification: rounds were actually stacked.
+    assert h["hier_rounds"] > m["num_drafts"]
+
+
+def test_draft_model_hierarchy_sampling_follows_the_target_distribution(draft_model_hierarchy_run, plain_samples):
+    _, _, sampled = draft_model_hierarchy_run
+    for position in range(1, SAMPLE_TOKENS):
+        p = _chi2_two_sample_p([s[position] for s in sampled], [s[position] for s in plain_samples])
+        assert p > 1e-3, f"token {position}: draft-model hierarchy samples differ from plain sampling (p={p:.2e})"
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,23 @@ def test_sparse_full_level_changes_the_text(sparse_hierarchy_runs, plain_greedy_
     assert m["hierarchical"]["hier_pending_tokens"] > 0
 
 
+def test_draft_model_sparse_hierarchy_equals_plain_greedy(target4, plain_greedy_long, tiny_dir):
+    """A separate draft model drafting in rounds, the sparse target checking each round."""
+    draft = make_tiny_llama(tiny_dir / "draft4_hier", seed=1, num_layers=NUM_LAYERS, perturb_from=target4,
+                            perturb_scale=0.005)
+    spec = _spec(draft_source="draft_model", model=str(draft))
+    del spec["prompt_lookup_max"]
+    tokens, m = _generate(target4, spec)
+    assert tokens == plain_greedy_long
+    d, h = m["draft_model"], m["hierarchical"]
+    # The drafter caught up on the ~700-token prompts itself, and drafted in rounds.
+    assert d["draft_model_catch_up_tokens"] >= sum(len(p.split()) for p in LONG_PROMPTS)
+    assert h["hier_rounds"] > m["num_drafts"] > 0
+    assert 0 < h["hier_intermediate_accepted"] <= h["hier_intermediate_drafts"]
+    assert m["sparsity"]["attn_layers_sparse"] > 0
+    assert 0 < m["num_accepted_tokens"] <= m["num_draft_tokens"]
+
+
 def test_tensor_parallel_sparse_hierarchy_equals_plain_greedy(target4, plain_greedy_long, monkeypatch):
     # Two ranks on two cores: no core reserved for the front end, one OpenMP thread per rank.
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")

@@ -70,36 +70,33 @@ class EarlyExitModel:
     @torch.inference_mode()
     def predict(
         self, exit_layer: int, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-        query_lens: list[int],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        query_lens: list[int], *, with_stream: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """(argmax token, its probability) of the head at `exit_layer` per query token; over the
-        layer's trimmed draft vocabulary if it has one (the LM head rows of those tokens only)."""
+        layer's trimmed draft vocabulary if it has one (the LM head rows of those tokens only).
+        `with_stream`: also the residual stream after layer `exit_layer` (what the full target's
+        layer `exit_layer` takes as input for these tokens)."""
+        stream = self.stream(exit_layer, rows, tokens, positions, query_lens)
+        normed = self.heads[exit_layer](stream)
         trimmed = self._trimmed.get(exit_layer)
         if trimmed is None:
-            logits = self.logits(exit_layer, rows, tokens, positions, query_lens)
+            logits = self._stack.compute_logits(normed).float()
             confidence, token = torch.softmax(logits, dim=-1).max(dim=-1)
-            return token, confidence
-        ids, weight = trimmed
-        normed = self.hidden(exit_layer, rows, tokens, positions, query_lens)
-        logits = torch.nn.functional.linear(normed, weight).float()
-        confidence, index = torch.softmax(logits, dim=-1).max(dim=-1)
-        return ids[index], confidence
+        else:
+            ids, weight = trimmed
+            logits = torch.nn.functional.linear(normed, weight).float()
+            confidence, index = torch.softmax(logits, dim=-1).max(dim=-1)
+            token = ids[index]
+        return (token, confidence, stream) if with_stream else (token, confidence)
 
     @torch.inference_mode()
-    def logits(
+    def stream(
         self, exit_layer: int, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
         query_lens: list[int],
     ) -> torch.Tensor:
-        """fp32 logits of the head at `exit_layer` for `query_lens[i]` consecutive tokens of batch
-        row `rows[i]` (tokens/positions flattened request after request)."""
-        return self._stack.compute_logits(self.hidden(exit_layer, rows, tokens, positions, query_lens)).float()
-
-    @torch.inference_mode()
-    def hidden(
-        self, exit_layer: int, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-        query_lens: list[int],
-    ) -> torch.Tensor:
-        """The head's normed output (before the LM head) at `exit_layer` for the query tokens."""
+        """The residual stream after the first `exit_layer` layers for `query_lens[i]` consecutive
+        tokens of batch row `rows[i]` (tokens/positions flattened request after request), writing
+        those layers' K/V at the tokens' positions."""
         from vllm.forward_context import set_forward_context
 
         from vllm_sparsever.integration.compat.runner import query_attention_context
@@ -109,5 +106,4 @@ class EarlyExitModel:
         metadata, slots = query_attention_context(self._runner, names, rows, positions, query_lens)
         with set_forward_context(metadata, self._runner.vllm_config, num_tokens=int(tokens.numel()),
                                  slot_mapping=slots):
-            stream = self._stack.run_layers(exit_layer, tokens, positions)
-        return self.heads[exit_layer](stream)
+            return self._stack.run_layers(exit_layer, tokens, positions)

@@ -22,6 +22,16 @@ before being read, and the scheduler reserves cap + round_tokens lookahead slots
 
 With the sparse target as the intermediate verifier, a round whose drafter found nothing still runs
 it on the last pending token alone: the sparse target then drafts for the dense one by itself.
+
+Reuse across levels (`reuse_hidden_states`, early-exit intermediate verifier only): layers
+0..L_v-1 are the target's own, so the intermediate passes have already computed them for the
+request's sampled token and every pending token but the last (the verifier's own correction,
+which no pass has run yet), and written their K/V. The hierarchy then drops that correction from
+the pending tokens (the full target emits its own token there), keeps the residual stream at L_v
+of each remaining token, and the full pass starts at layer L_v from those streams
+(`ReusableStates`, consumed by the runner's forward): at batch 1 it reads L_v fewer layers' weights.
+A step whose rows do not all have their streams (a prefill chunk, a row that drafted nothing) runs
+the whole model as usual.
 """
 
 from __future__ import annotations
@@ -35,6 +45,17 @@ import torch
 from vllm_sparsever.drafting.self_draft import DraftRequests
 
 
+@dataclass(frozen=True)
+class ReusableStates:
+    """The residual streams after layer `layer` of a request's next full-pass tokens: its sampled
+    token at `first_position`, then its pending tokens (`token_ids`, in order)."""
+
+    layer: int
+    first_position: int
+    token_ids: tuple[int, ...]
+    states: torch.Tensor  # [len(token_ids), hidden]
+
+
 @dataclass
 class HierarchicalStats:
     rounds: int = 0  # drafter + intermediate-verifier rounds, summed over requests
@@ -44,6 +65,13 @@ class HierarchicalStats:
     pending_tokens: int = 0  # tokens sent to the full target (accepted drafts + corrections, capped)
     stopped_at_stop_token: int = 0  # requests whose rounds ended on a stop token (EOS, stop ids)
     stopped_at_max_tokens: int = 0  # requests whose pending tokens reached their max_tokens
+    # Reuse across levels: full passes started at the intermediate layer, the layers and tokens
+    # they skipped, the verifier corrections dropped for it, and steps that could not reuse.
+    reuse_steps: int = 0
+    reuse_layers_skipped: int = 0
+    reuse_tokens: int = 0
+    reuse_dropped_corrections: int = 0
+    reuse_missed_steps: int = 0
     draft_time_s: float = 0.0
     intermediate_time_s: float = 0.0
 
@@ -57,15 +85,22 @@ class HierarchicalStats:
             "hier_pending_tokens": self.pending_tokens,
             "hier_stopped_at_stop_token": self.stopped_at_stop_token,
             "hier_stopped_at_max_tokens": self.stopped_at_max_tokens,
+            "hier_reuse_steps": self.reuse_steps,
+            "hier_reuse_layers_skipped": self.reuse_layers_skipped,
+            "hier_reuse_tokens": self.reuse_tokens,
+            "hier_reuse_dropped_corrections": self.reuse_dropped_corrections,
+            "hier_reuse_missed_steps": self.reuse_missed_steps,
             "hier_draft_time_s": self.draft_time_s,
             "hier_intermediate_time_s": self.intermediate_time_s,
         }
 
 
 class HierarchicalProposer:
-    def __init__(self, drafter: Any, verifier: Any, *, cap: int, rounds: int) -> None:
-        """`drafter`: `requests()`/`draft()` (SelfDraftProposer, PromptLookupDrafter); `verifier`:
-        `predict()` (EarlyExitVerifier, SparseTargetVerifier)."""
+    def __init__(self, drafter: Any, verifier: Any, *, cap: int, rounds: int, reuse: bool = False) -> None:
+        """`drafter`: `requests()`/`draft()` (SelfDraftProposer, PromptLookupDrafter,
+        DraftModelDrafter); `verifier`: `predict()` (EarlyExitVerifier, SparseTargetVerifier)."""
+        if reuse and verifier.name != "early_exit":
+            raise ValueError("reuse of hidden states needs the early-exit intermediate verifier (the target's own layers)")
         self.drafter = drafter
         self.verifier = verifier
         self.cap = cap
@@ -73,7 +108,14 @@ class HierarchicalProposer:
         self.round_tokens = drafter.num_speculative_tokens
         # The sparse target is a drafter in its own right: it runs even when the drafter has nothing.
         self.verify_without_drafts = verifier.name == "sparse"
+        self.reuse = reuse
+        self._reusable: dict[str, ReusableStates] = {}
         self.stats = HierarchicalStats()
+
+    def take_reusable_states(self) -> dict[str, ReusableStates]:
+        """The streams saved for the next full pass, per request id (each taken once)."""
+        states, self._reusable = self._reusable, {}
+        return states
 
     def load(self, runner: Any) -> None:
         self.drafter.load(runner)
@@ -99,6 +141,9 @@ class HierarchicalProposer:
                 for lim in limits]
         pending: list[list[int]] = [[] for _ in range(n)]
         live = [c > 0 for c in caps]
+        # Reuse: per request, the streams of positions P, P+1, ... and how many lead with a kept token.
+        streams: list[torch.Tensor | None] = [None] * n
+        valid = [0] * n
         for _ in range(self.rounds):
             # Positions P+m .. P+m+g are written this round (drafter: g, verifier: g + 1).
             idx, budgets = [], []
@@ -120,9 +165,13 @@ class HierarchicalProposer:
             drafts = self.drafter.draft(sub, [pending[i] for i in idx])
             self.stats.draft_time_s += time.perf_counter() - start
             start = time.perf_counter()
-            kept = self._verify(sub, drafts)
+            kept, round_streams = self._verify(sub, drafts)
             self.stats.intermediate_time_s += time.perf_counter() - start
-            for i, d, k in zip(idx, drafts, kept, strict=True):
+            for j, (i, d, k) in enumerate(zip(idx, drafts, kept, strict=True)):
+                if self.reuse and k:
+                    offset = len(pending[i])  # this round ran positions P + offset ...
+                    streams[i] = _write_rows(streams[i], offset, round_streams[j], self.cap + self.round_tokens + 1)
+                    valid[i] = offset + len(k)  # its first token and the drafts it kept: all but the correction
                 if not k:  # no drafts and no verification: nothing more for this request
                     live[i] = False
                     continue
@@ -138,21 +187,35 @@ class HierarchicalProposer:
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         for i, row in enumerate(reqs.rows):
             out[row] = pending[i][: caps[i]]
+            if self.reuse and streams[i] is not None:
+                if len(out[row]) + 1 > valid[i]:  # the last token is the verifier's correction
+                    out[row] = out[row][: valid[i] - 1]
+                    self.stats.reuse_dropped_corrections += 1
+                req_id = self.drafter.runner.input_batch.req_ids[row]
+                tokens = (reqs.tokens[i], *out[row])
+                self._reusable[req_id] = ReusableStates(self.verifier.layer, reqs.positions[i], tokens,
+                                                        streams[i][: len(tokens)])
             self.stats.pending_tokens += len(out[row])
         return out
 
     @torch.inference_mode()
-    def _verify(self, sub: DraftRequests, drafts: list[list[int]]) -> list[list[int]]:
+    def _verify(self, sub: DraftRequests, drafts: list[list[int]]) -> tuple[list[list[int]], list[Any]]:
         """Per request: the drafts the intermediate verifier agrees with, then its own next token
-        ([] for a request it does not run: no drafts, and the verifier only checks drafts)."""
+        ([] for a request it does not run: no drafts, and the verifier only checks drafts); and,
+        with reuse, the residual streams of [its first token, drafts] (None where it did not run)."""
         which = [j for j, d in enumerate(drafts) if d or self.verify_without_drafts]
         kept: list[list[int]] = [[] for _ in drafts]
+        streams: list[Any] = [None] * len(drafts)
         if not which:
-            return kept
-        predicted = self.verifier.predict(
-            [sub.rows[j] for j in which], [[sub.tokens[j], *drafts[j]] for j in which],
-            [sub.positions[j] for j in which],
-        )
+            return kept, streams
+        args = ([sub.rows[j] for j in which], [[sub.tokens[j], *drafts[j]] for j in which],
+                [sub.positions[j] for j in which])
+        if self.reuse:
+            predicted, ran = self.verifier.predict(*args, with_streams=True)
+            for j, stream in zip(which, ran, strict=True):
+                streams[j] = stream
+        else:
+            predicted = self.verifier.predict(*args)
         self.stats.intermediate_passes += 1
         for j, pred in zip(which, predicted, strict=True):  # pred[t]: the verifier's token after position t
             d = drafts[j]
@@ -162,4 +225,12 @@ class HierarchicalProposer:
             kept[j] = d[:accepted] + [pred[accepted]]
             self.stats.intermediate_drafts += len(d)
             self.stats.intermediate_accepted += accepted
-        return kept
+        return kept, streams
+
+
+def _write_rows(buffer: torch.Tensor | None, offset: int, rows: torch.Tensor, capacity: int) -> torch.Tensor:
+    """`rows` written into `buffer` from row `offset` on (allocated on first use)."""
+    if buffer is None:
+        buffer = rows.new_empty(capacity, rows.shape[-1])
+    buffer[offset: offset + rows.shape[0]] = rows
+    return buffer

@@ -54,10 +54,15 @@ class EarlyExitVerifier:
         self.model.load(runner)  # once per runner, shared with the self-drafter
 
     @torch.inference_mode()
-    def predict(self, rows: list[int], seqs: list[list[int]], first_positions: list[int]) -> list[list[int]]:
+    def predict(self, rows: list[int], seqs: list[list[int]], first_positions: list[int],
+                with_streams: bool = False) -> Any:
+        """Predictions per request; `with_streams`: (predictions, per request the residual stream
+        after layer `layer` of its tokens, [len(seq), hidden]) for the full pass to start from."""
         tokens, positions, lens = _flatten(seqs, first_positions, self.model.device)
-        predicted, _ = self.model.predict(self.layer, torch.tensor(rows, dtype=torch.long), tokens, positions, lens)
-        return _split(predicted.tolist(), lens)
+        predicted, _, stream = self.model.predict(self.layer, torch.tensor(rows, dtype=torch.long), tokens,
+                                                  positions, lens, with_stream=True)
+        preds = _split(predicted.tolist(), lens)
+        return (preds, list(stream.split(lens))) if with_streams else preds
 
 
 class SparseTargetVerifier:

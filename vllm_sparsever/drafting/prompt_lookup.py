@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_sparsever.drafting.self_draft import DraftRequests, collect_draft_requests
+from vllm_sparsever.drafting.self_draft import DraftRequests, collect_draft_requests, propose_alone
 
 
 @dataclass
@@ -62,6 +62,10 @@ class PromptLookupDrafter:
 
     def reset_stats(self) -> None:
         self.stats = PromptLookupStats()
+
+    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """On its own (hierarchical verification switched off at run time)."""
+        return propose_alone(self, sampled_token_ids)
 
     def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
         reqs, slot_limited = collect_draft_requests(self._runner, sampled_token_ids, reserve, self.max_model_len)

@@ -149,6 +149,16 @@ def collect_draft_requests(
     return out, slot_limited
 
 
+def propose_alone(drafter: Any, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+    """A hierarchy's drafter proposing on its own (no intermediate level): its drafts per batch row
+    (row order of `sampled_token_ids`, as vLLM's n-gram drafter returns them)."""
+    reqs = drafter.requests(sampled_token_ids, drafter.num_speculative_tokens)
+    drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+    for row, tokens in zip(reqs.rows, drafter.draft(reqs), strict=True):
+        drafts[row] = tokens
+    return drafts
+
+
 class SelfDraftProposer:
     def __init__(
         self,

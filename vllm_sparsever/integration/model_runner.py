@@ -6,7 +6,8 @@ overrides the runner's per-step hooks only:
   FFN/MoE blocks (vllm_sparsever/verification/setup.py);
 - `_prepare_inputs`: build the step's `VerificationPlan` from the scheduler output, once (with
   the sparse attention planner when attention sparsity is on);
-- `_model_forward`: run the target forward with the plan active (layers and ops read it);
+- `_model_forward`: run the target forward with the plan active (layers and ops read it); with
+  hierarchical verification reusing hidden states, from the intermediate layer's saved streams;
 - `execute_model`, `_sample`, `propose_draft_token_ids`, `sample_tokens`: time verification and
   drafting, and count accepted tokens per request;
 - `propose_draft_token_ids` with draft_source='early_exit' or hierarchical verification: sparsever's
@@ -21,6 +22,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.integration.compat.runner import input_batch_view, sampled_tokens, scheduled_drafts
@@ -50,6 +52,12 @@ class SparseverRunnerMixin:
         self.sparsever_runtime = start_sparse_verification(config, self.vllm_config)
         self.sparsever_proposer = _make_proposer(config, self.model_config.max_model_len)
         self._sparsever_hierarchy = self.sparsever_proposer if config.early_exit.enabled else None
+        # vLLM's draft_model method proposes before the step's bookkeeping, from device tensors;
+        # sparsever's draft-model drafter needs the committed tokens: it proposes after sample_tokens.
+        self._sparsever_propose_late = self.sparsever_proposer is not None and config.draft_source == "draft_model"
+        if self._sparsever_propose_late and getattr(self, "use_async_scheduling", False):
+            raise ValueError("early_exit.enabled with draft_source='draft_model' needs synchronous scheduling "
+                             "(allowed: async_scheduling=False, e.g. --no-async-scheduling)")
         # The full level of a hierarchy over the sparse target verifies densely.
         self._sparsever_dense_full = config.early_exit.enabled and config.early_exit.intermediate == "sparse"
 
@@ -76,10 +84,14 @@ class SparseverRunnerMixin:
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self.sparsever_plan = self._build_plan(scheduler_output, num_scheduled_tokens)
+        self._sparsever_reuse = self._reusable_streams(num_scheduled_tokens)
         return result
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        reuse, self._sparsever_reuse = getattr(self, "_sparsever_reuse", None), None
         with active_plan(self.sparsever_plan):
+            if reuse is not None and not args and set(kwargs) >= {"input_ids", "positions"}:
+                return self._forward_from_streams(reuse, kwargs["positions"])
             return super()._model_forward(*args, **kwargs)
 
     def _sample(self, *args: Any, **kwargs: Any) -> Any:
@@ -90,7 +102,9 @@ class SparseverRunnerMixin:
 
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        if self.sparsever_proposer is not None:
+        if self._sparsever_propose_late:
+            output = [[] for _ in range(self.input_batch.num_reqs)]  # the real drafts: sample_tokens
+        elif self.sparsever_proposer is not None:
             output = self.sparsever_proposer.propose(sampled_token_ids)
         else:
             output = super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
@@ -102,6 +116,8 @@ class SparseverRunnerMixin:
         start = time.perf_counter()
         output = super().sample_tokens(grammar_output)
         sample_tokens_time = time.perf_counter() - start
+        if self._sparsever_propose_late and plan is not None:
+            sample_tokens_time -= self._propose_after_bookkeeping(output)
         timing, self._sparsever_timing = self._sparsever_timing, {}
         if plan is None or "execute" not in timing:
             return output  # no forward ran this step (empty batch, pipeline pass-through)
@@ -127,6 +143,20 @@ class SparseverRunnerMixin:
         self._sparsever_snapshots.write(self.sparsever_metrics)
         return output
 
+    def _propose_after_bookkeeping(self, output: Any) -> float:
+        """Draft-model drafting for the next step, from this step's committed tokens (see
+        `_sparsever_propose_late`); returns the time it took."""
+        from vllm_sparsever.integration.compat.runner import set_draft_token_ids
+
+        sampled = sampled_tokens(output)
+        if sampled is None:
+            return 0.0
+        start = time.perf_counter()
+        set_draft_token_ids(self, self.sparsever_proposer.propose(sampled[1]))
+        elapsed = time.perf_counter() - start
+        self._sparsever_timing["draft"] = self._sparsever_timing.get("draft", 0.0) + elapsed
+        return elapsed
+
     def sparsever_drafting_stats(self, split: bool = False) -> dict[str, Any]:
         """The proposer's counters per level (drafter, hierarchy), merged or per level."""
         if self.sparsever_proposer is None:
@@ -137,17 +167,59 @@ class SparseverRunnerMixin:
         return {k: v for level in levels.values() for k, v in level.items()}
 
     def sparsever_set_hierarchy(self, enabled: bool) -> bool:
-        """Switch hierarchical verification set up at start off (its drafter alone proposes, or vLLM's
-        n-gram drafter; sparse sections then verify at the full level) or back on. For benchmarks
-        comparing both in one engine."""
+        """Switch hierarchical verification set up at start off (its drafter alone proposes a round
+        of drafts per step; sparse sections then verify at the full level) or back on. For
+        benchmarks comparing both in one engine."""
         hierarchy = self._sparsever_hierarchy
         if hierarchy is None:
             raise ValueError("early_exit.enabled: hierarchical verification was off at start, so it cannot be "
                              "switched at run time (allowed: start with early_exit.enabled=true)")
-        drafter = hierarchy.drafter if self.sparsever_config.draft_source == "early_exit" else None
-        self.sparsever_proposer = hierarchy if enabled else drafter
+        self.sparsever_proposer = hierarchy if enabled else hierarchy.drafter  # (proposes late as before)
         self._sparsever_dense_full = enabled and self.sparsever_config.early_exit.intermediate == "sparse"
         return enabled
+
+    # ---- reuse across levels (hierarchical verification, drafting/hierarchical.py) -------
+
+    def _reusable_streams(self, num_scheduled_tokens: np.ndarray) -> tuple[int, Any] | None:
+        """(layer, streams of every token of this step, in step order) when the hierarchy saved the
+        residual stream at its intermediate layer for every scheduled token of every row; else None
+        (the step runs the whole model)."""
+        take = getattr(self.sparsever_proposer, "take_reusable_states", None)
+        saved = take() if take is not None else None
+        if not saved:
+            return None
+        from vllm_sparsever.integration.compat.runner import scheduled_token_ids
+
+        batch = input_batch_view(self)
+        parts, layer = [], None
+        for row, req_id in enumerate(batch.req_ids):
+            n = int(num_scheduled_tokens[row])
+            state = saved.get(req_id)
+            start = int(batch.num_computed_tokens[row])
+            ok = (state is not None and state.first_position == start and n <= len(state.token_ids)
+                  and tuple(scheduled_token_ids(self, row, start, n)) == state.token_ids[:n]
+                  and layer in (None, state.layer))
+            if not ok:
+                self.sparsever_proposer.stats.reuse_missed_steps += 1
+                return None
+            layer = state.layer
+            parts.append(state.states[:n])
+        stats = self.sparsever_proposer.stats
+        stats.reuse_steps += 1
+        stats.reuse_layers_skipped += layer
+        stats.reuse_tokens += sum(p.shape[0] for p in parts)
+        return layer, torch.cat(parts)
+
+    def _forward_from_streams(self, reuse: tuple[int, Any], positions: Any) -> Any:
+        """The target's forward for this step from the saved streams: layers L_v..N-1, final norm
+        (inside vLLM's forward context for the step; padded rows, if any, get zeros)."""
+        from vllm_sparsever.integration.compat.model import decoder_stack
+
+        layer, streams = reuse
+        padded = positions.shape[0]
+        if padded > streams.shape[0]:
+            streams = torch.cat([streams, streams.new_zeros(padded - streams.shape[0], streams.shape[1])])
+        return decoder_stack(self.model).run_from(layer, streams, positions)
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -208,6 +280,10 @@ def _make_proposer(config: SparseverConfig, max_model_len: int) -> Any:
 
         drafter = SelfDraftProposer(model, exit_layer=ee.draft_layer, num_speculative_tokens=round_tokens,
                                     confidence=ee.draft_confidence, max_model_len=max_model_len)
+    elif config.draft_source == "draft_model":
+        from vllm_sparsever.drafting.draft_model import DraftModelDrafter
+
+        drafter = DraftModelDrafter(num_speculative_tokens=round_tokens, max_model_len=max_model_len)
     else:
         from vllm_sparsever.drafting.prompt_lookup import PromptLookupDrafter
 
@@ -220,7 +296,8 @@ def _make_proposer(config: SparseverConfig, max_model_len: int) -> Any:
         verifier = SparseTargetVerifier()
     else:
         verifier = EarlyExitVerifier(model, ee.verify_layer)
-    return HierarchicalProposer(drafter, verifier, cap=config.num_speculative_tokens, rounds=ee.full_verify_every)
+    return HierarchicalProposer(drafter, verifier, cap=config.num_speculative_tokens, rounds=ee.full_verify_every,
+                                reuse=ee.reuse_hidden_states)
 
 
 def make_runner_class(base: type) -> type:

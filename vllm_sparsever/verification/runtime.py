@@ -135,15 +135,14 @@ class SparseVerificationRuntime:
                 raise SparseverConfigError(
                     f"{name}: only {', '.join(allowed)} can be changed at run time"
                 )
-        raw = self.config.to_dict()
-        passthrough = raw.pop("passthrough", {})
+        new = copy.copy(self.config)
         for name, value in sections.items():
             value = {"enabled": value} if isinstance(value, bool) else dict(value)
             for knob in _START_UP_KNOBS[name]:  # unless given, keep what was chosen at start
                 value.setdefault(knob, getattr(getattr(self.config, name), knob))
-            raw[name] = value
-        raw["profile"] = None  # already resolved; do not re-check the path
-        new = SparseverConfig.from_dict({**raw, **passthrough})
+            # Validated section by section: the rules across sections held at start and still do
+            # (a hierarchy over the sparse target may run with every section off: it is then dense).
+            setattr(new, name, SparseverConfig.section_from_dict(name, value))
         for name in allowed:
             if getattr(new, name).enabled and not self.started_with[name]:
                 raise SparseverConfigError(

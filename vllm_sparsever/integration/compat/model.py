@@ -43,6 +43,18 @@ class DecoderStack:
             hidden, residual = layer(positions, hidden, residual)
         return hidden if residual is None else hidden + residual
 
+    def run_from(self, first_layer: int, stream: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden states from the residual stream entering layer `first_layer`
+        (what `run_layers(first_layer, ...)` returned for these tokens), inside a forward context.
+        The stream enters as (hidden=stream, residual=None): a layer's fused add of a zero residual."""
+        hidden, residual = stream, None
+        for layer in self.layers[first_layer:]:
+            hidden, residual = layer(positions, hidden, residual)
+        if residual is None:
+            return self.norm(hidden)
+        normed, _ = self.norm(hidden, residual)
+        return normed
+
     def run_all(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The model's final normed hidden states (every layer, then the final norm), as its own
         forward computes them (inside a forward context)."""

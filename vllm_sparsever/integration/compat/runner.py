@@ -16,10 +16,14 @@ Private symbols touched:
   `input_batch.block_table[g]` (`get_cpu_tensor`, `block_size`, `num_blocks_per_row`),
   `input_batch.num_tokens_no_spec`, and `set_forward_context(..., slot_mapping=)` (per-layer slot
   mapping read by the attention layers' KV-cache write);
-- hierarchical verification: `input_batch.token_ids_cpu` (prompt + output tokens per row, for
+- hierarchical verification: `runner.drafter.model` (the draft model vLLM's `draft_model` method
+  loaded, run by sparsever's drafter in rounds), `runner._draft_token_ids` /
+  `._draft_token_req_ids` (the step's drafts `take_draft_token_ids` returns; a list of lists is
+  returned as it is, with the batch's request ids), `input_batch.token_ids_cpu` (prompt + output tokens per row, for
   prompt lookup over pending tokens) and `runner.requests[req_id]` (`CachedRequestState`:
   `sampling_params.max_tokens`, `.stop_token_ids`, `.all_stop_token_ids`, `.ignore_eos`,
-  `num_prompt_tokens`), to stop a request's rounds at its stop tokens and `max_tokens`.
+  `num_prompt_tokens`), to stop a request's rounds at its stop tokens and `max_tokens`; the
+  scheduled drafts in `token_ids_cpu` (written by `_update_states`) to check reused streams.
 """
 
 from __future__ import annotations
@@ -131,6 +135,29 @@ def tokens_no_spec(runner: Any) -> np.ndarray:
     a step's bookkeeping the last one is the token sampled this step."""
     batch = runner.input_batch
     return batch.num_tokens_no_spec[: batch.num_reqs]
+
+
+def draft_model(runner: Any) -> Any:
+    """The draft model vLLM loaded for its `draft_model` method (ValueError without one)."""
+    model = getattr(getattr(runner, "drafter", None), "model", None)
+    if model is None:
+        raise ValueError("the runner has no loaded draft model (speculative method 'draft_model' expected)")
+    return model
+
+
+def scheduled_token_ids(runner: Any, row: int, start: int, n: int) -> list[int]:
+    """The `n` token ids batch row `row` runs this step from position `start` (its committed tokens
+    and the drafts vLLM wrote after them when it scheduled them)."""
+    return runner.input_batch.token_ids_cpu[row, start: start + n].tolist()
+
+
+def set_draft_token_ids(runner: Any, drafts: list[list[int]]) -> None:
+    """Make `drafts` (per batch row) the drafts `take_draft_token_ids()` hands the scheduler for
+    this step, replacing what the runner's own proposal left there. vLLM's `draft_model` method
+    proposes before the step's bookkeeping (from device tensors); sparsever's draft-model drafter
+    needs the committed tokens, so it proposes after `sample_tokens` and sets its drafts here."""
+    runner._draft_token_ids = drafts
+    runner._draft_token_req_ids = list(runner.input_batch.req_ids)
 
 
 def token_history(runner: Any, row: int) -> np.ndarray:

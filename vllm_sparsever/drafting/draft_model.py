@@ -1,0 +1,183 @@
+"""A separate draft model as the drafter of hierarchical verification (draft_source='draft_model').
+
+vLLM loads the draft model (its `draft_model` method: weights, and the draft's layers in the KV
+cache); this drafter runs it in rounds, after the hierarchy's pending tokens, which vLLM's own
+proposer cannot do (it drafts once per step from committed tokens). It keeps the draft model's KV
+itself: per request, which positions hold the draft's K/V for which tokens. Each round it first
+runs, in one pass, the tokens whose draft K/V is missing or stale (the whole prompt on a request's
+first round; afterwards the tokens the full or intermediate level changed), then drafts greedily one
+token per pass. Positions past the committed tokens are rewritten whenever their tokens change, so
+what the draft attends to is always the current sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_sparsever.drafting.self_draft import DraftRequests, collect_draft_requests, propose_alone
+
+
+@dataclass
+class DraftModelStats:
+    rounds: int = 0  # draft() calls
+    forward_passes: int = 0  # draft-model passes (catch-up passes included)
+    catch_up_tokens: int = 0  # tokens run to bring the draft's KV up to date (prompts included)
+    draft_tokens: int = 0
+    slot_limited: int = 0  # see SelfDraftStats.slot_limited
+    draft_time_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "draft_model_rounds": self.rounds,
+            "draft_model_forward_passes": self.forward_passes,
+            "draft_model_catch_up_tokens": self.catch_up_tokens,
+            "draft_model_tokens": self.draft_tokens,
+            "draft_model_slot_limited": self.slot_limited,
+            "draft_model_time_s": self.draft_time_s,
+        }
+
+
+@dataclass
+class _DraftKV:
+    """A request's draft K/V: positions < `length` hold it; those below `tail_start` for committed
+    tokens (which never change), the rest for `tail` (tokens that were pending or drafts then)."""
+
+    length: int
+    tail_start: int
+    tail: list[int]
+
+    def valid_for(self, history: Any, pending: list[int]) -> int:
+        """How many leading positions hold K/V of the current sequence (`history`, the committed
+        tokens, then `pending`)."""
+        valid = min(self.length, self.tail_start)
+        committed, n = len(history), len(history) + len(pending)
+        for j, token in enumerate(self.tail):
+            position = self.tail_start + j
+            if position >= n:
+                break
+            current = int(history[position]) if position < committed else pending[position - committed]
+            if current != token:
+                break
+            valid = position + 1
+        return valid
+
+
+class DraftModelDrafter:
+    def __init__(self, *, num_speculative_tokens: int, max_model_len: int) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.stats = DraftModelStats()
+        self._runner: Any = None
+        self._stack: Any = None
+        self._kv: dict[str, _DraftKV] = {}
+
+    def load(self, runner: Any) -> None:
+        from vllm_sparsever.integration.compat.model import decoder_stack
+        from vllm_sparsever.integration.compat.runner import draft_model
+
+        self._runner = runner
+        self._stack = decoder_stack(draft_model(runner))
+
+    @property
+    def runner(self) -> Any:
+        return self._runner
+
+    def stats_by_level(self) -> dict[str, dict[str, Any]]:
+        return {"draft_model": self.stats.summary()}
+
+    def reset_stats(self) -> None:
+        self.stats = DraftModelStats()
+
+    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """On its own (hierarchical verification switched off at run time)."""
+        return propose_alone(self, sampled_token_ids)
+
+    def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
+        reqs, slot_limited = collect_draft_requests(self._runner, sampled_token_ids, reserve, self.max_model_len)
+        self.stats.slot_limited += slot_limited
+        live = set(self._runner.input_batch.req_ids)
+        for req_id in [r for r in self._kv if r not in live]:  # finished or preempted
+            del self._kv[req_id]
+        return reqs
+
+    @torch.inference_mode()
+    def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
+        """Up to min(num_speculative_tokens, budget) greedy drafts per request, after its committed
+        tokens and `pending[i]` (which end with `reqs.tokens[i]`)."""
+        from vllm_sparsever.integration.compat.runner import token_history
+
+        start = time.perf_counter()
+        pending = pending or [[] for _ in reqs.rows]
+        batch = self._runner.input_batch
+        drafts: list[list[int]] = [[] for _ in reqs.rows]
+        # First pass per request: the tokens from its first stale draft position to its last token.
+        active, seqs, firsts = [], [], []
+        for i, row in enumerate(reqs.rows):
+            budget = min(self.num_speculative_tokens, reqs.budgets[i])
+            if budget <= 0:
+                continue
+            history = token_history(self._runner, row)
+            committed = len(history)
+            sequence_len = committed + len(pending[i])
+            assert sequence_len - 1 == reqs.positions[i], "pending tokens must end at the request's position"
+            kv = self._kv.get(batch.req_ids[row])
+            valid = kv.valid_for(history, pending[i]) if kv is not None else 0
+            first = min(valid, sequence_len - 1)  # the last token always runs: its logits draft
+            tokens = [int(t) for t in history[first:]] + pending[i][max(0, first - committed):]
+            active.append((i, budget, committed))
+            seqs.append(tokens)
+            firsts.append(first)
+            self.stats.catch_up_tokens += len(tokens) - 1
+        self.stats.rounds += 1
+        step = 0
+        while active:
+            rows = [reqs.rows[i] for i, _, _ in active]
+            predicted = self._predict(rows, seqs, firsts)
+            self.stats.forward_passes += 1
+            step += 1
+            still, next_seqs, next_firsts = [], [], []
+            for (i, budget, committed), token, seq, first in zip(active, predicted, seqs, firsts, strict=True):
+                drafts[i].append(token)
+                if len(drafts[i]) < budget:
+                    still.append((i, budget, committed))
+                    next_seqs.append([token])
+                    next_firsts.append(first + len(seq))
+            active, seqs, firsts = still, next_seqs, next_firsts
+        # Record what the draft's K/V now holds: the sequence, then the drafts it ran (all but the last).
+        for i, row in enumerate(reqs.rows):
+            if not drafts[i]:
+                continue
+            committed = reqs.positions[i] + 1 - len(pending[i])
+            tail = pending[i] + drafts[i][:-1]
+            self._kv[batch.req_ids[row]] = _DraftKV(length=committed + len(tail), tail_start=committed, tail=tail)
+        self.stats.draft_tokens += sum(len(d) for d in drafts)
+        self.stats.draft_time_s += time.perf_counter() - start
+        return drafts
+
+    def _predict(self, rows: list[int], seqs: list[list[int]], firsts: list[int]) -> list[int]:
+        """The draft model's greedy next token after the last of `seqs[i]` (run at positions
+        `firsts[i]`..., writing the draft's K/V there)."""
+        from vllm.forward_context import set_forward_context
+
+        from vllm_sparsever.integration.compat.runner import query_attention_context
+
+        runner, stack = self._runner, self._stack
+        device = runner.device
+        tokens, positions, lens = [], [], []
+        for seq, first in zip(seqs, firsts, strict=True):
+            tokens.extend(seq)
+            positions.extend(range(first, first + len(seq)))
+            lens.append(len(seq))
+        tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+        metadata, slots = query_attention_context(runner, stack.attention_layer_names,
+                                                  torch.tensor(rows, dtype=torch.long), positions_t, lens)
+        with set_forward_context(metadata, runner.vllm_config, num_tokens=len(tokens), slot_mapping=slots):
+            normed = stack.run_all(tokens_t, positions_t)
+        last = torch.tensor(lens, device=device).cumsum(0) - 1
+        logits = stack.compute_logits(normed[last])
+        return logits.argmax(dim=-1).tolist()
