@@ -1,20 +1,22 @@
 """Lossless sparse verification at long context: dense verification vs the sparse-target hierarchy.
 
-One engine (target + n-gram prompt lookup, bf16, prefix caching so each long prompt is prefilled
-once) runs every mode on the same prompts, interleaved per prompt (the order alternates), switched
-at run time:
-- `dense`: vLLM's n-gram drafting, dense verification (the baseline);
+One engine (target + a drafter: n-gram prompt lookup or the draft model, bf16, prefix caching so
+each long prompt is prefilled once) runs every mode on the same prompts, interleaved per prompt
+(the order alternates), switched at run time:
+- `dense`: the drafter proposing `round_tokens` drafts per step, dense verification (the baseline);
 - `sparse-hier`: hierarchical verification, intermediate level = the sparse target (block-sparse
   attention), full level dense: the lossless sparse hierarchy;
-- `sparse-approx`: the same sparse attention verifying at the full level (approximate; changes the
-  text), to show what losslessness costs.
+- `sparse-approx`: the same sparse attention verifying the drafter's drafts at the full level
+  (approximate; changes the text), to show what losslessness costs.
+A second engine without speculative decoding then runs the same prompts (`autoregressive`).
 
-Per mode and context: decode tokens/s (wall time of the request with its prompt already cached,
-so prefill is out of it), ratio to dense, tokens per full verification, intermediate acceptance,
+Per mode and context: decode tokens/s (first to last output token, from vLLM's request stats, so
+prefill is out of it), ratio to dense, tokens per full verification, intermediate acceptance,
 full-level acceptance of pending tokens, and whether the output equals the dense mode's (bf16: the
 hierarchy's batch shapes differ from dense verification's, so near-ties can flip; PLATFORM.md).
 
     python bench/lossless_sparse.py --contexts 8192 32000 --num-prompts 3 --tag qwen
+    python bench/lossless_sparse.py --drafter draft_model --tag qwen-draft
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ MODES = ("dense", "sparse-hier", "sparse-approx")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
+    p.add_argument("--drafter", choices=["ngram", "draft_model"], default="ngram")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="--drafter draft_model: the draft model")
+    p.add_argument("--no-autoregressive", action="store_true", help="skip the engine without speculative decoding")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32000])
     p.add_argument("--num-prompts", type=int, default=3, help="long documents per context")
     p.add_argument("--task", choices=["summarize", "qa"], default="summarize")
@@ -57,18 +62,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def start_engine(args, target: str, max_len: int):
+def start_engine(args, target: str, max_len: int, speculative: bool = True):
     from vllm import LLM
 
-    spec = {
-        "method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": args.cap,
-        "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
-        "attention": {"enabled": True, "top_k_blocks": args.top_k_blocks, "min_context_len": args.min_context_len},
-        "early_exit": {"enabled": True, "intermediate": "sparse", "round_tokens": args.round_tokens,
-                       "full_verify_every": args.full_verify_every},
-    }
+    from vllm_sparsever.cli import resolve_model
+
+    spec = None
+    if speculative:
+        spec = {
+            "method": "sparsever", "num_speculative_tokens": args.cap,
+            "attention": {"enabled": True, "top_k_blocks": args.top_k_blocks, "min_context_len": args.min_context_len},
+            "early_exit": {"enabled": True, "intermediate": "sparse", "round_tokens": args.round_tokens,
+                           "full_verify_every": args.full_verify_every},
+        }
+        if args.drafter == "ngram":
+            spec.update(draft_source="ngram", prompt_lookup_min=args.prompt_lookup_min,
+                        prompt_lookup_max=args.prompt_lookup_max)
+        else:
+            spec.update(draft_source="draft_model", model=resolve_model(args.draft))
     return LLM(model=target, dtype=args.dtype, enforce_eager=True, max_model_len=max_len, max_num_seqs=1,
-               seed=0, speculative_config=spec, enable_prefix_caching=True), spec
+               seed=0, speculative_config=spec, enable_prefix_caching=True, disable_log_stats=False), spec
 
 
 def set_mode(llm, args, mode: str) -> None:
@@ -85,22 +98,36 @@ def run_one(llm, args, mode: str, prompt: list[dict]) -> dict[str, Any]:
 
     from vllm_sparsever.metrics import get_metrics, reset_metrics
 
-    set_mode(llm, args, mode)
-    reset_metrics(llm)
+    speculative = mode != "autoregressive"
+    if speculative:
+        set_mode(llm, args, mode)
+        reset_metrics(llm)
     load = os.getloadavg()[0]
     start = time.perf_counter()
     out = llm.chat([prompt], SamplingParams(temperature=0.0, max_tokens=args.max_tokens), use_tqdm=False)[0]
     wall = time.perf_counter() - start
-    m = get_metrics(llm)
     tokens = list(out.outputs[0].token_ids)
+    stats = out.metrics
+    decode_s = (stats.last_token_ts - stats.first_token_ts) if stats is not None else None
+    if not speculative:
+        return {"mode": mode, "wall_s": wall, "decode_s": decode_s, "num_tokens": len(tokens),
+                "tokens_per_s": (len(tokens) - 1) / decode_s, "loadavg_1m_before": load,
+                "cached_prompt_tokens": out.num_cached_tokens, "verify_steps": 0, "verify_time_s": 0.0,
+                "draft_time_s": 0.0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                "mean_acceptance_length": None, "hierarchical": {}, "drafter": {}, "sparsity": {},
+                "tokens": tokens, "text": out.outputs[0].text}
+    m = get_metrics(llm)
     h = m.get("hierarchical") or {}
     return {
-        "mode": mode, "wall_s": wall, "num_tokens": len(tokens), "tokens_per_s": len(tokens) / wall,
+        "mode": mode, "wall_s": wall, "decode_s": decode_s, "num_tokens": len(tokens),
+        # Output tokens after the first (which the prefill step samples) over the time between them.
+        "tokens_per_s": (len(tokens) - 1) / decode_s,
         "loadavg_1m_before": load, "cached_prompt_tokens": out.num_cached_tokens,
         "verify_steps": m["num_verify_steps"], "verify_time_s": m["verify_time_s"], "draft_time_s": m["draft_time_s"],
         "num_draft_tokens": m["num_draft_tokens"], "num_accepted_tokens": m["num_accepted_tokens"],
         "mean_acceptance_length": m["mean_acceptance_length"],
-        "hierarchical": h, "prompt_lookup": m.get("prompt_lookup") or {}, "sparsity": m.get("sparsity") or {},
+        "hierarchical": h, "drafter": m.get("prompt_lookup") or m.get("draft_model") or {},
+        "sparsity": m.get("sparsity") or {},
         "tokens": tokens, "text": out.outputs[0].text,
     }
 
@@ -110,10 +137,13 @@ def summarize(runs: list[dict], modes: list[str]) -> list[dict[str, Any]]:
     for ctx in sorted({r["context"] for r in runs}):
         at = [r for r in runs if r["context"] == ctx]
         dense = {r["prompt"]: r for r in at if r["mode"] == "dense"}
-        dense_tps = sum(r["num_tokens"] for r in dense.values()) / max(sum(r["wall_s"] for r in dense.values()), 1e-9)
+        rate = lambda rs: sum(r["num_tokens"] - 1 for r in rs) / max(sum(r["decode_s"] for r in rs), 1e-9)  # noqa: E731
+        dense_tps = rate(dense.values())
         for mode in modes:
             rs = [r for r in at if r["mode"] == mode]
-            tps = sum(r["num_tokens"] for r in rs) / max(sum(r["wall_s"] for r in rs), 1e-9)
+            if not rs:
+                continue
+            tps = rate(rs)
             ratios = [r["tokens_per_s"] / dense[r["prompt"]]["tokens_per_s"] for r in rs if r["prompt"] in dense]
             same = [r["tokens"] == dense[r["prompt"]]["tokens"] for r in rs if r["prompt"] in dense]
             steps = sum(r["verify_steps"] for r in rs)
@@ -146,16 +176,17 @@ def markdown(rows: list[dict]) -> str:
 
 
 def write_report(record: dict, base: Path) -> str:
-    record["summary"] = summarize(record["runs"], record["args"]["modes"])
+    record["summary"] = summarize(record["runs"], record["args"]["modes"] + ["autoregressive"])
     base.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
     table = markdown(record["summary"])
     base.with_suffix(".md").write_text(
-        f"# lossless sparse verification: {Path(record['target']).name}, n-gram drafts\n\n"
+        f"# lossless sparse verification: {Path(record['target']).name}, drafter {record['args']['drafter']}\n\n"
         f"`{record['command']}`\n\nhardware: {record['hardware']}\n\nbinding: {record['env']}\n\n"
         f"versions: {record['versions']}\n\nengine speculative_config: `{json.dumps(record['spec'])}`\n\n"
-        "Decode tokens/s per request with its prompt cached (prefill excluded), all modes in one engine, "
-        "interleaved per prompt. 'vs dense' = all tokens over all seconds of the mode / the same for "
-        "dense; 'per prompt ratio' = median over prompts. 'tokens per full verification' = output "
+        "Decode tokens/s per request (output tokens after the first over the time from the first to "
+        "the last, from vLLM's request stats: prefill excluded); the speculative modes in one engine, "
+        "interleaved per prompt; autoregressive in a second engine after it. 'vs dense' = the mode's "
+        "decode tokens over its decode seconds / the same for dense; 'per prompt ratio' = median over prompts. 'tokens per full verification' = output "
         "tokens / full (vLLM) verify steps. 'same as dense' = prompts whose output equals the dense "
         f"mode's token for token.\n\n{table}\n")
     return table
@@ -209,6 +240,21 @@ def main(argv=None) -> int:
                         bar.update()
     finally:
         del llm
+        import gc
+
+        gc.collect()
+    if not args.no_autoregressive:
+        llm, _ = start_engine(args, target, max_len, speculative=False)
+        try:
+            for ctx in args.contexts:
+                for p, row in enumerate(tqdm(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts),
+                                             desc=f"autoregressive {ctx}")):
+                    run = run_one(llm, args, "autoregressive", [{"role": "user", "content": row["prompt"]}])
+                    run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
+                    record["runs"].append(run)
+                    base.with_suffix(".partial.json").write_text(json.dumps(record, default=str))
+        finally:
+            del llm
     record["hardware_end"] = hardware()
     print(write_report(record, base))
     base.with_suffix(".partial.json").unlink(missing_ok=True)

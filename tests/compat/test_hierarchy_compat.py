@@ -7,6 +7,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 
 from vllm_sparsever.integration.compat import model as compat_model
@@ -99,3 +101,33 @@ def test_vllm_model_forward_ends_with_the_fused_final_norm():
 
     for model in (llama.LlamaModel, qwen2.Qwen2Model):
         assert "hidden_states, _ = self.norm(hidden_states, residual)" in inspect.getsource(model.forward)
+
+
+def test_step_drafts_set_after_bookkeeping_are_what_the_scheduler_takes():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    fake = SimpleNamespace(num_spec_tokens=3, input_batch=SimpleNamespace(req_ids=["a", "b"]),
+                           _draft_token_ids=None, _draft_token_req_ids=None)
+    fake._get_draft_token_ids_cpu = lambda: GPUModelRunner._get_draft_token_ids_cpu(fake)
+    compat_runner.set_draft_token_ids(fake, [[5, 6], []])
+    taken = GPUModelRunner.take_draft_token_ids(fake)
+    assert taken.req_ids == ["a", "b"] and taken.draft_token_ids == [[5, 6], []]
+
+
+def test_draft_model_and_scheduled_tokens():
+    import importlib.util
+    from pathlib import Path
+
+    source = Path(importlib.util.find_spec("vllm.v1.spec_decode.llm_base_proposer").origin).read_text()
+    assert "self.model = " in source  # the proposer keeps its loaded draft model here
+    model = object()
+    assert compat_runner.draft_model(SimpleNamespace(drafter=SimpleNamespace(model=model))) is model
+    with pytest.raises(ValueError, match="no loaded draft model"):
+        compat_runner.draft_model(SimpleNamespace(drafter=None))
+    # vLLM writes the scheduled drafts after the committed tokens in token_ids_cpu.
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    assert "self.token_ids_cpu[req_index, start_index:end_token_index] = spec_token_ids" in \
+        inspect.getsource(InputBatch)
+    runner = SimpleNamespace(input_batch=SimpleNamespace(token_ids_cpu=np.arange(20).reshape(2, 10)))
+    assert compat_runner.scheduled_token_ids(runner, 1, 3, 4) == [13, 14, 15, 16]

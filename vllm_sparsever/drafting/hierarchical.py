@@ -29,7 +29,7 @@ request's sampled token and every pending token but the last (the verifier's own
 which no pass has run yet), and written their K/V. The hierarchy then drops that correction from
 the pending tokens (the full target emits its own token there), keeps the residual stream at L_v
 of each remaining token, and the full pass starts at layer L_v from those streams
-(`ReusableStates`, consumed by the runner's forward): at batch 1 it reads L_v fewer layers' weights.
+(`ReusableStates`; `streams_for_step`, asked by the runner before its forward): at batch 1 it reads L_v fewer layers' weights.
 A step whose rows do not all have their streams (a prefill chunk, a row that drafted nothing) runs
 the whole model as usual.
 """
@@ -47,10 +47,9 @@ from vllm_sparsever.drafting.self_draft import DraftRequests
 
 @dataclass(frozen=True)
 class ReusableStates:
-    """The residual streams after layer `layer` of a request's next full-pass tokens: its sampled
-    token at `first_position`, then its pending tokens (`token_ids`, in order)."""
+    """The residual streams after the intermediate layer of a request's next full-pass tokens: its
+    sampled token at `first_position`, then its pending tokens (`token_ids`, in order)."""
 
-    layer: int
     first_position: int
     token_ids: tuple[int, ...]
     states: torch.Tensor  # [len(token_ids), hidden]
@@ -112,10 +111,32 @@ class HierarchicalProposer:
         self._reusable: dict[str, ReusableStates] = {}
         self.stats = HierarchicalStats()
 
-    def take_reusable_states(self) -> dict[str, ReusableStates]:
-        """The streams saved for the next full pass, per request id (each taken once)."""
-        states, self._reusable = self._reusable, {}
-        return states
+    def streams_for_step(self, runner: Any, num_scheduled_tokens: Any) -> tuple[int, torch.Tensor] | None:
+        """For the full pass about to run: (layer, the saved residual stream at that layer of every
+        scheduled token, in step order) when every row of the step runs exactly tokens whose streams
+        the last proposal saved (its sampled token, then a prefix of its pending tokens); else None.
+        The saved streams are consumed either way (they describe this step only)."""
+        from vllm_sparsever.integration.compat.runner import input_batch_view, scheduled_token_ids
+
+        saved, self._reusable = self._reusable, {}
+        if not saved:
+            return None
+        batch = input_batch_view(runner)
+        parts = []
+        for row, req_id in enumerate(batch.req_ids):
+            n = int(num_scheduled_tokens[row])
+            state = saved.get(req_id)
+            start = int(batch.num_computed_tokens[row])
+            if (state is None or state.first_position != start or n > len(state.token_ids)
+                    or tuple(scheduled_token_ids(runner, row, start, n)) != state.token_ids[:n]):
+                self.stats.reuse_missed_steps += 1
+                return None
+            parts.append(state.states[:n])
+        layer = self.verifier.layer
+        self.stats.reuse_steps += 1
+        self.stats.reuse_layers_skipped += layer
+        self.stats.reuse_tokens += sum(p.shape[0] for p in parts)
+        return layer, torch.cat(parts)
 
     def load(self, runner: Any) -> None:
         self.drafter.load(runner)
@@ -193,8 +214,7 @@ class HierarchicalProposer:
                     self.stats.reuse_dropped_corrections += 1
                 req_id = self.drafter.runner.input_batch.req_ids[row]
                 tokens = (reqs.tokens[i], *out[row])
-                self._reusable[req_id] = ReusableStates(self.verifier.layer, reqs.positions[i], tokens,
-                                                        streams[i][: len(tokens)])
+                self._reusable[req_id] = ReusableStates(reqs.positions[i], tokens, streams[i][: len(tokens)])
             self.stats.pending_tokens += len(out[row])
         return out
 

@@ -181,34 +181,10 @@ class SparseverRunnerMixin:
     # ---- reuse across levels (hierarchical verification, drafting/hierarchical.py) -------
 
     def _reusable_streams(self, num_scheduled_tokens: np.ndarray) -> tuple[int, Any] | None:
-        """(layer, streams of every token of this step, in step order) when the hierarchy saved the
-        residual stream at its intermediate layer for every scheduled token of every row; else None
-        (the step runs the whole model)."""
-        take = getattr(self.sparsever_proposer, "take_reusable_states", None)
-        saved = take() if take is not None else None
-        if not saved:
-            return None
-        from vllm_sparsever.integration.compat.runner import scheduled_token_ids
-
-        batch = input_batch_view(self)
-        parts, layer = [], None
-        for row, req_id in enumerate(batch.req_ids):
-            n = int(num_scheduled_tokens[row])
-            state = saved.get(req_id)
-            start = int(batch.num_computed_tokens[row])
-            ok = (state is not None and state.first_position == start and n <= len(state.token_ids)
-                  and tuple(scheduled_token_ids(self, row, start, n)) == state.token_ids[:n]
-                  and layer in (None, state.layer))
-            if not ok:
-                self.sparsever_proposer.stats.reuse_missed_steps += 1
-                return None
-            layer = state.layer
-            parts.append(state.states[:n])
-        stats = self.sparsever_proposer.stats
-        stats.reuse_steps += 1
-        stats.reuse_layers_skipped += layer
-        stats.reuse_tokens += sum(p.shape[0] for p in parts)
-        return layer, torch.cat(parts)
+        """(layer, the residual stream there of every token of this step) when the hierarchy saved
+        them for every scheduled token (drafting/hierarchical.py); else None: the whole model runs."""
+        streams_for_step = getattr(self.sparsever_proposer, "streams_for_step", None)
+        return streams_for_step(self, num_scheduled_tokens) if streams_for_step is not None else None
 
     def _forward_from_streams(self, reuse: tuple[int, Any], positions: Any) -> Any:
         """The target's forward for this step from the saved streams: layers L_v..N-1, final norm
@@ -219,7 +195,9 @@ class SparseverRunnerMixin:
         padded = positions.shape[0]
         if padded > streams.shape[0]:
             streams = torch.cat([streams, streams.new_zeros(padded - streams.shape[0], streams.shape[1])])
-        return decoder_stack(self.model).run_from(layer, streams, positions)
+        if getattr(self, "_sparsever_stack", None) is None:
+            self._sparsever_stack = decoder_stack(self.model)
+        return self._sparsever_stack.run_from(layer, streams, positions)
 
     # ---- helpers ------------------------------------------------------------------------
 
