@@ -1,6 +1,7 @@
 """vLLM internals hierarchical verification relies on: vLLM's n-gram matcher and the n-gram
 drafter's bounds (compat.ngram), a request's committed tokens and its stop conditions in the
-runner's state (compat.runner), and the model's final norm (compat.model)."""
+runner's state (compat.runner), and the model's final norm (the decoder stack's own contract
+test, run_all/run_from included, is in test_self_draft_compat)."""
 
 import inspect
 import subprocess
@@ -11,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_sparsever.integration.compat import model as compat_model
 from vllm_sparsever.integration.compat import ngram as compat_ngram
 from vllm_sparsever.integration.compat import runner as compat_runner
 
@@ -67,33 +67,6 @@ def test_token_history_and_request_limits_of_a_real_input_batch():
     first, second = compat_runner.request_limits(runner, [0, 1])
     assert first.stop_token_ids == {7, 2} and first.remaining_tokens == 8  # 2 of 10 emitted
     assert second.stop_token_ids == {3} and second.remaining_tokens is None  # ignore_eos: no EOS
-
-
-def test_final_norm_of_a_vllm_like_model():
-    class Attn:
-        layer_name = "model.layers.0.self_attn.attn"
-
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.self_attn = SimpleNamespace(attn=Attn())
-
-        def forward(self, positions, hidden_states, residual):
-            residual = hidden_states if residual is None else residual + hidden_states
-            return hidden_states * 2, residual
-
-    class Norm:
-        variance_epsilon = 1e-5
-        weight = torch.ones(4)
-
-        def __call__(self, hidden, residual=None):
-            stream = hidden if residual is None else hidden + residual
-            return stream * 10, stream
-
-    inner = SimpleNamespace(embed_input_ids=lambda ids: torch.ones(len(ids), 4), layers=[Layer(), Layer()], norm=Norm())
-    stack = compat_model.decoder_stack(SimpleNamespace(model=inner, compute_logits=lambda h: h))
-    # Layer 0: h=2, r=1; layer 1: h=4, r=3; norm(4 + 3) * 10.
-    assert torch.equal(stack.run_all(torch.tensor([3]), torch.tensor([0])), torch.full((1, 4), 70.0))
 
 
 def test_vllm_model_forward_ends_with_the_fused_final_norm():

@@ -32,27 +32,49 @@ def test_decoder_layers_take_positions_hidden_residual(module, layer_cls, model_
     assert "return hidden_states, residual" in source
 
 
+class _Attn:
+    layer_name = "model.layers.0.self_attn.attn"
+
+
+class _Layer(torch.nn.Module):
+    """A decoder layer with vLLM's (positions, hidden, residual) -> (hidden, residual) contract."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn = SimpleNamespace(attn=_Attn())
+
+    def forward(self, positions, hidden_states, residual):
+        residual = hidden_states if residual is None else residual + hidden_states
+        return hidden_states * 2, residual
+
+
+class _Norm:
+    """vLLM's fused-add RMSNorm contract: norm(h) or norm(h, r) -> (normed, h + r); here x10."""
+
+    variance_epsilon = 1e-5
+    weight = torch.ones(4)
+
+    def __call__(self, hidden, residual=None):
+        stream = hidden if residual is None else hidden + residual
+        return stream * 10 if residual is None else (stream * 10, stream)
+
+
+def vllm_like_model():
+    inner = SimpleNamespace(embed_input_ids=lambda ids: torch.ones(len(ids), 4), layers=[_Layer(), _Layer()],
+                            norm=_Norm())
+    return SimpleNamespace(model=inner, compute_logits=lambda h: h)
+
+
 def test_decoder_stack_reads_a_vllm_like_model():
-    class Attn:
-        layer_name = "model.layers.0.self_attn.attn"
-
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.self_attn = SimpleNamespace(attn=Attn())
-
-        def forward(self, positions, hidden_states, residual):
-            residual = hidden_states if residual is None else residual + hidden_states
-            return hidden_states * 2, residual
-
-    norm = SimpleNamespace(variance_epsilon=1e-5, weight=torch.ones(4))
-    inner = SimpleNamespace(embed_input_ids=lambda ids: torch.ones(len(ids), 4), layers=[Layer(), Layer()], norm=norm)
-    model = SimpleNamespace(model=inner, compute_logits=lambda h: h)
-    stack = compat_model.decoder_stack(model)
+    stack = compat_model.decoder_stack(vllm_like_model())
     assert stack.attention_layer_names == ["model.layers.0.self_attn.attn"] * 2
     assert stack.rms_norm_eps == 1e-5 and stack.hidden_size == 4
     out = stack.run_layers(1, torch.tensor([3]), torch.tensor([0]))
     assert torch.equal(out, torch.full((1, 4), 3.0))  # 2*h + h
+    # Every layer and the final norm: layer 0 h=2, r=1; layer 1 h=4, r=3; norm(4 + 3) * 10.
+    assert torch.equal(stack.run_all(torch.tensor([3]), torch.tensor([0])), torch.full((1, 4), 70.0))
+    # From the stream entering layer 1 (3, what run_layers(1) gave): h=6, r=3; norm(9) * 10.
+    assert torch.equal(stack.run_from(1, out, torch.tensor([0])), torch.full((1, 4), 90.0))
     with pytest.raises(ValueError, match="decoder stack"):
         compat_model.decoder_stack(SimpleNamespace(model=SimpleNamespace()))
 

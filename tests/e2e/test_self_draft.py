@@ -208,15 +208,20 @@ def _chi2_two_sample_p(a: list[int], b: list[int]) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
 
 
-def test_self_draft_sampling_follows_the_target_distribution(self_draft_run, plain_samples):
-    _, _, sampled = self_draft_run
+def _assert_follows_plain_sampling(sampled: list[list[int]], plain_samples: list[list[int]], label: str) -> None:
+    """Tokens 1..SAMPLE_TOKENS-1 of the completions are distributed as plain sampling's (chi-square)."""
     assert len(sampled) == len(plain_samples) == SAMPLES
     assert all(len(s) == SAMPLE_TOKENS for s in sampled)
-    # Tokens 1..3 of a completion come from verified drafts or from the rejection sampler's
-    # correction; a sampler that trusted the drafts would concentrate them on the head's argmax.
     for position in range(1, SAMPLE_TOKENS):
         p = _chi2_two_sample_p([s[position] for s in sampled], [s[position] for s in plain_samples])
-        assert p > 1e-3, f"token {position}: self-drafted samples differ from plain sampling (p={p:.2e})"
+        assert p > 1e-3, f"token {position}: {label} samples differ from plain sampling (p={p:.2e})"
+
+
+def test_self_draft_sampling_follows_the_target_distribution(self_draft_run, plain_samples):
+    _, _, sampled = self_draft_run
+    # Tokens 1..3 of a completion come from verified drafts or from the rejection sampler's
+    # correction; a sampler that trusted the drafts would concentrate them on the head's argmax.
+    _assert_follows_plain_sampling(sampled, plain_samples, "self-drafted")
     # The test does detect a sampler that over-trusts drafts: moving a quarter of the mass onto one
     # token (what accepting a confident draft too often does) is flagged.
     plain_1 = [s[1] for s in plain_samples]
@@ -318,11 +323,7 @@ def test_hierarchical_greedy_equals_plain_greedy(plain_greedy4, hierarchical_run
 
 
 def test_hierarchical_sampling_follows_the_target_distribution(hierarchical_run, plain_samples):
-    _, _, sampled = hierarchical_run
-    assert all(len(s) == SAMPLE_TOKENS for s in sampled)
-    for position in range(1, SAMPLE_TOKENS):
-        p = _chi2_two_sample_p([s[position] for s in sampled], [s[position] for s in plain_samples])
-        assert p > 1e-3, f"token {position}: hierarchical samples differ from plain sampling (p={p:.2e})"
+    _assert_follows_plain_sampling(hierarchical_run[2], plain_samples, "hierarchical")
 
 
 @pytest.fixture(scope="module")
@@ -350,10 +351,7 @@ def test_reuse_across_levels_greedy_equals_plain_greedy(plain_greedy4, reuse_run
 
 
 def test_reuse_across_levels_sampling_follows_the_target_distribution(reuse_run, plain_samples):
-    _, _, sampled = reuse_run
-    for position in range(1, SAMPLE_TOKENS):
-        p = _chi2_two_sample_p([s[position] for s in sampled], [s[position] for s in plain_samples])
-        assert p > 1e-3, f"token {position}: samples with reuse differ from plain sampling (p={p:.2e})"
+    _assert_follows_plain_sampling(reuse_run[2], plain_samples, "reuse")
 
 
 @pytest.fixture(scope="module")
@@ -384,10 +382,7 @@ def test_draft_model_hierarchy_greedy_equals_plain_greedy(plain_greedy4, draft_m
 
 
 def test_draft_model_hierarchy_sampling_follows_the_target_distribution(draft_model_hierarchy_run, plain_samples):
-    _, _, sampled = draft_model_hierarchy_run
-    for position in range(1, SAMPLE_TOKENS):
-        p = _chi2_two_sample_p([s[position] for s in sampled], [s[position] for s in plain_samples])
-        assert p > 1e-3, f"token {position}: draft-model hierarchy samples differ from plain sampling (p={p:.2e})"
+    _assert_follows_plain_sampling(draft_model_hierarchy_run[2], plain_samples, "draft-model hierarchy")
 
 
 @pytest.fixture(scope="module")

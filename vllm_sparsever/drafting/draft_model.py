@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vllm_sparsever.drafting.self_draft import DraftRequests, collect_draft_requests, propose_alone
+from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 
 
 @dataclass
@@ -66,12 +66,12 @@ class _DraftKV:
         return valid
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(RoundDrafter):
+    level = "draft_model"
+
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int) -> None:
-        self.num_speculative_tokens = num_speculative_tokens
-        self.max_model_len = max_model_len
-        self.stats = DraftModelStats()
-        self._runner: Any = None
+        super().__init__(DraftModelStats(), num_speculative_tokens=num_speculative_tokens,
+                         max_model_len=max_model_len)
         self._stack: Any = None
         self._kv: dict[str, _DraftKV] = {}
 
@@ -79,26 +79,11 @@ class DraftModelDrafter:
         from vllm_sparsever.integration.compat.model import decoder_stack
         from vllm_sparsever.integration.compat.runner import draft_model
 
-        self._runner = runner
+        super().load(runner)
         self._stack = decoder_stack(draft_model(runner))
 
-    @property
-    def runner(self) -> Any:
-        return self._runner
-
-    def stats_by_level(self) -> dict[str, dict[str, Any]]:
-        return {"draft_model": self.stats.summary()}
-
-    def reset_stats(self) -> None:
-        self.stats = DraftModelStats()
-
-    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        """On its own (hierarchical verification switched off at run time)."""
-        return propose_alone(self, sampled_token_ids)
-
     def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
-        reqs, slot_limited = collect_draft_requests(self._runner, sampled_token_ids, reserve, self.max_model_len)
-        self.stats.slot_limited += slot_limited
+        reqs = super().requests(sampled_token_ids, reserve)
         live = set(self._runner.input_batch.req_ids)
         for req_id in [r for r in self._kv if r not in live]:  # finished or preempted
             del self._kv[req_id]

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from vllm_sparsever.drafting.self_draft import DraftRequests
+from vllm_sparsever.drafting.drafter import DraftRequests
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ class HierarchicalProposer:
                     live[i] = False
                     continue
                 self.stats.rounds += 1
-                stop = next((j for j, t in enumerate(k) if t in limits[i].stop_token_ids), None)
+                stop = next((s for s, t in enumerate(k) if t in limits[i].stop_token_ids), None)
                 if stop is not None:  # nothing after a stop token is ever emitted
                     k = k[: stop + 1]
                     live[i] = False

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_sparsever.drafting.self_draft import DraftRequests, collect_draft_requests, propose_alone
+from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 
 
 @dataclass
@@ -37,40 +37,21 @@ class PromptLookupStats:
         }
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(RoundDrafter):
+    level = "prompt_lookup"
+
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int) -> None:
-        self.num_speculative_tokens = num_speculative_tokens
-        self.max_model_len = max_model_len
-        self.stats = PromptLookupStats()
-        self._runner: Any = None
+        super().__init__(PromptLookupStats(), num_speculative_tokens=num_speculative_tokens,
+                         max_model_len=max_model_len)
         self._bounds = (0, 0)
 
     def load(self, runner: Any) -> None:
         from vllm_sparsever.integration.compat.ngram import match_ngram, ngram_bounds
 
-        self._runner = runner
+        super().load(runner)
         self._bounds = ngram_bounds(runner)
         # Compile the numba matcher now (seconds), not on the first request.
         match_ngram(np.arange(4, dtype=np.int32), *self._bounds, self.max_model_len, 1)
-
-    @property
-    def runner(self) -> Any:
-        return self._runner
-
-    def stats_by_level(self) -> dict[str, dict[str, Any]]:
-        return {"prompt_lookup": self.stats.summary()}
-
-    def reset_stats(self) -> None:
-        self.stats = PromptLookupStats()
-
-    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        """On its own (hierarchical verification switched off at run time)."""
-        return propose_alone(self, sampled_token_ids)
-
-    def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
-        reqs, slot_limited = collect_draft_requests(self._runner, sampled_token_ids, reserve, self.max_model_len)
-        self.stats.slot_limited += slot_limited
-        return reqs
 
     def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
         """Up to min(num_speculative_tokens, budget) drafts per request: what followed the longest

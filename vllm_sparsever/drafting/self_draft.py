@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from vllm_sparsever.config import SparseverConfig, SparseverConfigError
+from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
 from vllm_sparsever.drafting.exit_head import ExitHeadError, ExitHeadManifest, heads_dir
 
@@ -108,58 +109,9 @@ class SelfDraftStats:
         }
 
 
-@dataclass(frozen=True)
-class DraftRequests:
-    """Requests to draft for: batch rows, the last token of each (not yet run through any layer)
-    and its position, and how many drafts each may get (max_model_len, allocated KV slots)."""
+class SelfDraftProposer(RoundDrafter):
+    level = "self_draft"
 
-    rows: list[int]
-    tokens: list[int]
-    positions: list[int]
-    budgets: list[int]
-
-
-def collect_draft_requests(
-    runner: Any, sampled_token_ids: list[list[int]], reserve: int, max_model_len: int
-) -> tuple[DraftRequests, int]:
-    """The rows that sampled a token this step, with at most `reserve` positions each to write
-    from their sampled token on (limited by max_model_len and the allocated KV slots); and how many
-    rows the allocated slots limited (should stay 0: the scheduler reserves lookahead slots for
-    sparsever's drafters, see `integration.speculative.extra_lookahead`)."""
-    from vllm_sparsever.integration.compat.runner import allocated_slots, tokens_no_spec
-
-    num_tokens = tokens_no_spec(runner)
-    allocated = allocated_slots(runner)  # never write K/V past a request's allocated slots
-    out = DraftRequests([], [], [], [])
-    slot_limited = 0
-    for row, sampled in enumerate(sampled_token_ids):
-        if not sampled:
-            continue
-        position = int(num_tokens[row]) - 1  # where the token sampled this step sits
-        budget = min(reserve, max_model_len - position - 1)
-        if int(allocated[row]) - position < budget:
-            budget = int(allocated[row]) - position
-            slot_limited += 1
-        if budget <= 0:
-            continue
-        out.rows.append(row)
-        out.tokens.append(sampled[-1])
-        out.positions.append(position)
-        out.budgets.append(budget)
-    return out, slot_limited
-
-
-def propose_alone(drafter: Any, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-    """A hierarchy's drafter proposing on its own (no intermediate level): its drafts per batch row
-    (row order of `sampled_token_ids`, as vLLM's n-gram drafter returns them)."""
-    reqs = drafter.requests(sampled_token_ids, drafter.num_speculative_tokens)
-    drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-    for row, tokens in zip(reqs.rows, drafter.draft(reqs), strict=True):
-        drafts[row] = tokens
-    return drafts
-
-
-class SelfDraftProposer:
     def __init__(
         self,
         model: EarlyExitModel,
@@ -169,39 +121,20 @@ class SelfDraftProposer:
         confidence: float,
         max_model_len: int,
     ) -> None:
+        super().__init__(SelfDraftStats(), num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len)
         self.model = model
         self.exit_layer = exit_layer
-        self.num_speculative_tokens = num_speculative_tokens
         self.confidence = confidence
-        self.max_model_len = max_model_len
-        self.stats = SelfDraftStats()
 
     def load(self, runner: Any) -> None:
         self.model.load(runner)
-
-    @property
-    def runner(self) -> Any:
-        return self.model.runner
-
-    def stats_by_level(self) -> dict[str, dict[str, Any]]:
-        return {"self_draft": self.stats.summary()}
-
-    def reset_stats(self) -> None:
-        self.stats = SelfDraftStats()
-
-    def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
-        reqs, slot_limited = collect_draft_requests(self.model.runner, sampled_token_ids, reserve, self.max_model_len)
-        self.stats.slot_limited += slot_limited
-        return reqs
+        super().load(runner)
 
     def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        """Draft tokens per batch row (row order of `sampled_token_ids`, as vLLM's n-gram drafter
-        returns them); a row that sampled nothing this step (mid-prefill, finished) gets none."""
+        """Draft tokens per batch row; a row that sampled nothing this step (mid-prefill, finished)
+        gets none."""
         start = time.perf_counter()
-        reqs = self.requests(sampled_token_ids, self.num_speculative_tokens)
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        for row, tokens in zip(reqs.rows, self.draft(reqs), strict=True):
-            drafts[row] = tokens
+        drafts = super().propose(sampled_token_ids)
         self.stats.draft_time_s += time.perf_counter() - start
         return drafts
 

@@ -1,0 +1,96 @@
+"""HierarchicalProposer's rounds with a scripted drafter and verifier: pending tokens, the cap, stop
+tokens, max_tokens, and what reuse across levels keeps (no engine)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
+from vllm_sparsever.drafting.drafter import DraftRequests
+
+POSITION = 5  # the sampled token's position
+
+
+def _runner(max_tokens=100, stops=(99,)):
+    params = SimpleNamespace(all_stop_token_ids=set(stops), stop_token_ids=[], ignore_eos=False, max_tokens=max_tokens)
+    return SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=["r0"], num_tokens_no_spec=np.array([POSITION + 1])),
+        requests={"r0": SimpleNamespace(sampling_params=params, num_prompt_tokens=3)},
+    )
+
+
+class Drafter:
+    """Drafts `next_of[t]` chains: after token t, the tokens t+1, t+2, ..."""
+
+    num_speculative_tokens = 3
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.calls = []
+
+    def requests(self, sampled, reserve):
+        return DraftRequests(rows=[0], tokens=[sampled[0][-1]], positions=[POSITION], budgets=[reserve])
+
+    def draft(self, sub, pending):
+        self.calls.append((sub.tokens[0], sub.positions[0], list(pending[0])))
+        t = sub.tokens[0]
+        return [[t + 1 + i for i in range(sub.budgets[0])]]
+
+    def stats_by_level(self):
+        return {}
+
+    def reset_stats(self):
+        pass
+
+
+class Verifier:
+    """Agrees with the drafter except on tokens in `wrong` (predicts `t + 100` there)."""
+
+    name = "early_exit"
+    layer = 2
+
+    def __init__(self, wrong=()):
+        self.wrong = set(wrong)
+
+    def predict(self, rows, seqs, firsts, with_streams=False):
+        preds = [[t + 1 if t + 1 not in self.wrong else t + 101 for t in seq] for seq in seqs]
+        if not with_streams:
+            return preds
+        # The "stream" of a token: its position, so what reuse keeps can be read back.
+        return preds, [torch.tensor([[float(first + j)] for j in range(len(seq))]) for seq, first in zip(seqs, firsts)]
+
+
+def test_rounds_accumulate_pending_tokens_up_to_the_cap():
+    runner = _runner()
+    drafter = Drafter(runner)
+    h = HierarchicalProposer(drafter, Verifier(wrong={13}), cap=6, rounds=3)
+    out = h.propose([[10]])
+    # Round 1: drafts 11 12 13, the verifier keeps 11 12 and corrects 13 -> 113. Round 2 from 113
+    # (position 8): drafts 114 115 116, all kept, plus a bonus 117: capped at 6 pending tokens.
+    assert out == [[11, 12, 113, 114, 115, 116]]
+    assert drafter.calls == [(10, 5, []), (113, 8, [11, 12, 113])]
+    assert h.stats.intermediate_drafts == 6 and h.stats.intermediate_accepted == 5
+
+
+def test_rounds_stop_at_a_stop_token_and_at_max_tokens():
+    h = HierarchicalProposer(Drafter(_runner(stops=(12,))), Verifier(), cap=8, rounds=3)
+    assert h.propose([[10]]) == [[11, 12]]  # nothing after the stop token
+    assert h.stats.stopped_at_stop_token == 1
+    # Pending + the full target's own token must not pass max_tokens: 6 committed tokens, 3 of
+    # them the prompt, so 3 emitted of 6 and at most 2 pending.
+    runner = _runner(max_tokens=6)
+    h = HierarchicalProposer(Drafter(runner), Verifier(), cap=8, rounds=3)
+    assert h.propose([[10]]) == [[11, 12]]
+    assert h.stats.stopped_at_max_tokens == 1
+
+
+def test_reuse_drops_the_verifier_correction_and_keeps_the_streams_of_the_rest():
+    h = HierarchicalProposer(Drafter(_runner()), Verifier(wrong={13}), cap=8, rounds=1, reuse=True)
+    out = h.propose([[10]])
+    # Kept 11 12, correction 113 dropped: no pass ran it through the first layers.
+    assert out == [[11, 12]]
+    assert h.stats.reuse_dropped_corrections == 1
+    saved = h._reusable["r0"]
+    assert saved.first_position == POSITION and saved.token_ids == (10, 11, 12)
+    assert saved.states.flatten().tolist() == [5.0, 6.0, 7.0]  # the streams of positions 5, 6, 7

@@ -1,0 +1,95 @@
+"""What sparsever's drafters share: the requests to draft for in a step (`DraftRequests`, collected
+from the runner's batch within each request's reserved KV slots) and `RoundDrafter`, the base of the
+drafters hierarchical verification runs in rounds (n-gram prompt lookup, the draft model): each
+drafts after the tokens the hierarchy holds pending, and proposes on its own when the hierarchy is
+switched off."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DraftRequests:
+    """Requests to draft for: batch rows, the last token of each (not yet run through any layer)
+    and its position, and how many drafts each may get (max_model_len, allocated KV slots)."""
+
+    rows: list[int]
+    tokens: list[int]
+    positions: list[int]
+    budgets: list[int]
+
+
+def collect_draft_requests(
+    runner: Any, sampled_token_ids: list[list[int]], reserve: int, max_model_len: int
+) -> tuple[DraftRequests, int]:
+    """The rows that sampled a token this step, with at most `reserve` positions each to write
+    from their sampled token on (limited by max_model_len and the allocated KV slots); and how many
+    rows the allocated slots limited (should stay 0: the scheduler reserves lookahead slots for
+    sparsever's drafters, see `integration.speculative.self_draft_lookahead`)."""
+    from vllm_sparsever.integration.compat.runner import allocated_slots, tokens_no_spec
+
+    num_tokens = tokens_no_spec(runner)
+    allocated = allocated_slots(runner)  # never write K/V past a request's allocated slots
+    out = DraftRequests([], [], [], [])
+    slot_limited = 0
+    for row, sampled in enumerate(sampled_token_ids):
+        if not sampled:
+            continue
+        position = int(num_tokens[row]) - 1  # where the token sampled this step sits
+        budget = min(reserve, max_model_len - position - 1)
+        if int(allocated[row]) - position < budget:
+            budget = int(allocated[row]) - position
+            slot_limited += 1
+        if budget <= 0:
+            continue
+        out.rows.append(row)
+        out.tokens.append(sampled[-1])
+        out.positions.append(position)
+        out.budgets.append(budget)
+    return out, slot_limited
+
+
+class RoundDrafter:
+    """Base of a drafter the hierarchy calls once per round: `draft(reqs, pending)` (subclasses),
+    `requests()`, `propose()` on its own, `load()`, and per-level stats (`stats`: a dataclass with
+    `slot_limited` and `summary()`, reported under `level`)."""
+
+    level = ""
+
+    def __init__(self, stats: Any, *, num_speculative_tokens: int, max_model_len: int) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.stats = stats
+        self._runner: Any = None
+
+    def load(self, runner: Any) -> None:
+        self._runner = runner
+
+    @property
+    def runner(self) -> Any:
+        return self._runner
+
+    def stats_by_level(self) -> dict[str, dict[str, Any]]:
+        return {self.level: self.stats.summary()}
+
+    def reset_stats(self) -> None:
+        self.stats = type(self.stats)()
+
+    def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
+        reqs, slot_limited = collect_draft_requests(self._runner, sampled_token_ids, reserve, self.max_model_len)
+        self.stats.slot_limited += slot_limited
+        return reqs
+
+    def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
+        raise NotImplementedError
+
+    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """On its own (hierarchical verification switched off at run time): drafts per batch row
+        (row order of `sampled_token_ids`, as vLLM's n-gram drafter returns them)."""
+        reqs = self.requests(sampled_token_ids, self.num_speculative_tokens)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        for row, tokens in zip(reqs.rows, self.draft(reqs), strict=True):
+            drafts[row] = tokens
+        return drafts
