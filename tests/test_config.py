@@ -190,7 +190,8 @@ def test_early_exit_config():
     assert cfg.to_vllm_speculative_kwargs() == {"method": "ngram", "num_speculative_tokens": 8}
     assert SparseverConfig.from_serialized(cfg.to_dict()) == cfg
     bad = [
-        ({**base, "model": "d", "early_exit": {"enabled": True}}, ["early_exit.enabled", "draft_source='early_exit' or 'ngram'"]),
+        ({**base, "model": "d", "early_exit": {"enabled": True, "intermediate": "sparse"}},
+         ["early_exit.intermediate", "no sparse section is enabled"]),
         ({**base, "model": "d", "early_exit": {"draft_layer": 3}}, ["early_exit.draft_layer", "only valid"]),
         ({**base, "draft_source": "early_exit", "model": "d"}, ["model", "must be omitted"]),
         ({**base, "draft_source": "early_exit", "prompt_lookup_max": 2}, ["prompt_lookup_max"]),
@@ -211,8 +212,11 @@ def test_hierarchy_config():
     cfg = SparseverConfig.from_dict({**base, "attention": True, "early_exit": sparse})
     assert cfg.early_exit.intermediate == "sparse" and not cfg.early_exit.uses_heads
     assert cfg.to_vllm_speculative_kwargs() == {"method": "ngram", "num_speculative_tokens": 6}
-    # An n-gram drafter under an early-exit intermediate verifier uses exit heads.
+    # An n-gram drafter under an early-exit intermediate verifier uses exit heads; so does a draft model.
     assert SparseverConfig.from_dict({**base, "early_exit": {"enabled": True}}).early_exit.uses_heads
+    cfg = SparseverConfig.from_dict({**base, "draft_source": "draft_model", "model": "d",
+                                     "early_exit": {"enabled": True, "reuse_hidden_states": True}})
+    assert cfg.to_vllm_speculative_kwargs() == {"method": "draft_model", "model": "d", "num_speculative_tokens": 6}
     bad = [
         ({**base, "early_exit": sparse}, ["early_exit.intermediate", "no sparse section is enabled"]),
         ({**base, "attention": True, "early_exit": {**sparse, "verify_layer": 2}},
@@ -220,8 +224,8 @@ def test_hierarchy_config():
         ({**base, "attention": True, "early_exit": {**sparse, "intermediate": "dense"}},
          ["early_exit.intermediate", "'early_exit', 'sparse'"]),
         ({**base, "attention": True, "early_exit": {"intermediate": "sparse"}}, ["early_exit.enabled"]),
-        ({**base, "draft_source": "draft_model", "model": "d", "attention": True, "early_exit": sparse},
-         ["early_exit.enabled", "draft model is not supported yet"]),
+        ({**base, "attention": True, "early_exit": {**sparse, "reuse_hidden_states": True}},
+         ["early_exit.reuse_hidden_states", "intermediate: 'early_exit'"]),
         ({**base, "early_exit": {"draft_layer": 2}}, ["early_exit.draft_layer", "only valid"]),
         ({**base, "early_exit": {"heads": "/h"}}, ["early_exit.heads", "only valid"]),
     ]

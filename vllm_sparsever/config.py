@@ -384,7 +384,6 @@ class SparseverConfig:
         if self.draft_source == "draft_model":
             kwargs["method"] = "draft_model"
             kwargs["model"] = self.model
-
         else:
             # n-gram drafting, and self-drafting, which vLLM drives like its n-gram drafter (CPU
             # token lists in, draft lists out, no draft model; the sparsever runner replaces the

@@ -300,13 +300,18 @@ def test_bad_self_draft_config_fails_before_start(target, heads, early_exit, mes
 HIER_CAP = 6
 
 
+def _hierarchy_spec(heads: Path, **early_exit) -> dict:
+    """Self-drafting at layer 1 under the layer-3 verifier, 2 drafts per round, 3 rounds, cap 6."""
+    spec = _spec(heads, enabled=True, draft_layer=DRAFT_LAYER, verify_layer=VERIFY_LAYER, round_tokens=2,
+                 full_verify_every=3, **early_exit)
+    spec["num_speculative_tokens"] = HIER_CAP
+    return spec
+
+
 @pytest.fixture(scope="module")
 def hierarchical_run(target, heads):
     # The drafter drafts over a trimmed vocabulary (VocabTrim); the intermediate verifier's is full.
-    spec = _spec(heads, enabled=True, draft_layer=DRAFT_LAYER, verify_layer=VERIFY_LAYER,
-                 round_tokens=2, full_verify_every=3, draft_vocab=DRAFT_VOCAB)
-    spec["num_speculative_tokens"] = HIER_CAP
-    return _greedy_metrics_samples(target, spec)
+    return _greedy_metrics_samples(target, _hierarchy_spec(heads, draft_vocab=DRAFT_VOCAB))
 
 
 def test_hierarchical_greedy_equals_plain_greedy(plain_greedy4, hierarchical_run):
@@ -330,10 +335,7 @@ def test_hierarchical_sampling_follows_the_target_distribution(hierarchical_run,
 def reuse_run(target, heads):
     """Hierarchical verification whose full pass starts at the verify layer from the intermediate
     passes' residual streams (reuse across levels)."""
-    spec = _spec(heads, enabled=True, draft_layer=DRAFT_LAYER, verify_layer=VERIFY_LAYER,
-                 round_tokens=2, full_verify_every=3, reuse_hidden_states=True)
-    spec["num_speculative_tokens"] = HIER_CAP
-    return _greedy_metrics_samples(target, spec)
+    return _greedy_metrics_samples(target, _hierarchy_spec(heads, reuse_hidden_states=True))
 
 
 def test_reuse_across_levels_greedy_equals_plain_greedy(plain_greedy4, reuse_run):
