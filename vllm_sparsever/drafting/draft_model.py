@@ -113,22 +113,19 @@ class DraftModelDrafter(RoundDrafter):
             valid = kv.valid_for(history, pending[i]) if kv is not None else 0
             first = min(valid, sequence_len - 1)  # the last token always runs: its logits draft
             tokens = [int(t) for t in history[first:]] + pending[i][max(0, first - committed):]
-            active.append((i, budget, committed))
+            active.append((i, budget))
             seqs.append(tokens)
             firsts.append(first)
             self.stats.catch_up_tokens += len(tokens) - 1
         self.stats.rounds += 1
-        step = 0
-        while active:
-            rows = [reqs.rows[i] for i, _, _ in active]
-            predicted = self._predict(rows, seqs, firsts)
+        while active:  # one pass per draft position; requests leave at their budget
+            predicted = self._predict([reqs.rows[i] for i, _ in active], seqs, firsts)
             self.stats.forward_passes += 1
-            step += 1
             still, next_seqs, next_firsts = [], [], []
-            for (i, budget, committed), token, seq, first in zip(active, predicted, seqs, firsts, strict=True):
+            for (i, budget), token, seq, first in zip(active, predicted, seqs, firsts, strict=True):
                 drafts[i].append(token)
                 if len(drafts[i]) < budget:
-                    still.append((i, budget, committed))
+                    still.append((i, budget))
                     next_seqs.append([token])
                     next_firsts.append(first + len(seq))
             active, seqs, firsts = still, next_seqs, next_firsts

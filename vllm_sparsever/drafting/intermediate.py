@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
@@ -98,8 +99,8 @@ class SparseTargetVerifier:
         plan = build_verification_plan(
             step=self._passes,
             req_ids=[batch.req_ids[r] for r in rows],
-            num_scheduled_tokens=torch.tensor(lens).numpy(),
-            num_computed_tokens=torch.tensor(first_positions).numpy(),
+            num_scheduled_tokens=np.asarray(lens),
+            num_computed_tokens=np.asarray(first_positions),
             scheduled_spec_decode_tokens={batch.req_ids[r]: seq[1:] for r, seq in zip(rows, seqs, strict=True)},
             block_table=batch.block_table_cpu[rows_t],
             block_size=batch.block_size,
