@@ -109,26 +109,21 @@ def run_one(llm, args, mode: str, prompt: list[dict]) -> dict[str, Any]:
     tokens = list(out.outputs[0].token_ids)
     stats = out.metrics
     decode_s = (stats.last_token_ts - stats.first_token_ts) if stats is not None else None
-    if not speculative:
-        return {"mode": mode, "wall_s": wall, "decode_s": decode_s, "num_tokens": len(tokens),
-                "tokens_per_s": (len(tokens) - 1) / decode_s, "loadavg_1m_before": load,
-                "cached_prompt_tokens": out.num_cached_tokens, "verify_steps": 0, "verify_time_s": 0.0,
-                "draft_time_s": 0.0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                "mean_acceptance_length": None, "hierarchical": {}, "drafter": {}, "sparsity": {},
-                "tokens": tokens, "text": out.outputs[0].text}
-    m = get_metrics(llm)
-    h = m.get("hierarchical") or {}
-    return {
+    run = {
         "mode": mode, "wall_s": wall, "decode_s": decode_s, "num_tokens": len(tokens),
         # Output tokens after the first (which the prefill step samples) over the time between them.
         "tokens_per_s": (len(tokens) - 1) / decode_s,
         "loadavg_1m_before": load, "cached_prompt_tokens": out.num_cached_tokens,
-        "verify_steps": m["num_verify_steps"], "verify_time_s": m["verify_time_s"], "draft_time_s": m["draft_time_s"],
-        "num_draft_tokens": m["num_draft_tokens"], "num_accepted_tokens": m["num_accepted_tokens"],
-        "mean_acceptance_length": m["mean_acceptance_length"],
-        "hierarchical": h, "drafter": m.get("prompt_lookup") or m.get("draft_model") or {},
-        "sparsity": m.get("sparsity") or {},
         "tokens": tokens, "text": out.outputs[0].text,
+    }
+    m = get_metrics(llm) if speculative else {}
+    return run | {
+        "verify_steps": m.get("num_verify_steps", 0), "verify_time_s": m.get("verify_time_s", 0.0),
+        "draft_time_s": m.get("draft_time_s", 0.0), "num_draft_tokens": m.get("num_draft_tokens", 0),
+        "num_accepted_tokens": m.get("num_accepted_tokens", 0),
+        "mean_acceptance_length": m.get("mean_acceptance_length"),
+        "hierarchical": m.get("hierarchical") or {}, "drafter": m.get("prompt_lookup") or m.get("draft_model") or {},
+        "sparsity": m.get("sparsity") or {},
     }
 
 

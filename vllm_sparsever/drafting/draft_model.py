@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
+from vllm_sparsever.drafting.queries import final_hidden, flatten_queries
 
 
 @dataclass
@@ -143,23 +144,8 @@ class DraftModelDrafter(RoundDrafter):
     def _predict(self, rows: list[int], seqs: list[list[int]], firsts: list[int]) -> list[int]:
         """The draft model's greedy next token after the last of `seqs[i]` (run at positions
         `firsts[i]`..., writing the draft's K/V there)."""
-        from vllm.forward_context import set_forward_context
-
-        from vllm_sparsever.integration.compat.runner import query_attention_context
-
-        runner, stack = self._runner, self._stack
-        device = runner.device
-        tokens, positions, lens = [], [], []
-        for seq, first in zip(seqs, firsts, strict=True):
-            tokens.extend(seq)
-            positions.extend(range(first, first + len(seq)))
-            lens.append(len(seq))
-        tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
-        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
-        metadata, slots = query_attention_context(runner, stack.attention_layer_names,
-                                                  torch.tensor(rows, dtype=torch.long), positions_t, lens)
-        with set_forward_context(metadata, runner.vllm_config, num_tokens=len(tokens), slot_mapping=slots):
-            normed = stack.run_all(tokens_t, positions_t)
+        device = self._runner.device
+        tokens, positions, lens = flatten_queries(seqs, firsts, device)
+        normed = final_hidden(self._runner, self._stack, rows, tokens, positions, lens)
         last = torch.tensor(lens, device=device).cumsum(0) - 1
-        logits = stack.compute_logits(normed[last])
-        return logits.argmax(dim=-1).tolist()
+        return self._stack.compute_logits(normed[last]).argmax(dim=-1).tolist()

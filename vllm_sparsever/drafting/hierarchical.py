@@ -1,6 +1,6 @@
 """Hierarchical verification (HiSpec): drafter -> intermediate verifier -> full target.
 
-Each round, the drafter (the self-drafter, or n-gram prompt lookup) proposes up to `round_tokens`
+Each round, the drafter (the self-drafter, n-gram prompt lookup, or the draft model) proposes up to `round_tokens`
 drafts per request; the intermediate verifier (drafting/intermediate.py: the target's first L_v
 layers plus their exit head, or the whole target with sparse verification) runs [last pending
 token, drafts] in one pass and keeps the drafts it agrees with (greedy) plus its own next token

@@ -24,24 +24,7 @@ import numpy as np
 import torch
 
 from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
-
-
-def _flatten(seqs: list[list[int]], first_positions: list[int], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    tokens, positions, lens = [], [], []
-    for seq, first in zip(seqs, first_positions, strict=True):
-        tokens.extend(seq)
-        positions.extend(range(first, first + len(seq)))
-        lens.append(len(seq))
-    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-    return as_long(tokens), as_long(positions), lens
-
-
-def _split(flat: list[int], lens: list[int]) -> list[list[int]]:
-    out, offset = [], 0
-    for length in lens:
-        out.append(flat[offset: offset + length])
-        offset += length
-    return out
+from vllm_sparsever.drafting.queries import final_hidden, flatten_queries, split_by_lengths
 
 
 class EarlyExitVerifier:
@@ -59,10 +42,10 @@ class EarlyExitVerifier:
                 with_streams: bool = False) -> Any:
         """Predictions per request; `with_streams`: (predictions, per request the residual stream
         after layer `layer` of its tokens, [len(seq), hidden]) for the full pass to start from."""
-        tokens, positions, lens = _flatten(seqs, first_positions, self.model.device)
+        tokens, positions, lens = flatten_queries(seqs, first_positions, self.model.device)
         predicted, _, stream = self.model.predict(self.layer, torch.tensor(rows, dtype=torch.long), tokens,
                                                   positions, lens, with_stream=True)
-        preds = _split(predicted.tolist(), lens)
+        preds = split_by_lengths(predicted.tolist(), lens)
         return (preds, list(stream.split(lens))) if with_streams else preds
 
 
@@ -82,16 +65,14 @@ class SparseTargetVerifier:
 
     @torch.inference_mode()
     def predict(self, rows: list[int], seqs: list[list[int]], first_positions: list[int]) -> list[list[int]]:
-        from vllm.forward_context import set_forward_context
-
-        from vllm_sparsever.integration.compat.runner import input_batch_view, query_attention_context
+        from vllm_sparsever.integration.compat.runner import input_batch_view
         from vllm_sparsever.plan import VerifyLevel, active_plan, build_verification_plan
         from vllm_sparsever.verification.runtime import get_runtime
 
         runner, stack = self._runner, self._stack
         assert stack is not None, "SparseTargetVerifier.load() was not called"
         device = runner.device
-        tokens, positions, lens = _flatten(seqs, first_positions, device)
+        tokens, positions, lens = flatten_queries(seqs, first_positions, device)
         batch = input_batch_view(runner)
         rows_t = torch.tensor(rows, dtype=torch.long)
         self._passes += 1
@@ -109,9 +90,7 @@ class SparseTargetVerifier:
             verify_plain_rows=True,
             **runtime.step_planners(),
         )
-        metadata, slots = query_attention_context(runner, stack.attention_layer_names, rows_t, positions, lens)
-        with active_plan(plan), set_forward_context(metadata, runner.vllm_config, num_tokens=int(tokens.numel()),
-                                                    slot_mapping=slots):
-            normed = stack.run_all(tokens, positions)
+        with active_plan(plan):
+            normed = final_hidden(runner, stack, rows, tokens, positions, lens)
         logits = stack.compute_logits(normed)
-        return _split(logits.argmax(dim=-1).tolist(), lens)
+        return split_by_lengths(logits.argmax(dim=-1).tolist(), lens)

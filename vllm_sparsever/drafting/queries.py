@@ -1,0 +1,45 @@
+"""Query batches for sparsever's own forward passes on the target worker's KV cache (the
+intermediate verifiers, the draft-model drafter): requests' consecutive tokens flattened request
+after request, and a whole decoder stack run over them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def flatten_queries(
+    seqs: list[list[int]], first_positions: list[int], device: Any
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(tokens, positions, lengths) of `seqs[i]` run from position `first_positions[i]` on."""
+    tokens, positions, lens = [], [], []
+    for seq, first in zip(seqs, first_positions, strict=True):
+        tokens.extend(seq)
+        positions.extend(range(first, first + len(seq)))
+        lens.append(len(seq))
+    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    return as_long(tokens), as_long(positions), lens
+
+
+def split_by_lengths(flat: list[int], lens: list[int]) -> list[list[int]]:
+    """`flat` cut back into the requests' runs of `lens` items."""
+    out, offset = [], 0
+    for length in lens:
+        out.append(flat[offset: offset + length])
+        offset += length
+    return out
+
+
+def final_hidden(runner: Any, stack: Any, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor,
+                 lens: list[int]) -> torch.Tensor:
+    """Every layer of `stack` (a compat.model.DecoderStack) and its final norm over the query tokens
+    of batch rows `rows`, attending to and writing the runner's KV cache."""
+    from vllm.forward_context import set_forward_context
+
+    from vllm_sparsever.integration.compat.runner import query_attention_context
+
+    metadata, slots = query_attention_context(runner, stack.attention_layer_names,
+                                              torch.tensor(rows, dtype=torch.long), positions, lens)
+    with set_forward_context(metadata, runner.vllm_config, num_tokens=int(tokens.numel()), slot_mapping=slots):
+        return stack.run_all(tokens, positions)
