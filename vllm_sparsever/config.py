@@ -148,6 +148,25 @@ class AdaptiveVerificationConfig:
 
 
 @dataclass
+class DraftTreeConfig:
+    """Draft trees (EAGLE-2-style dynamic trees), verified in one target pass under the ancestor
+    mask. The node budget is num_speculative_tokens. Each level, the drafter runs the `expand`
+    most probable nodes of the newest level and gives each its top-`branching` tokens as children;
+    after `depth` levels the num_speculative_tokens most probable nodes (by path probability) are
+    kept (a prefix-closed tree). Lossless: greedy output is the target's, and sampling follows the
+    target's distribution (candidates are tested one by one against the target's residual)."""
+
+    enabled: bool = False
+    branching: int = 3
+    expand: int = 3
+    depth: int = 5
+
+    def validate(self, prefix: str) -> None:
+        for name in ("branching", "expand", "depth"):
+            _check_int(f"{prefix}.{name}", getattr(self, name), minimum=1)
+
+
+@dataclass
 class EarlyExitConfig:
     """The target's early exits and hierarchical verification: self-drafting (draft_source=
     'early_exit'), and `enabled`: an intermediate verifier (the target's early layers, or the sparse
@@ -222,6 +241,7 @@ class EarlyExitConfig:
 _NOT_YET_IMPLEMENTED = ("adaptive",)
 DRAFT_SOURCES = ("draft_model", "ngram", "early_exit")
 INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
+TREE_DRAFT_SOURCES = ("draft_model",)
 
 
 @dataclass
@@ -239,6 +259,7 @@ class SparseverConfig:
     ffn: FFNSparsityConfig = field(default_factory=FFNSparsityConfig)
     moe: MoESparsityConfig = field(default_factory=MoESparsityConfig)
     adaptive: AdaptiveVerificationConfig = field(default_factory=AdaptiveVerificationConfig)
+    tree: DraftTreeConfig = field(default_factory=DraftTreeConfig)
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
     # Calibration profile (json from `vllm-sparsever calibrate`) with anchor layers and
     # thresholds. None = the target model's default profile if one was calibrated, else the
@@ -365,7 +386,7 @@ class SparseverConfig:
                     f"json file written by `vllm-sparsever calibrate`, or 'none')"
                 )
         _check_bool("fallback_to_dense", self.fallback_to_dense)
-        for name in ("attention", "ffn", "moe", "adaptive", "early_exit"):
+        for name in ("attention", "ffn", "moe", "adaptive", "tree", "early_exit"):
             section = getattr(self, name)
             _check_bool(f"{name}.enabled", section.enabled)
             section.validate(name)
@@ -373,6 +394,22 @@ class SparseverConfig:
                 raise SparseverConfigError(
                     f"{name}.enabled: {name} verification is not available in this version of "
                     f"vllm-sparsever (allowed: false); verification is dense"
+                )
+        if self.tree.enabled:
+            if self.draft_source not in TREE_DRAFT_SOURCES:
+                raise SparseverConfigError(
+                    f"tree.enabled: draft trees come from draft_source "
+                    f"{', '.join(repr(s) for s in TREE_DRAFT_SOURCES)} in this version, got "
+                    f"draft_source={self.draft_source!r}"
+                )
+            if ee.enabled:
+                raise SparseverConfigError(
+                    "tree.enabled: draft trees are not combined with hierarchical verification "
+                    "(allowed: early_exit.enabled=false with tree.enabled=true)"
+                )
+            if self.attention.enabled and self.attention.kernel == "vllm":
+                raise SparseverConfigError(
+                    "attention.kernel: 'vllm' has no tree mask; with tree.enabled use 'sparsever' or 'auto'"
                 )
 
     # ---- mapping onto vLLM --------------------------------------------------------------
@@ -419,6 +456,7 @@ SECTIONS: dict[str, type] = {
     "ffn": FFNSparsityConfig,
     "moe": MoESparsityConfig,
     "adaptive": AdaptiveVerificationConfig,
+    "tree": DraftTreeConfig,
     "early_exit": EarlyExitConfig,
 }
 

@@ -62,9 +62,32 @@ class DraftTopology:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
+    def prefix(self, n: int) -> "DraftTopology":
+        """The first `n` tokens' topology (parents precede children, so still a tree)."""
+        return DraftTopology(self.parents[:n])
+
+    def depths(self) -> list[int]:
+        """Depth of every token below the root (root 0)."""
+        out: list[int] = []
+        for i, parent in enumerate(self.parents):
+            if parent >= i:
+                raise ValueError(f"parents must precede their children: token {i} has parent {parent}")
+            out.append(0 if parent < 0 else out[parent] + 1)
+        return out
+
+    def children(self) -> list[list[int]]:
+        """Children of every token, in token order."""
+        out: list[list[int]] = [[] for _ in self.parents]
+        for i, parent in enumerate(self.parents):
+            if parent >= 0:
+                out[parent].append(i)
+        return out
+
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool: token i may attend to query token j (j is i or one of its ancestors)."""
         n = len(self.parents)
+        if self.is_chain:
+            return torch.ones(n, n, dtype=torch.bool).tril()
         mask = torch.eye(n, dtype=torch.bool)
         for i, parent in enumerate(self.parents):
             if parent >= i:
@@ -199,6 +222,19 @@ class AnchorSelections:
 
 
 @dataclass(frozen=True)
+class TreeStep:
+    """What a step with draft trees needs besides the chain layout (built once per step)."""
+
+    # [T, max_q_len] uint8: row t may attend to query token j of its request (causal rows for
+    # requests without a tree): `block_sparse_tree_attention`'s tree_mask.
+    mask: torch.Tensor
+    # [T] long: each token's rotary position (context length + depth for tree tokens).
+    positions: torch.Tensor
+    # The requests whose topology is not a chain (acceptance walks their trees).
+    tree_requests: tuple[int, ...]  # indexes into VerificationPlan.requests
+
+
+@dataclass(frozen=True)
 class VerificationPlan:
     """What the target forward of one step verifies, and how (see the module docstring)."""
 
@@ -211,6 +247,7 @@ class VerificationPlan:
     groups: TokenGroups | None  # None when nothing verifies
     attention: AttentionStepPlan | None  # None when sparse attention is not active this step
     selections: AnchorSelections = field(compare=False)
+    tree: TreeStep | None = None  # None when every request verifies a chain
 
     @property
     def is_verify_step(self) -> bool:
@@ -252,6 +289,7 @@ def build_verification_plan(
     level: VerifyLevel = VerifyLevel.FULL,
     sparsify: bool = True,
     verify_plain_rows: bool = False,
+    topologies: dict[str, DraftTopology] | None = None,
 ) -> VerificationPlan:
     """Build the step's plan (host-side numpy, one pass over the batch).
 
@@ -281,6 +319,11 @@ def build_verification_plan(
         if num_scheduled[i] != len(drafts) + 1 or not (drafts or verify_plain_rows):
             continue
         start, stop = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        topology = (topologies or {}).get(req_id)
+        if topology is None or len(topology.parents) < stop - start:
+            topology = DraftTopology.chain(stop - start)
+        else:
+            topology = topology.prefix(stop - start)
         requests.append(
             RequestVerification(
                 req_id=req_id,
@@ -291,7 +334,7 @@ def build_verification_plan(
                 context_len=int(computed[i]),
                 seq_len=int(computed[i] + num_scheduled[i]),
                 draft_token_ids=tuple(int(t) for t in drafts),
-                topology=DraftTopology.chain(stop - start),
+                topology=topology,
             )
         )
 
@@ -309,7 +352,38 @@ def build_verification_plan(
         groups=groups,
         attention=attention,
         selections=AnchorSelections(anchor_layers),
+        tree=_tree_step(requests, num_scheduled, computed, query_start_loc, device),
     )
+
+
+def _tree_step(requests: list[RequestVerification], num_scheduled: np.ndarray, computed: np.ndarray,
+               query_start_loc: np.ndarray, device) -> TreeStep | None:
+    trees = tuple(k for k, req in enumerate(requests) if not req.topology.is_chain)
+    if not trees:
+        return None
+    # Every row of the step in batch order: a verify row's topology, causal for the others.
+    topologies = [DraftTopology.chain(int(n)) for n in num_scheduled]
+    for req in requests:
+        topologies[req.batch_index] = req.topology
+    positions = torch.cat([
+        int(computed[r]) + torch.tensor(t.depths(), dtype=torch.long) if t.parents else torch.empty(0, dtype=torch.long)
+        for r, t in enumerate(topologies)
+    ])
+    return TreeStep(mask=stacked_tree_mask(topologies).to(device), positions=positions.to(device),
+                    tree_requests=trees)
+
+
+def stacked_tree_mask(topologies: Sequence[DraftTopology]) -> torch.Tensor:
+    """[T, max_q_len] uint8 ancestor masks of consecutive requests' query tokens (the tree_mask of
+    `block_sparse_tree_attention`)."""
+    lens = [len(t.parents) for t in topologies]
+    mask = torch.zeros(sum(lens), max(lens, default=0), dtype=torch.uint8)
+    start = 0
+    for t, n in zip(topologies, lens, strict=True):
+        if n:
+            mask[start: start + n, :n] = t.ancestor_mask().to(torch.uint8)
+        start += n
+    return mask
 
 
 def _token_groups(requests: list[RequestVerification], num_tokens: int, device) -> TokenGroups:
@@ -342,10 +416,35 @@ def current_plan() -> VerificationPlan | None:
 
 @contextlib.contextmanager
 def active_plan(plan: VerificationPlan | None) -> Iterator[None]:
-    """Make `plan` visible to layers and ops for the duration of one target forward."""
+    """Make `plan` visible to layers and ops for the duration of one target forward (and its
+    tree mask to attention, see `tree_attention`)."""
     global _current
     previous, _current = _current, plan
     try:
-        yield
+        with tree_attention(plan.tree.mask if plan is not None and plan.tree is not None else None):
+            yield
     finally:
         _current = previous
+
+
+# ---- the tree mask of the forward being run -------------------------------------------------
+# Separate from the plan: the draft model's tree expansion (drafting/tree.py) attends with a tree
+# mask too, and must not be taken for a target verification.
+
+_tree_mask: torch.Tensor | None = None
+
+
+def current_tree_mask() -> torch.Tensor | None:
+    """[T, max_q_len] uint8 ancestor mask of the forward now running, or None (causal)."""
+    return _tree_mask
+
+
+@contextlib.contextmanager
+def tree_attention(mask: torch.Tensor | None) -> Iterator[None]:
+    """Attention layers run inside attend with `mask` (see `TreeStep.mask`) instead of causally."""
+    global _tree_mask
+    previous, _tree_mask = _tree_mask, mask
+    try:
+        yield
+    finally:
+        _tree_mask = previous

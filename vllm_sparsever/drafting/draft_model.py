@@ -8,6 +8,15 @@ runs, in one pass, the tokens whose draft K/V is missing or stale (the whole pro
 first round; afterwards the tokens the full or intermediate level changed), then drafts greedily one
 token per pass. Positions past the committed tokens are rewritten whenever their tokens change, so
 what the draft attends to is always the current sequence.
+
+With `tree` (config section tree), it drafts a dynamic tree per request instead of a chain
+(drafting/tree.py): the catch-up pass ends at the request's last token (the root), then one pass
+per level over the nodes expanded so far under the tree mask. It then proposes on its own (no
+hierarchy), after `sample_tokens` like in a hierarchy, and hands vLLM the tree's nodes (parents
+first) as the step's drafts; `topologies()` tells the runner's plan how they hang together.
+Requests whose sampling needs vLLM's own rejection sampler (penalties, logprobs, bad words,
+allowed tokens, min_tokens, logit bias, structured output) get the tree's most probable path as a
+chain.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch
 
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.queries import final_hidden, flatten_queries
+from vllm_sparsever.drafting.tree import DraftTree, TreeGrowth
 
 
 @dataclass
@@ -30,6 +40,11 @@ class DraftModelStats:
     draft_tokens: int = 0
     slot_limited: int = 0  # see SelfDraftStats.slot_limited
     draft_time_s: float = 0.0
+    trees: int = 0  # trees drafted (tree mode)
+    tree_nodes: int = 0  # nodes in them (what the target verifies)
+    tree_nodes_grown: int = 0  # nodes created before the most probable were kept
+    tree_levels: int = 0  # expansion passes (levels after the first), summed over steps
+    chains_for_plain_sampling: int = 0  # requests given a chain: their sampling needs vLLM's sampler
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -39,6 +54,11 @@ class DraftModelStats:
             "draft_model_tokens": self.draft_tokens,
             "draft_model_slot_limited": self.slot_limited,
             "draft_model_time_s": self.draft_time_s,
+            "draft_model_trees": self.trees,
+            "draft_model_tree_nodes": self.tree_nodes,
+            "draft_model_tree_nodes_grown": self.tree_nodes_grown,
+            "draft_model_tree_levels": self.tree_levels,
+            "draft_model_tree_chains": self.chains_for_plain_sampling,
         }
 
 
@@ -70,11 +90,14 @@ class _DraftKV:
 class DraftModelDrafter(RoundDrafter):
     level = "draft_model"
 
-    def __init__(self, *, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None) -> None:
+        """`tree`: a DraftTreeConfig to draft trees (branching, expand, depth), or None for chains."""
         super().__init__(DraftModelStats(), num_speculative_tokens=num_speculative_tokens,
                          max_model_len=max_model_len)
         self._stack: Any = None
         self._kv: dict[str, _DraftKV] = {}
+        self.tree = tree
+        self._trees: dict[str, DraftTree] = {}  # req id -> the tree proposed for its next step
 
     def load(self, runner: Any) -> None:
         from vllm_sparsever.integration.compat.model import decoder_stack
@@ -88,7 +111,119 @@ class DraftModelDrafter(RoundDrafter):
         live = set(self._runner.input_batch.req_ids)
         for req_id in [r for r in self._kv if r not in live]:  # finished or preempted
             del self._kv[req_id]
+        self._trees.clear()
         return reqs
+
+    # ---- trees ----------------------------------------------------------------------------
+
+    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        if self.tree is None:
+            return super().propose(sampled_token_ids)
+        from vllm_sparsever.integration.compat.runner import tree_sampling_supported
+
+        reqs = self.requests(sampled_token_ids, self.num_speculative_tokens)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        batch = self._runner.input_batch
+        for row, tree in zip(reqs.rows, self.draft_trees(reqs), strict=True):
+            if len(tree) and not tree.is_chain() and not tree_sampling_supported(self._runner, row):
+                tree = tree.subtree(_best_path(tree))
+                self.stats.chains_for_plain_sampling += 1
+            if len(tree):
+                self._trees[batch.req_ids[row]] = tree
+            drafts[row] = list(tree.tokens)
+        return drafts
+
+    def topologies(self, scheduled: dict[str, list[int]]) -> dict[str, Any]:
+        """req id -> the topology of its scheduled drafts, for the trees this drafter proposed
+        (scheduled drafts are the tree's nodes, or a prefix of them)."""
+        out = {}
+        for req_id, drafts in scheduled.items():
+            tree = self._trees.get(req_id)
+            if tree is not None and not tree.is_chain() and list(drafts) == tree.tokens[: len(drafts)]:
+                out[req_id] = tree.topology()
+        return out
+
+    @torch.inference_mode()
+    def draft_trees(self, reqs: DraftRequests) -> list[DraftTree]:
+        """A dynamic draft tree per request (drafting/tree.py), of at most
+        min(num_speculative_tokens, budget) nodes, after its committed tokens."""
+        from vllm_sparsever.integration.compat.runner import token_history
+        from vllm_sparsever.plan import stacked_tree_mask
+
+        start = time.perf_counter()
+        batch = self._runner.input_batch
+        device = self._runner.device
+        cfg = self.tree
+        growths: list[TreeGrowth | None] = [None] * len(reqs.rows)
+        seqs, firsts, idx = [], [], []
+        for i, row in enumerate(reqs.rows):
+            budget = min(self.num_speculative_tokens, reqs.budgets[i])
+            if budget <= 0:
+                continue
+            history = token_history(self._runner, row)
+            assert len(history) - 1 == reqs.positions[i], "the root must be the request's last committed token"
+            kv = self._kv.get(batch.req_ids[row])
+            valid = kv.valid_for(history, []) if kv is not None else 0
+            first = min(valid, len(history) - 1)
+            seqs.append([int(t) for t in history[first:]])
+            firsts.append(first)
+            idx.append(i)
+            self.stats.catch_up_tokens += len(seqs[-1]) - 1
+            # Node K/V slots after the root: budget - 1 (the slots the scheduler reserved).
+            growths[i] = TreeGrowth(branching=cfg.branching, expand=cfg.expand, depth=cfg.depth,
+                                    budget=budget, max_expanded=budget - 1)
+        self.stats.rounds += 1
+        if idx:
+            # First pass: catch-up tokens ending at the root; children of the root from its logits.
+            tokens, positions, lens = flatten_queries(seqs, firsts, device)
+            normed = final_hidden(self._runner, self._stack, [reqs.rows[i] for i in idx], tokens, positions, lens)
+            last = torch.tensor(lens, device=device).cumsum(0) - 1
+            probs = torch.softmax(self._stack.compute_logits(normed[last]).float(), dim=-1)
+            self.stats.forward_passes += 1
+            for k, i in enumerate(idx):
+                growths[i].grow(probs[k: k + 1])
+                root = reqs.positions[i]  # the draft's K/V now holds the committed tokens, root included
+                self._kv[batch.req_ids[reqs.rows[i]]] = _DraftKV(length=root + 1, tail_start=root + 1, tail=[])
+        while True:  # one pass per level over every growing tree
+            live = [i for i in idx if not growths[i].done]
+            if not live:
+                break
+            tokens_l, pos_l, kv_l, lens, topologies, frontier_rows = [], [], [], [], [], []
+            offset = 0
+            for i in live:
+                g = growths[i]
+                nodes, topology = g.query()
+                root = reqs.positions[i]
+                tokens_l.extend(g.tree.tokens[n] for n in nodes)
+                pos_l.extend(root + d for d in g.node_depths(nodes))
+                kv_l.extend(range(root + 1, root + 1 + len(nodes)))
+                lens.append(len(nodes))
+                topologies.append(topology)
+                frontier_rows.append(list(range(offset + len(nodes) - len(g.frontier), offset + len(nodes))))
+                offset += len(nodes)
+            as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+            normed = final_hidden(self._runner, self._stack, [reqs.rows[i] for i in live], as_long(tokens_l),
+                                  as_long(pos_l), lens, kv_positions=as_long(kv_l),
+                                  tree_mask=stacked_tree_mask(topologies).to(device))
+            wanted = as_long([r for rows in frontier_rows for r in rows])
+            probs = torch.softmax(self._stack.compute_logits(normed[wanted]).float(), dim=-1)
+            self.stats.forward_passes += 1
+            self.stats.tree_levels += 1
+            offset = 0
+            for i, rows in zip(live, frontier_rows, strict=True):
+                growths[i].grow(probs[offset: offset + len(rows)])
+                offset += len(rows)
+        trees = []
+        for g in growths:
+            tree = g.result() if g is not None else DraftTree()
+            if g is not None:
+                self.stats.trees += 1
+                self.stats.tree_nodes += len(tree)
+                self.stats.tree_nodes_grown += len(g.tree)
+            trees.append(tree)
+        self.stats.draft_tokens += sum(len(t) for t in trees)
+        self.stats.draft_time_s += time.perf_counter() - start
+        return trees
 
     @torch.inference_mode()
     def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
@@ -149,3 +284,15 @@ class DraftModelDrafter(RoundDrafter):
         normed = final_hidden(self._runner, self._stack, rows, tokens, positions, lens)
         last = torch.tensor(lens, device=device).cumsum(0) - 1
         return self._stack.compute_logits(normed[last]).argmax(dim=-1).tolist()
+
+
+def _best_path(tree: DraftTree) -> list[int]:
+    """Node indices of the tree's greedy path: the most probable child from the root down."""
+    children: dict[int, list[int]] = {}
+    for n, p in enumerate(tree.parents):
+        children.setdefault(p, []).append(n)
+    path, node = [], -1
+    while children.get(node):
+        node = max(children[node], key=lambda c: tree.scores[c])
+        path.append(node)
+    return path

@@ -28,6 +28,7 @@ from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.integration.compat.runner import input_batch_view, sampled_tokens, scheduled_drafts
 from vllm_sparsever.metrics import SnapshotWriter, SparseverMetrics
 from vllm_sparsever.plan import VerificationPlan, active_plan, build_verification_plan
+from vllm_sparsever.verification.tree import TreeVerifyStats
 from vllm_sparsever.verification.setup import (
     install_modules,
     start_sparse_verification,
@@ -56,8 +57,11 @@ class SparseverRunnerMixin:
         # sparsever's draft-model drafter needs the committed tokens: it proposes after sample_tokens.
         self._sparsever_propose_late = self.sparsever_proposer is not None and config.draft_source == "draft_model"
         if self._sparsever_propose_late and getattr(self, "use_async_scheduling", False):
-            raise ValueError("early_exit.enabled with draft_source='draft_model' needs synchronous scheduling "
+            which = "tree.enabled" if config.tree.enabled else "early_exit.enabled"
+            raise ValueError(f"{which} with draft_source='draft_model' needs synchronous scheduling "
                              "(allowed: async_scheduling=False, e.g. --no-async-scheduling)")
+        self._sparsever_tree_stats = TreeVerifyStats()
+        self._sparsever_layer_kvs: list[Any] | None = None
         # The full level of a hierarchy over the sparse target verifies densely.
         self._sparsever_dense_full = config.early_exit.enabled and config.early_exit.intermediate == "sparse"
 
@@ -89,7 +93,14 @@ class SparseverRunnerMixin:
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
         reuse, self._sparsever_reuse = getattr(self, "_sparsever_reuse", None), None
-        with active_plan(self.sparsever_plan):
+        plan = self.sparsever_plan
+        if plan is not None and plan.tree is not None and "positions" in kwargs:
+            # Tree tokens sit at context length + depth for the rotary embedding (their K/V slots
+            # stay at context length + query index).
+            positions = kwargs["positions"].clone()
+            positions[: plan.num_tokens] = plan.tree.positions
+            kwargs["positions"] = positions
+        with active_plan(plan):
             if reuse is not None and not args and set(kwargs) >= {"input_ids", "positions"}:
                 return self._forward_from_streams(reuse, kwargs["positions"])
             return super()._model_forward(*args, **kwargs)
@@ -97,8 +108,51 @@ class SparseverRunnerMixin:
     def _sample(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         output = super()._sample(*args, **kwargs)
+        plan = self.sparsever_plan
+        if plan is not None and plan.tree is not None:
+            logits = kwargs["logits"] if "logits" in kwargs else args[0]
+            metadata = kwargs["spec_decode_metadata"] if "spec_decode_metadata" in kwargs else args[1]
+            self._accept_trees(plan, logits, metadata, output)
         self._sparsever_timing["sample"] = time.perf_counter() - start
         return output
+
+    def _accept_trees(self, plan: VerificationPlan, logits: Any, metadata: Any, output: Any) -> None:
+        """Tree acceptance for the step's tree requests (verification/tree.py), written over what
+        vLLM's rejection sampler made of their rows (it reads them as chains), then the accepted
+        paths' K/V moved into place. Tree requests have plain sampling (the drafter checks)."""
+        from vllm_sparsever.integration.compat.cpu_attention import attention_layer_names
+        from vllm_sparsever.integration.compat.runner import layer_kv_caches, processed_target_probs
+        from vllm_sparsever.verification.tree import accept_greedy, accept_sampled, compact_accepted_kv
+
+        sm = self.input_batch.sampling_metadata
+        cu = metadata.cu_num_sampled_tokens.tolist()
+        sampled = output.sampled_token_ids
+        moves = []
+        stats = self._sparsever_tree_stats
+        stats.steps += 1
+        for k in plan.tree.tree_requests:
+            req = plan.requests[k]
+            r = req.batch_index
+            n = req.num_query_tokens
+            rows = logits[cu[r] - n: cu[r]]
+            tokens = [-1, *req.draft_token_ids]
+            temperature = None if sm.all_greedy or sm.temperature is None else float(sm.temperature[r])
+            if temperature is None or temperature < 1e-5:
+                path, final = accept_greedy(req.topology, tokens, rows)
+            else:
+                pick = lambda t: None if t is None else t[r: r + 1]  # noqa: E731
+                probs = processed_target_probs(rows, temperature, pick(sm.top_k), pick(sm.top_p))
+                path, final = accept_sampled(req.topology, tokens, probs, sm.generators.get(r))
+            emitted = [tokens[j] for j in path] + [final]
+            sampled[r].fill_(-1)
+            sampled[r, : len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
+            moves.append((r, req.context_len, path))
+            stats.trees += 1
+            stats.nodes_verified += req.num_draft_tokens
+            stats.accepted_tokens += len(path)
+        if self._sparsever_layer_kvs is None:
+            self._sparsever_layer_kvs = layer_kv_caches(self, attention_layer_names(self.model))
+        stats.kv_moved_tokens += compact_accepted_kv(self._sparsever_layer_kvs, moves)
 
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -112,12 +166,15 @@ class SparseverRunnerMixin:
         return output
 
     def sample_tokens(self, grammar_output: Any) -> Any:
-        plan, self.sparsever_plan = self.sparsever_plan, None
+        plan = self.sparsever_plan  # still current for _sample (tree acceptance)
         start = time.perf_counter()
-        output = super().sample_tokens(grammar_output)
+        try:
+            output = super().sample_tokens(grammar_output)
+        finally:
+            self.sparsever_plan = None
         sample_tokens_time = time.perf_counter() - start
         if self._sparsever_propose_late and plan is not None:
-            sample_tokens_time -= self._propose_after_bookkeeping(output)
+            self._propose_after_bookkeeping(output)  # timed as drafting, not as this step's sampling
         timing, self._sparsever_timing = self._sparsever_timing, {}
         if plan is None or "execute" not in timing:
             return output  # no forward ran this step (empty batch, pipeline pass-through)
@@ -162,6 +219,8 @@ class SparseverRunnerMixin:
         if self.sparsever_proposer is None:
             return {}
         levels = self.sparsever_proposer.stats_by_level()
+        if self.sparsever_config.tree.enabled:
+            levels["tree"] = self._sparsever_tree_stats.summary()
         if split:
             return levels
         return {k: v for level in levels.values() for k, v in level.items()}
@@ -204,12 +263,15 @@ class SparseverRunnerMixin:
     def _build_plan(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> VerificationPlan:
         self._sparsever_step += 1
         batch = input_batch_view(self)
+        drafts = scheduled_drafts(scheduler_output)
+        topologies = getattr(self.sparsever_proposer, "topologies", None)
         return build_verification_plan(
             step=self._sparsever_step,
             req_ids=batch.req_ids,
             num_scheduled_tokens=num_scheduled_tokens,
             num_computed_tokens=batch.num_computed_tokens,
-            scheduled_spec_decode_tokens=scheduled_drafts(scheduler_output),
+            scheduled_spec_decode_tokens=drafts,
+            topologies=topologies(drafts) if topologies is not None else None,
             block_table=batch.block_table_cpu,
             block_size=batch.block_size,
             device=self.device,
@@ -239,6 +301,11 @@ def _make_proposer(config: SparseverConfig, max_model_len: int) -> Any:
     from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
 
     ee = config.early_exit
+    if config.tree.enabled:  # checked at start: draft_source 'draft_model', no hierarchy
+        from vllm_sparsever.drafting.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
+                                 tree=config.tree)
     if config.draft_source != "early_exit" and not ee.enabled:
         return None
     round_tokens = ee.round_tokens if ee.enabled else config.num_speculative_tokens

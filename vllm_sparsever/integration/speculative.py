@@ -26,13 +26,15 @@ def self_draft_lookahead(vllm_config: Any) -> int:
     """KV slots past the verified tokens sparsever's proposer needs (0 when vLLM's drafter runs as
     it is): the self-drafter writes layers 0..L-1's K/V for the sampled token and
     num_speculative_tokens - 1 drafts; hierarchical verification writes up to num_speculative_tokens
-    pending tokens plus a round of drafts."""
+    pending tokens plus a round of drafts; the draft-model tree drafter up to num_speculative_tokens
+    - 1 tree nodes after the root."""
     additional = getattr(vllm_config, "additional_config", None) or {}
     data = additional.get(ADDITIONAL_CONFIG_KEY)
     if not data:
         return 0
     early_exit = data.get("early_exit") or {}
-    if data.get("draft_source") != "early_exit" and not early_exit.get("enabled"):
+    tree = (data.get("tree") or {}).get("enabled")
+    if data.get("draft_source") != "early_exit" and not early_exit.get("enabled") and not tree:
         return 0
     extra = int(early_exit.get("round_tokens", 0)) if early_exit.get("enabled") else 0
     return int(data["num_speculative_tokens"]) + extra

@@ -49,6 +49,7 @@ from vllm_sparsever.plan import (
     StepBatch,
     VerificationPlan,
     current_plan,
+    current_tree_mask,
 )
 from vllm_sparsever.verification.runtime import SparsePathUnavailable, get_runtime, layer_index_of
 
@@ -203,7 +204,10 @@ class SparseverCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         rt = get_runtime()
         isa = vllm_attn.builder_isa(self)
-        self.sparse_kernel = resolve_attention_kernel(rt.attention.kernel if rt else "vllm", isa)
+        choice = rt.attention.kernel if rt else "vllm"
+        if rt is not None and rt.config.tree.enabled and choice == "auto":
+            choice = "sparsever"  # the only kernel with a tree mask
+        self.sparse_kernel = resolve_attention_kernel(choice, isa)
         if self.sparse_kernel == "sparsever" and isa not in _PLAIN_LAYOUT_ISAS:
             # AMX packs K/V into tiles sparsever's kernels cannot read; the vec kernels handle
             # the same shapes (verification at small batch is memory-bound either way).
@@ -235,6 +239,14 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
             self._key_max = torch.zeros_like(self._key_min)
         return self._key_min, self._key_max
 
+    def refresh_summaries(self, layer, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Recompute the key summaries of the blocks holding `slot_mapping` (after sparsever moved
+        K/V there: the accepted path of a draft tree compacted into place)."""
+        if self._key_min is None or _layer_kernel(layer) != "sparsever":
+            return
+        key_cache, _ = paged_kv_views(kv_cache)
+        ops.update_block_key_summaries(key_cache, slot_mapping, key_cache.shape[2], self._key_min, self._key_max)
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         # Only the target's forward runs under a plan (not the draft model, not warm-up).
@@ -257,6 +269,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         plan, rt = current_plan(), get_runtime()
         step = plan.attention if plan is not None else None
+        tree_mask = current_tree_mask() if attn_metadata is not None else None
         if (
             attn_metadata is not None
             and step is not None
@@ -268,12 +281,32 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
             if not self._supported:
                 rt.fallback("attention", "unsupported_layer", "sliding window/ALiBi/softcap/sinks/fp8 KV")
             elif rt.run_sparse("attention", lambda: self._sparse_forward(
-                    layer, query, kv_cache, attn_metadata, output, plan, rt)):
+                    layer, query, kv_cache, attn_metadata, output, plan, rt, tree_mask)):
                 return output
+        if tree_mask is not None:
+            return self._tree_forward(layer, query, kv_cache, attn_metadata, output, tree_mask)
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
 
-    def _sparse_forward(self, layer, query, kv_cache, md, output, plan: VerificationPlan, rt) -> bool:
+    def _tree_forward(self, layer, query, kv_cache, md, output, tree_mask: torch.Tensor):
+        """Dense attention under a draft tree's ancestor mask: vLLM's kernel only masks causally,
+        so every layer of a tree forward runs sparsever's kernel over all context blocks. Not a
+        fallback case: a causal kernel here would verify the wrong tokens."""
+        if not self._supported or _layer_kernel(layer) != "sparsever":
+            raise RuntimeError(
+                f"draft trees: layer {layer.layer_name} cannot attend with a tree mask (ISA "
+                f"{vllm_attn.layer_isa(layer)!r}, kernel {_layer_kernel(layer)!r}); tree verification "
+                "needs sparsever's attention kernel on the vec/vec16 KV layout")
+        num_tokens = md.num_actual_tokens
+        key_cache, value_cache = paged_kv_views(kv_cache)
+        ops.block_sparse_tree_attention(
+            query[:num_tokens], key_cache, value_cache, md.block_table, md.seq_lens,
+            md.query_start_loc, self.scale, tree_mask=tree_mask[:num_tokens], out=output[:num_tokens],
+        )
+        return output
+
+    def _sparse_forward(self, layer, query, kv_cache, md, output, plan: VerificationPlan, rt,
+                        tree_mask: torch.Tensor | None = None) -> bool:
         kernel = _layer_kernel(layer)
         if kernel is None:
             raise SparsePathUnavailable("kv_layout", f"layer ISA {getattr(layer, 'isa', None)!r}")
@@ -295,6 +328,8 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
                 "geometry_mismatch", f"layer {(bs, self.num_heads, self.num_kv_heads, self.head_size)} "
                 f"vs plan {step.geometry} (block size, heads, KV heads, head size)")
         shared = kernel == "vllm"  # one selection per request for all KV heads
+        if shared and tree_mask is not None:
+            raise RuntimeError("draft trees need attention.kernel 'sparsever' (vLLM's kernel has no tree mask)")
         if plan.selections.is_anchor(layer_idx):
             selection = self._select(layer_idx, query[:num_tokens], md, step, rt.attention, shared, bs)
             plan.selections.publish(selection)
@@ -323,11 +358,12 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
             ops.block_sparse_tree_attention(
                 query[:num_tokens], key_cache, value_cache, md.block_table, md.seq_lens,
                 md.query_start_loc, self.scale, selected=selected, num_selected=num_selected,
-                out=output[:num_tokens],
+                tree_mask=None if tree_mask is None else tree_mask[:num_tokens], out=output[:num_tokens],
             )
         if rt.check_reference and vllm_attn.layer_isa(layer) in _PLAIN_LAYOUT_ISAS:
             self._check_reference(query[:num_tokens], *paged_kv_views(kv_cache), md, selected,
-                                  num_selected, output[:num_tokens], rt, exact_summaries=not shared)
+                                  num_selected, output[:num_tokens], rt, exact_summaries=not shared,
+                                  tree_mask=None if tree_mask is None else tree_mask[:num_tokens])
         # Blocks read come from the plan's kept counts (the selection kernel keeps exactly those).
         rt.record(attn_layers_sparse=1, attn_kv_blocks_read=step.kv_blocks_read,
                   attn_kv_blocks_dense=step.kv_blocks_dense)
@@ -375,7 +411,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         return AnchorSelection(layer=layer_idx, selected=selected, num_selected=num_selected, block_table=table)
 
     def _check_reference(self, query, key_cache, value_cache, md, selected, num_selected, out, rt,
-                         exact_summaries=True):
+                         exact_summaries=True, tree_mask=None):
         """Test hook: summaries equal a recompute (or, folded, bound it: min <= keys <= max);
         output equals the reference on the selection."""
         from vllm_sparsever import reference
@@ -394,7 +430,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         expected = torch.empty_like(out)
         reference.block_sparse_tree_attention(
             expected, query, key_cache, value_cache, md.block_table, md.seq_lens,
-            md.query_start_loc, selected, num_selected, None, self.scale,
+            md.query_start_loc, selected, num_selected, tree_mask, self.scale,
         )
         rt.record_reference_error("attn", float((out.float() - expected.float()).abs().max()))
 

@@ -42,7 +42,7 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
         )
     runtime = SparseVerificationRuntime(config, profile, source, num_layers)
     install_runtime(runtime)
-    if config.attention.enabled:
+    if config.attention.enabled or config.tree.enabled:  # trees: the tree-mask kernel
         from vllm_sparsever.verification.attention import register_sparse_attention_backend
 
         register_sparse_attention_backend()

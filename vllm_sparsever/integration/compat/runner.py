@@ -208,12 +208,15 @@ def allocated_slots(runner: Any) -> np.ndarray:
 
 
 def query_attention_context(
-    runner: Any, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor, query_lens: list[int]
+    runner: Any, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor, query_lens: list[int],
+    kv_positions: torch.Tensor | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Attention metadata and slot mapping for `query_lens[i]` consecutive query tokens of batch
     row `rows[i]`, whose positions are `positions` (flattened, request after request), each token
     attending causally to the request's KV up to its own position (its K/V written first). Returns
     (per-layer metadata, per-layer slot mapping) for `layer_names`, for `set_forward_context`.
+    `kv_positions`: where the tokens' K/V go when that differs from their rotary positions (tree
+    tokens: context length + query index, their positions being context length + depth).
     """
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -224,7 +227,7 @@ def query_attention_context(
     num_tokens = int(positions.numel())
     lens = torch.tensor(query_lens, dtype=torch.long)
     token_rows = rows.cpu().long().repeat_interleave(lens)
-    pos_cpu = positions.cpu().long()
+    pos_cpu = (positions if kv_positions is None else kv_positions).cpu().long()
     query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(lens, 0).to(torch.int32)
     seq_lens = (pos_cpu[query_start_loc[1:].long() - 1] + 1).to(torch.int32)  # last position + 1
@@ -266,3 +269,72 @@ def query_attention_context(
     if wanted:
         raise ValueError(f"attention layers not in the runner's attention groups: {sorted(wanted)}")
     return per_layer, slots
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One attention layer's KV cache tensor, its layer object (for its attention impl) and the
+    block table (CPU, per batch row) and block size of its KV cache group."""
+
+    name: str
+    layer: Any
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    block_size: int
+
+
+def layer_kv_caches(runner: Any, layer_names: list[str]) -> list[LayerKV]:
+    """The KV caches of `layer_names` (`Attention.kv_cache`, bound at KV cache set-up) with their
+    group's block table."""
+    from vllm_sparsever.integration.compat.cpu_attention import attention_layers
+
+    layers = attention_layers(runner.vllm_config, layer_names)
+    out = []
+    for groups in runner.attn_groups:
+        for group in groups:
+            table = runner.input_batch.block_table[group.kv_cache_group_id]
+            for name in layer_names:
+                if name in group.layer_names:
+                    kv = layers[name].kv_cache
+                    kv = kv[0] if isinstance(kv, (list, tuple)) else kv
+                    out.append(LayerKV(name, layers[name], kv, table.get_cpu_tensor(), int(table.block_size)))
+    if len(out) != len(layer_names):
+        raise ValueError(f"KV caches found for {len(out)} of {len(layer_names)} attention layers")
+    return out
+
+
+# SamplingParams fields whose effect vLLM's rejection sampler (or its logits processors) applies to
+# the target's logits, with their "no effect" value: a request with any other value is verified by
+# vLLM's sampler, so sparsever drafts it a chain, never a tree (verification/tree.py acceptance
+# applies temperature, top-k and top-p only).
+SAMPLER_ONLY_PARAMS: dict[str, Any] = {
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+    "min_tokens": 0, "logprobs": None, "logprob_token_ids": None, "logit_bias": None,
+    "allowed_token_ids": None, "bad_words": None, "structured_outputs": None, "watermarking": False,
+    "thinking_token_budget": None,
+}
+
+
+def tree_sampling_supported(runner: Any, row: int) -> bool:
+    """Whether batch row `row`'s sampling is plain enough for tree acceptance (temperature, top-k,
+    top-p, seed): `runner.requests[req_id].sampling_params` against `SAMPLER_ONLY_PARAMS`."""
+    params = runner.requests[runner.input_batch.req_ids[row]].sampling_params
+    if params is None:
+        return False
+    for name, default in SAMPLER_ONLY_PARAMS.items():
+        value = getattr(params, name, default)
+        if not (value is None or value == default or (isinstance(value, (list, dict)) and not value)):
+            return False
+    return True
+
+
+def processed_target_probs(logits: torch.Tensor, temperature: float, top_k: Any, top_p: Any) -> torch.Tensor:
+    """The target's sampling distribution from its logits [n, V], as vLLM's sampler forms it:
+    divided by the temperature, then vLLM's own top-k/top-p mask (`apply_top_k_top_p`)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    scaled = logits.float() / temperature
+    n = scaled.shape[0]
+    k = None if top_k is None else top_k.expand(n).to(torch.long)
+    p = None if top_p is None else top_p.expand(n).to(scaled.dtype)
+    return torch.softmax(apply_top_k_top_p(scaled, k, p), dim=-1)

@@ -1,0 +1,127 @@
+"""Tree verification: acceptance of a draft tree from the target's logits, and the accepted path's
+K/V moved into place.
+
+One target forward runs every node of a request's tree (the root = its last accepted token, then
+the drafts, parents first) under the ancestor mask (plan.TreeStep), so query token i's logits are
+the target's next-token distribution after the path root..i. Acceptance walks down from the root:
+
+- greedy: the child whose token is the target's argmax, while there is one; then the argmax itself
+  (the correction, or the bonus at a leaf). Exactly the tokens non-speculative greedy emits.
+- sampling: the children are deterministic candidates (the drafter's top tokens), so each is
+  tested as a one-hot proposal against the target's *residual* distribution: accept child c with
+  probability p(c) / (mass left), else remove c from p and try the next. If none is accepted, the
+  token is sampled from what is left. Every emitted token is therefore distributed exactly as p
+  (sampling by sequential elimination), whatever the drafter proposed: lossless.
+
+The accepted path's nodes sit at slots ctx+i_1, ctx+i_2, ... (their query indices), and vLLM keeps
+accepted tokens at ctx+1, ctx+2, ...: `compact_accepted_kv` copies their K/V there in every target
+layer (i_j >= j, and all sources are gathered before any write). Rejected nodes' slots lie past
+the new sequence end; vLLM overwrites them before they are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_sparsever.plan import DraftTopology
+
+
+@dataclass
+class TreeVerifyStats:
+    steps: int = 0  # verify steps with at least one tree
+    trees: int = 0  # tree requests verified
+    nodes_verified: int = 0  # draft nodes (root excluded) the target ran
+    accepted_tokens: int = 0  # accepted drafts along the paths
+    kv_moved_tokens: int = 0  # accepted nodes whose K/V was moved into place
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "tree_verify_steps": self.steps,
+            "tree_verify_trees": self.trees,
+            "tree_nodes_verified": self.nodes_verified,
+            "tree_accepted_tokens": self.accepted_tokens,
+            "tree_mean_accepted_length": self.accepted_tokens / max(self.trees, 1),
+            "tree_kv_moved_tokens": self.kv_moved_tokens,
+        }
+
+
+def accept_greedy(topology: DraftTopology, tokens: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
+    """(accepted node indices along the path, root excluded; the target's own next token).
+    `tokens[i]`: query token i's id (tokens[0] the root); `logits[i]`: the target's after it."""
+    children = topology.children()
+    argmax = logits.argmax(dim=-1).tolist()
+    path: list[int] = []
+    node = 0
+    while True:
+        target = argmax[node]
+        nxt = next((c for c in children[node] if tokens[c] == target), None)
+        if nxt is None:
+            return path, target
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sampled(topology: DraftTopology, tokens: list[int], probs: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[list[int], int]:
+    """As `accept_greedy` for a sampled request: `probs[i]` is the target's (temperature/top-k/
+    top-p processed) distribution after query token i. Sequential elimination over the children."""
+    children = topology.children()
+    path: list[int] = []
+    node = 0
+    while True:
+        residual = probs[node].double().clone()
+        accepted = None
+        for c in children[node]:
+            token = tokens[c]
+            mass = float(residual.sum())
+            if mass <= 0.0:
+                break
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if u * mass < float(residual[token]):
+                accepted = c
+                break
+            residual[token] = 0.0
+        if accepted is None:
+            if float(residual.sum()) <= 0.0:  # every token with mass was tried: cannot happen with a
+                residual = probs[node].double()  # distinct-children tree; sample p itself
+            token = int(torch.multinomial(residual, 1, generator=generator))
+            return path, token
+        path.append(accepted)
+        node = accepted
+
+
+def compact_accepted_kv(layer_kvs: list[Any], moves: list[tuple[int, int, list[int]]]) -> int:
+    """Copy the K/V of accepted tree nodes into place in every layer: `moves` lists (batch row,
+    context length, accepted node indices) per tree request; node i_j goes from position ctx+i_j
+    to ctx+j. Returns the number of tokens moved (per layer)."""
+    from vllm_sparsever.verification.attention import paged_kv_views
+
+    src_pos: list[tuple[int, int]] = []
+    dst_pos: list[tuple[int, int]] = []
+    for row, ctx, path in moves:
+        for j, node in enumerate(path, start=1):
+            if node != j:
+                src_pos.append((row, ctx + node))
+                dst_pos.append((row, ctx + j))
+    if not src_pos:
+        return 0
+    rows = torch.tensor([r for r, _ in src_pos], dtype=torch.long)
+    src = torch.tensor([p for _, p in src_pos], dtype=torch.long)
+    dst = torch.tensor([p for _, p in dst_pos], dtype=torch.long)
+    for lkv in layer_kvs:
+        bs = lkv.block_size
+        src_blk = lkv.block_table[rows, src // bs].long()
+        dst_blk = lkv.block_table[rows, dst // bs].long()
+        key, value = paged_kv_views(lkv.kv_cache)
+        device = key.device
+        sb, so = src_blk.to(device), (src % bs).to(device)
+        db, do = dst_blk.to(device), (dst % bs).to(device)
+        key[db, :, do] = key[sb, :, so]
+        value[db, :, do] = value[sb, :, so]
+        refresh = getattr(lkv.layer.impl, "refresh_summaries", None)
+        if refresh is not None:
+            refresh(lkv.layer, lkv.kv_cache, (db * bs + do).to(torch.long))
+    return len(src_pos)
