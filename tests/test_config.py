@@ -234,3 +234,24 @@ def test_hierarchy_config():
             SparseverConfig.from_dict(raw)
         for word in words:
             assert word in str(info.value), (raw, str(info.value))
+
+
+def test_tree_config():
+    base = {"method": "sparsever", "num_speculative_tokens": 8, "model": "d"}
+    cfg = SparseverConfig.from_dict({**base, "tree": {"enabled": True, "branching": 2}})
+    assert cfg.tree.enabled and cfg.tree.branching == 2 and cfg.tree.expand == 3
+    assert cfg.to_vllm_speculative_kwargs() == {"method": "draft_model", "model": "d", "num_speculative_tokens": 8}
+    assert SparseverConfig.from_dict({**base, "tree": True, "attention": {"enabled": True, "kernel": "sparsever"}})
+    bad = [
+        ({**base, "tree": {"enabled": True, "branching": 0}}, ["tree.branching", ">= 1"]),
+        ({**base, "tree": {"enabled": True, "width": 2}}, ["tree.'width'", "branching, expand, depth"]),
+        ({"method": "sparsever", "num_speculative_tokens": 8, "tree": True},
+         ["tree.enabled", "'draft_model'", "draft_source='ngram'"]),
+        ({**base, "tree": True, "attention": {"enabled": True, "kernel": "vllm"}}, ["attention.kernel", "tree mask"]),
+        ({**base, "tree": True, "early_exit": {"enabled": True}}, ["tree.enabled", "early_exit.enabled=false"]),
+    ]
+    for raw, words in bad:
+        with pytest.raises(SparseverConfigError) as info:
+            SparseverConfig.from_dict(raw)
+        for word in words:
+            assert word in str(info.value), (raw, str(info.value))
