@@ -76,12 +76,26 @@ def test_invalid_values_name_the_field(raw, words):
         assert word in message, message
 
 
-@pytest.mark.parametrize("section", ["adaptive"])
-def test_capabilities_not_yet_landed_fail_instead_of_running_dense(section):
-    with pytest.raises(SparseverConfigError, match=rf"{section}\.enabled.*not available"):
-        SparseverConfig.from_dict(
-            {"method": "sparsever", "model": "d", "num_speculative_tokens": 3, section: {"enabled": True}}
-        )
+def test_adaptive_config(tmp_path):
+    base = {"method": "sparsever", "model": "d", "num_speculative_tokens": 6}
+    cfg = SparseverConfig.from_dict({**base, "adaptive": True})
+    assert cfg.adaptive.enabled and cfg.adaptive.min_draft_tokens == 0 and cfg.adaptive.guard
+    profile = tmp_path / "cost.json"
+    profile.write_text("{}")
+    assert SparseverConfig.from_dict({**base, "adaptive": {"enabled": True, "cost_profile": str(profile)},
+                                      "tree": True}).adaptive.cost_profile == str(profile)
+    bad = [
+        ({**base, "adaptive": {"enabled": True, "cost_profile": "/nope.json"}},
+         ["adaptive.cost_profile", "profile-verify"]),
+        ({**base, "adaptive": {"enabled": True, "min_draft_tokens": -1}}, ["adaptive.min_draft_tokens", ">= 0"]),
+        ({"method": "sparsever", "num_speculative_tokens": 6, "adaptive": True}, ["adaptive.enabled", "'draft_model'"]),
+        ({**base, "adaptive": True, "early_exit": {"enabled": True}}, ["adaptive.enabled", "hierarchical"]),
+    ]
+    for raw, words in bad:
+        with pytest.raises(SparseverConfigError) as info:
+            SparseverConfig.from_dict(raw)
+        for word in words:
+            assert word in str(info.value), (raw, str(info.value))
 
 
 @pytest.mark.parametrize("section", ["attention", "ffn", "moe"])

@@ -137,14 +137,28 @@ class MoESparsityConfig:
 
 @dataclass
 class AdaptiveVerificationConfig:
-    """Truncate drafts before verification to the prefix whose expected gain pays its cost."""
+    """EVICT: before verification, cut the step's draft trees (or chains) to the prefix-closed part
+    whose expected accepted tokens pay for its verification cost (adaptive/evict.py). Benefit: the
+    drafter's path probabilities, calibrated online; cost: the profile `vllm-sparsever
+    profile-verify MODEL` measured. Lossless (it only drops drafts)."""
 
     enabled: bool = False
-    # Never verify fewer than this many draft tokens per request.
-    min_draft_tokens: int = 1
+    # Never verify fewer than this many draft tokens per request (0: a step may verify none).
+    min_draft_tokens: int = 0
+    # Verify-cost profile json. None = <target model folder>/sparsever_verify_cost.json.
+    cost_profile: str | None = None
+    # Skip drafting for a while when even the best truncation does not pay for the drafting time.
+    guard: bool = True
 
     def validate(self, prefix: str) -> None:
         _check_int(f"{prefix}.min_draft_tokens", self.min_draft_tokens, minimum=0)
+        _check_bool(f"{prefix}.guard", self.guard)
+        if self.cost_profile is not None:
+            if not isinstance(self.cost_profile, str) or not os.path.isfile(self.cost_profile):
+                raise SparseverConfigError(
+                    f"{prefix}.cost_profile: no verify-cost profile at {self.cost_profile!r} (allowed: a json "
+                    f"file written by `vllm-sparsever profile-verify MODEL`, or omit it to use the model folder's)"
+                )
 
 
 @dataclass
@@ -236,9 +250,6 @@ class EarlyExitConfig:
         return self.enabled and self.intermediate == "early_exit"
 
 
-# Capabilities whose code has not landed yet: enabling one fails at start rather than
-# silently running dense verification under a sparse label.
-_NOT_YET_IMPLEMENTED = ("adaptive",)
 DRAFT_SOURCES = ("draft_model", "ngram", "early_exit")
 INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
 TREE_DRAFT_SOURCES = ("draft_model",)
@@ -390,23 +401,21 @@ class SparseverConfig:
             section = getattr(self, name)
             _check_bool(f"{name}.enabled", section.enabled)
             section.validate(name)
-            if section.enabled and name in _NOT_YET_IMPLEMENTED:
-                raise SparseverConfigError(
-                    f"{name}.enabled: {name} verification is not available in this version of "
-                    f"vllm-sparsever (allowed: false); verification is dense"
-                )
-        if self.tree.enabled:
+        for name in ("tree", "adaptive"):
+            if not getattr(self, name).enabled:
+                continue
             if self.draft_source not in TREE_DRAFT_SOURCES:
                 raise SparseverConfigError(
-                    f"tree.enabled: draft trees come from draft_source "
+                    f"{name}.enabled: draft trees and adaptive verification take drafts from draft_source "
                     f"{', '.join(repr(s) for s in TREE_DRAFT_SOURCES)} in this version, got "
                     f"draft_source={self.draft_source!r}"
                 )
             if ee.enabled:
                 raise SparseverConfigError(
-                    "tree.enabled: draft trees are not combined with hierarchical verification "
-                    "(allowed: early_exit.enabled=false with tree.enabled=true)"
+                    f"{name}.enabled: not combined with hierarchical verification "
+                    f"(allowed: early_exit.enabled=false with {name}.enabled=true)"
                 )
+        if self.tree.enabled:
             if self.attention.enabled and self.attention.kernel == "vllm":
                 raise SparseverConfigError(
                     "attention.kernel: 'vllm' has no tree mask; with tree.enabled use 'sparsever' or 'auto'"

@@ -81,3 +81,65 @@ def test_tree_greedy_equals_plain_greedy(plain_greedy, tree_run):
 
 def test_tree_sampling_follows_the_target_distribution(tree_run, plain_samples):
     _assert_follows_plain_sampling(tree_run[2], plain_samples, "draft tree")
+
+
+def _cost_profile(path: Path, per_token_s: float) -> str:
+    """A synthetic verify-cost profile: a 20 ms step plus `per_token_s` per token."""
+    from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile
+
+    ms = [Measurement(mask, r, q, c, 0.02 + per_token_s * r * q)
+          for mask in ("tree", "chain") for r in (1, 4, 8) for q in (1, 2, 4, 8, 16) for c in (64, 512)]
+    return str(VerifyCostProfile(model="tiny", hardware="synthetic", dtype="float32", measurements=ms).fit().save(path))
+
+
+@pytest.fixture(scope="module")
+def evict_run(tiny_target, tiny_draft, tmp_path_factory):
+    """Trees truncated by EVICT. The tiny random draft is nearly uniform (path probabilities ~1e-2
+    at depth 1, ~1e-4 deeper), so a token costs 0.05% of a step here: deep nodes get cut, not all."""
+    from vllm_sparsever.metrics import get_metrics
+
+    profile = _cost_profile(tmp_path_factory.mktemp("cost") / "cost.json", per_token_s=1e-5)
+    spec = _tree_spec(tiny_draft) | {"adaptive": {"enabled": True, "cost_profile": profile}}
+    llm = _engine(tiny_target, spec)
+    try:
+        greedy = _greedy(llm)
+        metrics = get_metrics(llm)
+        sampled = _sample(llm, SAMPLE_PROMPT)
+    finally:
+        del llm
+        gc.collect()
+    return greedy, metrics, sampled
+
+
+def test_evict_trees_greedy_equals_plain_greedy(plain_greedy, evict_run):
+    greedy, m, _ = evict_run
+    assert greedy == [tokens for tokens, _ in plain_greedy]
+    e = m["evict"]
+    # EVICT cut the trees (the noisy draft's deep nodes rarely pay) but kept some drafts.
+    assert e["evict_steps"] > 0 and 0 < e["evict_nodes_kept"] < e["evict_nodes_drafted"]
+    assert e["evict_truncated_steps"] > 0
+    assert 0 < m["num_draft_tokens"] <= e["evict_nodes_kept"]
+
+
+def test_evict_trees_sampling_follows_the_target_distribution(evict_run, plain_samples):
+    _assert_follows_plain_sampling(evict_run[2], plain_samples, "EVICT tree")
+
+
+def test_adaptive_chain_greedy_equals_plain_greedy(plain_greedy, tiny_target, tiny_draft, tmp_path):
+    """adaptive without tree: chains of adaptive length; expensive tokens -> the guard skips drafting."""
+    from vllm_sparsever.metrics import get_metrics
+
+    profile = _cost_profile(tmp_path / "cost.json", per_token_s=0.05)
+    spec = {"method": "sparsever", "model": str(tiny_draft), "num_speculative_tokens": 4,
+            "adaptive": {"enabled": True, "cost_profile": profile}}
+    llm = _engine(tiny_target, spec)
+    try:
+        greedy = _greedy(llm)
+        m = get_metrics(llm)
+    finally:
+        del llm
+        gc.collect()
+    assert greedy == [tokens for tokens, _ in plain_greedy]
+    e = m["evict"]
+    assert e["evict_empty_steps"] > 0 and e["evict_skipped_drafting_steps"] > 0
+    assert m["draft_model"]["draft_model_tree_nodes_grown"] <= 4 * m["draft_model"]["draft_model_trees"]

@@ -90,13 +90,22 @@ class _DraftKV:
 class DraftModelDrafter(RoundDrafter):
     level = "draft_model"
 
-    def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None) -> None:
-        """`tree`: a DraftTreeConfig to draft trees (branching, expand, depth), or None for chains."""
+    def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None,
+                 adaptive: Any = None) -> None:
+        """`tree`: a DraftTreeConfig to draft trees (branching, expand, depth), or None for chains;
+        `adaptive`: an AdaptiveVerificationConfig to truncate them with EVICT (a chain is then
+        grown as a one-branch tree, for its path probabilities)."""
         super().__init__(DraftModelStats(), num_speculative_tokens=num_speculative_tokens,
                          max_model_len=max_model_len)
         self._stack: Any = None
         self._kv: dict[str, _DraftKV] = {}
+        if adaptive is not None and tree is None:
+            from vllm_sparsever.config import DraftTreeConfig
+
+            tree = DraftTreeConfig(enabled=True, branching=1, expand=1, depth=num_speculative_tokens)
         self.tree = tree
+        self.adaptive = adaptive
+        self.evict: Any = None  # adaptive.evict.Evict, once the target's cost profile is loaded
         self._trees: dict[str, DraftTree] = {}  # req id -> the tree proposed for its next step
 
     def load(self, runner: Any) -> None:
@@ -105,6 +114,23 @@ class DraftModelDrafter(RoundDrafter):
 
         super().load(runner)
         self._stack = decoder_stack(draft_model(runner))
+        if self.adaptive is not None:
+            from vllm_sparsever.adaptive.cost import resolve_cost_profile
+            from vllm_sparsever.adaptive.evict import Evict
+
+            profile = resolve_cost_profile(self.adaptive.cost_profile, runner.model_config.model)
+            self.evict = Evict(profile, min_draft_tokens=self.adaptive.min_draft_tokens, guard=self.adaptive.guard)
+
+    def stats_by_level(self) -> dict[str, dict[str, Any]]:
+        levels = super().stats_by_level()
+        if self.evict is not None:
+            levels["evict"] = self.evict.stats.summary()
+        return levels
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        if self.evict is not None:
+            self.evict.stats = type(self.evict.stats)()
 
     def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
         reqs = super().requests(sampled_token_ids, reserve)
@@ -123,15 +149,31 @@ class DraftModelDrafter(RoundDrafter):
 
         reqs = self.requests(sampled_token_ids, self.num_speculative_tokens)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        if not reqs.rows or (self.evict is not None and not self.evict.should_draft()):
+            return drafts
         batch = self._runner.input_batch
-        for row, tree in zip(reqs.rows, self.draft_trees(reqs), strict=True):
-            if len(tree) and not tree.is_chain() and not tree_sampling_supported(self._runner, row):
-                tree = tree.subtree(_best_path(tree))
+        start = time.perf_counter()
+        trees = self.draft_trees(reqs)
+        for k, row in enumerate(reqs.rows):
+            if len(trees[k]) and not trees[k].is_chain() and not tree_sampling_supported(self._runner, row):
+                trees[k] = trees[k].subtree(_best_path(trees[k]))
                 self.stats.chains_for_plain_sampling += 1
+        if self.evict is not None:
+            # A request's verify step has its root (last committed token) at `position`: the
+            # context before it is `position` tokens.
+            trees = self.evict.truncate(trees, list(reqs.positions), draft_time_s=time.perf_counter() - start)
+        for row, tree in zip(reqs.rows, trees, strict=True):
             if len(tree):
                 self._trees[batch.req_ids[row]] = tree
             drafts[row] = list(tree.tokens)
         return drafts
+
+    def observe_acceptance(self, req_id: str, verified: int, accepted_nodes: list[int]) -> None:
+        """What verification made of the drafts proposed for `req_id`: the first `verified` nodes
+        were verified, `accepted_nodes` (tree node indices) accepted. Calibrates EVICT."""
+        tree = self._trees.get(req_id)
+        if self.evict is not None and tree is not None:
+            self.evict.calibration.observe(tree, verified, accepted_nodes)
 
     def topologies(self, scheduled: dict[str, list[int]]) -> dict[str, Any]:
         """req id -> the topology of its scheduled drafts, for the trees this drafter proposed

@@ -61,6 +61,7 @@ class SparseverRunnerMixin:
             raise ValueError(f"{which} with draft_source='draft_model' needs synchronous scheduling "
                              "(allowed: async_scheduling=False, e.g. --no-async-scheduling)")
         self._sparsever_tree_stats = TreeVerifyStats()
+        self._sparsever_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (query indices)
         self._sparsever_layer_kvs: list[Any] | None = None
         # The full level of a hierarchy over the sparse target verifies densely.
         self._sparsever_dense_full = config.early_exit.enabled and config.early_exit.intermediate == "sparse"
@@ -147,6 +148,7 @@ class SparseverRunnerMixin:
             sampled[r].fill_(-1)
             sampled[r, : len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
             moves.append((r, req.context_len, path))
+            self._sparsever_paths[req.req_id] = path
             stats.trees += 1
             stats.nodes_verified += req.num_draft_tokens
             stats.accepted_tokens += len(path)
@@ -173,6 +175,8 @@ class SparseverRunnerMixin:
         finally:
             self.sparsever_plan = None
         sample_tokens_time = time.perf_counter() - start
+        if plan is not None and plan.is_verify_step:
+            self._observe_acceptance(plan, output)  # before the drafter replaces its drafts
         if self._sparsever_propose_late and plan is not None:
             self._propose_after_bookkeeping(output)  # timed as drafting, not as this step's sampling
         timing, self._sparsever_timing = self._sparsever_timing, {}
@@ -199,6 +203,23 @@ class SparseverRunnerMixin:
             self.sparsever_metrics.drafting = self.sparsever_drafting_stats()
         self._sparsever_snapshots.write(self.sparsever_metrics)
         return output
+
+    def _observe_acceptance(self, plan: VerificationPlan, output: Any) -> None:
+        """Tell a drafter that calibrates on it (EVICT) which of its drafts were accepted: a tree's
+        accepted path (from tree acceptance), a chain's accepted prefix."""
+        observe = getattr(self.sparsever_proposer, "observe_acceptance", None)
+        sampled = sampled_tokens(output) if observe is not None else None
+        if sampled is None:
+            return
+        req_id_to_index, tokens = sampled
+        paths, self._sparsever_paths = self._sparsever_paths, {}
+        for req in plan.requests:
+            index = req_id_to_index.get(req.req_id)
+            if index is None or index >= len(tokens) or not tokens[index]:
+                continue
+            path = paths.get(req.req_id)
+            accepted = [q - 1 for q in path] if path is not None else list(range(len(tokens[index]) - 1))
+            observe(req.req_id, req.num_draft_tokens, accepted)
 
     def _propose_after_bookkeeping(self, output: Any) -> float:
         """Draft-model drafting for the next step, from this step's committed tokens (see
@@ -301,11 +322,12 @@ def _make_proposer(config: SparseverConfig, max_model_len: int) -> Any:
     from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
 
     ee = config.early_exit
-    if config.tree.enabled:  # checked at start: draft_source 'draft_model', no hierarchy
+    if config.tree.enabled or config.adaptive.enabled:  # checked at start: draft_model source, no hierarchy
         from vllm_sparsever.drafting.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
-                                 tree=config.tree)
+                                 tree=config.tree if config.tree.enabled else None,
+                                 adaptive=config.adaptive if config.adaptive.enabled else None)
     if config.draft_source != "early_exit" and not ee.enabled:
         return None
     round_tokens = ee.round_tokens if ee.enabled else config.num_speculative_tokens

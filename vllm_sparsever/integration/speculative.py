@@ -33,7 +33,7 @@ def self_draft_lookahead(vllm_config: Any) -> int:
     if not data:
         return 0
     early_exit = data.get("early_exit") or {}
-    tree = (data.get("tree") or {}).get("enabled")
+    tree = (data.get("tree") or {}).get("enabled") or (data.get("adaptive") or {}).get("enabled")
     if data.get("draft_source") != "early_exit" and not early_exit.get("enabled") and not tree:
         return 0
     extra = int(early_exit.get("round_tokens", 0)) if early_exit.get("enabled") else 0

@@ -1,0 +1,162 @@
+"""EVICT: truncate the step's draft trees to what pays for its verification.
+
+Per step, before verification, over the whole batch:
+- benefit: each node's probability of being accepted, estimated from the drafter's path
+  probability and calibrated online against what verification accepted (`AcceptanceCalibration`:
+  acceptance frequency per path-probability bin, starting from the path probability itself), made
+  non-increasing along every path (a node is never accepted without its parent);
+- cost: the verify step's time from the offline profile (adaptive/cost.py), as a function of every
+  row's tokens and context: batch-aware, since a bigger step turns compute-bound sooner;
+- decision: nodes are taken in order of benefit (a prefix-closed set at every size), and the size
+  that maximises expected emitted tokens per second of verification, (rows + sum of benefits) /
+  cost, wins; size 0 (no drafts: a plain decode step) is one of the candidates, so a step is never
+  verified at an expected loss.
+- guard (Cascade's worst case): when even the best size does not pay for the drafting time spent
+  on it, drafting itself is skipped for the next steps (1, 2, 4, ... up to 16 while it keeps
+  losing), and probed again after.
+
+Chains are the one-branch case: an adaptive draft length per request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_sparsever.adaptive.cost import VerifyCostProfile
+from vllm_sparsever.drafting.tree import DraftTree
+
+BINS = 20  # path-probability bins over log10 in [-5, 0]
+PRIOR = 8.0  # pseudo-observations at the drafter's own probability
+
+
+class AcceptanceCalibration:
+    """P(node accepted | drafter path probability), per log-probability bin."""
+
+    def __init__(self) -> None:
+        self.accepted = np.zeros(BINS)
+        self.verified = np.zeros(BINS)
+
+    @staticmethod
+    def _bin(score: float) -> int:
+        x = math.log10(max(score, 1e-12))
+        return min(BINS - 1, max(0, int((x + 5.0) / 5.0 * BINS)))
+
+    def estimate(self, score: float) -> float:
+        b = self._bin(score)
+        return float((self.accepted[b] + PRIOR * score) / (self.verified[b] + PRIOR))
+
+    def observe(self, tree: DraftTree, verified: int, accepted_nodes: list[int]) -> None:
+        """The first `verified` nodes of `tree` were verified; `accepted_nodes` were accepted."""
+        accepted = set(accepted_nodes)
+        for n in range(min(verified, len(tree))):
+            b = self._bin(tree.scores[n])
+            self.verified[b] += 1
+            self.accepted[b] += n in accepted
+
+
+@dataclass
+class EvictStats:
+    steps: int = 0
+    nodes_drafted: int = 0
+    nodes_kept: int = 0
+    truncated_steps: int = 0  # steps where some nodes were cut
+    empty_steps: int = 0  # steps verified with no drafts at all (speculation did not pay)
+    skipped_drafting_steps: int = 0  # steps the guard skipped drafting in
+    expected_tokens: float = 0.0  # sum over steps of the chosen expected emitted tokens
+    predicted_verify_s: float = 0.0  # sum of the chosen predicted verify costs
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "evict_steps": self.steps,
+            "evict_nodes_drafted": self.nodes_drafted,
+            "evict_nodes_kept": self.nodes_kept,
+            "evict_truncated_steps": self.truncated_steps,
+            "evict_empty_steps": self.empty_steps,
+            "evict_skipped_drafting_steps": self.skipped_drafting_steps,
+            "evict_expected_tokens": self.expected_tokens,
+            "evict_predicted_verify_s": self.predicted_verify_s,
+        }
+
+
+class Evict:
+    def __init__(self, profile: VerifyCostProfile, *, min_draft_tokens: int = 0, guard: bool = True) -> None:
+        self.profile = profile
+        self.min_draft_tokens = min_draft_tokens
+        self.guard = guard
+        self.calibration = AcceptanceCalibration()
+        self.stats = EvictStats()
+        self._skip = 0  # steps left to skip drafting
+        self._backoff = 1
+
+    def should_draft(self) -> bool:
+        """False while the guard skips drafting (counted)."""
+        if self._skip > 0:
+            self._skip -= 1
+            self.stats.skipped_drafting_steps += 1
+            return False
+        return True
+
+    def benefits(self, tree: DraftTree) -> list[float]:
+        out: list[float] = []
+        for n, p in enumerate(tree.parents):
+            a = self.calibration.estimate(tree.scores[n])
+            out.append(min(a, out[p]) if p >= 0 else a)
+        return out
+
+    def truncate(self, trees: list[DraftTree], contexts: list[int], draft_time_s: float = 0.0,
+                 mask: str = "tree") -> list[DraftTree]:
+        """The step's trees cut to the batch-wide best size (module docstring). `contexts[i]`: the
+        tokens in request i's KV cache before this step's verification."""
+        self.stats.steps += 1
+        candidates = []  # (-benefit, request, node): benefit order, parents first on ties
+        for i, tree in enumerate(trees):
+            for n, a in enumerate(self.benefits(tree)):
+                candidates.append((-a, n, i))
+        candidates.sort()
+        rows = len(trees)
+        tokens = [1] * rows
+        forced = [min(self.min_draft_tokens, len(t)) for t in trees]
+        chosen: list[list[int]] = [[] for _ in trees]
+        # Nodes every request must keep (min_draft_tokens): its most beneficial prefix-closed ones.
+        gain = 0.0
+        rest = []
+        for neg_a, n, i in candidates:
+            if len(chosen[i]) < forced[i]:
+                chosen[i].append(n)
+                tokens[i] += 1
+                gain += -neg_a
+            else:
+                rest.append((neg_a, n, i))
+        best_rate = (rows + gain) / self.profile.predict(tokens, contexts, mask)
+        best_k, k_gain, trial = 0, gain, list(tokens)
+        best_cost = self.profile.predict(tokens, contexts, mask)
+        for k, (neg_a, n, i) in enumerate(rest, start=1):
+            trial[i] += 1
+            k_gain += -neg_a
+            cost = self.profile.predict(trial, contexts, mask)
+            rate = (rows + k_gain) / cost
+            if rate > best_rate:
+                best_rate, best_k, best_cost = rate, k, cost
+        for neg_a, n, i in rest[:best_k]:
+            chosen[i].append(n)
+            gain += -neg_a
+        out = [tree.subtree(sorted(keep)) for tree, keep in zip(trees, chosen, strict=True)]
+        kept = sum(len(t) for t in out)
+        drafted = sum(len(t) for t in trees)
+        self.stats.nodes_drafted += drafted
+        self.stats.nodes_kept += kept
+        self.stats.truncated_steps += kept < drafted
+        self.stats.empty_steps += kept == 0 and drafted > 0
+        self.stats.expected_tokens += rows + gain
+        self.stats.predicted_verify_s += best_cost
+        if self.guard and drafted:
+            plain = rows / self.profile.predict([1] * rows, contexts, mask)
+            if kept == 0 or (rows + gain) / (best_cost + draft_time_s) < plain:
+                self._skip, self._backoff = self._backoff, min(self._backoff * 2, 16)
+            else:
+                self._backoff = 1
+        return out
