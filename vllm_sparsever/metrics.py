@@ -265,12 +265,33 @@ class SparseverCollector:
         drafting = s.get("drafting") or {}
         c = CounterMetricFamily(
             "sparsever:drafting",
-            "Self-drafting and hierarchical verification counters (self_draft_*, hier_*)",
+            "Drafting counters per drafter and policy (self_draft_*, hier_*, prompt_lookup_*, draft_model_*, "
+            "tree_*, evict_*)",
             labels=["counter"],
         )
         for name, value in sorted(drafting.items()):
             c.add_metric([name], float(value))
         yield c
+        if "tree_verify_trees" in drafting or "evict_steps" in drafting:
+            c = CounterMetricFamily(
+                "sparsever:tree_nodes",
+                "Draft trees: nodes grown by the drafter, proposed (after EVICT), verified, accepted",
+                labels=["stage"],
+            )
+            for stage, key in (("grown", "draft_model_tree_nodes_grown"), ("proposed", "draft_model_tree_nodes"),
+                               ("verified", "tree_nodes_verified"), ("accepted", "tree_accepted_tokens")):
+                c.add_metric([stage], float(drafting.get(key, 0)))
+            yield c
+            c = CounterMetricFamily(
+                "sparsever:evict_steps",
+                "EVICT truncation decisions: steps seen, steps that cut nodes, steps verified with no "
+                "drafts (speculation did not pay), steps the guard skipped drafting in",
+                labels=["decision"],
+            )
+            for decision, key in (("seen", "evict_steps"), ("truncated", "evict_truncated_steps"),
+                                  ("empty", "evict_empty_steps"), ("skipped_drafting", "evict_skipped_drafting_steps")):
+                c.add_metric([decision], float(drafting.get(key, 0)))
+            yield c
         if "hier_pending_tokens" in drafting:
             g = GaugeMetricFamily(
                 "sparsever:level_acceptance_rate",

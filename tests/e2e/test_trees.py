@@ -143,3 +143,34 @@ def test_adaptive_chain_greedy_equals_plain_greedy(plain_greedy, tiny_target, ti
     e = m["evict"]
     assert e["evict_empty_steps"] > 0 and e["evict_skipped_drafting_steps"] > 0
     assert m["draft_model"]["draft_model_tree_nodes_grown"] <= 4 * m["draft_model"]["draft_model_trees"]
+
+
+def test_serve_tp2_evict_trees_give_plain_greedy_text(plain_greedy, tiny_target, tiny_draft, tmp_path):
+    """`vllm serve` on two tensor-parallel ranks, trees + EVICT: the plain greedy text of TP=1, and
+    the tree/EVICT counters on /metrics. Each rank moves its K/V shard along the same paths."""
+    import time
+
+    from openai import OpenAI
+
+    from serve_utils import running_server, sparsever_metrics
+
+    spec = _tree_spec(tiny_draft) | {"adaptive": {"enabled": True,
+                                                  "cost_profile": _cost_profile(tmp_path / "c.json", 1e-5)}}
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with running_server(tiny_target, spec, tmp_path / "server.log", "--max-model-len", "512",
+                        "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+                        "--no-async-scheduling", env=env) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
+        for i, (prompt, (_, want)) in enumerate(zip(prompts(NUM_PROMPTS), plain_greedy, strict=True)):
+            resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+            assert resp.choices[0].text == want, f"prompt {i}"
+        # Sampled requests work too (the ranks agree on the sampled paths).
+        resp = client.completions.create(model="tiny", prompt=prompts(1)[0], max_tokens=MAX_TOKENS,
+                                         temperature=1.0, seed=5, n=2)
+        assert all(len(c.text) > 0 for c in resp.choices)
+        time.sleep(0.6)  # snapshots are written at most every 0.25 s
+        values = sparsever_metrics(base)
+    assert values['sparsever:tree_nodes_total{stage="verified"}'] > 0, values
+    assert 0 < values['sparsever:tree_nodes_total{stage="accepted"}'] <= values['sparsever:tree_nodes_total{stage="verified"}']
+    assert values['sparsever:tree_nodes_total{stage="proposed"}'] < values['sparsever:tree_nodes_total{stage="grown"}']
+    assert values['sparsever:evict_steps_total{decision="truncated"}'] > 0

@@ -123,6 +123,7 @@ class SparseverRunnerMixin:
         paths' K/V moved into place. Tree requests have plain sampling (the drafter checks)."""
         from vllm_sparsever.integration.compat.cpu_attention import attention_layer_names
         from vllm_sparsever.integration.compat.runner import layer_kv_caches, processed_target_probs
+        from vllm_sparsever.integration.compat.sampling import same_on_every_tp_rank
         from vllm_sparsever.verification.tree import accept_greedy, accept_sampled, compact_accepted_kv
 
         sm = self.input_batch.sampling_metadata
@@ -131,6 +132,7 @@ class SparseverRunnerMixin:
         moves = []
         stats = self._sparsever_tree_stats
         stats.steps += 1
+        decisions, any_sampled = [], False
         for k in plan.tree.tree_requests:
             req = plan.requests[k]
             r = req.batch_index
@@ -139,11 +141,18 @@ class SparseverRunnerMixin:
             tokens = [-1, *req.draft_token_ids]
             temperature = None if sm.all_greedy or sm.temperature is None else float(sm.temperature[r])
             if temperature is None or temperature < 1e-5:
-                path, final = accept_greedy(req.topology, tokens, rows)
+                decisions.append(accept_greedy(req.topology, tokens, rows))  # same on every rank
             else:
+                any_sampled = True
                 pick = lambda t: None if t is None else t[r: r + 1]  # noqa: E731
                 probs = processed_target_probs(rows, temperature, pick(sm.top_k), pick(sm.top_p))
-                path, final = accept_sampled(req.topology, tokens, probs, sm.generators.get(r))
+                decisions.append(accept_sampled(req.topology, tokens, probs, sm.generators.get(r)))
+        if any_sampled:
+            decisions = same_on_every_tp_rank(decisions)
+        for k, (path, final) in zip(plan.tree.tree_requests, decisions, strict=True):
+            req = plan.requests[k]
+            r = req.batch_index
+            tokens = [-1, *req.draft_token_ids]
             emitted = [tokens[j] for j in path] + [final]
             sampled[r].fill_(-1)
             sampled[r, : len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)

