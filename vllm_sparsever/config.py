@@ -252,7 +252,7 @@ class EarlyExitConfig:
 
 DRAFT_SOURCES = ("draft_model", "ngram", "early_exit")
 INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
-TREE_DRAFT_SOURCES = ("draft_model",)
+TREE_DRAFT_SOURCES = ("draft_model", "early_exit")
 
 
 @dataclass
@@ -415,6 +415,11 @@ class SparseverConfig:
                     f"{name}.enabled: not combined with hierarchical verification "
                     f"(allowed: early_exit.enabled=false with {name}.enabled=true)"
                 )
+        if (self.tree.enabled or self.adaptive.enabled) and ee.draft_confidence:
+            raise SparseverConfigError(
+                "early_exit.draft_confidence: not used with draft trees or adaptive verification (the drafter's "
+                "probabilities and EVICT decide what is verified); allowed: 0"
+            )
         if self.tree.enabled:
             if self.attention.enabled and self.attention.kernel == "vllm":
                 raise SparseverConfigError(

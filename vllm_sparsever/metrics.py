@@ -278,7 +278,7 @@ class SparseverCollector:
                 "Draft trees: nodes grown by the drafter, proposed (after EVICT), verified, accepted",
                 labels=["stage"],
             )
-            for stage, key in (("grown", "draft_model_tree_nodes_grown"), ("proposed", "draft_model_tree_nodes"),
+            for stage, key in (("grown", "tree_draft_nodes_grown"), ("proposed", "tree_draft_nodes"),
                                ("verified", "tree_nodes_verified"), ("accepted", "tree_accepted_tokens")):
                 c.add_metric([stage], float(drafting.get(key, 0)))
             yield c

@@ -427,3 +427,29 @@ def test_serve_hierarchical_tp2_streams_plain_greedy_text(hierarchical_server, p
         values["sparsever:num_draft_tokens_total"] - values["sparsever:num_accepted_tokens_total"])
     for level in ("draft", "intermediate", "full"):
         assert values[f'sparsever:level_time_seconds_total{{level="{level}"}}'] > 0
+
+
+@pytest.fixture(scope="module")
+def self_draft_tree_run(target, heads, tmp_path_factory):
+    """Draft trees from the layer-1 exit (layers 0..0 under the tree mask), cut by EVICT."""
+    from e2e.test_trees import _cost_profile
+
+    profile = _cost_profile(tmp_path_factory.mktemp("cost") / "cost.json", per_token_s=1e-5)  # near-uniform head
+    spec = _spec(heads, draft_layer=DRAFT_LAYER)
+    spec |= {"num_speculative_tokens": 8, "tree": {"enabled": True, "branching": 2, "expand": 2, "depth": 4},
+             "adaptive": {"enabled": True, "cost_profile": profile}}
+    return _greedy_metrics_samples(target, spec)
+
+
+def test_self_draft_trees_greedy_equals_plain_greedy(plain_greedy4, self_draft_tree_run):
+    greedy, m, _ = self_draft_tree_run
+    _assert_same(plain_greedy4, greedy)
+    d, t, e = m["tree_drafting"], m["tree_verify"], m["evict"]
+    assert d["tree_drafted"] > 0 and d["tree_draft_levels"] > 0
+    assert t["tree_verify_trees"] > 0 and 0 < t["tree_accepted_tokens"] <= t["tree_nodes_verified"]
+    assert e["evict_nodes_kept"] < e["evict_nodes_drafted"]
+    assert m["self_draft"]["self_draft_slot_limited"] == 0
+
+
+def test_self_draft_trees_sampling_follows_the_target_distribution(self_draft_tree_run, plain_samples):
+    _assert_follows_plain_sampling(self_draft_tree_run[2], plain_samples, "self-drafted trees")

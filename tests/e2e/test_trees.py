@@ -69,9 +69,10 @@ def plain_samples(tiny_target):
 def test_tree_greedy_equals_plain_greedy(plain_greedy, tree_run):
     greedy, m, _ = tree_run
     assert greedy == [tokens for tokens, _ in plain_greedy]
-    d, t = m["draft_model"], m["tree"]
+    d, t = m["tree_drafting"], m["tree_verify"]
     # Real trees were drafted (more nodes grown than kept, several levels) and verified ...
-    assert d["draft_model_trees"] > 0 and d["draft_model_tree_nodes_grown"] > d["draft_model_tree_nodes"]
+    assert d["tree_drafted"] > 0 and d["tree_draft_nodes_grown"] > d["tree_draft_nodes"] > 0
+    assert d["tree_draft_levels"] > 0 and d["tree_draft_chains_for_sampler"] == 0
     assert t["tree_verify_trees"] > 0 and t["tree_nodes_verified"] > 0
     # ... with some nodes accepted, some off the first branch (their K/V moved into place).
     assert 0 < t["tree_accepted_tokens"] < t["tree_nodes_verified"]
@@ -142,7 +143,7 @@ def test_adaptive_chain_greedy_equals_plain_greedy(plain_greedy, tiny_target, ti
     assert greedy == [tokens for tokens, _ in plain_greedy]
     e = m["evict"]
     assert e["evict_empty_steps"] > 0 and e["evict_skipped_drafting_steps"] > 0
-    assert m["draft_model"]["draft_model_tree_nodes_grown"] <= 4 * m["draft_model"]["draft_model_trees"]
+    assert m["tree_drafting"]["tree_draft_nodes_grown"] <= 4 * m["tree_drafting"]["tree_drafted"]  # chains
 
 
 def test_serve_tp2_evict_trees_give_plain_greedy_text(plain_greedy, tiny_target, tiny_draft, tmp_path):

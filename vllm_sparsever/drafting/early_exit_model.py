@@ -90,20 +90,41 @@ class EarlyExitModel:
         return (token, confidence, stream) if with_stream else (token, confidence)
 
     @torch.inference_mode()
+    def top_tokens(
+        self, exit_layer: int, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+        query_lens: list[int], k: int, *, wanted: torch.Tensor | None = None,
+        kv_positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's top-k (probabilities, token ids) after the query tokens `wanted` (default:
+        all), over the layer's trimmed draft vocabulary if it has one. Tree queries give their
+        K/V slots' positions and ancestor mask (draft trees, drafting/tree_drafter.py)."""
+        stream = self.stream(exit_layer, rows, tokens, positions, query_lens, kv_positions=kv_positions,
+                             tree_mask=tree_mask)
+        normed = self.heads[exit_layer](stream if wanted is None else stream[wanted])
+        trimmed = self._trimmed.get(exit_layer)
+        if trimmed is None:
+            return torch.softmax(self._stack.compute_logits(normed).float(), dim=-1).topk(k, dim=-1)
+        ids, weight = trimmed
+        top_p, index = torch.softmax(torch.nn.functional.linear(normed, weight).float(), dim=-1).topk(k, dim=-1)
+        return top_p, ids[index]
+
+    @torch.inference_mode()
     def stream(
         self, exit_layer: int, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-        query_lens: list[int],
+        query_lens: list[int], *, kv_positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The residual stream after the first `exit_layer` layers for `query_lens[i]` consecutive
         tokens of batch row `rows[i]` (tokens/positions flattened request after request), writing
-        those layers' K/V at the tokens' positions."""
+        those layers' K/V at the tokens' positions (or at `kv_positions`, under `tree_mask`)."""
         from vllm.forward_context import set_forward_context
 
         from vllm_sparsever.integration.compat.runner import query_attention_context
+        from vllm_sparsever.plan import tree_attention
 
         assert self._stack is not None, "EarlyExitModel.load() was not called"
         names = self._stack.attention_layer_names[:exit_layer]
-        metadata, slots = query_attention_context(self._runner, names, rows, positions, query_lens)
+        metadata, slots = query_attention_context(self._runner, names, rows, positions, query_lens,
+                                                  kv_positions=kv_positions)
         with set_forward_context(metadata, self._runner.vllm_config, num_tokens=int(tokens.numel()),
-                                 slot_mapping=slots):
+                                 slot_mapping=slots), tree_attention(tree_mask):
             return self._stack.run_layers(exit_layer, tokens, positions)

@@ -33,6 +33,7 @@ from vllm_sparsever.config import SparseverConfig, SparseverConfigError
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
 from vllm_sparsever.drafting.exit_head import ExitHeadError, ExitHeadManifest, heads_dir
+from vllm_sparsever.drafting.tree_drafter import TreeDrafting
 
 
 def resolve_self_draft(config: SparseverConfig, model_config: Any) -> SparseverConfig:
@@ -109,7 +110,7 @@ class SelfDraftStats:
         }
 
 
-class SelfDraftProposer(RoundDrafter):
+class SelfDraftProposer(TreeDrafting, RoundDrafter):
     level = "self_draft"
 
     def __init__(
@@ -120,23 +121,54 @@ class SelfDraftProposer(RoundDrafter):
         num_speculative_tokens: int,
         confidence: float,
         max_model_len: int,
+        tree: Any = None,
+        adaptive: Any = None,
     ) -> None:
+        """`tree`/`adaptive`: DraftTreeConfig/AdaptiveVerificationConfig to draft trees through
+        layers 0..L-1 under the tree mask (EVICT-cut with adaptive); None: chains."""
         super().__init__(SelfDraftStats(), num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len)
         self.model = model
         self.exit_layer = exit_layer
         self.confidence = confidence
+        self.init_trees(tree, adaptive, num_speculative_tokens)
 
     def load(self, runner: Any) -> None:
         self.model.load(runner)
         super().load(runner)
+        self.load_trees(runner)
+
+    def stats_by_level(self) -> dict[str, dict[str, Any]]:
+        return {**super().stats_by_level(), **self.tree_stats_by_level()}
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.reset_tree_stats()
 
     def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        """Draft tokens per batch row; a row that sampled nothing this step (mid-prefill, finished)
-        gets none."""
+        """Draft tokens per batch row (a tree's nodes, parents first, with `tree`); a row that
+        sampled nothing this step (mid-prefill, finished) gets none."""
         start = time.perf_counter()
-        drafts = super().propose(sampled_token_ids)
+        drafts = super().propose(sampled_token_ids) if self.tree is None else self.propose_trees(sampled_token_ids)
         self.stats.draft_time_s += time.perf_counter() - start
+        if self.tree is not None:
+            self.stats.draft_tokens += sum(len(d) for d in drafts)
         return drafts
+
+    # ---- trees (TreeDrafting): layers 0..L-1 write their K/V at the nodes' slots -------------
+
+    def _tree_root_top(self, reqs: DraftRequests, idx: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.model.device
+        self.stats.rounds += 1
+        self.stats.forward_passes += 1
+        return self.model.top_tokens(
+            self.exit_layer, torch.tensor([reqs.rows[i] for i in idx], dtype=torch.long),
+            torch.tensor([reqs.tokens[i] for i in idx], dtype=torch.long, device=device),
+            torch.tensor([reqs.positions[i] for i in idx], dtype=torch.long, device=device), [1] * len(idx), k)
+
+    def _tree_level_top(self, rows, tokens, positions, kv_positions, lens, tree_mask, wanted, k):
+        self.stats.forward_passes += 1
+        return self.model.top_tokens(self.exit_layer, torch.tensor(rows, dtype=torch.long), tokens, positions, lens,
+                                     k, wanted=wanted, kv_positions=kv_positions, tree_mask=tree_mask)
 
     @torch.inference_mode()
     def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:

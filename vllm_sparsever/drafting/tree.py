@@ -58,6 +58,17 @@ class DraftTree:
     def is_chain(self) -> bool:
         return all(p == j - 1 for j, p in enumerate(self.parents))
 
+    def best_path(self) -> list[int]:
+        """Node indices of the greedy path: the most probable child from the root down."""
+        children: dict[int, list[int]] = {}
+        for n, p in enumerate(self.parents):
+            children.setdefault(p, []).append(n)
+        path, node = [], -1
+        while children.get(node):
+            node = max(children[node], key=lambda c: self.scores[c])
+            path.append(node)
+        return path
+
 
 class TreeGrowth:
     """One request's tree while it grows (see the module docstring)."""
@@ -92,7 +103,10 @@ class TreeGrowth:
     def grow(self, probs: torch.Tensor) -> None:
         """Children for this level's frontier from the drafter's distributions after each frontier
         node (`probs[k]` for frontier[k]); then choose the next frontier."""
-        top_p, top_t = probs.float().topk(self.branching, dim=-1)
+        self.grow_top(*probs.float().topk(self.branching, dim=-1))
+
+    def grow_top(self, top_p: torch.Tensor, top_t: torch.Tensor) -> None:
+        """`grow` from each frontier node's top tokens ([n, branching] probabilities, token ids)."""
         new: list[int] = []
         for k, node in enumerate(self.frontier):
             base = 1.0 if node < 0 else self.tree.scores[node]

@@ -250,7 +250,7 @@ class SparseverRunnerMixin:
             return {}
         levels = self.sparsever_proposer.stats_by_level()
         if self.sparsever_config.tree.enabled:
-            levels["tree"] = self._sparsever_tree_stats.summary()
+            levels["tree_verify"] = self._sparsever_tree_stats.summary()
         if split:
             return levels
         return {k: v for level in levels.values() for k, v in level.items()}
@@ -331,12 +331,14 @@ def _make_proposer(config: SparseverConfig, max_model_len: int) -> Any:
     from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
 
     ee = config.early_exit
-    if config.tree.enabled or config.adaptive.enabled:  # checked at start: draft_model source, no hierarchy
+    trees = {"tree": config.tree if config.tree.enabled else None,
+             "adaptive": config.adaptive if config.adaptive.enabled else None}
+    if config.draft_source == "draft_model" and (config.tree.enabled or config.adaptive.enabled):
         from vllm_sparsever.drafting.draft_model import DraftModelDrafter
 
+        # (checked at start: no hierarchy with trees)
         return DraftModelDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
-                                 tree=config.tree if config.tree.enabled else None,
-                                 adaptive=config.adaptive if config.adaptive.enabled else None)
+                                 **trees)
     if config.draft_source != "early_exit" and not ee.enabled:
         return None
     round_tokens = ee.round_tokens if ee.enabled else config.num_speculative_tokens
@@ -355,7 +357,7 @@ def _make_proposer(config: SparseverConfig, max_model_len: int) -> Any:
         from vllm_sparsever.drafting.self_draft import SelfDraftProposer
 
         drafter = SelfDraftProposer(model, exit_layer=ee.draft_layer, num_speculative_tokens=round_tokens,
-                                    confidence=ee.draft_confidence, max_model_len=max_model_len)
+                                    confidence=ee.draft_confidence, max_model_len=max_model_len, **trees)
     elif config.draft_source == "draft_model":
         from vllm_sparsever.drafting.draft_model import DraftModelDrafter
 

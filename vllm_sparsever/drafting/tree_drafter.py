@@ -1,0 +1,197 @@
+"""What a drafter needs to propose draft trees (config sections tree and adaptive): `TreeDrafting`,
+mixed into a `RoundDrafter` that can give the top tokens after a set of query tokens
+(`_tree_root_top` for the requests' roots, `_tree_level_top` for a level's tree query under the
+ancestor mask). It grows one tree per request (drafting/tree.py), gives requests whose sampling
+needs vLLM's own sampler the tree's best path as a chain, lets EVICT (adaptive/evict.py) cut the
+step's trees, and hands vLLM the nodes (parents first) as drafts; `topologies()` tells the
+runner's plan how they hang together, `observe_acceptance()` calibrates EVICT.
+
+Drafters: the draft model (drafting/draft_model.py) and the self-drafter (drafting/self_draft.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_sparsever.drafting.drafter import DraftRequests
+from vllm_sparsever.drafting.tree import DraftTree, TreeGrowth
+
+
+@dataclass
+class TreeDraftStats:
+    trees: int = 0  # trees drafted
+    nodes: int = 0  # nodes proposed (after EVICT): what the target verifies
+    nodes_grown: int = 0  # nodes created before the most probable were kept
+    levels: int = 0  # expansion passes (levels after the root's), summed over steps
+    chains_for_sampler: int = 0  # requests given a chain: their sampling needs vLLM's sampler
+    time_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "tree_drafted": self.trees,
+            "tree_draft_nodes": self.nodes,
+            "tree_draft_nodes_grown": self.nodes_grown,
+            "tree_draft_levels": self.levels,
+            "tree_draft_chains_for_sampler": self.chains_for_sampler,
+            "tree_draft_time_s": self.time_s,
+        }
+
+
+class TreeDrafting:
+    """Mixin (before `RoundDrafter`): `init_trees()` in the constructor, `load_trees()` in load()."""
+
+    tree: Any = None
+    adaptive: Any = None
+
+    def init_trees(self, tree: Any, adaptive: Any, num_speculative_tokens: int) -> None:
+        """`tree`: a DraftTreeConfig or None; `adaptive`: an AdaptiveVerificationConfig or None (a
+        chain is then grown as a one-branch tree, for its path probabilities)."""
+        if adaptive is not None and tree is None:
+            from vllm_sparsever.config import DraftTreeConfig
+
+            tree = DraftTreeConfig(enabled=True, branching=1, expand=1, depth=num_speculative_tokens)
+        self.tree = tree
+        self.adaptive = adaptive
+        self.evict: Any = None  # adaptive.evict.Evict, once the target's cost profile is loaded
+        self.tree_stats = TreeDraftStats()
+        self._trees: dict[str, DraftTree] = {}  # req id -> the tree proposed for its next step
+
+    def load_trees(self, runner: Any) -> None:
+        if self.adaptive is not None:
+            from vllm_sparsever.adaptive.cost import resolve_cost_profile
+            from vllm_sparsever.adaptive.evict import Evict
+
+            profile = resolve_cost_profile(self.adaptive.cost_profile, runner.model_config.model)
+            self.evict = Evict(profile, min_draft_tokens=self.adaptive.min_draft_tokens, guard=self.adaptive.guard)
+
+    def tree_stats_by_level(self) -> dict[str, dict[str, Any]]:
+        if self.tree is None:
+            return {}
+        levels = {"tree_drafting": self.tree_stats.summary()}
+        if self.evict is not None:
+            levels["evict"] = self.evict.stats.summary()
+        return levels
+
+    def reset_tree_stats(self) -> None:
+        self.tree_stats = TreeDraftStats()
+        if self.evict is not None:
+            self.evict.stats = type(self.evict.stats)()
+
+    # ---- proposing ------------------------------------------------------------------------
+
+    def propose_trees(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        from vllm_sparsever.integration.compat.runner import tree_sampling_supported
+
+        self._trees.clear()
+        reqs = self.requests(sampled_token_ids, self.num_speculative_tokens)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        if not reqs.rows or (self.evict is not None and not self.evict.should_draft()):
+            return drafts
+        batch = self.runner.input_batch
+        start = time.perf_counter()
+        trees = self.grow_trees(reqs)
+        for k, row in enumerate(reqs.rows):
+            if len(trees[k]) and not trees[k].is_chain() and not tree_sampling_supported(self.runner, row):
+                trees[k] = trees[k].subtree(trees[k].best_path())
+                self.tree_stats.chains_for_sampler += 1
+        if self.evict is not None:
+            # A request's verify step has its root (last committed token) at `position`: the
+            # context before it is `position` tokens.
+            trees = self.evict.truncate(trees, list(reqs.positions), draft_time_s=time.perf_counter() - start)
+        for row, tree in zip(reqs.rows, trees, strict=True):
+            if len(tree):
+                self._trees[batch.req_ids[row]] = tree
+            drafts[row] = list(tree.tokens)
+            self.tree_stats.nodes += len(tree)
+        self.tree_stats.time_s += time.perf_counter() - start
+        return drafts
+
+    def topologies(self, scheduled: dict[str, list[int]]) -> dict[str, Any]:
+        """req id -> the topology of its scheduled drafts, for the trees this drafter proposed
+        (scheduled drafts are the tree's nodes, or a prefix of them)."""
+        out = {}
+        for req_id, drafts in scheduled.items():
+            tree = self._trees.get(req_id)
+            if tree is not None and not tree.is_chain() and list(drafts) == tree.tokens[: len(drafts)]:
+                out[req_id] = tree.topology()
+        return out
+
+    def observe_acceptance(self, req_id: str, verified: int, accepted_nodes: list[int]) -> None:
+        """What verification made of the drafts proposed for `req_id`: the first `verified` nodes
+        were verified, `accepted_nodes` (tree node indices) accepted. Calibrates EVICT."""
+        tree = self._trees.get(req_id)
+        if self.evict is not None and tree is not None:
+            self.evict.calibration.observe(tree, verified, accepted_nodes)
+
+    # ---- growing --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def grow_trees(self, reqs: DraftRequests) -> list[DraftTree]:
+        """A dynamic draft tree per request of at most min(num_speculative_tokens, budget) nodes:
+        the roots' pass, then one pass per level over every growing tree."""
+        from vllm_sparsever.plan import stacked_tree_mask
+
+        cfg = self.tree
+        device = self.runner.device
+        growths: list[TreeGrowth | None] = [None] * len(reqs.rows)
+        idx = []
+        for i, budget in enumerate(reqs.budgets):
+            budget = min(self.num_speculative_tokens, budget)
+            if budget > 0:
+                # Node K/V slots after the root: budget - 1 (the slots the scheduler reserved).
+                growths[i] = TreeGrowth(branching=cfg.branching, expand=cfg.expand, depth=cfg.depth,
+                                        budget=budget, max_expanded=budget - 1)
+                idx.append(i)
+        if idx:
+            top_p, top_t = self._tree_root_top(reqs, idx, cfg.branching)
+            for k, i in enumerate(idx):
+                growths[i].grow_top(top_p[k: k + 1], top_t[k: k + 1])
+        while True:
+            live = [i for i in idx if not growths[i].done]
+            if not live:
+                break
+            tokens, positions, kv_positions, lens, topologies, wanted = [], [], [], [], [], []
+            offset = 0
+            for i in live:
+                g = growths[i]
+                nodes, topology = g.query()
+                root = reqs.positions[i]
+                tokens.extend(g.tree.tokens[n] for n in nodes)
+                positions.extend(root + d for d in g.node_depths(nodes))
+                kv_positions.extend(range(root + 1, root + 1 + len(nodes)))
+                lens.append(len(nodes))
+                topologies.append(topology)
+                wanted.extend(range(offset + len(nodes) - len(g.frontier), offset + len(nodes)))
+                offset += len(nodes)
+            as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+            top_p, top_t = self._tree_level_top(
+                [reqs.rows[i] for i in live], as_long(tokens), as_long(positions), as_long(kv_positions), lens,
+                stacked_tree_mask(topologies).to(device), as_long(wanted), cfg.branching)
+            self.tree_stats.levels += 1
+            offset = 0
+            for i in live:
+                n = len(growths[i].frontier)
+                growths[i].grow_top(top_p[offset: offset + n], top_t[offset: offset + n])
+                offset += n
+        trees = []
+        for g in growths:
+            tree = g.result() if g is not None else DraftTree()
+            if g is not None:
+                self.tree_stats.trees += 1
+                self.tree_stats.nodes_grown += len(g.tree)
+            trees.append(tree)
+        return trees
+
+    def _tree_root_top(self, reqs: DraftRequests, idx: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k (probabilities, token ids) after each root `reqs.tokens[i]` (i in idx) at its position."""
+        raise NotImplementedError
+
+    def _tree_level_top(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor,
+                        kv_positions: torch.Tensor, lens: list[int], tree_mask: torch.Tensor,
+                        wanted: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k after the query tokens `wanted` of a level's tree query (K/V at `kv_positions`)."""
+        raise NotImplementedError
