@@ -94,7 +94,41 @@ METHODS: dict[str, Method] = {
         lambda a, d: {"method": "sparsever", "model": d, "num_speculative_tokens": a.hier_cap,
                       "early_exit": {"enabled": True, "round_tokens": a.k, "full_verify_every": a.full_verify_every,
                                      **({"verify_layer": a.verify_layer} if a.verify_layer else {})}}),
+    # Fixed chain of 5 (vLLM's draft_model; "draft_model" above is the chain of k).
+    "draft_model-k5": Method(
+        "draft_model-k5", True, True,
+        lambda a, d: {"method": "draft_model", "model": d, "num_speculative_tokens": 5}),
+    # Draft trees from the draft model (--tree-nodes nodes, EAGLE-2 growth), verified in one pass.
+    "sparsever-tree": Method(
+        "sparsever-tree", True, True,
+        lambda a, d: {"method": "sparsever", "model": d, "num_speculative_tokens": a.tree_nodes, "tree": _tree(a)}),
+    # The same trees cut per step by EVICT (needs `vllm-sparsever profile-verify TARGET` first).
+    "sparsever-evict-tree": Method(
+        "sparsever-evict-tree", True, True,
+        lambda a, d: {"method": "sparsever", "model": d, "num_speculative_tokens": a.tree_nodes, "tree": _tree(a),
+                      "adaptive": True}),
+    # EVICT on chains: an adaptive draft length (up to --evict-chain-k) per request and step.
+    "sparsever-evict-chain": Method(
+        "sparsever-evict-chain", True, True,
+        lambda a, d: {"method": "sparsever", "model": d, "num_speculative_tokens": a.evict_chain_k, "adaptive": True}),
+    # Self-drafted trees (the target's first layers + exit head), plain and EVICT-cut.
+    "sparsever-self-tree": Method(
+        "sparsever-self-tree", True, False,
+        lambda a, d: {"method": "sparsever", "draft_source": "early_exit", "num_speculative_tokens": a.tree_nodes,
+                      "tree": _tree(a), "early_exit": _early_exit_tree(a)}),
+    "sparsever-self-evict-tree": Method(
+        "sparsever-self-evict-tree", True, False,
+        lambda a, d: {"method": "sparsever", "draft_source": "early_exit", "num_speculative_tokens": a.tree_nodes,
+                      "tree": _tree(a), "adaptive": True, "early_exit": _early_exit_tree(a)}),
 }
+
+
+def _tree(args) -> dict:
+    return {"enabled": True, "branching": args.tree_branching, "expand": args.tree_expand, "depth": args.tree_depth}
+
+
+def _early_exit_tree(args) -> dict:
+    return {"draft_layer": args.draft_layer} if args.draft_layer else {}
 
 
 def _early_exit(args) -> dict:
@@ -194,6 +228,7 @@ def run_method(method: Method, args, target: str, draft: str | None, rows: list[
         seed=0,
         speculative_config=spec,
         disable_log_stats=False,
+        async_scheduling=False,  # sparsever's draft-model drafters propose after the step's bookkeeping
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     is_sparsever = spec is not None and spec.get("method") == "sparsever"
@@ -380,6 +415,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hierarchical: intermediate verifier exit layer (default: the deepest trained head)")
     p.add_argument("--hier-cap", type=int, default=8, help="hierarchical: pending tokens per full verification")
     p.add_argument("--full-verify-every", type=int, default=3, help="hierarchical: rounds per full verification")
+    p.add_argument("--tree-nodes", type=int, default=12, help="trees: node budget (num_speculative_tokens)")
+    p.add_argument("--tree-branching", type=int, default=3)
+    p.add_argument("--tree-expand", type=int, default=3)
+    p.add_argument("--tree-depth", type=int, default=5)
+    p.add_argument("--evict-chain-k", type=int, default=6, help="sparsever-evict-chain: longest chain")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every method this many times, alternating the method order (noise check)")
     p.add_argument("--dtype", default="bfloat16")

@@ -111,9 +111,9 @@ class SparseverRunnerMixin:
         output = super()._sample(*args, **kwargs)
         plan = self.sparsever_plan
         if plan is not None and plan.tree is not None:
-            logits = kwargs["logits"] if "logits" in kwargs else args[0]
-            metadata = kwargs["spec_decode_metadata"] if "spec_decode_metadata" in kwargs else args[1]
-            self._accept_trees(plan, logits, metadata, output)
+            from vllm_sparsever.integration.compat.runner import sample_call_args
+
+            self._accept_trees(plan, *sample_call_args(args, kwargs), output)
         self._sparsever_timing["sample"] = time.perf_counter() - start
         return output
 
@@ -121,14 +121,12 @@ class SparseverRunnerMixin:
         """Tree acceptance for the step's tree requests (verification/tree.py), written over what
         vLLM's rejection sampler made of their rows (it reads them as chains), then the accepted
         paths' K/V moved into place. Tree requests have plain sampling (the drafter checks)."""
+        from vllm_sparsever.integration.compat import runner as vllm_runner
         from vllm_sparsever.integration.compat.cpu_attention import attention_layer_names
-        from vllm_sparsever.integration.compat.runner import layer_kv_caches, processed_target_probs
         from vllm_sparsever.integration.compat.sampling import same_on_every_tp_rank
         from vllm_sparsever.verification.tree import accept_greedy, accept_sampled, compact_accepted_kv
 
-        sm = self.input_batch.sampling_metadata
-        cu = metadata.cu_num_sampled_tokens.tolist()
-        sampled = output.sampled_token_ids
+        ends = vllm_runner.logits_row_ends(metadata)
         moves = []
         stats = self._sparsever_tree_stats
         stats.steps += 1
@@ -136,33 +134,28 @@ class SparseverRunnerMixin:
         for k in plan.tree.tree_requests:
             req = plan.requests[k]
             r = req.batch_index
-            n = req.num_query_tokens
-            rows = logits[cu[r] - n: cu[r]]
+            rows = logits[ends[r] - req.num_query_tokens: ends[r]]
             tokens = [-1, *req.draft_token_ids]
-            temperature = None if sm.all_greedy or sm.temperature is None else float(sm.temperature[r])
-            if temperature is None or temperature < 1e-5:
+            how = vllm_runner.row_sampling(self, r)
+            if how.temperature is None:
                 decisions.append(accept_greedy(req.topology, tokens, rows))  # same on every rank
             else:
                 any_sampled = True
-                pick = lambda t: None if t is None else t[r: r + 1]  # noqa: E731
-                probs = processed_target_probs(rows, temperature, pick(sm.top_k), pick(sm.top_p))
-                decisions.append(accept_sampled(req.topology, tokens, probs, sm.generators.get(r)))
+                probs = vllm_runner.processed_target_probs(rows, how.temperature, how.top_k, how.top_p)
+                decisions.append(accept_sampled(req.topology, tokens, probs, how.generator))
         if any_sampled:
             decisions = same_on_every_tp_rank(decisions)
         for k, (path, final) in zip(plan.tree.tree_requests, decisions, strict=True):
             req = plan.requests[k]
-            r = req.batch_index
             tokens = [-1, *req.draft_token_ids]
-            emitted = [tokens[j] for j in path] + [final]
-            sampled[r].fill_(-1)
-            sampled[r, : len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
-            moves.append((r, req.context_len, path))
+            vllm_runner.write_sampled_tokens(output, req.batch_index, [tokens[j] for j in path] + [final])
+            moves.append((req.batch_index, req.context_len, path))
             self._sparsever_paths[req.req_id] = path
             stats.trees += 1
             stats.nodes_verified += req.num_draft_tokens
             stats.accepted_tokens += len(path)
         if self._sparsever_layer_kvs is None:
-            self._sparsever_layer_kvs = layer_kv_caches(self, attention_layer_names(self.model))
+            self._sparsever_layer_kvs = vllm_runner.layer_kv_caches(self, attention_layer_names(self.model))
         stats.kv_moved_tokens += compact_accepted_kv(self._sparsever_layer_kvs, moves)
 
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:

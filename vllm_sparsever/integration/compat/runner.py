@@ -23,7 +23,13 @@ Private symbols touched:
   prompt lookup over pending tokens) and `runner.requests[req_id]` (`CachedRequestState`:
   `sampling_params.max_tokens`, `.stop_token_ids`, `.all_stop_token_ids`, `.ignore_eos`,
   `num_prompt_tokens`), to stop a request's rounds at its stop tokens and `max_tokens`; the
-  scheduled drafts in `token_ids_cpu` (written by `_update_states`) to check reused streams.
+  scheduled drafts in `token_ids_cpu` (written by `_update_states`) to check reused streams;
+- draft trees: `_sample(logits, spec_decode_metadata)`'s arguments, `SpecDecodeMetadata.
+  cu_num_sampled_tokens`, `input_batch.sampling_metadata` (`all_greedy`, `temperature`, `top_k`,
+  `top_p`, `generators`), `SamplerOutput.sampled_token_ids`, `requests[..].sampling_params` fields
+  (`SAMPLER_ONLY_PARAMS`), `vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p`,
+  `Attention.kv_cache` (bound at KV cache set-up) with `attn_groups`, `runner.kv_caches`; and the
+  extra `kv_positions` / `block_table` of `query_attention_context`.
 """
 
 from __future__ import annotations
@@ -345,3 +351,48 @@ def processed_target_probs(logits: torch.Tensor, temperature: float, top_k: Any,
 def kv_cache_blocks(runner: Any) -> tuple[int, int]:
     """(blocks in the KV cache, block size) of KV cache group 0 (`runner.kv_caches`)."""
     return int(runner.kv_caches[0].shape[0]), int(runner.input_batch.block_table[0].block_size)
+
+
+# ---- tree verification: the step's sampling inputs and outputs --------------------------------
+
+
+def sample_call_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any]:
+    """(logits, spec_decode_metadata) of a `_sample(logits, spec_decode_metadata)` call."""
+    logits = kwargs["logits"] if "logits" in kwargs else args[0]
+    metadata = kwargs["spec_decode_metadata"] if "spec_decode_metadata" in kwargs else args[1]
+    return logits, metadata
+
+
+def logits_row_ends(metadata: Any) -> list[int]:
+    """Per batch row, the end of its logits rows in `_sample`'s logits (`SpecDecodeMetadata.
+    cu_num_sampled_tokens`: drafts + 1 rows per request, in batch order)."""
+    return metadata.cu_num_sampled_tokens.tolist()
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How batch row r samples: temperature None = greedy; top_k/top_p [1] tensors or None."""
+
+    temperature: float | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    generator: torch.Generator | None
+
+
+def row_sampling(runner: Any, row: int) -> RowSampling:
+    """From `input_batch.sampling_metadata` (`all_greedy`, `temperature`, `top_k`, `top_p`,
+    `generators`); vLLM marks greedy rows with temperature 0 (below its _SAMPLING_EPS)."""
+    sm = runner.input_batch.sampling_metadata
+    temperature = None if sm.all_greedy or sm.temperature is None else float(sm.temperature[row])
+    if temperature is not None and temperature < 1e-5:
+        temperature = None
+    pick = lambda t: None if t is None else t[row: row + 1]  # noqa: E731
+    return RowSampling(temperature, pick(sm.top_k), pick(sm.top_p), sm.generators.get(row))
+
+
+def write_sampled_tokens(output: Any, row: int, tokens: list[int]) -> None:
+    """Make batch row `row` of a `SamplerOutput` emit `tokens` (its `sampled_token_ids` [B, S],
+    -1 = no token)."""
+    sampled = output.sampled_token_ids
+    sampled[row].fill_(-1)
+    sampled[row, : len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
