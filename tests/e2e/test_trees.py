@@ -175,3 +175,30 @@ def test_serve_tp2_evict_trees_give_plain_greedy_text(plain_greedy, tiny_target,
     assert 0 < values['sparsever:tree_nodes_total{stage="accepted"}'] <= values['sparsever:tree_nodes_total{stage="verified"}']
     assert values['sparsever:tree_nodes_total{stage="proposed"}'] < values['sparsever:tree_nodes_total{stage="grown"}']
     assert values['sparsever:evict_steps_total{decision="truncated"}'] > 0
+
+
+def test_moe_target_trees_count_distinct_experts(tiny_draft, tmp_path):
+    """Trees on a tiny Mixtral (8 experts, top-3): lossless, and the distinct routed experts per
+    verifying request and layer are counted (at most min(E, k * tokens) each, at least k)."""
+    from tiny_moe import make_tiny_mixtral
+    from vllm_sparsever.metrics import get_metrics
+
+    moe = make_tiny_mixtral(tmp_path / "mixtral", seed=0)
+    llm = _engine(moe, None)
+    try:
+        plain = _greedy(llm)
+    finally:
+        del llm
+        gc.collect()
+    llm = _engine(moe, _tree_spec(tiny_draft))
+    try:
+        greedy = _greedy(llm)
+        m = get_metrics(llm)
+    finally:
+        del llm
+        gc.collect()
+    assert greedy == plain
+    s = m["sparsity"]
+    pairs, distinct, tokens = s["moe_verify_request_layers"], s["moe_verify_distinct_experts"], s["moe_verify_tokens"]
+    assert pairs > 0 and tokens >= pairs * 2  # trees: several tokens per request
+    assert 3 * pairs <= distinct <= min(8 * pairs, 3 * tokens)

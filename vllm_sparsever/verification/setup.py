@@ -85,6 +85,11 @@ def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, archit
         from vllm_sparsever.verification.moe import install_moe
 
         installed["moe"] = install_moe(model, runtime)
+    elif runtime.config.tree.enabled or runtime.config.adaptive.enabled:
+        from vllm_sparsever.verification.expert_counter import install_expert_counter
+
+        if install_expert_counter(model, runtime):  # an MoE target: report experts per verify step
+            installed["expert_counter"] = True
     if installed:
         logger.info("sparsever: wrapped target blocks %s", installed)
     return installed
