@@ -142,6 +142,20 @@ def test_sparsity_on_unsupported_architecture_fails_in_front_end():
         check_sparsity_supported(config, llama)
 
 
+def test_trees_on_a_sliding_window_model_fail_in_front_end():
+    from types import SimpleNamespace
+
+    from vllm_sparsever.verification.support import check_sparsity_supported
+
+    config = SparseverConfig.from_dict({"method": "sparsever", "model": "d", "num_speculative_tokens": 6, "tree": True})
+    windowed = SimpleNamespace(architectures=["MistralForCausalLM"], quantization=None,
+                               get_sliding_window=lambda: 4096)
+    with pytest.raises(SparseverConfigError, match=r"tree\.enabled: MistralForCausalLM uses sliding-window"):
+        check_sparsity_supported(config, windowed)
+    check_sparsity_supported(config, SimpleNamespace(architectures=["LlamaForCausalLM"], quantization=None,
+                                                     get_sliding_window=lambda: None))
+
+
 def test_engine_args_reject_bad_config_before_engine_start(tiny_target):
     """The error comes from create_engine_config in the front end: no engine process starts."""
     import vllm_sparsever

@@ -16,19 +16,23 @@ def check_sparsity_supported(config: SparseverConfig, model_config: Any) -> None
     architectures = list(getattr(model_config, "architectures", None) or [])
     arch = architectures[0] if architectures else "unknown"
     quantization = getattr(model_config, "quantization", None)
-    if config.attention.enabled:
+    # Block-sparse attention and tree attention both run sparsever's kernel inside vLLM's CPU backend.
+    for section, what in (("attention", "block-sparse verification attention"),
+                          ("tree", "tree attention (draft trees)")):
+        if not getattr(config, section).enabled:
+            continue
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
             raise SparseverConfigError(
-                "attention.enabled: block-sparse verification attention runs on vLLM's CPU "
-                "attention backend in this version (allowed on this platform: false)"
+                f"{section}.enabled: {what} runs on vLLM's CPU attention backend in this version "
+                f"(allowed on this platform: false)"
             )
         window = model_config.get_sliding_window() if hasattr(model_config, "get_sliding_window") else None
         if window:
             raise SparseverConfigError(
-                f"attention.enabled: {arch} uses sliding-window attention, which block-sparse "
-                f"verification does not support (allowed for this model: false)"
+                f"{section}.enabled: {arch} uses sliding-window attention, which {what} does not "
+                f"support (allowed for this model: false)"
             )
     for section, supported in (("ffn", FFN_ARCHITECTURES), ("moe", MOE_ARCHITECTURES)):
         if not getattr(config, section).enabled:
