@@ -10,6 +10,7 @@ blocks it does not own.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 from vllm_sparsever.adaptive.cost import Measurement
+
+logger = logging.getLogger("vllm_sparsever")
 
 
 @torch.inference_mode()
@@ -59,4 +62,6 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
                 if rep:
                     times.append(time.perf_counter() - start)
             out.append(Measurement(mask, rows, q, ctx, statistics.median(times)).__dict__)
+        logger.info("profile-verify: %d/%d rows=%d tokens=%d context=%d: tree %.1f ms, chain %.1f ms",
+                    len(out) // 2, len(grid), rows, q, ctx, 1e3 * out[-2]["seconds"], 1e3 * out[-1]["seconds"])
     return out
