@@ -71,3 +71,11 @@ def test_calibration_moves_toward_observed_acceptance():
     for _ in range(50):
         cal.observe(tree, 1, [])  # never accepted
     assert cal.estimate(0.9) < before / 4
+
+
+def test_drafting_time_makes_verifying_more_nodes_worth_it():
+    """The step already spent its drafting time: a node's verification cost is smaller next to it."""
+    tree = _chain([0.9, 0.5, 0.3, 0.3, 0.3])
+    quick = Evict(_profile(0.01), guard=False).truncate([tree], [256], draft_time_s=0.0)
+    slow = Evict(_profile(0.01), guard=False).truncate([tree], [256], draft_time_s=0.5)
+    assert len(slow[0]) > len(quick[0])

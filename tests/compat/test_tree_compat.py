@@ -94,3 +94,8 @@ def test_tp_broadcast_object_signature():
 
     params = inspect.signature(GroupCoordinator.broadcast_object).parameters
     assert list(params)[1:3] == ["obj", "src"]
+
+
+def test_emitted_count_counts_non_placeholder_tokens():
+    out = SimpleNamespace(sampled_token_ids=torch.tensor([[5, 6, -1, -1], [7, -1, -1, -1]], dtype=torch.int32))
+    assert compat_runner.emitted_count(out, 0) == 2 and compat_runner.emitted_count(out, 1) == 1

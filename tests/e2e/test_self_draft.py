@@ -124,11 +124,11 @@ def self_draft_run(target, heads):
     return _greedy_metrics_samples(target, _spec(heads, draft_layer=DRAFT_LAYER))
 
 
-def _greedy_metrics_samples(target: Path, spec: dict):
+def _greedy_metrics_samples(target: Path, spec: dict, **engine_kwargs):
     """One engine: greedy outputs, the sparsever metrics after them, then sampled completions."""
     from vllm_sparsever.metrics import get_metrics
 
-    llm = _engine(target, spec)
+    llm = _engine(target, spec, **engine_kwargs)
     try:
         greedy = _greedy(llm)
         metrics = get_metrics(llm)

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import GREEDY_MAX_TOKENS as MAX_TOKENS
 from conftest import GREEDY_PROMPTS as NUM_PROMPTS
-from e2e.test_self_draft import SAMPLE_PROMPT, SAMPLES, _assert_follows_plain_sampling, _sample
+from e2e.test_self_draft import SAMPLE_PROMPT, _assert_follows_plain_sampling, _greedy_metrics_samples, _sample
 from tiny_models import prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -43,17 +43,7 @@ def _greedy(llm) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tree_run(tiny_target, tiny_draft):
     """Greedy outputs, metrics, then sampled completions of one tree engine."""
-    from vllm_sparsever.metrics import get_metrics
-
-    llm = _engine(tiny_target, _tree_spec(tiny_draft))
-    try:
-        greedy = _greedy(llm)
-        metrics = get_metrics(llm)
-        sampled = _sample(llm, SAMPLE_PROMPT)
-    finally:
-        del llm
-        gc.collect()
-    return greedy, metrics, sampled
+    return _greedy_metrics_samples(tiny_target, _tree_spec(tiny_draft), async_scheduling=False)
 
 
 @pytest.fixture(scope="module")
@@ -97,19 +87,9 @@ def _cost_profile(path: Path, per_token_s: float) -> str:
 def evict_run(tiny_target, tiny_draft, tmp_path_factory):
     """Trees truncated by EVICT. The tiny random draft is nearly uniform (path probabilities ~1e-2
     at depth 1, ~1e-4 deeper), so a token costs 0.05% of a step here: deep nodes get cut, not all."""
-    from vllm_sparsever.metrics import get_metrics
-
     profile = _cost_profile(tmp_path_factory.mktemp("cost") / "cost.json", per_token_s=1e-5)
     spec = _tree_spec(tiny_draft) | {"adaptive": {"enabled": True, "cost_profile": profile}}
-    llm = _engine(tiny_target, spec)
-    try:
-        greedy = _greedy(llm)
-        metrics = get_metrics(llm)
-        sampled = _sample(llm, SAMPLE_PROMPT)
-    finally:
-        del llm
-        gc.collect()
-    return greedy, metrics, sampled
+    return _greedy_metrics_samples(tiny_target, spec, async_scheduling=False)
 
 
 def test_evict_trees_greedy_equals_plain_greedy(plain_greedy, evict_run):

@@ -8,9 +8,11 @@ Per step, before verification, over the whole batch:
 - cost: the verify step's time from the offline profile (adaptive/cost.py), as a function of every
   row's tokens and context: batch-aware, since a bigger step turns compute-bound sooner;
 - decision: nodes are taken in order of benefit (a prefix-closed set at every size), and the size
-  that maximises expected emitted tokens per second of verification, (rows + sum of benefits) /
-  cost, wins; size 0 (no drafts: a plain decode step) is one of the candidates, so a step is never
-  verified at an expected loss.
+  that maximises expected emitted tokens per second of the step, (rows + sum of benefits) /
+  (drafting time + verification cost), wins. The drafting time is already spent, but it is part of
+  the step a node's verification makes longer: counting only verification would cut nodes whose
+  cost is small next to the whole step. Size 0 (no drafts: a plain decode step) is one of the
+  candidates, so a step is never verified at an expected loss.
 - guard (Cascade's worst case): when even the best size does not pay for the drafting time spent
   on it, drafting itself is skipped for the next steps (1, 2, 4, ... up to 16 while it keeps
   losing), and probed again after.
@@ -131,14 +133,14 @@ class Evict:
                 gain += -neg_a
             else:
                 rest.append((neg_a, n, i))
-        best_rate = (rows + gain) / self.profile.predict(tokens, contexts, mask)
-        best_k, k_gain, trial = 0, gain, list(tokens)
         best_cost = self.profile.predict(tokens, contexts, mask)
+        best_rate = (rows + gain) / (best_cost + draft_time_s)
+        best_k, k_gain, trial = 0, gain, list(tokens)
         for k, (neg_a, n, i) in enumerate(rest, start=1):
             trial[i] += 1
             k_gain += -neg_a
             cost = self.profile.predict(trial, contexts, mask)
-            rate = (rows + k_gain) / cost
+            rate = (rows + k_gain) / (cost + draft_time_s)
             if rate > best_rate:
                 best_rate, best_k, best_cost = rate, k, cost
         for neg_a, n, i in rest[:best_k]:

@@ -92,14 +92,6 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
 
         super().load(runner)
         self._stack = decoder_stack(draft_model(runner))
-        self.load_trees(runner)
-
-    def stats_by_level(self) -> dict[str, dict[str, Any]]:
-        return {**super().stats_by_level(), **self.tree_stats_by_level()}
-
-    def reset_stats(self) -> None:
-        super().reset_stats()
-        self.reset_tree_stats()
 
     def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
         reqs = super().requests(sampled_token_ids, reserve)

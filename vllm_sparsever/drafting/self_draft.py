@@ -135,14 +135,6 @@ class SelfDraftProposer(TreeDrafting, RoundDrafter):
     def load(self, runner: Any) -> None:
         self.model.load(runner)
         super().load(runner)
-        self.load_trees(runner)
-
-    def stats_by_level(self) -> dict[str, dict[str, Any]]:
-        return {**super().stats_by_level(), **self.tree_stats_by_level()}
-
-    def reset_stats(self) -> None:
-        super().reset_stats()
-        self.reset_tree_stats()
 
     def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Draft tokens per batch row (a tree's nodes, parents first, with `tree`); a row that

@@ -42,7 +42,8 @@ class TreeDraftStats:
 
 
 class TreeDrafting:
-    """Mixin (before `RoundDrafter`): `init_trees()` in the constructor, `load_trees()` in load()."""
+    """Mixin, before `RoundDrafter`: call `init_trees()` in the constructor; `load`, the per-level
+    stats and their reset add the tree levels to the drafter's."""
 
     tree: Any = None
     adaptive: Any = None
@@ -60,7 +61,8 @@ class TreeDrafting:
         self.tree_stats = TreeDraftStats()
         self._trees: dict[str, DraftTree] = {}  # req id -> the tree proposed for its next step
 
-    def load_trees(self, runner: Any) -> None:
+    def load(self, runner: Any) -> None:
+        super().load(runner)
         if self.adaptive is not None:
             from vllm_sparsever.adaptive.cost import resolve_cost_profile
             from vllm_sparsever.adaptive.evict import Evict
@@ -68,15 +70,17 @@ class TreeDrafting:
             profile = resolve_cost_profile(self.adaptive.cost_profile, runner.model_config.model)
             self.evict = Evict(profile, min_draft_tokens=self.adaptive.min_draft_tokens, guard=self.adaptive.guard)
 
-    def tree_stats_by_level(self) -> dict[str, dict[str, Any]]:
+    def stats_by_level(self) -> dict[str, dict[str, Any]]:
+        levels = super().stats_by_level()
         if self.tree is None:
-            return {}
-        levels = {"tree_drafting": self.tree_stats.summary()}
+            return levels
+        levels["tree_drafting"] = self.tree_stats.summary()
         if self.evict is not None:
             levels["evict"] = self.evict.stats.summary()
         return levels
 
-    def reset_tree_stats(self) -> None:
+    def reset_stats(self) -> None:
+        super().reset_stats()
         self.tree_stats = TreeDraftStats()
         if self.evict is not None:
             self.evict.stats = type(self.evict.stats)()

@@ -114,6 +114,8 @@ class SparseverRunnerMixin:
             from vllm_sparsever.integration.compat.runner import sample_call_args
 
             self._accept_trees(plan, *sample_call_args(args, kwargs), output)
+        if plan is not None and plan.is_verify_step:
+            self._observe_acceptance(plan, output)  # here: vLLM proposes the next drafts later in the step
         self._sparsever_timing["sample"] = time.perf_counter() - start
         return output
 
@@ -177,8 +179,6 @@ class SparseverRunnerMixin:
         finally:
             self.sparsever_plan = None
         sample_tokens_time = time.perf_counter() - start
-        if plan is not None and plan.is_verify_step:
-            self._observe_acceptance(plan, output)  # before the drafter replaces its drafts
         if self._sparsever_propose_late and plan is not None:
             self._propose_after_bookkeeping(output)  # timed as drafting, not as this step's sampling
         timing, self._sparsever_timing = self._sparsever_timing, {}
@@ -206,21 +206,21 @@ class SparseverRunnerMixin:
         self._sparsever_snapshots.write(self.sparsever_metrics)
         return output
 
-    def _observe_acceptance(self, plan: VerificationPlan, output: Any) -> None:
+    def _observe_acceptance(self, plan: VerificationPlan, sampler_output: Any) -> None:
         """Tell a drafter that calibrates on it (EVICT) which of its drafts were accepted: a tree's
-        accepted path (from tree acceptance), a chain's accepted prefix."""
-        observe = getattr(self.sparsever_proposer, "observe_acceptance", None)
-        sampled = sampled_tokens(output) if observe is not None else None
-        if sampled is None:
-            return
-        req_id_to_index, tokens = sampled
+        accepted path (tree acceptance), a chain's accepted prefix (vLLM's rejection sampler)."""
+        from vllm_sparsever.integration.compat.runner import emitted_count
+
         paths, self._sparsever_paths = self._sparsever_paths, {}
+        observe = getattr(self.sparsever_proposer, "observe_acceptance", None)
+        if observe is None:
+            return
         for req in plan.requests:
-            index = req_id_to_index.get(req.req_id)
-            if index is None or index >= len(tokens) or not tokens[index]:
-                continue
             path = paths.get(req.req_id)
-            accepted = [q - 1 for q in path] if path is not None else list(range(len(tokens[index]) - 1))
+            if path is not None:
+                accepted = [q - 1 for q in path]
+            else:
+                accepted = list(range(max(emitted_count(sampler_output, req.batch_index) - 1, 0)))
             observe(req.req_id, req.num_draft_tokens, accepted)
 
     def _propose_after_bookkeeping(self, output: Any) -> float:

@@ -396,3 +396,8 @@ def write_sampled_tokens(output: Any, row: int, tokens: list[int]) -> None:
     sampled = output.sampled_token_ids
     sampled[row].fill_(-1)
     sampled[row, : len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
+
+
+def emitted_count(output: Any, row: int) -> int:
+    """How many tokens batch row `row` of a `SamplerOutput` emits (entries other than -1)."""
+    return int((output.sampled_token_ids[row] != -1).sum())
