@@ -38,12 +38,23 @@ def test_cheap_tokens_keep_the_confident_drafts_and_cut_the_rest():
 
 
 def test_expensive_tokens_verify_nothing_and_the_guard_skips_drafting():
+    from vllm_sparsever.adaptive.evict import PROBE_EVERY
+
     evict = Evict(_profile(0.2, base_s=0.01), guard=True)  # a token costs 20x the step base
+    assert evict.should_draft([256])  # a batch size never seen drafts
     out = evict.truncate([_chain([0.5, 0.5])], [256], draft_time_s=0.01)
     assert len(out[0]) == 0 and evict.stats.empty_steps == 1
-    assert not evict.should_draft() and evict.should_draft()  # one step skipped, then probe
-    evict.truncate([_chain([0.5, 0.5])], [256], draft_time_s=0.01)
-    assert [evict.should_draft() for _ in range(3)] == [False, False, True]  # backoff doubled
+    # Drafting did not pay at one row: skipped, except one probe in PROBE_EVERY steps ...
+    decisions = [evict.should_draft([256]) for _ in range(2 * PROBE_EVERY)]
+    assert decisions.count(True) == 2 and evict.stats.skipped_drafting_steps == 2 * PROBE_EVERY - 2
+    # ... while another batch size, never seen, drafts.
+    assert evict.should_draft([256, 256])
+
+
+def test_guard_keeps_drafting_when_it_pays():
+    evict = Evict(_profile(0.001), guard=True)
+    evict.truncate([_chain([0.9, 0.9, 0.9])], [256], draft_time_s=0.01)
+    assert all(evict.should_draft([256]) for _ in range(100)) and evict.stats.skipped_drafting_steps == 0
 
 
 def test_batch_is_taken_into_account():

@@ -13,9 +13,12 @@ Per step, before verification, over the whole batch:
   the step a node's verification makes longer: counting only verification would cut nodes whose
   cost is small next to the whole step. Size 0 (no drafts: a plain decode step) is one of the
   candidates, so a step is never verified at an expected loss.
-- guard (Cascade's worst case): when even the best size does not pay for the drafting time spent
-  on it, drafting itself is skipped for the next steps (1, 2, 4, ... up to 16 while it keeps
-  losing), and probed again after.
+- guard (Cascade's worst case), before drafting: per batch size (rows in the step), it keeps running
+  averages of the drafting time, the expected gain per row and the verification time of the
+  truncations it chose; a step whose expected tokens per second with drafting, rows * (1 + gain)
+  / (drafting + verification), falls below plain decoding's, rows / cost(one token per row), does
+  not draft at all. Every `PROBE_EVERY`-th skipped step of a batch size drafts anyway, to refresh
+  its averages (acceptance and load change); a batch size never seen drafts.
 
 Chains are the one-branch case: an adaptive draft length per request.
 """
@@ -33,6 +36,8 @@ from vllm_sparsever.drafting.tree import DraftTree
 
 BINS = 20  # path-probability bins over log10 in [-5, 0]
 PRIOR = 8.0  # pseudo-observations at the drafter's own probability
+PROBE_EVERY = 32  # guard: a skipping batch size drafts once in this many steps
+EMA = 0.3  # guard: weight of the newest drafting step in its batch size's averages
 
 
 class AcceptanceCalibration:
@@ -91,16 +96,27 @@ class Evict:
         self.guard = guard
         self.calibration = AcceptanceCalibration()
         self.stats = EvictStats()
-        self._skip = 0  # steps left to skip drafting
-        self._backoff = 1
+        # guard: rows -> running (drafting s, expected gain per row, verification s), skips in a row
+        self._averages: dict[int, tuple[float, float, float]] = {}
+        self._skipped: dict[int, int] = {}
 
-    def should_draft(self) -> bool:
-        """False while the guard skips drafting (counted)."""
-        if self._skip > 0:
-            self._skip -= 1
-            self.stats.skipped_drafting_steps += 1
-            return False
-        return True
+    def should_draft(self, contexts: list[int], mask: str = "tree") -> bool:
+        """Whether drafting is expected to pay at this batch (rows with these contexts); see the
+        module docstring. A skipped step is counted."""
+        rows = len(contexts)
+        seen = self._averages.get(rows)
+        if not self.guard or seen is None or not rows:
+            return True
+        draft_s, gain, verify_s = seen
+        plain = rows / self.profile.predict([1] * rows, contexts, "chain")
+        if rows * (1 + gain) / (draft_s + verify_s) >= plain:
+            self._skipped[rows] = 0
+            return True
+        self._skipped[rows] = self._skipped.get(rows, 0) + 1
+        if self._skipped[rows] % PROBE_EVERY == 0:
+            return True  # probe
+        self.stats.skipped_drafting_steps += 1
+        return False
 
     def benefits(self, tree: DraftTree) -> list[float]:
         out: list[float] = []
@@ -155,10 +171,9 @@ class Evict:
         self.stats.empty_steps += kept == 0 and drafted > 0
         self.stats.expected_tokens += rows + gain
         self.stats.predicted_verify_s += best_cost
-        if self.guard and drafted:
-            plain = rows / self.profile.predict([1] * rows, contexts, mask)
-            if kept == 0 or (rows + gain) / (best_cost + draft_time_s) < plain:
-                self._skip, self._backoff = self._backoff, min(self._backoff * 2, 16)
-            else:
-                self._backoff = 1
+        if drafted:
+            new = (draft_time_s, gain / rows, best_cost)
+            old = self._averages.get(rows)
+            self._averages[rows] = new if old is None else tuple(
+                EMA * n + (1 - EMA) * o for n, o in zip(new, old, strict=True))
         return out

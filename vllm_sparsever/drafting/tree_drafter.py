@@ -93,7 +93,7 @@ class TreeDrafting:
         self._trees.clear()
         reqs = self.requests(sampled_token_ids, self.num_speculative_tokens)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        if not reqs.rows or (self.evict is not None and not self.evict.should_draft()):
+        if not reqs.rows or (self.evict is not None and not self.evict.should_draft(list(reqs.positions))):
             return drafts
         batch = self.runner.input_batch
         start = time.perf_counter()
