@@ -17,8 +17,10 @@ Per step, before verification, over the whole batch:
   averages of the drafting time, the expected gain per row and the verification time of the
   truncations it chose; a step whose expected tokens per second with drafting, rows * (1 + gain)
   / (drafting + verification), falls below plain decoding's, rows / cost(one token per row), does
-  not draft at all. Every `PROBE_EVERY`-th skipped step of a batch size drafts anyway, to refresh
-  its averages (acceptance and load change); a batch size never seen drafts.
+  not draft at all. After `PROBE_EVERY` skipped steps a batch size drafts once anyway, to refresh its
+  averages (acceptance and load change), and twice as rarely after each probe that still does not
+  pay (a probe costs the draft model's catch-up over every token it skipped); a batch size never
+  seen drafts.
 
 Chains are the one-branch case: an adaptive draft length per request.
 """
@@ -36,7 +38,8 @@ from vllm_sparsever.drafting.tree import DraftTree
 
 BINS = 20  # path-probability bins over log10 in [-5, 0]
 PRIOR = 8.0  # pseudo-observations at the drafter's own probability
-PROBE_EVERY = 32  # guard: a skipping batch size drafts once in this many steps
+PROBE_EVERY = 32  # guard: a skipping batch size drafts once in this many steps at first ...
+MAX_PROBE_EVERY = 512  # ... then twice as rarely after each probe that still does not pay
 EMA = 0.3  # guard: weight of the newest drafting step in its batch size's averages
 
 
@@ -96,9 +99,11 @@ class Evict:
         self.guard = guard
         self.calibration = AcceptanceCalibration()
         self.stats = EvictStats()
-        # guard: rows -> running (drafting s, expected gain per row, verification s), skips in a row
+        # guard, per batch size: running (drafting s, expected gain per row, verification s), skips
+        # since the last probe, and the probe interval
         self._averages: dict[int, tuple[float, float, float]] = {}
         self._skipped: dict[int, int] = {}
+        self._probe_every: dict[int, int] = {}
 
     def should_draft(self, contexts: list[int], mask: str = "tree") -> bool:
         """Whether drafting is expected to pay at this batch (rows with these contexts); see the
@@ -111,10 +116,14 @@ class Evict:
         plain = rows / self.profile.predict([1] * rows, contexts, "chain")
         if rows * (1 + gain) / (draft_s + verify_s) >= plain:
             self._skipped[rows] = 0
+            self._probe_every[rows] = PROBE_EVERY
             return True
         self._skipped[rows] = self._skipped.get(rows, 0) + 1
-        if self._skipped[rows] % PROBE_EVERY == 0:
-            return True  # probe
+        every = self._probe_every.setdefault(rows, PROBE_EVERY)
+        if self._skipped[rows] >= every:  # probe; if it still does not pay, the next one comes later
+            self._skipped[rows] = 0
+            self._probe_every[rows] = min(2 * every, MAX_PROBE_EVERY)
+            return True
         self.stats.skipped_drafting_steps += 1
         return False
 
