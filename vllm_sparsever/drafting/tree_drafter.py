@@ -97,7 +97,7 @@ class TreeDrafting:
             return drafts
         batch = self.runner.input_batch
         start = time.perf_counter()
-        trees = self.grow_trees(reqs)
+        trees, steady_draft_s = self.grow_trees(reqs)
         for k, row in enumerate(reqs.rows):
             if len(trees[k]) and not trees[k].is_chain() and not tree_sampling_supported(self.runner, row):
                 trees[k] = trees[k].subtree(trees[k].best_path())
@@ -105,7 +105,7 @@ class TreeDrafting:
         if self.evict is not None:
             # A request's verify step has its root (last committed token) at `position`: the
             # context before it is `position` tokens.
-            trees = self.evict.truncate(trees, list(reqs.positions), draft_time_s=time.perf_counter() - start)
+            trees = self.evict.truncate(trees, list(reqs.positions), draft_time_s=steady_draft_s)
         for row, tree in zip(reqs.rows, trees, strict=True):
             if len(tree):
                 self._trees[batch.req_ids[row]] = tree
@@ -134,9 +134,13 @@ class TreeDrafting:
     # ---- growing --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def grow_trees(self, reqs: DraftRequests) -> list[DraftTree]:
+    def grow_trees(self, reqs: DraftRequests) -> tuple[list[DraftTree], float]:
         """A dynamic draft tree per request of at most min(num_speculative_tokens, budget) nodes:
-        the roots' pass, then one pass per level over every growing tree."""
+        the roots' pass, then one pass per level over every growing tree. Also returns what this
+        drafting costs in steady state: the level passes plus one more for the roots (the roots'
+        pass itself may carry a catch-up over many tokens, e.g. a new prompt in the draft model,
+        which a step that drafts every time does not pay; counting it would make EVICT's guard
+        skip drafting, and skipping makes the next catch-up longer)."""
         from vllm_sparsever.plan import stacked_tree_mask
 
         cfg = self.tree
@@ -150,10 +154,12 @@ class TreeDrafting:
                 growths[i] = TreeGrowth(branching=cfg.branching, expand=cfg.expand, depth=cfg.depth,
                                         budget=budget, max_expanded=budget - 1)
                 idx.append(i)
+        start = time.perf_counter()
         if idx:
             top_p, top_t = self._tree_root_top(reqs, idx, cfg.branching)
             for k, i in enumerate(idx):
                 growths[i].grow_top(top_p[k: k + 1], top_t[k: k + 1])
+        root_s, levels_start, levels = time.perf_counter() - start, time.perf_counter(), 0
         while True:
             live = [i for i in idx if not growths[i].done]
             if not live:
@@ -176,6 +182,7 @@ class TreeDrafting:
                 [reqs.rows[i] for i in live], as_long(tokens), as_long(positions), as_long(kv_positions), lens,
                 stacked_tree_mask(topologies).to(device), as_long(wanted), cfg.branching)
             self.tree_stats.levels += 1
+            levels += 1
             offset = 0
             for i in live:
                 n = len(growths[i].frontier)
@@ -188,7 +195,8 @@ class TreeDrafting:
                 self.tree_stats.trees += 1
                 self.tree_stats.nodes_grown += len(g.tree)
             trees.append(tree)
-        return trees
+        levels_s = time.perf_counter() - levels_start
+        return trees, (levels_s * (levels + 1) / levels if levels else root_s)
 
     def _tree_root_top(self, reqs: DraftRequests, idx: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k (probabilities, token ids) after each root `reqs.tokens[i]` (i in idx) at its position."""
