@@ -148,3 +148,17 @@ def test_registry_and_folder_names():
     assert _folder_name("smollm2-135m-moe-fg", 16, 4, 512) == "smollm2-135m-moe-fg-e16k4s512"
     old = get_spec("smollm2-135m-moe")  # unchanged
     assert (old.architecture, old.num_experts, old.top_k, old.shared_neurons) == ("mixtral", 8, 6, 256)
+
+
+def test_router_smoothing(tiny_llama, calib):
+    """Neighbour-smoothed router targets: shares mixed within a sequence only; the layer is still a
+    partition of the neurons and the router beats chance on each token's own top-k."""
+    scores = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [3.0, 1.0]])  # 2 sequences of 2 tokens
+    torch.testing.assert_close(fg.smooth_scores(scores, 2, 1, 0.0), torch.tensor([[1.0, 0], [0, 1], [1, 0], [0.75, 0.25]]))
+    torch.testing.assert_close(fg.smooth_scores(scores, 2, 1, 1.0), torch.tensor([[0.5, 0.5]] * 2 + [[0.875, 0.125]] * 2))
+    _, inputs = calib
+    cfg = fg.FineGrainedConfig(num_experts=8, top_k=2, shared_neurons=32, router_smoothing=0.8, router_window=2,
+                               **{**SMALL, "calib_seq_len": 32})  # fmt: skip
+    layer = fg.moefy_layer(tiny_llama.model.layers[1].mlp, inputs[1], cfg, 1)
+    assert sorted(torch.cat([layer.shared, *layer.experts]).tolist()) == list(range(INTER))
+    assert layer.router_recall > 2 / 8

@@ -95,7 +95,8 @@ def _build_moe_model(spec: MoEModelSpec, base_dir: Path, dtype: str, shape: tupl
             from vllm_sparsever.models.moefication_fg import FineGrainedConfig, build_fg_moe_folder
 
             cfg = FineGrainedConfig(num_experts=num_experts, top_k=top_k, shared_neurons=shared,
-                                    dense_layers=tuple(spec.dense_layers), seed=seed)  # fmt: skip
+                                    dense_layers=tuple(spec.dense_layers), router_smoothing=spec.router_smoothing,
+                                    seed=seed)  # fmt: skip
             facts = build_fg_moe_folder(base_dir, tmp, cfg, dtype=dtype)
         elif spec.architecture == "mixtral":
             from vllm_sparsever.models.moefication import MoEficationConfig, build_moe_folder

@@ -51,6 +51,10 @@ class FineGrainedConfig:
     router_lr: float = 2e-2
     router_tokens: int = 8192
     router_holdout: int = 2048
+    # Router targets mixed with their neighbours' (same sequence, +-router_window tokens): 0 = each
+    # token's own top-k experts; > 0 trades per-token recall for experts shared by consecutive tokens.
+    router_smoothing: float = 0.0
+    router_window: int = 4
 
     def layer_config(self) -> moe.MoEficationConfig:
         return moe.MoEficationConfig(
@@ -67,14 +71,54 @@ class FineGrainedConfig:
         return routed // self.num_experts
 
 
+def smooth_scores(scores: torch.Tensor, seq_len: int, window: int, alpha: float) -> torch.Tensor:
+    """[T, E] expert scores in sequence order (T = sequences x seq_len) -> per-token score shares mixed with
+    the mean share over the +-window neighbours in the same sequence: (1 - alpha) p_t + alpha mean(p)."""
+    num_experts = scores.shape[1]
+    p = scores / scores.sum(1, keepdim=True).clamp_min(1e-12)
+    seqs = p.reshape(-1, seq_len, num_experts).transpose(1, 2)  # [N, E, L]
+    pooled = F.avg_pool1d(seqs, 2 * window + 1, stride=1, padding=window, count_include_pad=False)
+    return ((1 - alpha) * seqs + alpha * pooled).transpose(1, 2).reshape(-1, num_experts)
+
+
+def moefy_layer(mlp, x: torch.Tensor, cfg: FineGrainedConfig, layer_seed: int) -> moe.LayerMoE:
+    """`moefication.moefy_layer` (same shared set, experts, token split and router fit), with the router
+    optionally fitted on neighbour-smoothed targets (x in sequence order, cfg.calib_seq_len per sequence).
+    The reported recall is against each token's own top-k experts."""
+    lcfg = cfg.layer_config()
+    if cfg.router_smoothing <= 0:
+        return moe.moefy_layer(mlp, x, lcfg, layer_seed)
+    w_gate = mlp.gate_proj.weight.detach().float()
+    w_up = mlp.up_proj.weight.detach().float()
+    w_down = mlp.down_proj.weight.detach().float()
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(layer_seed))
+    xp = x[perm]
+    act_sample = moe.swiglu_act(xp[: lcfg.cluster_tokens], w_gate, w_up)
+    importance = act_sample.abs().mean(0) * w_down.norm(dim=0)
+    shared = torch.sort(importance.topk(lcfg.shared_neurons).indices).values
+    routed = torch.ones(w_gate.shape[0], dtype=torch.bool)
+    routed[shared] = False
+    routed = torch.nonzero(routed).flatten()
+    labels = moe.balanced_kmeans(act_sample[:, routed].abs().T, lcfg.num_experts, lcfg.kmeans_iters, layer_seed)
+    experts = [routed[idx] for idx in moe.expert_indices(labels, lcfg.num_experts)]
+    chunks = [moe.expert_scores(moe.swiglu_act(c, w_gate, w_up), w_down, experts) for c in x.split(4096)]
+    scores_all = torch.cat(chunks)
+    target_all = smooth_scores(scores_all, cfg.calib_seq_len, cfg.router_window, cfg.router_smoothing)
+    n_hold = min(lcfg.router_holdout, x.shape[0] // 4)
+    train = perm[n_hold : n_hold + lcfg.router_tokens]
+    hold = perm[:n_hold]
+    router = moe.fit_router(x[train], target_all[train], lcfg.top_k, lcfg.router_steps, lcfg.router_lr, layer_seed)
+    recall = moe.topk_recall(x[hold] @ router.T, scores_all[hold], lcfg.top_k) if n_hold else float("nan")
+    return moe.LayerMoE(experts, router, recall, shared)
+
+
 def moefy_layers(model, inputs: list[torch.Tensor | None], cfg: FineGrainedConfig) -> dict[int, moe.LayerMoE]:
     """LayerMoE for every layer not in `cfg.dense_layers` (inputs of processed layers are freed)."""
-    lcfg = cfg.layer_config()
     out = {}
     for i, layer in enumerate(tqdm(model.model.layers, desc="moefy layers", leave=False)):
         if i in cfg.dense_layers:
             continue
-        out[i] = moe.moefy_layer(layer.mlp, inputs[i], lcfg, cfg.seed * 1000 + i)
+        out[i] = moefy_layer(layer.mlp, inputs[i], cfg, cfg.seed * 1000 + i)
         inputs[i] = None
     return out
 

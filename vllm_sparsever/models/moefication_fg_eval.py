@@ -34,11 +34,13 @@ from vllm_sparsever.models.moefication_eval import _agreement, _argmax_all
 MAX_N = 16
 
 
-def parse_config(text: str) -> fg.FineGrainedConfig:
+def parse_config(text: str, default_smoothing: float) -> fg.FineGrainedConfig:
+    """E:k:S[:dense[:smoothing]], dense layers joined by '+' ('-' = none)."""
     parts = text.split(":")
     e, k, s = (int(v) for v in parts[:3])
     dense = () if len(parts) < 4 or parts[3] in ("", "-") else tuple(int(v) for v in parts[3].split("+"))
-    return fg.FineGrainedConfig(num_experts=e, top_k=k, shared_neurons=s, dense_layers=dense)
+    smoothing = float(parts[4]) if len(parts) > 4 else default_smoothing
+    return fg.FineGrainedConfig(num_experts=e, top_k=k, shared_neurons=s, dense_layers=dense, router_smoothing=smoothing)
 
 
 def run_config(model, inputs, cfg: fg.FineGrainedConfig, heldout, dense_ppl, dense_argmax) -> dict:
@@ -63,7 +65,9 @@ def run_config(model, inputs, cfg: fg.FineGrainedConfig, heldout, dense_ppl, den
     n_layers = model.config.num_hidden_layers
     active = (cfg.shared_neurons + cfg.top_k * cfg.moe_intermediate_size(intermediate)) / intermediate
     return {
-        "config": f"{cfg.num_experts}:{cfg.top_k}:{cfg.shared_neurons}:{'+'.join(map(str, cfg.dense_layers)) or '-'}",
+        "config": f"{cfg.num_experts}:{cfg.top_k}:{cfg.shared_neurons}:{'+'.join(map(str, cfg.dense_layers)) or '-'}"
+                  f":{cfg.router_smoothing:g}",
+        "router_smoothing": cfg.router_smoothing,
         "num_experts": cfg.num_experts,
         "top_k": cfg.top_k,
         "shared_neurons": cfg.shared_neurons,
@@ -86,9 +90,8 @@ def sensitivity(model, inputs, cfg: fg.FineGrainedConfig, ids: torch.Tensor) -> 
     """Perplexity on `ids` with only layer i MoEfied, for every layer."""
     base = moe.perplexity(model, ids)
     rows = []
-    lcfg = cfg.layer_config()
     for i, layer in enumerate(model.model.layers):
-        lm = moe.moefy_layer(layer.mlp, inputs[i], lcfg, cfg.seed * 1000 + i)
+        lm = fg.moefy_layer(layer.mlp, inputs[i], cfg, cfg.seed * 1000 + i)
         dense_mlp = layer.mlp
         layer.mlp = fg.FineGrainedMoEFFN(dense_mlp, lm, cfg.top_k)
         try:
@@ -116,7 +119,7 @@ def markdown(report: dict) -> str:
         f"{report['heldout_tokens']} tokens (Lee test news + 2nd half of the Wikipedia dump), dense perplexity "
         f"{report['dense']['perplexity']:.2f}. CPU: {report['hardware']['cpu']}, {report['hardware']['threads']} threads.",
         "",
-        "| E:k:S:dense | expert width | active FFN (MoE layers / model) | perplexity | ratio | top-1 agreement | router recall | distinct/indep. N=4 | N=8 | N=16 |",
+        "| E:k:S:dense:smoothing | expert width | active FFN (MoE layers / model) | perplexity | ratio | top-1 agreement | router recall | distinct/indep. N=4 | N=8 | N=16 |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["configs"]:
@@ -146,7 +149,9 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default=None, help="dense model folder (default: the built smollm2-135m)")
-    parser.add_argument("--configs", default="32:8:512:0", help="E:k:S:dense-layers, comma separated")
+    parser.add_argument("--configs", default="32:8:512:0", help="E:k:S[:dense-layers[:router-smoothing]], comma separated")
+    parser.add_argument("--router-smoothing", type=float, default=fg.FineGrainedConfig.router_smoothing,
+                        help="default neighbour smoothing of the router targets (see moefication_fg)")
     parser.add_argument("--sensitivity", default=None, help="E:k:S for the per-layer sensitivity scan")
     parser.add_argument("--sensitivity-sequences", type=int, default=4)
     parser.add_argument("--heldout-sequences", type=int, default=8)
@@ -172,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         # Calibration-side text (train split, another shuffle): the choice never looks at the held-out set.
         sens_ids = moe.pack_sequences(tokenizer, moe.calibration_texts(), 512, args.sensitivity_sequences, seed=2)
         report_extra = {"sensitivity_config": args.sensitivity,
-                        "sensitivity": sensitivity(model, inputs, parse_config(args.sensitivity), sens_ids)}
+                        "sensitivity": sensitivity(model, inputs, parse_config(args.sensitivity, args.router_smoothing), sens_ids)}
     rows = []
     for text in args.configs.split(","):
-        row = run_config(model, inputs, parse_config(text), heldout, dense_ppl, dense_argmax)
+        row = run_config(model, inputs, parse_config(text, args.router_smoothing), heldout, dense_ppl, dense_argmax)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("distinct_experts", "independent_experts")}), flush=True)
     cpu = platform.processor() or platform.machine()

@@ -45,6 +45,7 @@ class MoEModelSpec:
     # routed experts + a real shared expert + dense layers (moefication_fg.py).
     architecture: str = "mixtral"
     dense_layers: tuple[int, ...] = ()  # qwen2_moe only: layers that keep their dense FFN
+    router_smoothing: float = 0.0  # qwen2_moe only: neighbour smoothing of the router targets
 
 
 def _split_package(prefix: str, module: str, count: int, version: str, filename) -> tuple:
