@@ -127,3 +127,56 @@ def test_preserved_weights_leave_no_class_patched(vllm_env, mode):
     x = torch.randn(6, H)
     with set_forward_context(None, vllm_env), torch.no_grad():
         torch.testing.assert_close(preserved(x), stock(x), rtol=1e-5, atol=2e-5)
+
+
+def _qwen2_moe_block(cfg, layer):
+    """vLLM's Qwen2MoeSparseMoeBlock (routed experts + shared expert with its sigmoid gate)."""
+    from transformers import Qwen2MoeConfig
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    config = Qwen2MoeConfig(hidden_size=H, num_experts=E, num_experts_per_tok=TOP_K, moe_intermediate_size=I,
+                            shared_expert_intermediate_size=2 * I, norm_topk_prob=True)  # fmt: skip
+    with set_current_vllm_config(cfg):
+        block = Qwen2MoeSparseMoeBlock(config, prefix=f"model.layers.{layer}.mlp")
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    # vLLM-CPU may repack (and empty) linear weights after loading: keep the originals for the checks.
+    block._originals = {name: p.detach().clone() for name, p in block.named_parameters()}
+    for m in block.modules():
+        qm = getattr(m, "quant_method", None)
+        if qm is not None and hasattr(qm, "process_weights_after_loading"):
+            qm.process_weights_after_loading(m)
+    return block
+
+
+def test_shared_experts_of_a_qwen2_moe_runner(vllm_env):
+    """The runner holds the model's shared-expert module in `shared_experts._layer`, applies no gate of
+    its own (Qwen2MoeMLP gates itself), and its output = routed experts + that module's output."""
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExperts
+
+    assert "_layer" in SharedExperts.forward.__code__.co_names  # the stock path runs `_layer(x)`
+    block = _qwen2_moe_block(vllm_env, layer=20)
+    (_, runner), = vllm_moe.find_moe_runners(block)
+    assert isinstance(runner.shared_experts, SharedExperts)
+    assert vllm_moe.shared_experts_module(runner) is block.shared_expert
+    assert vllm_moe.runner_shared_expert_gate(runner) is None
+    assert vllm_moe.unsupported_features(runner) == []
+    x = torch.randn(5, H)
+    with set_forward_context(None, vllm_env), torch.no_grad():
+        shared = vllm_moe.run_shared_experts(vllm_moe.shared_experts_module(runner), x)
+        w = block._originals
+        gate, up = (x @ w["shared_expert.gate_up_proj.weight"].t()).chunk(2, dim=-1)
+        want = torch.sigmoid(x @ w["shared_expert_gate.weight"].t()) * (
+            (torch.nn.functional.silu(gate) * up) @ w["shared_expert.down_proj.weight"].t())
+        torch.testing.assert_close(shared, want, rtol=1e-5, atol=1e-5)
+        logits = x @ w["gate.weight"].t()
+        full = vllm_moe.stock_runner_forward(runner)(x, logits)
+        routed_only = full - shared
+        assert routed_only.abs().max() > 1e-4 and shared.abs().max() > 1e-4
+    # A Mixtral runner has none.
+    _, mixtral_runner = vllm_moe.find_moe_runners(_block(vllm_env, layer=21))[0]
+    assert vllm_moe.shared_experts_module(mixtral_runner) is None

@@ -88,13 +88,23 @@ def _build_gguf_model(spec: GgufModelSpec, dtype: str, keep_gguf: bool):
 
 
 def _build_moe_model(spec: MoEModelSpec, base_dir: Path, dtype: str, shape: tuple[int, int, int], seed: int):
-    from vllm_sparsever.models.moefication import MoEficationConfig, build_moe_folder
-
     def produce(tmp: Path) -> dict[str, Any]:
         start = time.perf_counter()
         num_experts, top_k, shared = shape
-        cfg = MoEficationConfig(num_experts=num_experts, top_k=top_k, shared_neurons=shared, seed=seed)
-        facts = build_moe_folder(base_dir, tmp, cfg, dtype=dtype)
+        if spec.architecture == "qwen2_moe":
+            from vllm_sparsever.models.moefication_fg import FineGrainedConfig, build_fg_moe_folder
+
+            cfg = FineGrainedConfig(num_experts=num_experts, top_k=top_k, shared_neurons=shared,
+                                    dense_layers=tuple(spec.dense_layers), router_smoothing=spec.router_smoothing,
+                                    seed=seed)  # fmt: skip
+            facts = build_fg_moe_folder(base_dir, tmp, cfg, dtype=dtype)
+        elif spec.architecture == "mixtral":
+            from vllm_sparsever.models.moefication import MoEficationConfig, build_moe_folder
+
+            cfg = MoEficationConfig(num_experts=num_experts, top_k=top_k, shared_neurons=shared, seed=seed)
+            facts = build_moe_folder(base_dir, tmp, cfg, dtype=dtype)
+        else:
+            raise ValueError(f"{spec.name}: unknown MoEfication architecture {spec.architecture!r}")
         base_manifest = _manifest.read_manifest(base_dir) or {}
         return {
             "kind": "moefication",

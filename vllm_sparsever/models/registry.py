@@ -41,6 +41,11 @@ class MoEModelSpec:
     notes: str = ""
     # Packages holding the calibration text (see vllm_sparsever.data.sources).
     calibration_packages: tuple[PinnedPackage, ...] = ()
+    # "mixtral": shared neurons emulated inside every expert (moefication.py); "qwen2_moe": fine-grained
+    # routed experts + a real shared expert + dense layers (moefication_fg.py).
+    architecture: str = "mixtral"
+    dense_layers: tuple[int, ...] = ()  # qwen2_moe only: layers that keep their dense FFN
+    router_smoothing: float = 0.0  # qwen2_moe only: neighbour smoothing of the router targets
 
 
 def _split_package(prefix: str, module: str, count: int, version: str, filename) -> tuple:
@@ -69,6 +74,8 @@ _GEMMA_PACKAGES, _GEMMA_PIECES = _split_package(
 # Defaults chosen from docs/models_and_data.md (quality vs the dense model).
 SMOLLM2_MOE_TOP_K = 6
 SMOLLM2_MOE_SHARED = 256
+# Fine-grained variant (docs/models_and_data.md, "Fine-grained MoEfication").
+SMOLLM2_MOE_FG = dict(num_experts=32, top_k=8, shared_neurons=512, dense_layers=(0,))
 
 MODELS: dict[str, GgufModelSpec | MoEModelSpec] = {}
 
@@ -141,6 +148,21 @@ _add(
         "clusters of the other FFN neurons; router = linear, fitted per layer on calibration text. Top-k of "
         "E approximates the dense FFN (top-E-of-E is exact).",
         calibration_packages=(PinnedPackage("gensim", "4.4.0"),),
+    )
+)
+_add(
+    MoEModelSpec(
+        name="smollm2-135m-moe-fg",
+        description="SmolLM2-135M-Instruct MoEfied into a fine-grained Qwen2-MoE: routed experts + a shared expert",
+        base="smollm2-135m",
+        **SMOLLM2_MOE_FG,
+        license="Apache-2.0 (derived from SmolLM2-135M-Instruct)",
+        chat=True,
+        notes="Shared expert = the neurons with the largest mean contribution; routed experts = balanced "
+        "co-activation clusters of the other neurons; router = linear, fitted per layer to predict the experts "
+        "with the largest output; dense_layers keep the dense FFN (mlp_only_layers). Top-E-of-E is exact.",
+        calibration_packages=(PinnedPackage("gensim", "4.4.0"),),
+        architecture="qwen2_moe",
     )
 )
 

@@ -23,6 +23,12 @@ loads) therefore changes that step for the target's layers:
 step with `moe.enabled`, the verify tokens are routed by `moe_route_and_prune` (ratio pruning and
 the per-request expert budget) and run by `moe_grouped_dispatch` over the union of kept experts;
 other tokens of a mixed step, and every other step, take the stock forward.
+
+Shared experts (Qwen2-MoE's `shared_expert` + sigmoid `shared_expert_gate`, run by vLLM's
+`SharedExperts` inside the runner): never pruned. On the sparse path the block runs the model's
+shared-expert module densely on the verify tokens and adds it to the pruned routed output before
+the TP reduction, as the stock runner does; the stock forward (dense steps, other tokens of a mixed
+step, the dense fallback) runs them itself.
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ from vllm_sparsever.verification.runtime import (
 
 SUPPORTED = (
     "MixtralForCausalLM and other FusedMoE blocks with softmax top-k routing, SiLU-gated "
-    "unquantized experts without bias, no shared experts and no expert/data parallelism "
-    "(e.g. Qwen3MoeForCausalLM, OlmoeForCausalLM)"
+    "unquantized experts without bias, optional shared experts run densely (a module with its own "
+    "gate, e.g. Qwen2MoeForCausalLM) and no expert/data parallelism "
+    "(e.g. Qwen3MoeForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM)"
 )
 WEIGHT_MODES = ("shared", "copy")
 
@@ -145,6 +152,7 @@ class SparseMoEBlock:
         self.stock_forward = vllm_moe.stock_runner_forward(runner)
         self._w13, self._w2 = w13, w2  # None = the runner's own (unpacked) parameters
         self.top_k, self.renormalize = vllm_moe.router_top_k(runner)
+        self.shared_experts = vllm_moe.shared_experts_module(runner)  # None: no shared experts
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._w13 is not None:
@@ -190,6 +198,8 @@ class SparseMoEBlock:
         out_v, used = ops.moe_grouped_dispatch(xv, weights, ids, w13, w2)
         if rt.check_reference:
             self._check_reference(xv, lv, threshold, budget_groups, budget, out_v, rt)
+        if self.shared_experts is not None:  # always dense; added before the reduction, as stock
+            out_v = out_v + vllm_moe.run_shared_experts(self.shared_experts, xv)
         # The stock block's TP reduction (same condition, same collective).
         out_v = vllm_moe.reduce_final_output(self.runner, out_v)
 

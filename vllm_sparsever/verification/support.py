@@ -8,8 +8,8 @@ from vllm_sparsever.config import SparseverConfig, SparseverConfigError
 
 # Dense SwiGLU MLPs (gate_up_proj + SiluAndMul + down_proj) the FFN wrapper handles.
 FFN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# MoE blocks the MoE wrapper handles.
-MOE_ARCHITECTURES = ("MixtralForCausalLM",)
+# MoE blocks the MoE wrapper handles (Qwen2-MoE: routed experts pruned, shared expert always dense).
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def check_sparsity_supported(config: SparseverConfig, model_config: Any) -> None:

@@ -10,7 +10,11 @@ Private symbols touched:
   router_logits, input_ids, shared_experts_input)` (shadowed per instance),
   `_maybe_reduce_final_output(states, trunc_size, output_is_reduced)`, attributes `router`,
   `routed_experts`, `gate`, `shared_experts`, `moe_config`, `layer_name`, `routed_input_transform`,
-  `routed_output_transform`, `routed_scaling_factor`;
+  `routed_output_transform`, `routed_scaling_factor`, `shared_expert_gate`;
+- `runner.shared_experts` (`vllm.model_executor.layers.fused_moe.runner.shared_experts.SharedExperts`):
+  its `_layer` (the model's shared-expert module, e.g. `Qwen2MoeMLP` with its sigmoid `expert_gate`,
+  built with `reduce_results=False`; the runner adds its output to the routed output before the TP
+  reduction);
 - router attributes `top_k`, `renormalize`, `use_grouped_topk`, `scoring_func`,
   `custom_routing_function`, `e_score_correction_bias`, `routed_scaling_factor`, `eplb_state`;
 - `FusedMoEConfig` fields `activation`, `has_bias`, `moe_parallel_config.use_ep`, `dp_size`,
@@ -144,6 +148,25 @@ def reduce_final_output(runner: nn.Module, states: torch.Tensor) -> torch.Tensor
     return runner._maybe_reduce_final_output(states, None, False)
 
 
+def shared_experts_module(runner: nn.Module) -> nn.Module | None:
+    """The model's shared-expert module a runner runs densely on every token (None if it has none).
+    Its output (per TP rank, unreduced) is added to the routed experts' output before the reduction."""
+    shared = runner.shared_experts
+    return None if shared is None else shared._layer
+
+
+def runner_shared_expert_gate(runner: nn.Module) -> nn.Module | None:
+    """A shared-expert gate the runner itself applies (ROCm fused gate path); None when the model's
+    shared-expert module applies its own gate (Qwen2-MoE)."""
+    return runner.shared_expert_gate
+
+
+def run_shared_experts(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The shared experts' output for `hidden_states` (as `SharedExperts.forward` computes it)."""
+    out = module(hidden_states)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def runner_gate(runner: nn.Module) -> nn.Module | None:
     """The router-logits linear when the runner computes logits itself (else None)."""
     return runner.gate
@@ -156,7 +179,8 @@ def router_top_k(runner: nn.Module) -> tuple[int, bool]:
 
 def unsupported_features(runner: nn.Module) -> list[str]:
     """Features of this MoE block the sparse path (softmax top-k routing, SiLU-gated unquantized
-    experts without bias, no shared experts, no EP/DP) does not reproduce; empty if none."""
+    experts without bias, shared experts only as a separate module that gates itself, no EP/DP) does
+    not reproduce; empty if none."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
@@ -175,7 +199,9 @@ def unsupported_features(runner: nn.Module) -> list[str]:
         (getattr(router, "e_score_correction_bias", None) is None, "an expert score correction bias"),
         (getattr(router, "routed_scaling_factor", 1.0) == 1.0
          and getattr(runner, "routed_scaling_factor", 1.0) == 1.0, "a routed scaling factor"),
-        (runner.shared_experts is None, "shared experts"),
+        (runner.shared_experts is None or isinstance(shared_experts_module(runner), nn.Module),
+         "shared experts without a module"),
+        (runner_shared_expert_gate(runner) is None, "a shared-expert gate applied by the runner"),
         (runner.routed_input_transform is None and runner.routed_output_transform is None,
          "routed input/output transforms (latent MoE)"),
         (cfg.activation == MoEActivation.SILU, f"activation {cfg.activation}"),
