@@ -116,6 +116,16 @@ METHODS: dict[str, Method] = {
         "sparsever-self-tree", True, False,
         lambda a, d: {"method": "sparsever", "draft_source": "early_exit", "num_speculative_tokens": a.tree_nodes,
                       "tree": _tree(a), "early_exit": _early_exit_tree(a)}),
+    # Self-drafted fixed chains of 5 ("sparsever-self-draft" is the chain of --k) and EVICT chains (up
+    # to --evict-chain-k), for targets without a separate draft model (the MoE target).
+    "sparsever-self-draft-k5": Method(
+        "sparsever-self-draft-k5", True, False,
+        lambda a, d: {"method": "sparsever", "draft_source": "early_exit", "num_speculative_tokens": 5,
+                      "early_exit": _early_exit(a)}),
+    "sparsever-self-evict-chain": Method(
+        "sparsever-self-evict-chain", True, False,
+        lambda a, d: {"method": "sparsever", "draft_source": "early_exit", "num_speculative_tokens": a.evict_chain_k,
+                      "adaptive": True, "early_exit": _early_exit_tree(a)}),
     "sparsever-self-evict-tree": Method(
         "sparsever-self-evict-tree", True, False,
         lambda a, d: {"method": "sparsever", "draft_source": "early_exit", "num_speculative_tokens": a.tree_nodes,
@@ -276,6 +286,7 @@ def run_method(method: Method, args, target: str, draft: str | None, rows: list[
                 entry["draft_time_s"] = m["draft_time_s"]
                 if m.get("drafting"):
                     entry["drafting"] = m["drafting"]
+                entry.update(_experts_per_step(m.get("sparsity") or {}))
             per_category[category] = entry
             for r, out in zip(cat_rows, results):
                 outputs[f"{category}/{r['id']}"] = list(out.outputs[0].token_ids)
@@ -283,6 +294,18 @@ def run_method(method: Method, args, target: str, draft: str | None, rows: list[
         del llm
         gc.collect()
     return {"speculative_config": spec, "categories": per_category, "outputs": outputs}
+
+
+def _experts_per_step(sparsity: dict) -> dict:
+    """MoE targets (sparsever's expert counter): distinct routed experts per layer, per verify step
+    (what the step reads) and per verifying request, with the tokens they route."""
+    steps, requests = sparsity.get("moe_verify_step_layers"), sparsity.get("moe_verify_request_layers")
+    if not steps:
+        return {}
+    return {"experts_per_verify_step": sparsity["moe_verify_step_distinct_experts"] / steps,
+            "tokens_per_verify_step": sparsity["moe_verify_step_tokens"] / steps,
+            "experts_per_verifying_request": sparsity["moe_verify_distinct_experts"] / requests,
+            "tokens_per_verifying_request": sparsity["moe_verify_tokens"] / requests}
 
 
 def summarize(results: dict[str, dict], methods: list[Method]) -> dict[str, dict]:
@@ -323,8 +346,10 @@ def merge_rounds(rounds: list[dict[str, dict]], methods: list[Method]) -> dict[s
 
 
 def markdown_table(results: dict[str, dict]) -> str:
-    lines = ["| method | category | tok/s | speed-up | mean acc. len | acc. rate | verify share | greedy = AR |",
-             "|---|---|---|---|---|---|---|---|"]
+    moe = any("experts_per_verify_step" in e for res in results.values() for e in res["categories"].values())
+    lines = ["| method | category | tok/s | speed-up | mean acc. len | acc. rate | verify share | greedy = AR |"
+             + (" experts/step (tokens) | experts/request (tokens) |" if moe else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if moe else "")]
 
     def f(x, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x)
@@ -334,7 +359,10 @@ def markdown_table(results: dict[str, dict]) -> str:
             lines.append(
                 f"| {name} | {category} | {f(e['tokens_per_s'])} | {f(e.get('speedup_vs_autoregressive'), '{:.2f}x')} "
                 f"| {f(e['mean_acceptance_length'])} | {f(e['acceptance_rate'])} "
-                f"| {f(e.get('verification_time_share'))} | {e.get('greedy_match', '-')} |")
+                f"| {f(e.get('verification_time_share'))} | {e.get('greedy_match', '-')} |"
+                + (f" {f(e.get('experts_per_verify_step'), '{:.1f}')} ({f(e.get('tokens_per_verify_step'), '{:.1f}')}) "
+                   f"| {f(e.get('experts_per_verifying_request'), '{:.1f}')} "
+                   f"({f(e.get('tokens_per_verifying_request'), '{:.1f}')}) |" if moe else ""))
     lines += ["", "Short categories together (sum of tokens / sum of seconds over all rounds; per round in brackets):",
               "", "| method | tok/s | vs autoregressive | vs draft_model | mean acc. len |", "|---|---|---|---|---|"]
     overall = {name: _overall(res) for name, res in results.items()}

@@ -157,10 +157,14 @@ def test_serve_tp2_evict_trees_give_plain_greedy_text(plain_greedy, tiny_target,
     assert values['sparsever:evict_steps_total{decision="truncated"}'] > 0
 
 
-def test_moe_target_trees_count_distinct_experts(tiny_draft, tmp_path):
-    """Trees on a tiny Mixtral (8 experts, top-3): lossless, and the distinct routed experts per
-    verifying request and layer are counted (at most min(E, k * tokens) each, at least k)."""
+def test_moe_target_evict_trees_price_and_count_distinct_experts(tiny_draft, tmp_path):
+    """EVICT trees on a tiny Mixtral (8 experts, top-3): profile-verify measures the experts term
+    (random and repeated tokens), EVICT runs with the expert-union model fed by the target's
+    verify steps, lossless; the distinct routed experts per verifying request and layer are
+    counted (at most min(E, k * tokens) each, at least k), and per step (their union)."""
     from tiny_moe import make_tiny_mixtral
+    from vllm_sparsever.adaptive.cost import VerifyCostProfile, default_cost_profile_path
+    from vllm_sparsever.cli import main
     from vllm_sparsever.metrics import get_metrics
 
     moe = make_tiny_mixtral(tmp_path / "mixtral", seed=0)
@@ -170,7 +174,20 @@ def test_moe_target_trees_count_distinct_experts(tiny_draft, tmp_path):
     finally:
         del llm
         gc.collect()
-    llm = _engine(moe, _tree_spec(tiny_draft))
+    assert main(["profile-verify", str(moe), "--rows", "1,2", "--tokens", "1,8", "--contexts", "64",
+                 "--max-context", "64", "--repeats", "1"]) == 0
+    profile = VerifyCostProfile.load(default_cost_profile_path(moe))
+    assert profile.moe == [8, 3]
+    by_point = {(m.mask, m.rows, m.query_tokens, m.tokens): m.experts for m in profile.measurements}
+    assert by_point[("tree", 1, 1, "random")] == pytest.approx(3 / 8)  # one token: its top-3
+    assert ("tree", 1, 1, "repeated") not in by_point
+    for rows, q in ((1, 8), (2, 8)):
+        # One token repeated: layer 0 routes every copy alike (3 of 8), layer 1 nearly so (the
+        # copies differ by position and by the K/V rows they attend to); 8-16 random tokens
+        # reach nearly all 8 experts in both layers.
+        assert 3 / 8 <= by_point[("tree", rows, q, "repeated")] < by_point[("tree", rows, q, "random")] <= 1
+    spec = _tree_spec(tiny_draft) | {"adaptive": {"enabled": True, "guard": False, "min_draft_tokens": 2}}
+    llm = _engine(moe, spec)
     try:
         greedy = _greedy(llm)
         m = get_metrics(llm)
@@ -178,10 +195,15 @@ def test_moe_target_trees_count_distinct_experts(tiny_draft, tmp_path):
         del llm
         gc.collect()
     assert greedy == plain
+    assert m["evict"]["evict_steps"] > 0 and 0 <= m["evict"]["evict_moe_expert_sharing"] <= 1
     s = m["sparsity"]
     pairs, distinct, tokens = s["moe_verify_request_layers"], s["moe_verify_distinct_experts"], s["moe_verify_tokens"]
     assert pairs > 0 and tokens >= pairs * 2  # trees: several tokens per request
     assert 3 * pairs <= distinct <= min(8 * pairs, 3 * tokens)
+    # Per step and layer: the union over the step's verifying requests, what the step reads.
+    layers, union = s["moe_verify_step_layers"], s["moe_verify_step_distinct_experts"]
+    assert s["moe_verify_step_tokens"] == tokens and 0 < layers <= pairs
+    assert 3 * layers <= union <= min(8 * layers, distinct)
 
 
 def test_trees_with_sparse_attention_match_the_reference(tiny_target, tiny_draft, monkeypatch):

@@ -65,8 +65,10 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
               speculative_config=spec, seed=0)
     per_rank = llm.collective_rpc("sparsever_profile_verify", args=(grid, args.repeats))
     rows = per_rank[0]  # ranks run in lockstep (TP all-reduces): rank 0's times are the step's
+    moe = llm.collective_rpc("sparsever_moe_routing")[0]
     profile = VerifyCostProfile(model=str(model), hardware=hardware(), dtype=args.dtype,
-                                measurements=[Measurement(**m) for m in rows]).fit()
+                                measurements=[Measurement(**m) for m in rows],
+                                moe=list(moe) if moe else None).fit()
     path = profile.save(default_cost_profile_path(model))
     print(f"wrote {path}")
     if args.out:

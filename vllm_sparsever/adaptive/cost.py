@@ -5,17 +5,20 @@ target's verify forward (every layer, the logits of every token) on the worker, 
 rows x query tokens per row x context length, with the tree mask (sparsever's kernel) and
 causally (chains). `VerifyCostProfile` fits, per mask, one linear model of the step time
 
-    t = c0 + c1*T + c2*relu(T - 16) + c3*relu(T - 64) + c4*C + c5*sum_i(q_i*ctx_i) + c6*R
+    t = c0 + c1*T + c2*relu(T - 16) + c3*relu(T - 64) + c4*C + c5*sum_i(q_i*ctx_i) + c6*R [+ c7*X]
 
 (T query tokens in the step, R rows, C context tokens read, q_i*ctx_i the attention work): the
 weights are read once per step (c0), token work grows linearly and faster past the point where a
 step stops being memory-bound (the relu knees), KV reads with the context, attention compute with
 both. Fitted by non-negative least squares (every term costs time), it extrapolates sanely.
 
-MoE targets: the measured steps run random tokens, whose routing spreads over the experts about
-as independent routing does, so the experts' cost is folded into the per-token terms. A step whose
-tokens share experts (a real tree's) costs less than predicted; there is no explicit
-distinct-experts term yet.
+MoE targets add one term, c7*X, X the share of a layer's routed expert weights the step reads
+(distinct routed experts / experts, averaged over the MoE layers): every routed expert a step's
+tokens pick is read once. The profile measures each point twice, with random tokens (routing about
+as spread as independent routing) and with one token repeated (every token picks the same experts),
+and records X as the target's routers chose it, so the fit tells the experts' bytes from the
+tokens' work. At run time EVICT predicts X from the step's token count with the expert-union model
+measured online (adaptive/experts.py); a step whose tokens share experts costs less.
 """
 
 from __future__ import annotations
@@ -44,13 +47,19 @@ class Measurement:
     query_tokens: int  # per row
     context: int  # per row, tokens already in the KV cache
     seconds: float  # median step time
+    experts: float = 0.0  # MoE targets: share of routed expert weights read (see the module docstring)
+    tokens: str = "random"  # "random", or "repeated" (one token: every token picks the same experts)
 
 
-def features(query_tokens: list[int], contexts: list[int]) -> np.ndarray:
-    """The cost model's features of one step (see the module docstring)."""
+def features(query_tokens: list[int], contexts: list[int], experts: float = 0.0) -> np.ndarray:
+    """The cost model's features of one step (see the module docstring); `experts`: X, 0 on dense targets."""
     t = float(sum(query_tokens))
     return np.array([1.0, t, max(t - KNEES[0], 0.0), max(t - KNEES[1], 0.0), float(sum(contexts)),
-                     float(sum(q * c for q, c in zip(query_tokens, contexts, strict=True))), float(len(query_tokens))])
+                     float(sum(q * c for q, c in zip(query_tokens, contexts, strict=True))), float(len(query_tokens)),
+                     experts])
+
+
+NUM_FEATURES = len(features([1], [0]))
 
 
 def _nnls(a: np.ndarray, b: np.ndarray, iters: int = 2000) -> np.ndarray:
@@ -73,13 +82,14 @@ class VerifyCostProfile:
     measurements: list[Measurement] = field(default_factory=list)
     coef: dict[str, list[float]] = field(default_factory=dict)  # mask -> coefficients
     fit_error: dict[str, float] = field(default_factory=dict)  # mask -> mean relative error
+    moe: list[int] | None = None  # MoE targets: [routed experts per layer, top-k]
 
     def fit(self) -> "VerifyCostProfile":
         for mask in MASKS:
             rows = [m for m in self.measurements if m.mask == mask]
             if not rows:
                 continue
-            a = np.stack([features([m.query_tokens] * m.rows, [m.context] * m.rows) for m in rows])
+            a = np.stack([features([m.query_tokens] * m.rows, [m.context] * m.rows, m.experts) for m in rows])
             b = np.array([m.seconds for m in rows])
             # Relative error matters (a 5 ms step and a 500 ms step alike): weight rows by 1/t.
             w = 1.0 / b
@@ -88,12 +98,23 @@ class VerifyCostProfile:
             self.fit_error[mask] = float(np.mean(np.abs(a @ coef - b) / b))
         return self
 
-    def predict(self, query_tokens: list[int], contexts: list[int], mask: str = "tree") -> float:
-        """Seconds of a verify step with these rows (query tokens incl. the root, contexts)."""
+    def predict(self, query_tokens: list[int], contexts: list[int], mask: str = "tree",
+                experts: float | None = None) -> float:
+        """Seconds of a verify step with these rows (query tokens incl. the root, contexts). MoE
+        targets: `experts` is X (module docstring); None: as spread as independent routing."""
         coef = self.coef.get(mask) or self.coef.get("tree") or self.coef.get("chain")
         if coef is None:
             raise ValueError("verify cost profile has no fitted model")
-        return float(features(query_tokens, contexts) @ np.asarray(coef))
+        if experts is None:
+            experts = self.independent_experts(sum(query_tokens))
+        return float(features(query_tokens, contexts, experts) @ np.asarray(coef))
+
+    def independent_experts(self, tokens: int) -> float:
+        """X of `tokens` independently routed tokens (0 on a dense target)."""
+        if not self.moe or tokens <= 0:
+            return 0.0
+        e, k = self.moe
+        return 1.0 - (1.0 - k / e) ** tokens
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -106,8 +127,8 @@ class VerifyCostProfile:
         data = json.loads(Path(path).read_text())
         data["measurements"] = [Measurement(**m) for m in data.get("measurements", [])]
         profile = cls(**data)
-        if not profile.coef:
-            profile.fit()
+        if not profile.coef or any(len(c) != NUM_FEATURES for c in profile.coef.values()):
+            profile.fit()  # none saved, or saved by a version with other features
         return profile
 
 

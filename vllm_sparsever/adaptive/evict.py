@@ -6,7 +6,10 @@ Per step, before verification, over the whole batch:
   acceptance frequency per path-probability bin, starting from the path probability itself), made
   non-increasing along every path (a node is never accepted without its parent);
 - cost: the verify step's time from the offline profile (adaptive/cost.py), as a function of every
-  row's tokens and context: batch-aware, since a bigger step turns compute-bound sooner;
+  row's tokens and context: batch-aware, since a bigger step turns compute-bound sooner; on MoE
+  targets also of the routed experts the step reads, predicted per row from its token count by the
+  expert-union model the target's verify steps calibrate (adaptive/experts.py; rows route
+  independently of each other, a row's tree nodes share experts);
 - decision: nodes are taken in order of benefit (a prefix-closed set at every size), and the size
   that maximises expected emitted tokens per second of the step, (rows + sum of benefits) /
   (drafting time + verification cost), wins. The drafting time is already spent, but it is part of
@@ -34,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from vllm_sparsever.adaptive.cost import VerifyCostProfile
+from vllm_sparsever.adaptive.experts import ExpertUnionModel
 from vllm_sparsever.drafting.tree import DraftTree
 
 BINS = 20  # path-probability bins over log10 in [-5, 0]
@@ -99,6 +103,8 @@ class Evict:
         self.guard = guard
         self.calibration = AcceptanceCalibration()
         self.stats = EvictStats()
+        # MoE targets: distinct experts per request's tokens (fed by the target's expert counter).
+        self.experts = ExpertUnionModel(*profile.moe) if profile.moe else None
         # guard, per batch size: running (drafting s, expected gain per row, verification s), skips
         # since the last probe, and the probe interval
         self._averages: dict[int, tuple[float, float, float]] = {}
@@ -113,7 +119,7 @@ class Evict:
         if not self.guard or seen is None or not rows:
             return True
         draft_s, gain, verify_s = seen
-        plain = rows / self.profile.predict([1] * rows, contexts, "chain")
+        plain = rows / self.cost([1] * rows, contexts, "chain")
         if rows * (1 + gain) / (draft_s + verify_s) >= plain:
             self._skipped[rows] = 0
             self._probe_every[rows] = PROBE_EVERY
@@ -126,6 +132,13 @@ class Evict:
             return True
         self.stats.skipped_drafting_steps += 1
         return False
+
+    def cost(self, query_tokens: list[int], contexts: list[int], mask: str = "tree") -> float:
+        """Predicted seconds of a verify step with these rows (query tokens incl. the root)."""
+        experts = None
+        if self.experts is not None:  # union over rows routing independently of each other
+            experts = 1.0 - math.prod(1.0 - self.experts.fraction(q) for q in query_tokens)
+        return self.profile.predict(query_tokens, contexts, mask, experts)
 
     def benefits(self, tree: DraftTree) -> list[float]:
         out: list[float] = []
@@ -158,13 +171,13 @@ class Evict:
                 gain += -neg_a
             else:
                 rest.append((neg_a, n, i))
-        best_cost = self.profile.predict(tokens, contexts, mask)
+        best_cost = self.cost(tokens, contexts, mask)
         best_rate = (rows + gain) / (best_cost + draft_time_s)
         best_k, k_gain, trial = 0, gain, list(tokens)
         for k, (neg_a, n, i) in enumerate(rest, start=1):
             trial[i] += 1
             k_gain += -neg_a
-            cost = self.profile.predict(trial, contexts, mask)
+            cost = self.cost(trial, contexts, mask)
             rate = (rows + k_gain) / (cost + draft_time_s)
             if rate > best_rate:
                 best_rate, best_k, best_cost = rate, k, cost

@@ -4,7 +4,9 @@ Each grid point is one synthetic verify step: `rows` requests of `context` token
 sit in the first blocks of the KV cache (whatever those hold: the time does not depend on the
 values), plus `query_tokens` new tokens per row, run through every layer with their logits, as a
 verify step runs them. "tree": under a tree mask (a binary tree; sparsever's kernel), "chain":
-causally (vLLM's kernel). Only a dedicated engine with no requests may run it: it writes K/V into
+causally (vLLM's kernel). On MoE targets every point runs twice, with random tokens and with one
+token repeated, and records the share of routed expert weights the routers picked (the profile
+tells the experts' cost from the tokens' that way; adaptive/cost.py). Only a dedicated engine with no requests may run it: it writes K/V into
 blocks it does not own.
 """
 
@@ -31,6 +33,7 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
 
     from vllm_sparsever.integration.compat.cpu_attention import attention_layers
     from vllm_sparsever.verification.attention import SparseverCPUAttentionImpl
+    from vllm_sparsever.verification.expert_counter import probe_step_experts
 
     stack = decoder_stack(runner.model)
     first = attention_layers(runner.vllm_config, stack.attention_layer_names[:1])
@@ -41,27 +44,35 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
     vocab = runner.model_config.get_vocab_size()
     gen = torch.Generator().manual_seed(0)
     out = []
+    moe = runner.sparsever_runtime.moe_routing is not None
     for rows, q, ctx in grid:
         per_row = -(-(ctx + q) // bs)
         if rows * per_row > num_blocks:
             continue  # does not fit this KV cache
         table = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
-        tokens = torch.randint(0, vocab, (rows * q,), generator=gen).to(device)
+        random_tokens = torch.randint(0, vocab, (rows * q,), generator=gen).to(device)
         kv_positions = torch.arange(ctx, ctx + q).repeat(rows).to(device)
         binary = DraftTopology(tuple((i - 1) // 2 for i in range(q)))  # a binary tree of q nodes
         depths = torch.tensor(binary.depths()).repeat(rows).to(device)
-        for mask in ("tree", "chain"):
-            positions = ctx + depths if mask == "tree" else kv_positions
-            tree_mask = stacked_tree_mask([binary] * rows).to(device) if mask == "tree" else None
-            times = []
-            for rep in range(repeats + 1):  # the first run warms up
-                start = time.perf_counter()
-                normed = final_hidden(runner, stack, list(range(rows)), tokens, positions, [q] * rows,
-                                      kv_positions=kv_positions, tree_mask=tree_mask, block_table=table)
-                stack.compute_logits(normed)
-                if rep:
-                    times.append(time.perf_counter() - start)
-            out.append(Measurement(mask, rows, q, ctx, statistics.median(times)).__dict__)
-        logger.info("profile-verify: %d/%d rows=%d tokens=%d context=%d: tree %.1f ms, chain %.1f ms",
-                    len(out) // 2, len(grid), rows, q, ctx, 1e3 * out[-2]["seconds"], 1e3 * out[-1]["seconds"])
+        variants = [("random", random_tokens)]
+        if moe and rows * q > 1:
+            variants.append(("repeated", random_tokens[:1].expand(rows * q).contiguous()))
+        for kind, tokens in variants:
+            for mask in ("tree", "chain"):
+                positions = ctx + depths if mask == "tree" else kv_positions
+                tree_mask = stacked_tree_mask([binary] * rows).to(device) if mask == "tree" else None
+                times = []
+                for rep in range(repeats + 1):  # the first run warms up
+                    with probe_step_experts() as routed:
+                        start = time.perf_counter()
+                        normed = final_hidden(runner, stack, list(range(rows)), tokens, positions, [q] * rows,
+                                              kv_positions=kv_positions, tree_mask=tree_mask, block_table=table)
+                        stack.compute_logits(normed)
+                        if rep:
+                            times.append(time.perf_counter() - start)
+                experts = statistics.fmean(d / e for _, d, e in routed) if routed else 0.0
+                out.append(Measurement(mask, rows, q, ctx, statistics.median(times), experts, kind).__dict__)
+            logger.info("profile-verify: %d/%d rows=%d tokens=%d context=%d %s: tree %.1f ms, chain %.1f ms%s",
+                        len(out) // 2, len(grid) * len(variants), rows, q, ctx, kind, 1e3 * out[-2]["seconds"],
+                        1e3 * out[-1]["seconds"], f", experts {out[-1]['experts']:.2f}" if moe else "")
     return out

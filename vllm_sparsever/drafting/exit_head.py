@@ -33,8 +33,10 @@ HEADS_DIRNAME = "exit_heads"
 MANIFEST_NAME = "manifest.json"
 FORMAT = 1
 # Architectures whose decoder layers are pre-norm RMSNorm blocks with a plain (1 * w) final
-# RMSNorm and an untied-or-tied LM head without soft-capping: the head math above holds for them.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+# RMSNorm and an untied-or-tied LM head without soft-capping: the head math above holds for them
+# (the MoE ones too: their blocks differ in the MLP only).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 class ExitHeadError(ValueError):

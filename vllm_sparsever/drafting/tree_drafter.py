@@ -69,6 +69,13 @@ class TreeDrafting:
 
             profile = resolve_cost_profile(self.adaptive.cost_profile, runner.model_config.model)
             self.evict = Evict(profile, min_draft_tokens=self.adaptive.min_draft_tokens, guard=self.adaptive.guard)
+            target_moe = runner.sparsever_runtime.moe_routing
+            if self.evict.experts is not None and target_moe is not None:
+                if tuple(profile.moe) != tuple(target_moe):
+                    raise RuntimeError(f"adaptive.cost_profile: measured on an MoE with (experts, top_k) = "
+                                       f"{tuple(profile.moe)}, the target has {tuple(target_moe)}; measure it again "
+                                       f"with `vllm-sparsever profile-verify`")
+                runner.sparsever_runtime.experts_observer = self.evict.experts.observe
 
     def stats_by_level(self) -> dict[str, dict[str, Any]]:
         levels = super().stats_by_level()
@@ -77,6 +84,8 @@ class TreeDrafting:
         levels["tree_drafting"] = self.tree_stats.summary()
         if self.evict is not None:
             levels["evict"] = self.evict.stats.summary()
+            if self.evict.experts is not None:  # MoE target: how alike a request's tokens route
+                levels["evict"]["evict_moe_expert_sharing"] = self.evict.experts.sharing
         return levels
 
     def reset_stats(self) -> None:

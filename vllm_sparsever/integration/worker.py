@@ -82,6 +82,10 @@ class _SparseverWorkerMixin:
 
         return measure_verify_cost(self.model_runner, [tuple(p) for p in grid], repeats)
 
+    def sparsever_moe_routing(self) -> tuple[int, int] | None:
+        """(routed experts per layer, top-k) of an MoE target, None for a dense one."""
+        return self.model_runner.sparsever_runtime.moe_routing
+
     def sparsever_sparsity_info(self) -> dict[str, Any]:
         return self.model_runner.sparsever_runtime.describe()
 

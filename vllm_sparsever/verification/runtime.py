@@ -106,6 +106,10 @@ class SparseVerificationRuntime:
         # The target's attention layers (set after it loads): only a builder serving them plans
         # steps, not the draft model's (another attention group when its head size differs).
         self.target_attention_layers: frozenset[str] = frozenset()
+        # MoE targets (verification/expert_counter.py): (routed experts, top-k), and who wants each
+        # verify request's (tokens, distinct experts) per layer (EVICT's expert-union model), if anyone.
+        self.moe_routing: tuple[int, int] | None = None
+        self.experts_observer: Callable[[int, int], None] | None = None
         # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
         # records the largest difference (slow; for tests and debugging only).
         self.check_reference = os.environ.get("VLLM_SPARSEVER_CHECK_REFERENCE") == "1"

@@ -85,10 +85,12 @@ def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, archit
         from vllm_sparsever.verification.moe import install_moe
 
         installed["moe"] = install_moe(model, runtime)
-    elif runtime.config.tree.enabled or runtime.config.adaptive.enabled:
-        from vllm_sparsever.verification.expert_counter import install_expert_counter
+    else:
+        from vllm_sparsever.verification.expert_counter import install_expert_counter, moe_routing
 
-        if install_expert_counter(model, runtime):  # an MoE target: report experts per verify step
+        # An MoE target: distinct experts per verify step, reported and used by EVICT's cost.
+        runtime.moe_routing = moe_routing(model)
+        if runtime.moe_routing is not None and install_expert_counter(model, runtime):
             installed["expert_counter"] = True
     if installed:
         logger.info("sparsever: wrapped target blocks %s", installed)
