@@ -6,8 +6,8 @@ values), plus `query_tokens` new tokens per row, run through every layer with th
 verify step runs them. "tree": under a tree mask (a binary tree; sparsever's kernel), "chain":
 causally (vLLM's kernel). On MoE targets every point runs twice, with random tokens and with one
 token repeated, and records the share of routed expert weights the routers picked (the profile
-tells the experts' cost from the tokens' that way; adaptive/cost.py). Only a dedicated engine with no requests may run it: it writes K/V into
-blocks it does not own.
+tells the experts' cost from the tokens' that way; adaptive/cost.py). Only a dedicated engine with
+no requests may run it: it writes K/V into blocks it does not own.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
     gen = torch.Generator().manual_seed(0)
     out = []
     moe = runner.sparsever_runtime.moe_routing is not None
-    for rows, q, ctx in grid:
+    for point, (rows, q, ctx) in enumerate(grid, start=1):
         per_row = -(-(ctx + q) // bs)
         if rows * per_row > num_blocks:
             continue  # does not fit this KV cache
@@ -73,6 +73,6 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
                 experts = statistics.fmean(d / e for _, d, e in routed) if routed else 0.0
                 out.append(Measurement(mask, rows, q, ctx, statistics.median(times), experts, kind).__dict__)
             logger.info("profile-verify: %d/%d rows=%d tokens=%d context=%d %s: tree %.1f ms, chain %.1f ms%s",
-                        len(out) // 2, len(grid) * len(variants), rows, q, ctx, kind, 1e3 * out[-2]["seconds"],
+                        point, len(grid), rows, q, ctx, kind, 1e3 * out[-2]["seconds"],
                         1e3 * out[-1]["seconds"], f", experts {out[-1]['experts']:.2f}" if moe else "")
     return out
