@@ -1,5 +1,7 @@
 """EVICT's decision without an engine (adaptive/evict.py) on a synthetic cost profile."""
 
+import math
+
 import pytest
 
 from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile
@@ -38,19 +40,30 @@ def test_cheap_tokens_keep_the_confident_drafts_and_cut_the_rest():
 
 
 def test_expensive_tokens_verify_nothing_and_the_guard_skips_drafting():
-    from vllm_sparsever.adaptive.evict import PROBE_EVERY
+    from vllm_sparsever.adaptive.evict import FIRST_PROBE_SKIPS, PROBE_BUDGET
 
     evict = Evict(_profile(0.2, base_s=0.01), guard=True)  # a token costs 20x the step base
-    assert evict.should_draft([256])  # a batch size never seen drafts
+    assert evict.should_draft([256])  # nothing seen yet: drafts
     out = evict.truncate([_chain([0.5, 0.5])], [256], draft_time_s=0.01)
     assert len(out[0]) == 0 and evict.stats.empty_steps == 1
-    # Drafting did not pay at one row: skipped, with a probe after PROBE_EVERY skips, the next after
-    # twice as many (the averages still say it does not pay) ...
-    decisions = [evict.should_draft([256]) for _ in range(3 * PROBE_EVERY + 2)]  # (probes: the 32nd, 96th)
-    probes = [i for i, d in enumerate(decisions) if d]
-    assert probes == [PROBE_EVERY - 1, 3 * PROBE_EVERY - 1]
-    # ... while another batch size, never seen, drafts.
-    assert evict.should_draft([256, 256])
+    # Drafting did not pay at one row: skipped; before any catch-up time was measured, a probe
+    # every FIRST_PROBE_SKIPS steps.
+    decisions = [evict.should_draft([256], catch_up_tokens=500) for _ in range(FIRST_PROBE_SKIPS)]
+    assert decisions.index(True) == FIRST_PROBE_SKIPS - 1 and sum(decisions) == 1
+    # A batch size never seen inherits the nearest one's averages: it does not pay either.
+    assert not evict.should_draft([256, 256])
+    # With the catch-up measured (10 ms a token), a probe waits until the plain decoding time it
+    # skipped pays for it PROBE_BUDGET-fold: 500 tokens = 5 s of catch-up (+ the drafting step's extra
+    # 10 ms) -> after ~(5.01 / PROBE_BUDGET) / plain step.
+    evict.observe_catch_up(100, 1.0)
+    plain_s = evict.cost([1], [256], "chain")
+    expected = math.ceil((500 * 0.01 + 0.01) / PROBE_BUDGET / plain_s)
+    decisions = [evict.should_draft([256], catch_up_tokens=500) for _ in range(expected + 5)]
+    assert decisions.index(True) == pytest.approx(expected - 1, abs=1) and sum(decisions) == 1
+    # Nothing to catch up on (a self-drafter): probing is cheap, so it happens often.
+    cheap = [evict.should_draft([256], catch_up_tokens=0) for _ in range(50)]
+    assert sum(cheap) >= 5
+    assert evict.stats.probe_steps == 2 + sum(cheap)
 
 
 def test_guard_keeps_drafting_when_it_pays():

@@ -17,13 +17,17 @@ Per step, before verification, over the whole batch:
   cost is small next to the whole step. Size 0 (no drafts: a plain decode step) is one of the
   candidates, so a step is never verified at an expected loss.
 - guard (Cascade's worst case), before drafting: per batch size (rows in the step), it keeps running
-  averages of the drafting time, the expected gain per row and the verification time of the
-  truncations it chose; a step whose expected tokens per second with drafting, rows * (1 + gain)
-  / (drafting + verification), falls below plain decoding's, rows / cost(one token per row), does
-  not draft at all. After `PROBE_EVERY` skipped steps a batch size drafts once anyway, to refresh its
-  averages (acceptance and load change), and twice as rarely after each probe that still does not
-  pay (a probe costs the draft model's catch-up over every token it skipped); a batch size never
-  seen drafts.
+  averages of the drafting time, the expected gain per row, the tokens per row and the verification
+  time of the truncations it chose; a step whose expected tokens per second with drafting,
+  rows * (1 + gain) / (drafting + verification), falls below plain decoding's,
+  rows / cost(one token per row), does not draft at all. A batch size never seen inherits the
+  nearest seen one's averages (gain per row as it is, drafting time scaled by rows, verification
+  from the profile); only the very first drafting step is taken blind. Skipping, it probes (drafts
+  once anyway, to refresh its averages: acceptance and load change) when the plain decoding time
+  skipped since the last probe reaches 1/PROBE_BUDGET of what the probe is expected to cost over a
+  plain step: the drafting step's extra time plus the drafter's catch-up over the tokens it has not
+  seen (a draft model's K/V falls behind while it skips; the catch-up time per token is measured).
+  Probing then costs at most PROBE_BUDGET of the time spent skipping.
 
 Chains are the one-branch case: an adaptive draft length per request.
 """
@@ -42,8 +46,8 @@ from vllm_sparsever.drafting.tree import DraftTree
 
 BINS = 20  # path-probability bins over log10 in [-5, 0]
 PRIOR = 8.0  # pseudo-observations at the drafter's own probability
-PROBE_EVERY = 32  # guard: a skipping batch size drafts once in this many steps at first ...
-MAX_PROBE_EVERY = 512  # ... then twice as rarely after each probe that still does not pay
+PROBE_BUDGET = 0.05  # guard: probes cost at most this share of the plain decoding time skipped
+FIRST_PROBE_SKIPS = 32  # guard: a probe before the drafter's catch-up cost was ever measured
 EMA = 0.3  # guard: weight of the newest drafting step in its batch size's averages
 
 
@@ -80,6 +84,7 @@ class EvictStats:
     truncated_steps: int = 0  # steps where some nodes were cut
     empty_steps: int = 0  # steps verified with no drafts at all (speculation did not pay)
     skipped_drafting_steps: int = 0  # steps the guard skipped drafting in
+    probe_steps: int = 0  # steps the guard drafted in although drafting did not pay, to re-measure
     expected_tokens: float = 0.0  # sum over steps of the chosen expected emitted tokens
     predicted_verify_s: float = 0.0  # sum of the chosen predicted verify costs
 
@@ -91,6 +96,7 @@ class EvictStats:
             "evict_truncated_steps": self.truncated_steps,
             "evict_empty_steps": self.empty_steps,
             "evict_skipped_drafting_steps": self.skipped_drafting_steps,
+            "evict_probe_steps": self.probe_steps,
             "evict_expected_tokens": self.expected_tokens,
             "evict_predicted_verify_s": self.predicted_verify_s,
         }
@@ -105,31 +111,59 @@ class Evict:
         self.stats = EvictStats()
         # MoE targets: distinct experts per request's tokens (fed by the target's expert counter).
         self.experts = ExpertUnionModel(*profile.moe) if profile.moe else None
-        # guard, per batch size: running (drafting s, expected gain per row, verification s), skips
-        # since the last probe, and the probe interval
-        self._averages: dict[int, tuple[float, float, float]] = {}
-        self._skipped: dict[int, int] = {}
-        self._probe_every: dict[int, int] = {}
+        # guard, per batch size: running (drafting s, expected gain per row, tokens per row,
+        # verification s); the plain decoding time skipped since the last probe
+        self._averages: dict[int, tuple[float, float, float, float]] = {}
+        self._skipped_s: dict[int, float] = {}
+        self._skips: dict[int, int] = {}
+        self._catch_up_s_per_token: float | None = None  # the drafter's catch-up time per token
 
-    def should_draft(self, contexts: list[int], mask: str = "tree") -> bool:
-        """Whether drafting is expected to pay at this batch (rows with these contexts); see the
-        module docstring. A skipped step is counted."""
-        rows = len(contexts)
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A drafter's catch-up pass over `tokens` tokens took `seconds` (for the probe's cost)."""
+        if tokens >= 16:  # fewer: the pass's fixed cost dominates
+            per_token = seconds / tokens
+            old = self._catch_up_s_per_token
+            self._catch_up_s_per_token = per_token if old is None else EMA * per_token + (1 - EMA) * old
+
+    def _guard_averages(self, rows: int, contexts: list[int]) -> tuple[float, float, float] | None:
+        """(drafting s, gain per row, verification s) expected at `rows` rows: its own averages, else
+        the nearest seen batch size's, rescaled; None before any drafting step."""
         seen = self._averages.get(rows)
-        if not self.guard or seen is None or not rows:
+        if seen is not None:
+            draft_s, gain, _, verify_s = seen
+            return draft_s, gain, verify_s
+        if not self._averages:
+            return None
+        nearest = min(self._averages, key=lambda r: (abs(r - rows), r))
+        draft_s, gain, tokens, _ = self._averages[nearest]
+        return draft_s * rows / nearest, gain, self.cost([max(1, round(tokens))] * rows, contexts)
+
+    def should_draft(self, contexts: list[int], catch_up_tokens: int = 0) -> bool:
+        """Whether to draft at this batch (rows with these contexts; the drafter has
+        `catch_up_tokens` tokens to catch up on first); see the module docstring. Counts skips and
+        probes."""
+        rows = len(contexts)
+        expected = self._guard_averages(rows, contexts) if self.guard and rows else None
+        if expected is None:
             return True
-        draft_s, gain, verify_s = seen
-        plain = rows / self.cost([1] * rows, contexts, "chain")
-        if rows * (1 + gain) / (draft_s + verify_s) >= plain:
-            self._skipped[rows] = 0
-            self._probe_every[rows] = PROBE_EVERY
+        draft_s, gain, verify_s = expected
+        plain_s = self.cost([1] * rows, contexts, "chain")
+        if rows * (1 + gain) / (draft_s + verify_s) >= rows / plain_s:
+            self._skipped_s[rows] = 0.0
+            self._skips[rows] = 0
             return True
-        self._skipped[rows] = self._skipped.get(rows, 0) + 1
-        every = self._probe_every.setdefault(rows, PROBE_EVERY)
-        if self._skipped[rows] >= every:  # probe; if it still does not pay, the next one comes later
-            self._skipped[rows] = 0
-            self._probe_every[rows] = min(2 * every, MAX_PROBE_EVERY)
+        skipped_s = self._skipped_s.get(rows, 0.0) + plain_s
+        skips = self._skips.get(rows, 0) + 1
+        if self._catch_up_s_per_token is None:
+            probe = skips >= FIRST_PROBE_SKIPS
+        else:
+            probe_s = max(draft_s + verify_s - plain_s, 0.0) + catch_up_tokens * self._catch_up_s_per_token
+            probe = PROBE_BUDGET * skipped_s >= probe_s
+        if probe:
+            self._skipped_s[rows], self._skips[rows] = 0.0, 0
+            self.stats.probe_steps += 1
             return True
+        self._skipped_s[rows], self._skips[rows] = skipped_s, skips
         self.stats.skipped_drafting_steps += 1
         return False
 
@@ -194,7 +228,7 @@ class Evict:
         self.stats.expected_tokens += rows + gain
         self.stats.predicted_verify_s += best_cost
         if drafted:
-            new = (draft_time_s, gain / rows, best_cost)
+            new = (draft_time_s, gain / rows, sum(tokens) / rows + best_k / rows, best_cost)
             old = self._averages.get(rows)
             self._averages[rows] = new if old is None else tuple(
                 EMA * n + (1 - EMA) * o for n, o in zip(new, old, strict=True))

@@ -111,17 +111,28 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
 
     # ---- trees (TreeDrafting) ----------------------------------------------------------------
 
-    def _tree_root_top(self, reqs: DraftRequests, idx: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The catch-up pass of each request (its stale draft K/V, ending at the root)."""
+    def _catch_up_start(self, row: int) -> tuple[Any, int]:
+        """(the request's committed tokens, the first position whose draft K/V is stale)."""
         from vllm_sparsever.integration.compat.runner import token_history
 
+        history = token_history(self._runner, row)
+        kv = self._kv.get(self._runner.input_batch.req_ids[row])
+        return history, min(kv.valid_for(history, []) if kv is not None else 0, len(history) - 1)
+
+    def _catch_up_tokens(self, reqs: DraftRequests) -> int:
+        total = 0
+        for row in reqs.rows:
+            history, first = self._catch_up_start(row)
+            total += len(history) - 1 - first
+        return total
+
+    def _tree_root_top(self, reqs: DraftRequests, idx: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The catch-up pass of each request (its stale draft K/V, ending at the root)."""
         batch = self._runner.input_batch
         seqs, firsts = [], []
         for i in idx:
-            history = token_history(self._runner, reqs.rows[i])
+            history, first = self._catch_up_start(reqs.rows[i])
             assert len(history) - 1 == reqs.positions[i], "the root must be the request's last committed token"
-            kv = self._kv.get(batch.req_ids[reqs.rows[i]])
-            first = min(kv.valid_for(history, []) if kv is not None else 0, len(history) - 1)
             seqs.append([int(t) for t in history[first:]])
             firsts.append(first)
             self.stats.catch_up_tokens += len(seqs[-1]) - 1

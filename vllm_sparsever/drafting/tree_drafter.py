@@ -60,6 +60,7 @@ class TreeDrafting:
         self.evict: Any = None  # adaptive.evict.Evict, once the target's cost profile is loaded
         self.tree_stats = TreeDraftStats()
         self._trees: dict[str, DraftTree] = {}  # req id -> the tree proposed for its next step
+        self._root_pass_s = 0.0  # the last roots' pass (with its catch-up), for EVICT's guard
 
     def load(self, runner: Any) -> None:
         super().load(runner)
@@ -102,11 +103,14 @@ class TreeDrafting:
         self._trees.clear()
         reqs = self.requests(sampled_token_ids, self.num_speculative_tokens)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        if not reqs.rows or (self.evict is not None and not self.evict.should_draft(list(reqs.positions))):
+        catch_up = self._catch_up_tokens(reqs) if self.evict is not None else 0
+        if not reqs.rows or (self.evict is not None and not self.evict.should_draft(list(reqs.positions), catch_up)):
             return drafts
         batch = self.runner.input_batch
         start = time.perf_counter()
         trees, steady_draft_s = self.grow_trees(reqs)
+        if self.evict is not None:
+            self.evict.observe_catch_up(catch_up, self._root_pass_s)
         for k, row in enumerate(reqs.rows):
             if len(trees[k]) and not trees[k].is_chain() and not tree_sampling_supported(self.runner, row):
                 trees[k] = trees[k].subtree(trees[k].best_path())
@@ -169,6 +173,7 @@ class TreeDrafting:
             for k, i in enumerate(idx):
                 growths[i].grow_top(top_p[k: k + 1], top_t[k: k + 1])
         root_s, levels_start, levels = time.perf_counter() - start, time.perf_counter(), 0
+        self._root_pass_s = root_s
         while True:
             live = [i for i in idx if not growths[i].done]
             if not live:
@@ -206,6 +211,11 @@ class TreeDrafting:
             trees.append(tree)
         levels_s = time.perf_counter() - levels_start
         return trees, (levels_s * (levels + 1) / levels if levels else root_s)
+
+    def _catch_up_tokens(self, reqs: DraftRequests) -> int:
+        """Tokens the roots' pass would run besides the roots (a draft model's K/V behind the
+        committed tokens); 0 for a drafter that reads the target's own K/V."""
+        return 0
 
     def _tree_root_top(self, reqs: DraftRequests, idx: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k (probabilities, token ids) after each root `reqs.tokens[i]` (i in idx) at its position."""
