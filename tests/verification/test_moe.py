@@ -323,16 +323,15 @@ def _llm(model, speculative_config=None):
                max_num_seqs=8, seed=0, speculative_config=speculative_config)
 
 
-@pytest.mark.slow
-@pytest.mark.e2e
-def test_engine_moe_sparsity(tiny_mixtral, monkeypatch):
+def run_moe_sparsity_engine(model, monkeypatch):
+    """Plain greedy, then sparsever with lossless MoE verification (ratio 0: every routed expert),
+    then pruned (ratio 0.9, budget 1), every MoE layer also checked against the reference on its
+    real inputs. Returns (plain, lossless, lossless stats, pruned stats)."""
     from vllm_sparsever.metrics import get_metrics, reset_metrics
 
-    # Every MoE layer also runs the reference on its real inputs; count dense experts every step.
     monkeypatch.setenv("VLLM_SPARSEVER_CHECK_REFERENCE", "1")
-    monkeypatch.setenv("VLLM_SPARSEVER_STATS_SAMPLE_EVERY", "1")
-
-    llm = _llm(tiny_mixtral)
+    monkeypatch.setenv("VLLM_SPARSEVER_STATS_SAMPLE_EVERY", "1")  # count dense experts every step
+    llm = _llm(model)
     try:
         plain = _generate(llm)
     finally:
@@ -340,7 +339,7 @@ def test_engine_moe_sparsity(tiny_mixtral, monkeypatch):
         gc.collect()
     assert len({tuple(t) for t in plain}) > 1
 
-    llm = _llm(tiny_mixtral, {
+    llm = _llm(model, {
         "method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": 3,
         "prompt_lookup_max": 3, "prompt_lookup_min": 1,
         "moe": {"enabled": True, "ratio_threshold": 0.0},
@@ -356,7 +355,13 @@ def test_engine_moe_sparsity(tiny_mixtral, monkeypatch):
     finally:
         del llm
         gc.collect()
+    return plain, lossless, stats, pruned
 
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_engine_moe_sparsity(tiny_mixtral, monkeypatch):
+    plain, lossless, stats, pruned = run_moe_sparsity_engine(tiny_mixtral, monkeypatch)
     assert lossless == plain
     assert stats["moe_layers"] > 0 and not stats.get("moe_fallbacks")
     assert stats["moe_experts_read"] == stats["moe_experts_read_sampled"] == stats["moe_experts_dense_sampled"]

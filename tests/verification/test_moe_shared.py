@@ -8,7 +8,6 @@ One engine test runs a tiny random Qwen2-MoE (a dense layer + an MoE layer) with
 
 from __future__ import annotations
 
-import gc
 import itertools
 
 import pytest
@@ -214,36 +213,9 @@ def tiny_qwen2_moe(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_engine_qwen2_moe_sparsity(tiny_qwen2_moe, monkeypatch):
-    from verification.test_moe import _generate, _llm
-    from vllm_sparsever.metrics import get_metrics, reset_metrics
+    from verification.test_moe import run_moe_sparsity_engine
 
-    monkeypatch.setenv("VLLM_SPARSEVER_CHECK_REFERENCE", "1")
-    monkeypatch.setenv("VLLM_SPARSEVER_STATS_SAMPLE_EVERY", "1")
-    llm = _llm(tiny_qwen2_moe)
-    try:
-        plain = _generate(llm)
-    finally:
-        del llm
-        gc.collect()
-    assert len({tuple(t) for t in plain}) > 1
-
-    llm = _llm(tiny_qwen2_moe, {
-        "method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": 3,
-        "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-        "moe": {"enabled": True, "ratio_threshold": 0.0},
-    })
-    try:
-        lossless = _generate(llm)
-        stats = get_metrics(llm)["sparsity"]
-        reset_metrics(llm)
-        llm.collective_rpc("sparsever_set_sparsity",
-                           args=({"moe": {"enabled": True, "ratio_threshold": 0.9, "expert_budget": 1}},))
-        _generate(llm)
-        pruned = get_metrics(llm)["sparsity"]
-    finally:
-        del llm
-        gc.collect()
-
+    plain, lossless, stats, pruned = run_moe_sparsity_engine(tiny_qwen2_moe, monkeypatch)
     assert lossless == plain
     # one MoE layer (layer 0 is dense): every verify step wraps exactly that block
     assert stats["moe_layers"] > 0 and not stats.get("moe_fallbacks")

@@ -255,22 +255,16 @@ def patch_model_with_moe(model, layers: Sequence[LayerMoE], top_k: int) -> None:
         )  # fmt: skip
 
 
-def mixtral_config(dense_config, cfg: MoEficationConfig, dtype: str) -> dict[str, Any]:
-    c = dense_config
-    routed = c.intermediate_size - cfg.shared_neurons
-    if routed % cfg.num_experts:
-        raise ValueError(f"{routed} routed neurons do not split into {cfg.num_experts} equal experts")
+def dense_config_fields(c) -> dict[str, Any]:
+    """The fields a MoE checkpoint built from dense model config `c` copies unchanged (attention,
+    norms, rotary, tokens); shared by the Mixtral and the fine-grained Qwen2-MoE builds."""
     rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
     return {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
-        "intermediate_size": routed // cfg.num_experts + cfg.shared_neurons,
         "num_hidden_layers": c.num_hidden_layers,
         "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         "hidden_act": c.hidden_act,
         "max_position_embeddings": c.max_position_embeddings,
         "initializer_range": c.initializer_range,
@@ -284,6 +278,20 @@ def mixtral_config(dense_config, cfg: MoEficationConfig, dtype: str) -> dict[str
         "rope_theta": dict(rope).get("rope_theta", 10000.0),
         "sliding_window": None,
         "attention_dropout": 0.0,
+    }
+
+
+def mixtral_config(dense_config, cfg: MoEficationConfig, dtype: str) -> dict[str, Any]:
+    c = dense_config
+    routed = c.intermediate_size - cfg.shared_neurons
+    if routed % cfg.num_experts:
+        raise ValueError(f"{routed} routed neurons do not split into {cfg.num_experts} equal experts")
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        **dense_config_fields(c),
+        "intermediate_size": routed // cfg.num_experts + cfg.shared_neurons,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         "num_experts_per_tok": cfg.top_k,
         "num_local_experts": cfg.num_experts,
         "output_router_logits": False,

@@ -184,7 +184,6 @@ def qwen2_moe_config(dense_config, cfg: FineGrainedConfig, dtype: str) -> dict[s
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if head_dim * c.num_attention_heads != c.hidden_size:
         raise ValueError("Qwen2-MoE derives head_dim = hidden_size / num_attention_heads; this model differs")
-    rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
     n = c.num_hidden_layers
     bad = [i for i in cfg.dense_layers if not 0 <= i < n]
     if bad:
@@ -192,8 +191,7 @@ def qwen2_moe_config(dense_config, cfg: FineGrainedConfig, dtype: str) -> dict[s
     return {
         "architectures": ["Qwen2MoeForCausalLM"],
         "model_type": "qwen2_moe",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
+        **moe.dense_config_fields(c),
         "intermediate_size": c.intermediate_size,  # the dense layers' FFN
         "moe_intermediate_size": cfg.moe_intermediate_size(c.intermediate_size),
         "shared_expert_intermediate_size": cfg.shared_neurons,
@@ -202,24 +200,8 @@ def qwen2_moe_config(dense_config, cfg: FineGrainedConfig, dtype: str) -> dict[s
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": sorted(cfg.dense_layers),
-        "num_hidden_layers": n,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "hidden_act": c.hidden_act,
-        "max_position_embeddings": c.max_position_embeddings,
-        "initializer_range": c.initializer_range,
-        "rms_norm_eps": c.rms_norm_eps,
-        "use_cache": True,
-        "pad_token_id": c.pad_token_id,
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_id,
-        "tie_word_embeddings": bool(c.tie_word_embeddings),
-        "rope_parameters": dict(rope),
-        "rope_theta": dict(rope).get("rope_theta", 10000.0),
         "use_sliding_window": False,
-        "sliding_window": None,
         "max_window_layers": n,
-        "attention_dropout": 0.0,
         "qkv_bias": True,
         "output_router_logits": False,
         "router_aux_loss_coef": 0.0,
