@@ -111,6 +111,15 @@ METHODS: dict[str, Method] = {
     "sparsever-evict-chain": Method(
         "sparsever-evict-chain", True, True,
         lambda a, d: {"method": "sparsever", "model": d, "num_speculative_tokens": a.evict_chain_k, "adaptive": True}),
+    # n-gram chains of 5 and EVICT-cut n-gram chains (up to --evict-chain-k; scored per depth,
+    # calibrated online): the drafter that costs nothing, for targets whose verification does.
+    "sparsever-ngram-k5": Method(
+        "sparsever-ngram-k5", True, False,
+        lambda a, d: {"method": "sparsever", "draft_source": "ngram", **_ngram(a), "num_speculative_tokens": 5}),
+    "sparsever-ngram-evict": Method(
+        "sparsever-ngram-evict", True, False,
+        lambda a, d: {"method": "sparsever", "draft_source": "ngram", **_ngram(a),
+                      "num_speculative_tokens": a.evict_chain_k, "adaptive": True}),
     # Self-drafted trees (the target's first layers + exit head), plain and EVICT-cut.
     "sparsever-self-tree": Method(
         "sparsever-self-tree", True, False,

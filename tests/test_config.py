@@ -88,7 +88,8 @@ def test_adaptive_config(tmp_path):
         ({**base, "adaptive": {"enabled": True, "cost_profile": "/nope.json"}},
          ["adaptive.cost_profile", "profile-verify"]),
         ({**base, "adaptive": {"enabled": True, "min_draft_tokens": -1}}, ["adaptive.min_draft_tokens", ">= 0"]),
-        ({"method": "sparsever", "num_speculative_tokens": 6, "adaptive": True}, ["adaptive.enabled", "'draft_model'"]),
+        ({"method": "sparsever", "num_speculative_tokens": 6, "adaptive": True, "tree": True},
+         ["tree.enabled", "'draft_model'", "draft_source='ngram'"]),
         ({**base, "adaptive": True, "early_exit": {"enabled": True}}, ["adaptive.enabled", "hierarchical"]),
     ]
     for raw, words in bad:
@@ -278,6 +279,9 @@ def test_tree_config():
         ({**base, "tree": True, "attention": {"enabled": True, "kernel": "vllm"}}, ["attention.kernel", "tree mask"]),
         ({**base, "tree": True, "early_exit": {"enabled": True}}, ["tree.enabled", "early_exit.enabled=false"]),
     ]
+    # EVICT chains take n-gram drafts too (no trees: an n-gram match has one continuation).
+    ngram = SparseverConfig.from_dict({"method": "sparsever", "num_speculative_tokens": 5, "adaptive": True})
+    assert ngram.draft_source == "ngram" and ngram.adaptive.enabled and not ngram.tree.enabled
     for raw, words in bad:
         with pytest.raises(SparseverConfigError) as info:
             SparseverConfig.from_dict(raw)

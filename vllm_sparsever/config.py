@@ -252,7 +252,8 @@ class EarlyExitConfig:
 
 DRAFT_SOURCES = ("draft_model", "ngram", "early_exit")
 INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
-TREE_DRAFT_SOURCES = ("draft_model", "early_exit")
+TREE_DRAFT_SOURCES = ("draft_model", "early_exit")  # drafters with probabilities to grow trees by
+ADAPTIVE_DRAFT_SOURCES = DRAFT_SOURCES  # EVICT chains from n-gram matches too (calibrated per depth)
 
 
 @dataclass
@@ -401,13 +402,13 @@ class SparseverConfig:
             section = getattr(self, name)
             _check_bool(f"{name}.enabled", section.enabled)
             section.validate(name)
-        for name in ("tree", "adaptive"):
+        for name, sources in (("tree", TREE_DRAFT_SOURCES), ("adaptive", ADAPTIVE_DRAFT_SOURCES)):
             if not getattr(self, name).enabled:
                 continue
-            if self.draft_source not in TREE_DRAFT_SOURCES:
+            if self.draft_source not in sources:
                 raise SparseverConfigError(
-                    f"{name}.enabled: draft trees and adaptive verification take drafts from draft_source "
-                    f"{', '.join(repr(s) for s in TREE_DRAFT_SOURCES)} in this version, got "
+                    f"{name}.enabled: {'draft trees' if name == 'tree' else 'adaptive verification'} take drafts "
+                    f"from draft_source {', '.join(repr(s) for s in sources)} in this version, got "
                     f"draft_source={self.draft_source!r}"
                 )
             if ee.enabled:

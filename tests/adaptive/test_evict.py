@@ -51,7 +51,7 @@ def test_expensive_tokens_verify_nothing_and_the_guard_skips_drafting():
     decisions = [evict.should_draft([256], catch_up_tokens=500) for _ in range(FIRST_PROBE_SKIPS)]
     assert decisions.index(True) == FIRST_PROBE_SKIPS - 1 and sum(decisions) == 1
     # A batch size never seen inherits the nearest one's averages: it does not pay either.
-    assert not evict.should_draft([256, 256])
+    assert not evict.should_draft([256, 256], catch_up_tokens=500)
     # With the catch-up measured (10 ms a token), a probe waits until the plain decoding time it
     # skipped pays for it PROBE_BUDGET-fold: 500 tokens = 5 s of catch-up (+ the drafting step's extra
     # 10 ms) -> after ~(5.01 / PROBE_BUDGET) / plain step.
@@ -64,6 +64,22 @@ def test_expensive_tokens_verify_nothing_and_the_guard_skips_drafting():
     cheap = [evict.should_draft([256], catch_up_tokens=0) for _ in range(50)]
     assert sum(cheap) >= 5
     assert evict.stats.probe_steps == 2 + sum(cheap)
+
+
+def test_guard_without_catch_up_probes_by_the_time_budget_from_the_start():
+    """A drafter with nothing to catch up on (self-drafter, n-gram) never waits for a catch-up
+    measurement: its probes follow the time budget from the first skip."""
+    from vllm_sparsever.adaptive.evict import FIRST_PROBE_SKIPS, PROBE_BUDGET
+
+    evict = Evict(_profile(0.2, base_s=0.01), guard=True)
+    out = evict.truncate([_chain([0.5, 0.5])], [256], draft_time_s=0.05)  # keeps nothing: skip from now on
+    assert len(out[0]) == 0
+    plain_s = evict.cost([1], [256], "chain")
+    extra = 0.05 + evict.cost([1], [256]) - plain_s  # the drafting step's extra time
+    expected = math.ceil(max(extra, 0.0) / PROBE_BUDGET / plain_s)
+    decisions = [evict.should_draft([256], catch_up_tokens=0) for _ in range(FIRST_PROBE_SKIPS)]
+    assert 1 < expected < FIRST_PROBE_SKIPS - 1
+    assert decisions.index(True) == pytest.approx(expected - 1, abs=1)
 
 
 def test_guard_keeps_drafting_when_it_pays():

@@ -7,6 +7,7 @@ One engine per configuration, shared by the tests of this module.
 """
 
 import gc
+import json
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,28 @@ def test_adaptive_chain_greedy_equals_plain_greedy(plain_greedy, tiny_target, ti
     e = m["evict"]
     assert e["evict_empty_steps"] > 0 and e["evict_skipped_drafting_steps"] > 0
     assert m["tree_drafting"]["tree_draft_nodes_grown"] <= 4 * m["tree_drafting"]["tree_drafted"]  # chains
+
+
+def test_ngram_evict_chains_greedy_equal_plain_greedy(plain_greedy, tiny_target, tmp_path):
+    """EVICT on n-gram drafts (chains scored per depth, calibrated online): lossless, and it cuts
+    chains whose verification costs more than its calibrated acceptance gains."""
+    from vllm_sparsever.metrics import get_metrics
+
+    spec = {"method": "sparsever", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+            "adaptive": {"enabled": True, "guard": False,
+                         "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=0.001)}}
+    llm = _engine(tiny_target, spec)
+    try:
+        greedy = _greedy(llm)
+        m = get_metrics(llm)
+    finally:
+        del llm
+        gc.collect()
+    assert greedy == [tokens for tokens, _ in plain_greedy]
+    e = m["evict"]
+    assert m["prompt_lookup"]["prompt_lookup_tokens"] >= e["evict_nodes_drafted"] > 0, json.dumps(m, default=str)
+    assert 0 < m["num_draft_tokens"] <= e["evict_nodes_kept"] < e["evict_nodes_drafted"], json.dumps(m, default=str)
+    assert m["num_accepted_tokens"] > 0
 
 
 def test_serve_tp2_evict_trees_give_plain_greedy_text(plain_greedy, tiny_target, tiny_draft, tmp_path):

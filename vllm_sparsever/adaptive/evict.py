@@ -47,7 +47,7 @@ from vllm_sparsever.drafting.tree import DraftTree
 BINS = 20  # path-probability bins over log10 in [-5, 0]
 PRIOR = 8.0  # pseudo-observations at the drafter's own probability
 PROBE_BUDGET = 0.05  # guard: probes cost at most this share of the plain decoding time skipped
-FIRST_PROBE_SKIPS = 32  # guard: a probe before the drafter's catch-up cost was ever measured
+FIRST_PROBE_SKIPS = 32  # guard: a probe with a catch-up whose cost was never measured
 EMA = 0.3  # guard: weight of the newest drafting step in its batch size's averages
 
 
@@ -154,10 +154,11 @@ class Evict:
             return True
         skipped_s = self._skipped_s.get(rows, 0.0) + plain_s
         skips = self._skips.get(rows, 0) + 1
-        if self._catch_up_s_per_token is None:
+        if catch_up_tokens and self._catch_up_s_per_token is None:
             probe = skips >= FIRST_PROBE_SKIPS
         else:
-            probe_s = max(draft_s + verify_s - plain_s, 0.0) + catch_up_tokens * self._catch_up_s_per_token
+            catch_up_s = catch_up_tokens * self._catch_up_s_per_token if catch_up_tokens else 0.0
+            probe_s = max(draft_s + verify_s - plain_s, 0.0) + catch_up_s
             probe = PROBE_BUDGET * skipped_s >= probe_s
         if probe:
             self._skipped_s[rows], self._skips[rows] = 0.0, 0

@@ -4,6 +4,11 @@ Each round drafts what followed the longest earlier match of the request's suffi
 includes the tokens the hierarchy holds pending (vLLM's own n-gram drafter sees committed tokens
 only, so it cannot draft a second round). The matcher is vLLM's (compat.ngram), with the
 prompt-lookup bounds vLLM resolved for this engine. It reads no weights and writes no KV.
+
+With `adaptive` (EVICT) it proposes on its own as one-branch trees (chains): an n-gram match has
+no probabilities, so draft d of a chain gets the score NGRAM_SCORE**d, one calibration bin per
+depth, and EVICT's online calibration learns each depth's acceptance rate from what verification
+accepted. EVICT then cuts every request's chain to the length that pays for its verification.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ from typing import Any
 import numpy as np
 
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
+from vllm_sparsever.drafting.tree import DraftTree
+from vllm_sparsever.drafting.tree_drafter import TreeDrafting
+
+# Prior score of an n-gram draft per depth (calibrated online): half the drafts at each depth accepted.
+NGRAM_SCORE = 0.5
 
 
 @dataclass
@@ -37,13 +47,15 @@ class PromptLookupStats:
         }
 
 
-class PromptLookupDrafter(RoundDrafter):
+class PromptLookupDrafter(TreeDrafting, RoundDrafter):
     level = "prompt_lookup"
 
-    def __init__(self, *, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(self, *, num_speculative_tokens: int, max_model_len: int, adaptive: Any = None) -> None:
+        """`adaptive`: an AdaptiveVerificationConfig for EVICT-cut chains, or None."""
         super().__init__(PromptLookupStats(), num_speculative_tokens=num_speculative_tokens,
                          max_model_len=max_model_len)
         self._bounds = (0, 0)
+        self.init_trees(None, adaptive, num_speculative_tokens)
 
     def load(self, runner: Any) -> None:
         from vllm_sparsever.integration.compat.ngram import match_ngram, ngram_bounds
@@ -75,3 +87,20 @@ class PromptLookupDrafter(RoundDrafter):
         self.stats.rounds += 1
         self.stats.draft_time_s += time.perf_counter() - start
         return drafts
+
+    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        if self.adaptive is None:
+            return super().propose(sampled_token_ids)
+        return self.propose_trees(sampled_token_ids)
+
+    def grow_trees(self, reqs: DraftRequests) -> tuple[list[DraftTree], float]:
+        """EVICT's chains: each request's n-gram continuation with a score per depth (module
+        docstring); and the time the lookups took."""
+        start = time.perf_counter()
+        trees = []
+        for found in self.draft(reqs):
+            n = len(found)
+            trees.append(DraftTree(list(found), list(range(-1, n - 1)), [NGRAM_SCORE ** (d + 1) for d in range(n)]))
+            self.tree_stats.trees += bool(n)
+            self.tree_stats.nodes_grown += n
+        return trees, time.perf_counter() - start

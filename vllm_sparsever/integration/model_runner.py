@@ -332,6 +332,11 @@ def _make_proposer(config: SparseverConfig, max_model_len: int) -> Any:
         # (checked at start: no hierarchy with trees)
         return DraftModelDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
                                  **trees)
+    if config.draft_source == "ngram" and config.adaptive.enabled:
+        from vllm_sparsever.drafting.prompt_lookup import PromptLookupDrafter
+
+        return PromptLookupDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
+                                   adaptive=config.adaptive)
     if config.draft_source != "early_exit" and not ee.enabled:
         return None
     round_tokens = ee.round_tokens if ee.enabled else config.num_speculative_tokens
