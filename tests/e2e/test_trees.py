@@ -41,6 +41,18 @@ def _greedy(llm) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _greedy_and_metrics(model: Path, spec: dict) -> tuple[list[list[int]], dict]:
+    """Greedy outputs and sparsever's metrics of one engine."""
+    from vllm_sparsever.metrics import get_metrics
+
+    llm = _engine(model, spec)
+    try:
+        return _greedy(llm), get_metrics(llm)
+    finally:
+        del llm
+        gc.collect()
+
+
 @pytest.fixture(scope="module")
 def tree_run(tiny_target, tiny_draft):
     """Greedy outputs, metrics, then sampled completions of one tree engine."""
@@ -110,18 +122,10 @@ def test_evict_trees_sampling_follows_the_target_distribution(evict_run, plain_s
 
 def test_adaptive_chain_greedy_equals_plain_greedy(plain_greedy, tiny_target, tiny_draft, tmp_path):
     """adaptive without tree: chains of adaptive length; expensive tokens -> the guard skips drafting."""
-    from vllm_sparsever.metrics import get_metrics
-
     profile = _cost_profile(tmp_path / "cost.json", per_token_s=0.05)
     spec = {"method": "sparsever", "model": str(tiny_draft), "num_speculative_tokens": 4,
             "adaptive": {"enabled": True, "cost_profile": profile}}
-    llm = _engine(tiny_target, spec)
-    try:
-        greedy = _greedy(llm)
-        m = get_metrics(llm)
-    finally:
-        del llm
-        gc.collect()
+    greedy, m = _greedy_and_metrics(tiny_target, spec)
     assert greedy == [tokens for tokens, _ in plain_greedy]
     e = m["evict"]
     assert e["evict_empty_steps"] > 0 and e["evict_skipped_drafting_steps"] > 0
@@ -131,18 +135,10 @@ def test_adaptive_chain_greedy_equals_plain_greedy(plain_greedy, tiny_target, ti
 def test_ngram_evict_chains_greedy_equal_plain_greedy(plain_greedy, tiny_target, tmp_path):
     """EVICT on n-gram drafts (chains scored per depth, calibrated online): lossless, and it cuts
     chains whose verification costs more than its calibrated acceptance gains."""
-    from vllm_sparsever.metrics import get_metrics
-
     spec = {"method": "sparsever", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
             "adaptive": {"enabled": True, "guard": False,
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=0.001)}}
-    llm = _engine(tiny_target, spec)
-    try:
-        greedy = _greedy(llm)
-        m = get_metrics(llm)
-    finally:
-        del llm
-        gc.collect()
+    greedy, m = _greedy_and_metrics(tiny_target, spec)
     assert greedy == [tokens for tokens, _ in plain_greedy]
     e = m["evict"]
     assert m["prompt_lookup"]["prompt_lookup_tokens"] >= e["evict_nodes_drafted"] > 0, json.dumps(m, default=str)
