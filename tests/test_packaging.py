@@ -121,6 +121,8 @@ def test_wheel_declares_the_vllm_plugin_and_the_console_script(built):
     entry_points = configparser.ConfigParser()
     entry_points.read_string(text)
     assert dict(entry_points["vllm.general_plugins"]) == {"sparsever": "vllm_sparsever:register"}
+    assert dict(entry_points["vllm.platform_plugins"]) == {
+        "sparsever_ray_cpu": "vllm_sparsever.integration.ray_cpu:platform_plugin"}
     assert entry_points["console_scripts"]["vllm-sparsever"] == "vllm_sparsever.cli:main"
 
 
