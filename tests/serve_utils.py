@@ -27,7 +27,8 @@ def running_server(model: Path, spec: dict, log: Path, *extra_args: str, env: di
     """Yield the server's base URL once /health answers; fail the test with the log otherwise."""
     args = [
         str(model), "--dtype", "float32", "--enforce-eager", "--seed", "0",
-        "--served-model-name", "tiny", "--speculative-config", json.dumps(spec), *extra_args,
+        "--served-model-name", "tiny", *(["--speculative-config", json.dumps(spec)] if spec else []),
+        *extra_args,
     ]
     with running_vllm_serve(args, log, env=env) as (base, _):
         yield base

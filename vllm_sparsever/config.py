@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -21,6 +22,11 @@ from typing import Any, Literal
 METHOD_NAME = "sparsever"
 
 # Fields forwarded unchanged to vLLM's SpeculativeConfig (they mean the same thing there).
+# Integers end up in int32 kernel arguments and index tensors.
+MAX_INT = 2**31 - 1
+# Draft tokens (chain) or tree nodes verified per request and step.
+MAX_SPECULATIVE_TOKENS = 256
+
 PASSTHROUGH_FIELDS = (
     "draft_tensor_parallel_size",
     "quantization",
@@ -333,7 +339,8 @@ class SparseverConfig:
         return section
 
     def validate(self) -> None:
-        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1,
+                   maximum=MAX_SPECULATIVE_TOKENS)
         _check_choice("draft_source", self.draft_source, DRAFT_SOURCES)
         if self.draft_source != "ngram":
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
@@ -504,11 +511,13 @@ def _check_bool(name: str, value: Any) -> None:
         raise SparseverConfigError(f"{name}: expected true or false, got {value!r}")
 
 
-def _check_int(name: str, value: Any, minimum: int | None = None) -> None:
+def _check_int(name: str, value: Any, minimum: int | None = None, maximum: int = MAX_INT) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise SparseverConfigError(f"{name}: expected an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise SparseverConfigError(f"{name}: must be an integer >= {minimum}, got {value}")
+    if value > maximum:
+        raise SparseverConfigError(f"{name}: must be an integer <= {maximum}, got {value}")
 
 
 def _check_float(
@@ -520,6 +529,8 @@ def _check_float(
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SparseverConfigError(f"{name}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise SparseverConfigError(f"{name}: expected a finite number, got {value!r}")
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and value > high
     if too_low or too_high:
@@ -539,7 +550,7 @@ def _check_layer_list(name: str, value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT for v in value
     ):
         raise SparseverConfigError(f"{name}: expected a list of layer indices >= 0, got {value!r}")
     if sorted(set(value)) != value:

@@ -77,6 +77,17 @@ def test_scheduled_drafts_field_of_scheduler_output():
     assert compat_runner.scheduled_drafts(out) == {"r0": [5, 6, 7]}
 
 
+def test_finished_request_ids_field_of_scheduler_output():
+    from vllm.v1.core.sched.interface import SchedulerInterface
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    out = SchedulerOutput.make_empty()
+    out.finished_req_ids.add("r9")
+    assert compat_runner.finished_request_ids(out) == {"r9"}
+    # The scheduler keeps stepping while finished ids wait to reach the workers.
+    assert "has_finished_requests" in SchedulerInterface.has_requests.__code__.co_names
+
+
 def test_sampled_tokens_of_model_runner_output():
     from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 

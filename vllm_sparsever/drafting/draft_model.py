@@ -93,6 +93,14 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         super().load(runner)
         self._stack = decoder_stack(draft_model(runner))
 
+    def forget(self, req_ids: set[str]) -> None:
+        super().forget(req_ids)
+        for req_id in req_ids:
+            self._kv.pop(req_id, None)
+
+    def request_state(self) -> dict[str, int]:
+        return {**super().request_state(), "draft_kv": len(self._kv)}
+
     def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
         reqs = super().requests(sampled_token_ids, reserve)
         live = set(self._runner.input_batch.req_ids)

@@ -77,6 +77,13 @@ class RoundDrafter:
     def reset_stats(self) -> None:
         self.stats = type(self.stats)()
 
+    def forget(self, req_ids: set[str]) -> None:
+        """Drop what is kept for these (finished) requests; subclasses with per-request state add theirs."""
+
+    def request_state(self) -> dict[str, int]:
+        """Entries kept per request, by kind (0 once every request has finished)."""
+        return {}
+
     def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
         reqs, slot_limited = collect_draft_requests(self._runner, sampled_token_ids, reserve, self.max_model_len)
         self.stats.slot_limited += slot_limited

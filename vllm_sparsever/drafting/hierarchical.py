@@ -149,6 +149,14 @@ class HierarchicalProposer:
         self.drafter.reset_stats()
         self.stats = HierarchicalStats()
 
+    def forget(self, req_ids: set[str]) -> None:
+        self.drafter.forget(req_ids)
+        for req_id in req_ids:
+            self._reusable.pop(req_id, None)
+
+    def request_state(self) -> dict[str, int]:
+        return {**self.drafter.request_state(), "reusable_streams": len(self._reusable)}
+
     def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Pending tokens per batch row, to be verified by the full target as this step's drafts."""
         from vllm_sparsever.integration.compat.runner import request_limits

@@ -89,6 +89,14 @@ class TreeDrafting:
                 levels["evict"]["evict_moe_expert_sharing"] = self.evict.experts.sharing
         return levels
 
+    def forget(self, req_ids: set[str]) -> None:
+        super().forget(req_ids)
+        for req_id in req_ids:
+            self._trees.pop(req_id, None)
+
+    def request_state(self) -> dict[str, int]:
+        return {**super().request_state(), "draft_trees": len(self._trees)}
+
     def reset_stats(self) -> None:
         super().reset_stats()
         self.tree_stats = TreeDraftStats()

@@ -25,7 +25,12 @@ import numpy as np
 import torch
 
 from vllm_sparsever.config import SparseverConfig
-from vllm_sparsever.integration.compat.runner import input_batch_view, sampled_tokens, scheduled_drafts
+from vllm_sparsever.integration.compat.runner import (
+    finished_request_ids,
+    input_batch_view,
+    sampled_tokens,
+    scheduled_drafts,
+)
 from vllm_sparsever.metrics import SnapshotWriter, SparseverMetrics
 from vllm_sparsever.plan import VerificationPlan, active_plan, build_verification_plan
 from vllm_sparsever.verification.tree import TreeVerifyStats
@@ -81,6 +86,9 @@ class SparseverRunnerMixin:
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         self.sparsever_plan = None
+        finished = finished_request_ids(scheduler_output)
+        if finished and self.sparsever_proposer is not None:
+            self.sparsever_proposer.forget(finished)
         start = time.perf_counter()
         output = super().execute_model(scheduler_output, intermediate_tensors)
         self._sparsever_timing = {"execute": time.perf_counter() - start, "sample": 0.0, "draft": 0.0}

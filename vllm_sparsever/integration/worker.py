@@ -52,7 +52,22 @@ class _SparseverWorkerMixin:
             "rank": self.rank,
             "plugin_registered": is_registered(),
             "model_runner": type(self.model_runner).__name__,
+            "request_state": self.sparsever_request_state(),
         }
+
+    def sparsever_request_state(self) -> dict[str, int]:
+        """Per-request entries the plugin holds, and live sparse layers registered for its ops:
+        after every request has finished, only the layers of the loaded model remain."""
+        import sys
+
+        proposer = getattr(self.model_runner, "sparsever_proposer", None)
+        state = dict(proposer.request_state()) if proposer is not None else {}
+        state["tree_paths"] = len(getattr(self.model_runner, "_sparsever_paths", {}))
+        for name, module, registry in (("ffn_layers", "vllm_sparsever.verification.ffn", "LAYERS"),
+                                       ("moe_blocks", "vllm_sparsever.verification.moe", "BLOCKS")):
+            loaded = sys.modules.get(module)
+            state[name] = len(getattr(loaded, registry)) if loaded is not None else 0
+        return state
 
     def sparsever_metrics(self) -> dict[str, Any]:
         summary = self.model_runner.sparsever_metrics.summary()

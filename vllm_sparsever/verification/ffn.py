@@ -34,6 +34,7 @@ from vllm_sparsever.integration.compat.linear import (
 )
 from vllm_sparsever.integration.compat.worker import is_cpu_platform
 from vllm_sparsever.plan import TokenGroups, current_plan
+from vllm_sparsever.verification.op_modules import OpModuleRegistry
 from vllm_sparsever.verification.runtime import (
     SparsePathUnavailable,
     SparseVerificationRuntime,
@@ -43,17 +44,17 @@ from vllm_sparsever.verification.runtime import (
 
 _MLP_LINEAR_SUFFIXES = (".mlp.gate_up_proj", ".mlp.down_proj")
 
-# layer prefix -> wrapper; the custom op finds its module here (ops cannot take modules).
-_LAYERS: dict[str, "SparseSwiGLUMLP"] = {}
+# the custom op finds its module here (ops cannot take modules)
+LAYERS: OpModuleRegistry["SparseSwiGLUMLP"] = OpModuleRegistry()
 
 
 @torch.library.custom_op("sparsever_verify::swiglu_mlp", mutates_args=())
-def _swiglu_mlp_op(x: torch.Tensor, layer_prefix: str) -> torch.Tensor:
-    return _LAYERS[layer_prefix].forward_impl(x)
+def _swiglu_mlp_op(x: torch.Tensor, layer_key: str) -> torch.Tensor:
+    return LAYERS[layer_key].forward_impl(x)
 
 
 @_swiglu_mlp_op.register_fake
-def _(x: torch.Tensor, layer_prefix: str) -> torch.Tensor:
+def _(x: torch.Tensor, layer_key: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -78,10 +79,10 @@ class SparseSwiGLUMLP(nn.Module):
         self.reduce_results = bool(getattr(down, "reduce_results", False)) and (
             getattr(down, "tp_size", 1) > 1
         )
-        _LAYERS[prefix] = self
+        self.key = LAYERS.add(prefix, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.sparsever_verify.swiglu_mlp(x, self.prefix)
+        return torch.ops.sparsever_verify.swiglu_mlp(x, self.key)
 
     def forward_impl(self, x: torch.Tensor) -> torch.Tensor:
         plan, rt = current_plan(), get_runtime()

@@ -44,6 +44,7 @@ from vllm_sparsever import _custom_ops as ops
 from vllm_sparsever.integration.compat import fused_moe as vllm_moe
 from vllm_sparsever.integration.compat.forward_context import skip_moe_layer_slot
 from vllm_sparsever.integration.compat.worker import is_cpu_platform
+from vllm_sparsever.verification.op_modules import OpModuleRegistry
 from vllm_sparsever.plan import VerificationPlan, current_plan
 from vllm_sparsever.verification.runtime import (
     SparsePathUnavailable,
@@ -60,8 +61,8 @@ SUPPORTED = (
 )
 WEIGHT_MODES = ("shared", "copy")
 
-# runner layer name -> wrapper; the custom op finds its block here (ops cannot take modules).
-_BLOCKS: dict[str, "SparseMoEBlock"] = {}
+# the custom op finds its block here (ops cannot take modules)
+BLOCKS: OpModuleRegistry["SparseMoEBlock"] = OpModuleRegistry()
 
 
 # ---- load-time: keep the expert weights the sparse path reads ---------------------------------------
@@ -128,14 +129,14 @@ def preserve_expert_weights(mode: str = "copy") -> Iterator[None]:
 # ---- the wrapped block -------------------------------------------------------------------------------
 
 @torch.library.custom_op("sparsever_moe::runner_forward", mutates_args=())
-def _runner_forward_op(hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_name: str) -> torch.Tensor:
-    out = _BLOCKS[layer_name].forward_impl(hidden_states, router_logits)
+def _runner_forward_op(hidden_states: torch.Tensor, router_logits: torch.Tensor, block_key: str) -> torch.Tensor:
+    out = BLOCKS[block_key].forward_impl(hidden_states, router_logits)
     # A custom op's output may not alias its inputs.
     return out.clone() if out.data_ptr() in (hidden_states.data_ptr(), router_logits.data_ptr()) else out
 
 
 @_runner_forward_op.register_fake
-def _(hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_name: str) -> torch.Tensor:
+def _(hidden_states: torch.Tensor, router_logits: torch.Tensor, block_key: str) -> torch.Tensor:
     return torch.empty_like(hidden_states)
 
 
@@ -153,6 +154,7 @@ class SparseMoEBlock:
         self._w13, self._w2 = w13, w2  # None = the runner's own (unpacked) parameters
         self.top_k, self.renormalize = vllm_moe.router_top_k(runner)
         self.shared_experts = vllm_moe.shared_experts_module(runner)  # None: no shared experts
+        self.key = BLOCKS.add(name, self)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._w13 is not None:
@@ -164,7 +166,7 @@ class SparseMoEBlock:
                 shared_experts_input: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids is not None or shared_experts_input is not None:
             return self.stock_forward(hidden_states, router_logits, input_ids, shared_experts_input)
-        return torch.ops.sparsever_moe.runner_forward(hidden_states, router_logits, self.name)
+        return torch.ops.sparsever_moe.runner_forward(hidden_states, router_logits, self.key)
 
     def forward_impl(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         plan, rt = current_plan(), get_runtime()
@@ -299,7 +301,6 @@ def install_moe(model: nn.Module, runtime: SparseVerificationRuntime | None = No
             raise RuntimeError(f"moe.enabled: cannot tell the decoder layer of MoE block {name}")
         w13, w2 = _sparse_weights(runner)
         block = SparseMoEBlock(runner, layer_name or name, layer_idx, w13, w2)
-        _BLOCKS[block.name] = block
         vllm_moe.shadow_runner_forward(runner, block.forward)  # this instance only
         count += 1
     return count

@@ -6,7 +6,8 @@ Private symbols touched:
   `sample_tokens` of `GPUModelRunner` / `CPUModelRunner`;
 - `runner.input_batch` (`InputBatch`): `req_ids`, `num_reqs`, `num_computed_tokens_cpu`,
   `block_table[0]` (KV cache group 0) with `.get_cpu_tensor()` and `.block_size`;
-- `SchedulerOutput.scheduled_spec_decode_tokens` (req id -> draft tokens being verified);
+- `SchedulerOutput.scheduled_spec_decode_tokens` (req id -> draft tokens being verified) and
+  `SchedulerOutput.finished_req_ids` (per-request state to drop);
 - `ModelRunnerOutput.sampled_token_ids` / `.req_id_to_index` (absent on `AsyncModelRunnerOutput`);
 - `runner.drafter.load_model` (the draft model's load, after the target's): replaced on the
   instance by `intercept_drafter_load`;
@@ -91,6 +92,12 @@ def input_batch_view(runner: Any) -> BatchView:
         block_table_cpu=block_table.get_cpu_tensor(),
         block_size=int(block_table.block_size),
     )
+
+
+def finished_request_ids(scheduler_output: Any) -> set[str]:
+    """Requests that finished (or were aborted) since the last step: workers drop their state.
+    The scheduler sends them once more after the last request ends, in a step with no work."""
+    return scheduler_output.finished_req_ids
 
 
 def scheduled_drafts(scheduler_output: Any) -> dict[str, list[int]]:
