@@ -105,3 +105,25 @@ def test_load_with_cancellations(name, tiny_target, tiny_draft, cost_profile, re
     # The sparse layers registered for the ops are the model's own, not one per request or step.
     assert [s["ffn_layers"] for s in state_after] == [s["ffn_layers"] for s in state_before]
     (tmp_path / "summary.json").write_text(json.dumps({"state": state_after, "generated": generated}))
+
+
+def test_short_soak_serves_everything_with_flat_memory(tmp_path):
+    """bench/serve_soak.py for one minute (the committed run is 20 minutes): no failed request, every
+    batch served, resident memory of the server's processes without a trend."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from serve_soak import soak, tiny_server_args
+
+    from serve_utils import running_vllm_serve
+
+    _, args, env = tiny_server_args(tmp_path)
+    with running_vllm_serve(args, tmp_path / "server.log", env={**ENV, **env}) as (base, proc):
+        result = soak(base, proc.pid, minutes=1.0, sample_s=2.0)
+        state = worker_request_state(base)
+    s = result["summary"]
+    assert s["requests_failed"] == 0 and s["requests_served"] >= 48, s
+    assert s["requests_cancelled"] > 0
+    assert abs(s["rss_growth_mb"]) < 64, s
+    assert all(v == 0 for k, v in state[0].items() if k not in ("ffn_layers", "moe_blocks")), state

@@ -1,0 +1,211 @@
+"""`vllm serve` throughput per concurrency: no speculation, vLLM's `draft_model`, and sparsever modes,
+measured with vLLM's own load tool (`vllm bench serve`) on the same prompts, in one run.
+
+    python bench/serve_load.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+        --concurrency 1 8 32 64 --rounds 2
+
+Each round starts one server per method (method order reversed every other round: machines are
+noisy, interleaving spreads the noise), sends an untimed warm-up request, then runs `vllm bench
+serve` at each concurrency (greedy, fixed output length, prompts from the project's data: mt_bench,
+humaneval, gsm8k, summarization). Writes JSON (command, models, hardware, versions, binding, load
+average, every raw number from vLLM's tool, acceptance from /metrics), a markdown table with
+ratios to the no-speculation server, and a plot under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
+
+CATEGORIES = ("mt_bench", "humaneval", "gsm8k", "summarization")
+
+
+def methods(args) -> dict[str, dict | None]:
+    from vllm_sparsever.cli import resolve_model
+
+    draft = str(resolve_model(args.draft))
+    profile = str(args.cost_profile) if args.cost_profile else None
+    evict = {"enabled": True, **({"cost_profile": profile} if profile else {})}
+    return {
+        "no-spec": None,
+        "draft_model": {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k},
+        "sparsever-evict-chain": {"method": "sparsever", "model": draft, "num_speculative_tokens": args.k + 2,
+                                  "adaptive": evict},
+        "sparsever-ngram-evict": {"method": "sparsever", "draft_source": "ngram", "prompt_lookup_max": 4,
+                                  "prompt_lookup_min": 2, "num_speculative_tokens": args.k + 2,
+                                  "adaptive": evict},
+    }
+
+
+def write_prompts(path: Path, n: int) -> int:
+    from vllm_sparsever.data import load_prompts
+
+    rows = []
+    for category in CATEGORIES:
+        for row in load_prompts(category, n=n):
+            rows.append({"prompt": row.get("prompt") or (row.get("turns") or [""])[0]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return len(rows)
+
+
+def bench_once(base: str, target: str, prompts: Path, concurrency: int, args, out_dir: Path) -> dict:
+    vllm_bin = str(Path(sys.executable).with_name("vllm"))
+    name = f"c{concurrency}_{time.time_ns()}.json"
+    cmd = [vllm_bin, "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", "served",
+           "--served-model-name", "served", "--tokenizer", target, "--dataset-name", "custom",
+           "--dataset-path", str(prompts), "--custom-output-len", str(args.output_len),
+           "--num-prompts", str(max(args.min_prompts, 2 * concurrency)), "--max-concurrency", str(concurrency),
+           "--temperature", "0", "--ignore-eos", "--seed", "0", "--skip-chat-template",
+           "--save-result", "--result-dir", str(out_dir), "--result-filename", name, "--disable-tqdm"]
+    load = os.getloadavg()[0]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    raw = json.loads((out_dir / name).read_text())
+    keep = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
+            "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms")
+    return {"concurrency": concurrency, "loadavg_before": load, **{k: raw.get(k) for k in keep}}
+
+
+def acceptance(base: str) -> dict:
+    from load_utils import ServerCounters
+
+    c = ServerCounters.read(base)
+    drafts, accepted = c.total("vllm:spec_decode_num_drafts_total"), c.total("vllm:spec_decode_num_accepted_tokens_total")
+    return {"drafts": drafts, "accepted": accepted,
+            "mean_acceptance_length": (1 + accepted / drafts) if drafts else None}
+
+
+def run_method(name: str, spec: dict | None, target: str, prompts: Path, args, out_dir: Path) -> dict:
+    import requests
+
+    from serve_utils import running_vllm_serve
+
+    serve_args = [target, "--served-model-name", "served", "--dtype", args.dtype, "--max-model-len",
+                  str(args.max_model_len), "--max-num-seqs", str(max(args.concurrency)), "--seed", "0"]
+    if spec is not None:
+        serve_args += ["--speculative-config", json.dumps(spec)]
+    log = out_dir / f"server_{name}_{time.time_ns()}.log"
+    results = []
+    with running_vllm_serve(serve_args, log) as (base, _):
+        requests.post(f"{base}/v1/completions", timeout=600,
+                      json={"model": "served", "prompt": "def fib(n):", "max_tokens": 16, "temperature": 0})
+        before = acceptance(base)
+        for c in args.concurrency:
+            r = bench_once(base, target, prompts, c, args, out_dir)
+            print(f"  {name:24s} c={c:3d} {r['output_throughput']:8.2f} tok/s  "
+                  f"completed {r['completed']} failed {r['failed']}", flush=True)
+            results.append(r)
+        after = acceptance(base)
+    acc = {k: after[k] - before[k] for k in ("drafts", "accepted")}
+    acc["mean_acceptance_length"] = 1 + acc["accepted"] / acc["drafts"] if acc["drafts"] else None
+    return {"runs": results, "acceptance": acc}
+
+
+def table(results: dict, concurrency: list[int]) -> str:
+    head = "| method | " + " | ".join(f"c={c} tok/s (x no-spec)" for c in concurrency) + " | mean acc. len |"
+    lines = [head, "|" + "---|" * (len(concurrency) + 2)]
+    base = results.get("no-spec")
+    for name, res in results.items():
+        cells = []
+        for c in concurrency:
+            tput = _mean([r["output_throughput"] for rnd in res for r in rnd["runs"] if r["concurrency"] == c])
+            ref = _mean([r["output_throughput"] for rnd in base for r in rnd["runs"] if r["concurrency"] == c]) if base else None
+            cells.append(f"{tput:.2f} ({tput / ref:.2f}x)" if ref else f"{tput:.2f}")
+        accs = [rnd["acceptance"]["mean_acceptance_length"] for rnd in res if rnd["acceptance"]["mean_acceptance_length"]]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_mean(accs):.2f} |" if accs else
+                     f"| {name} | " + " | ".join(cells) + " | - |")
+    return "\n".join(lines)
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def plot(results: dict, concurrency: list[int], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, res in results.items():
+        ys = [_mean([r["output_throughput"] for rnd in res for r in rnd["runs"] if r["concurrency"] == c])
+              for c in concurrency]
+        ax.plot(concurrency, ys, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="qwen2.5-coder-1.5b")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    p.add_argument("--methods", nargs="+", default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--prompts-per-category", type=int, default=16)
+    p.add_argument("-k", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--cost-profile", type=Path, default=ROOT / "bench/results/verify_cost_qwen2.5-coder-1.5b_bf16.json")
+    p.add_argument("--tag", default="qwen")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    from vllm_sparsever.cli import resolve_model
+
+    args = parse_args(argv)
+    target = str(resolve_model(args.target))
+    all_methods = methods(args)
+    chosen = {n: all_methods[n] for n in (args.methods or list(all_methods))}
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M")
+    work = Path(tempfile.mkdtemp(prefix="serve_load_"))
+    prompts = work / "prompts.jsonl"
+    n_prompts = write_prompts(prompts, args.prompts_per_category)
+    print(f"{n_prompts} prompts; methods {list(chosen)}; concurrency {args.concurrency}; "
+          f"{args.rounds} round(s); logs in {work}", flush=True)
+    results: dict[str, list] = {n: [] for n in chosen}
+    for rnd in range(args.rounds):
+        order = list(chosen) if rnd % 2 == 0 else list(reversed(chosen))
+        for i, name in enumerate(order):
+            print(f"round {rnd + 1}/{args.rounds}, method {i + 1}/{len(order)}: {name}", flush=True)
+            results[name].append(run_method(name, chosen[name], target, prompts, args, work))
+    out = {
+        "command": " ".join([sys.executable, *sys.argv]), "date": stamp, "target": args.target, "draft": args.draft,
+        "hardware": hardware(), "versions": versions(), "binding": binding_env(), "args": vars(args) | {
+            "cost_profile": str(args.cost_profile)}, "methods": chosen, "results": results,
+    }
+    name = f"serve_load_{args.tag}_{stamp}"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
+    md = table(results, args.concurrency)
+    (RESULTS / f"{name}.md").write_text(f"# {name}\n\n`{out['command']}`\n\n{md}\n")
+    plot(results, args.concurrency, RESULTS / f"{name}.png", f"vllm serve, {args.target}")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
