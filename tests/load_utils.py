@@ -72,7 +72,8 @@ async def _stream_one(client, base: str, model: str, req: LoadRequest, extra: di
                     result.text += choice.get("text") or ""
                     result.finish_reason = choice.get("finish_reason") or result.finish_reason
                     result.chunks += 1
-                if req.cancel_after_chunks is not None and result.chunks >= req.cancel_after_chunks:
+                if (req.cancel_after_chunks is not None and result.chunks >= req.cancel_after_chunks
+                        and result.finish_reason is None):  # (a request that already ended is not cancelled)
                     result.cancelled = True
                     break  # leaving the block closes the connection: the server aborts the request
     except Exception as e:  # noqa: BLE001 - reported per request, the caller asserts on it
