@@ -7,7 +7,7 @@ measured with vLLM's own load tool (`vllm bench serve`) on the same prompts, in 
 Each round starts one server per method (method order reversed every other round: machines are
 noisy, interleaving spreads the noise), sends an untimed warm-up request, then runs `vllm bench
 serve` at each concurrency (greedy, fixed output length, prompts from the project's data: mt_bench,
-humaneval, gsm8k, summarization). Writes JSON (command, models, hardware, versions, binding, load
+humaneval, gsm8k; as many requests as the concurrency, at least --min-prompts). Writes JSON (command, models, hardware, versions, binding, load
 average, every raw number from vLLM's tool, acceptance from /metrics), a markdown table with
 ratios to the no-speculation server, and a plot under bench/results/.
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
 
-CATEGORIES = ("mt_bench", "humaneval", "gsm8k", "summarization")
+CATEGORIES = ("mt_bench", "humaneval", "gsm8k")  # short prompts: decoding, not prefill, is measured
 
 
 def methods(args) -> dict[str, dict | None]:
@@ -67,7 +67,7 @@ def bench_once(base: str, target: str, prompts: Path, concurrency: int, args, ou
     cmd = [vllm_bin, "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", "served",
            "--served-model-name", "served", "--tokenizer", target, "--dataset-name", "custom",
            "--dataset-path", str(prompts), "--custom-output-len", str(args.output_len),
-           "--num-prompts", str(max(args.min_prompts, 2 * concurrency)), "--max-concurrency", str(concurrency),
+           "--num-prompts", str(max(args.min_prompts, concurrency)), "--max-concurrency", str(concurrency),
            "--temperature", "0", "--ignore-eos", "--seed", "0", "--skip-chat-template",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", name, "--disable-tqdm"]
     load = os.getloadavg()[0]
@@ -95,7 +95,8 @@ def run_method(name: str, spec: dict | None, target: str, prompts: Path, args, o
     from serve_utils import running_vllm_serve
 
     serve_args = [target, "--served-model-name", "served", "--dtype", args.dtype, "--max-model-len",
-                  str(args.max_model_len), "--max-num-seqs", str(max(args.concurrency)), "--seed", "0"]
+                  str(args.max_model_len), "--max-num-seqs", str(max(args.concurrency)), "--seed", "0",
+                  *(["--enforce-eager"] if args.eager else [])]
     if spec is not None:
         serve_args += ["--speculative-config", json.dumps(spec)]
     log = out_dir / f"server_{name}_{time.time_ns()}.log"
@@ -171,6 +172,8 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--cost-profile", type=Path, default=ROOT / "bench/results/verify_cost_qwen2.5-coder-1.5b_bf16.json")
     p.add_argument("--tag", default="qwen")
+    p.add_argument("--compile", dest="eager", action="store_false",
+                   help="let vLLM torch.compile the model (minutes per server start); default: --enforce-eager")
     return p.parse_args(argv)
 
 

@@ -126,7 +126,8 @@ def tiny_server_args(work: Path) -> tuple[Path, list[str], dict]:
             "tree": {"enabled": True, "branching": 2, "expand": 2, "depth": 4},
             "adaptive": {"enabled": True, "guard": False, "cost_profile": _cost_profile(work / "cost.json", 1e-5)}}
     args = [str(target), "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "1024",
-            "--max-num-seqs", "64", "--seed", "0", "--no-async-scheduling", "--speculative-config", json.dumps(spec)]
+            "--max-num-seqs", "64", "--seed", "0", "--no-async-scheduling", "--enforce-eager",
+            "--speculative-config", json.dumps(spec)]
     return target, args, {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
