@@ -101,7 +101,7 @@ def run_method(name: str, spec: dict | None, target: str, prompts: Path, args, o
         serve_args += ["--speculative-config", json.dumps(spec)]
     log = out_dir / f"server_{name}_{time.time_ns()}.log"
     results = []
-    with running_vllm_serve(serve_args, log) as (base, _):
+    with running_vllm_serve(serve_args, log, start_timeout_s=1200) as (base, _):
         requests.post(f"{base}/v1/completions", timeout=600,
                       json={"model": "served", "prompt": "def fib(n):", "max_tokens": 16, "temperature": 0})
         before = acceptance(base)
@@ -172,8 +172,8 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--cost-profile", type=Path, default=ROOT / "bench/results/verify_cost_qwen2.5-coder-1.5b_bf16.json")
     p.add_argument("--tag", default="qwen")
-    p.add_argument("--compile", dest="eager", action="store_false",
-                   help="let vLLM torch.compile the model (minutes per server start); default: --enforce-eager")
+    p.add_argument("--eager", action="store_true",
+                   help="--enforce-eager (fast start; on CPU several times slower than vLLM's compiled default)")
     return p.parse_args(argv)
 
 

@@ -35,7 +35,7 @@ def running_server(model: Path, spec: dict, log: Path, *extra_args: str, env: di
 
 
 @contextlib.contextmanager
-def running_vllm_serve(args: list[str], log: Path, env: dict | None = None):
+def running_vllm_serve(args: list[str], log: Path, env: dict | None = None, start_timeout_s: float = START_TIMEOUT_S):
     """`vllm serve <args> --host 127.0.0.1 --port <free>`: yield (base URL, process) once /health
     answers; fail the test with the log otherwise. The process group is stopped afterwards."""
     port = _free_port()
@@ -47,7 +47,7 @@ def running_vllm_serve(args: list[str], log: Path, env: dict | None = None):
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env,
                                 start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + START_TIMEOUT_S
+    deadline = time.time() + start_timeout_s
     try:
         while True:
             if proc.poll() is not None:
@@ -58,7 +58,7 @@ def running_vllm_serve(args: list[str], log: Path, env: dict | None = None):
             except requests.RequestException:
                 pass
             if time.time() > deadline:
-                pytest.fail(f"vllm serve did not start in {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+                pytest.fail(f"vllm serve did not start in {start_timeout_s} s:\n{log.read_text()[-4000:]}")
             time.sleep(1)
         yield base, proc
     finally:
