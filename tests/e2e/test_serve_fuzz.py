@@ -45,7 +45,9 @@ BAD_REQUESTS = [
     ({"logprobs": 10**6}, "logprobs"),
     ({"stop": {"not": "a list"}}, "stop"),
     ({"model": "no-such-model"}, "model"),
-    ({"min_p": 0.5, "temperature": 0.8}, "min_p"),  # (greedy resets min_p: no error there)
+    ({"min_p": 1.5, "temperature": 0.8}, "min_p"),  # (valid min_p and logit_bias are honoured)
+    ({"logit_bias": {"99999999": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"not-a-token": 1.0}}, "logit_bias"),
 ]
 
 

@@ -70,6 +70,18 @@ class SparseverRunnerMixin:
         self._sparsever_layer_kvs: list[Any] | None = None
         # The full level of a hierarchy over the sparse target verifies densely.
         self._sparsever_dense_full = config.early_exit.enabled and config.early_exit.intermediate == "sparse"
+        # With speculative decoding vLLM applies min_p and logit_bias nowhere (no processors, and
+        # its rejection sampler skips them on draft rows); sparsever applies them everywhere.
+        if getattr(self, "rejection_sampler", None) is not None:
+            from vllm_sparsever.integration.compat.runner import batch_sampling_params
+            from vllm_sparsever.integration.compat.sampling import (
+                add_min_p_and_logit_bias_processors,
+                honour_min_p_and_logit_bias,
+            )
+
+            honour_min_p_and_logit_bias(self.rejection_sampler, lambda: batch_sampling_params(self))
+            add_min_p_and_logit_bias_processors(self.input_batch, self.vllm_config, self.device,
+                                                bool(getattr(self, "pin_memory", False)))
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         with target_load_hooks(self.sparsever_runtime, self):

@@ -29,6 +29,9 @@ def register_all() -> None:
     # process stops here with one clear message instead of failing somewhere inside vLLM.
     check_vllm_version()
     install_speculative_config_hook()
+    from vllm_sparsever.integration.compat.sampling import allow_min_p_and_logit_bias
+
+    allow_min_p_and_logit_bias()  # only for SpeculativeConfigs sparsever made (compat/sampling.py)
     # Engine core (scheduler) and workers (warm-up) read the KV lookahead from VllmConfig.
     from vllm_sparsever.integration.compat.vllm_config import reserve_extra_lookahead
     from vllm_sparsever.integration.speculative import self_draft_lookahead

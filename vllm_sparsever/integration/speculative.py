@@ -88,7 +88,12 @@ def _create_speculative_config(engine_args, call_vllm, target_model_config, targ
     engine_args.additional_config = dict(engine_args.additional_config or {})
     engine_args.additional_config[ADDITIONAL_CONFIG_KEY] = config.to_dict()
     engine_args.speculative_config = config.to_vllm_speculative_kwargs()
-    return call_vllm()
+    from vllm_sparsever.integration.compat.sampling import mark_sparsever_speculative_config
+
+    speculative_config = call_vllm()
+    # The front end then lets min_p and logit_bias through: sparsever's verification applies them.
+    mark_sparsever_speculative_config(speculative_config)
+    return speculative_config
 
 
 def _check_target_supported(model_config: Any, parallel_config: Any) -> None:

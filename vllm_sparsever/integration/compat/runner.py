@@ -330,6 +330,13 @@ SAMPLER_ONLY_PARAMS: dict[str, Any] = {
 }
 
 
+def batch_sampling_params(runner: Any) -> list[Any]:
+    """The batch's SamplingParams in batch order (`runner.input_batch.req_ids` ->
+    `runner.requests[req_id].sampling_params`; None for a request without them)."""
+    requests = runner.requests
+    return [getattr(requests.get(req_id), "sampling_params", None) for req_id in runner.input_batch.req_ids]
+
+
 def tree_sampling_supported(runner: Any, row: int) -> bool:
     """Whether batch row `row`'s sampling is plain enough for tree acceptance (temperature, top-k,
     top-p, seed): `runner.requests[req_id].sampling_params` against `SAMPLER_ONLY_PARAMS`."""

