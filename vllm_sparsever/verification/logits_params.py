@@ -1,9 +1,11 @@
 """`logit_bias` and `min_p` on the target's verification logits, so sparsever can honour them.
 
-vLLM refuses both under speculative decoding because its rejection sampler never applies them to
-the draft positions' target logits (only the bonus token goes through its sampler's logits
-processors). Applying them there, in the order vLLM's sampler applies them to a non-speculative
-step, makes every emitted token follow the same distribution as without speculation (lossless):
+vLLM refuses both under speculative decoding: it then builds no min_p or logit-bias processor, and
+its rejection sampler would not apply them to the draft positions' target logits anyway. sparsever
+puts vLLM's processors back for the sampler's own rows (first and bonus tokens,
+compat/sampling.py) and applies the two here to the draft rows, in the order vLLM's sampler
+applies them to a non-speculative step, so every emitted token follows the same distribution as
+without speculation (lossless):
 - `logit_bias` is added to the raw logits before penalties (vLLM: non-argmax-invariant processors
   run before `apply_penalties`);
 - `min_p` masks tokens whose probability after temperature is below `min_p` times the most likely

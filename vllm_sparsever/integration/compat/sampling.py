@@ -91,7 +91,6 @@ def same_on_every_tp_rank(obj):
 
 # ---- min_p and logit_bias under sparsever's verification ------------------------------------------
 
-SPEC_DECODE_CHECK = "vllm.sampling_params.SamplingParams._validate_spec_decode"
 _SPARSEVER_MARK = "_sparsever_verifies"
 
 
