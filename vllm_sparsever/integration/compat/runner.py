@@ -318,8 +318,9 @@ def layer_kv_caches(runner: Any, layer_names: list[str]) -> list[LayerKV]:
     return out
 
 
-# SamplingParams fields whose effect vLLM's rejection sampler (or its logits processors) applies to
-# the target's logits, with their "no effect" value: a request with any other value is verified by
+# SamplingParams fields whose effect vLLM's rejection sampler (or its logits processors; for min_p
+# and logit_bias sparsever's wrapper around them, compat/sampling.py) applies to the target's
+# logits, with their "no effect" value: a request with any other value is verified by
 # vLLM's sampler, so sparsever drafts it a chain, never a tree (verification/tree.py acceptance
 # applies temperature, top-k and top-p only).
 SAMPLER_ONLY_PARAMS: dict[str, Any] = {
