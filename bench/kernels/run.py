@@ -244,6 +244,26 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
 
 
 # ---------------------------------------------------------------------------------------------------
+class vllm_cpu_linear:  # noqa: N801 (a callable standing for one linear layer)
+    """`y = x W^T` through the dense linear vLLM-CPU sets up for `weight` at load
+    (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`, weights kept)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        self.layer = torch.nn.Module()
+        self.layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        dispatch_cpu_unquantized_gemm(self.layer, remove_weight=False)
+        fn = self.layer.cpu_linear
+        # Which path vLLM chose, from what its dispatch closure holds (a oneDNN handler, sgl-kernel's
+        # packed weight, or nothing: torch's linear as the fallback).
+        free = set(getattr(getattr(fn, "__code__", None), "co_freevars", ()))
+        self.kind = "oneDNN" if "handler" in free else "sgl-kernel" if "packed_weight" in free else "torch linear"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer.cpu_linear(x, self.layer.weight, None)
+
+
 def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[float], bw: float) -> dict:
     hidden, inter, *_ = MODELS[model]
     esize = torch.finfo(dtype).bits // 8
@@ -263,11 +283,24 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
         g, u = gu.chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, w_down[l])
 
+    # vLLM-CPU's own dense MLP path: the linear vLLM dispatches for these weights in a served model
+    # (sgl-kernel with AMX, else oneDNN with weights packed at load, else torch's linear).
+    v_gu = [vllm_cpu_linear(w) for w in w_gu]
+    v_down = [vllm_cpu_linear(w) for w in w_down]
+
+    def dense_vllm():
+        l = rot.next()
+        g, u = v_gu[l](x).chunk(2, dim=-1)
+        return v_down[l](F.silu(g) * u)
+
     res = {"model": model, "q_len": num_tokens, "dtype": str(dtype).split(".")[-1], "hidden": hidden,
            "intermediate": inter, "layers_rotated": layers, "dense_bytes": dense_bytes,
-           "dense_torch": bench(dense_torch), "by_keep": []}
+           "dense_torch": bench(dense_torch), "dense_vllm": bench(dense_vllm),
+           "vllm_linear_kind": v_gu[0].kind, "by_keep": []}
     t_torch = res["dense_torch"][STAT]
+    t_vllm = res["dense_vllm"][STAT]
     res["GBps_dense_torch"] = dense_bytes / t_torch / 1e9
+    res["GBps_dense_vllm"] = dense_bytes / t_vllm / 1e9
     for r in keep_fracs:
         keep = max(1, round(r * inter))
         sel = torch.empty(1, keep, dtype=torch.int32)
@@ -284,6 +317,7 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
             "GBps": ideal_frac * dense_bytes / t[STAT] / 1e9,
             "ideal_s_at_measured_bw": ideal_s, "ratio_to_ideal": t[STAT] / ideal_s,
             "speedup_vs_torch_dense": t_torch / t[STAT],
+            "speedup_vs_vllm_dense": t_vllm / t[STAT],
         })
     # Same target relative to our own dense streaming rate (keep = I): isolates the cost of selection
     # from how close the streaming loop gets to DRAM bandwidth.
@@ -392,15 +426,17 @@ def markdown(results: dict) -> str:
             f"{r['dense_ours'][STAT]*1e3:.3f} ({r['GBps_dense_ours']:.1f}) | {r['sparse_with_select'][STAT]*1e3:.3f} | "
             f"{r['speedup_sparse_vs_torch_dense']:.2f}x | {r['speedup_sparse_vs_our_dense']:.2f}x " + vllm_cols)
     lines += ["", "## Top-k SwiGLU FFN (one neuron set for all q tokens)", "",
-              "| model | dtype | q | torch dense ms (GB/s) | keep r | ours ms (GB/s) | time / ideal at DRAM BW | time / ideal at own dense rate | speedup vs torch dense |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| model | dtype | q | torch dense ms (GB/s) | vLLM dense ms (GB/s) [path] | keep r | ours ms (GB/s) | time / ideal at DRAM BW | time / ideal at own dense rate | speedup vs torch dense | speedup vs vLLM dense |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["ffn"]:
+        vllm_dense = (f"{r['dense_vllm'][STAT]*1e3:.3f} ({r['GBps_dense_vllm']:.1f}) [{r['vllm_linear_kind']}]"
+                      if "dense_vllm" in r else "-")
         for k in r["by_keep"]:
             lines.append(
                 f"| {r['model']} | {r['dtype']} | {r['q_len']} | {r['dense_torch'][STAT]*1e3:.3f} ({r['GBps_dense_torch']:.1f}) | "
-                f"{k['keep_ratio']:.3f} | {k['time'][STAT]*1e3:.3f} ({k['GBps']:.1f}) | {k['ratio_to_ideal']:.2f} | "
+                f"{vllm_dense} | {k['keep_ratio']:.3f} | {k['time'][STAT]*1e3:.3f} ({k['GBps']:.1f}) | {k['ratio_to_ideal']:.2f} | "
                 f"{k.get('ratio_to_scaled_own_dense', float('nan')):.2f} | "
-                f"{k['speedup_vs_torch_dense']:.2f}x |")
+                f"{k['speedup_vs_torch_dense']:.2f}x | {k.get('speedup_vs_vllm_dense', float('nan')):.2f}x |")
     lines += ["", "## MoE grouped dispatch (E=64, top-8, H=1024, I=512 per expert)", "",
               "| dtype | q | budget | distinct experts | ours ms (GB/s) | torch loop ms | speedup |", "|---|---|---|---|---|---|---|"]
     for m in results["moe"]:
