@@ -462,6 +462,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None, help="default: all (quick: Qwen2.5-0.5B)")
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="attention contexts (default 2K-32K)")
     ap.add_argument("--q-lens", type=int, nargs="+", default=None, help="query tokens per request (default 1-64)")
+    ap.add_argument("--keeps", type=float, nargs="+", default=None,
+                    help="FFN keep ratios (default 1/8, 1/4, 1/2, 1; issue 14's aims: 0.3 0.5 0.7 1)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -475,6 +477,7 @@ def main() -> None:
         models, contexts, q_lens = list(MODELS), [2048, 8192, 16384, 32768], [1, 4, 16, 64]
         moe_tokens, keep_fracs, budgets = [1, 8, 64], [0.125, 0.25, 0.5, 1.0], [0, 4, 8, 16, 32]
     models, contexts, q_lens = args.models or models, args.contexts or contexts, args.q_lens or q_lens
+    keep_fracs = args.keeps or keep_fracs
     attn_shapes = [(m, c, q) for m in models for c in contexts for q in q_lens] if "attention" in args.parts else []
     ffn_shapes = [(m, q) for m in models for q in q_lens] if "ffn" in args.parts else []
     moe_tokens = moe_tokens if "moe" in args.parts else []
