@@ -14,19 +14,18 @@ from vllm_sparsever.integration.compat import sampling
 def _speculative_config():
     from vllm.config import SpeculativeConfig
 
-    # An n-gram config needs no draft model; enough for the front end's check.
+    # The front end's check only tests the config for None (and, wrapped, for sparsever's mark).
     return SpeculativeConfig.__new__(SpeculativeConfig)
 
 
 @pytest.mark.parametrize("param", [{"min_p": 0.2, "temperature": 0.8}, {"logit_bias": {3: 1.0}}])
 def test_front_end_refuses_for_vllm_methods_and_allows_for_sparsever(param):
+    from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
     sampling.allow_min_p_and_logit_bias()
     assert sampling.allow_min_p_and_logit_bias() is False  # idempotent
     params = SamplingParams(**param)
-    from vllm.exceptions import VLLMValidationError
-
     with pytest.raises(VLLMValidationError, match="not yet supported with speculative decoding"):
         params._validate_spec_decode(_speculative_config())  # a vLLM method: vLLM's refusal stands
     marked = _speculative_config()
