@@ -47,3 +47,40 @@ def check_sparsity_supported(config: SparseverConfig, model_config: Any) -> None
                 f"{section}.enabled: {section} sparsity needs unquantized weights, the target uses "
                 f"quantization={quantization!r} (allowed for this model: false)"
             )
+    if config.ffn.enabled and config.ffn.weights == "packed":
+        _check_packed_ffn(model_config)
+
+
+def _check_packed_ffn(model_config: Any) -> None:
+    """ffn.weights "packed": sparsever's bf16 neuron-block kernel (AVX512-BF16) and its layout."""
+    import torch
+    from vllm.platforms import current_platform
+
+    allowed_here = "allowed here: 'copy', 'shared'"
+    if not current_platform.is_cpu():
+        raise SparseverConfigError(f"ffn.weights: 'packed' is a CPU layout ({allowed_here})")
+    dtype = getattr(model_config, "dtype", None)
+    if dtype != torch.bfloat16:
+        raise SparseverConfigError(
+            f"ffn.weights: 'packed' needs a bfloat16 target, this one runs in {dtype} ({allowed_here})")
+    if not cpu_has_avx512_bf16():
+        raise SparseverConfigError(
+            f"ffn.weights: 'packed' needs a CPU with AVX512-BF16, this one has none ({allowed_here})")
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    for field in ("hidden_size", "intermediate_size"):
+        size = getattr(hf, field, None)
+        if isinstance(size, int) and size % 16:
+            raise SparseverConfigError(
+                f"ffn.weights: 'packed' needs {field} to be a multiple of 16, got {size} ({allowed_here})")
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16 (read from /proc/cpuinfo: no extension load in the front end)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return False
