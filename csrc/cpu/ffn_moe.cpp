@@ -4,11 +4,13 @@
 // the MoE dispatch reads only the experts that received at least one token.
 #include "cpu_utils.h"
 #include "gemv_rows.h"
+#include "gemv_rows_bf16.h"
 #include "ops.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <numeric>
+#include <string>
 
 namespace sparsever::cpu {
 namespace {
@@ -36,6 +38,27 @@ inline int64_t gemm_min_tokens() {
   return value;
 }
 
+// bf16 weights on a CPU with AVX512-BF16: stream them with vdpbf16ps (gemv_rows_bf16.h) instead of
+// widening to fp32. SPARSEVER_CPU_FFN_BF16_DOT=0 turns it off (benchmarks compare both).
+inline bool use_bf16_dot() {
+  static const bool value = [] {
+    const char* env = std::getenv("SPARSEVER_CPU_FFN_BF16_DOT");
+    return rows_bf16_available() && !(env && std::string(env) == "0");
+  }();
+  return value;
+}
+
+// rows_dot with the bf16 kernel: parallel over output rows.
+void rows_dot_bf16(const c10::BFloat16* x, int64_t num_tokens, int64_t h, const c10::BFloat16* w,
+                   int64_t w_row_stride, const int32_t* idx, int64_t nrows, float* y, int64_t y_stride) {
+  if (num_tokens == 0 || nrows == 0) return;
+  const int64_t chunk = rows_per_task(h, 2);
+  at::parallel_for(0, (nrows + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
+    rows_dot_range_bf16(x, num_tokens, h, w, w_row_stride, idx, begin * chunk, std::min(nrows, end * chunk), y,
+                        y_stride);
+  });
+}
+
 template <typename scalar_t>
 void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w_gate_up,
               const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
@@ -46,6 +69,11 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
   const int64_t gemm_from = gemm_min_tokens();
   auto xf_t = x.to(torch::kFloat).contiguous();
   const float* xf = xf_t.data_ptr<float>();
+  // bf16 dot path: the layer input itself, contiguous, with unit-stride weight rows.
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool bf16_dot = kBf16 && use_bf16_dot() && w_gate_up.stride(1) == 1 && w_down_t.stride(1) == 1;
+  auto xb_t = bf16_dot ? x.contiguous() : torch::Tensor();
+  const auto* xb = bf16_dot ? reinterpret_cast<const c10::BFloat16*>(xb_t.data_ptr()) : nullptr;
   const scalar_t* wgu = w_gate_up.data_ptr<scalar_t>();
   const scalar_t* wdt = w_down_t.data_ptr<scalar_t>();
   const int64_t wgu_stride = w_gate_up.stride(0), wdt_stride = w_down_t.stride(0);
@@ -67,7 +95,11 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
     const int64_t chunk = rows_per_task(h, sizeof(scalar_t));
     at::parallel_for(0, (inter + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
       const int64_t r0 = begin * chunk, r1 = std::min(inter, end * chunk);
-      if (streamed) rows_dot_range<scalar_t>(xf, num_tokens, h, wgu, wgu_stride, nullptr, r0, r1, act, inter);
+      if (streamed && bf16_dot)
+        rows_dot_range_bf16(xb, num_tokens, h, reinterpret_cast<const c10::BFloat16*>(wgu), wgu_stride, nullptr, r0,
+                            r1, act, inter);
+      else if (streamed)
+        rows_dot_range<scalar_t>(xf, num_tokens, h, wgu, wgu_stride, nullptr, r0, r1, act, inter);
       for (int64_t g = 0; g < num_groups; ++g)
         for (int64_t t = gsl[g]; t < gsl[g + 1]; ++t) {
           float* a = act + t * inter;
@@ -107,13 +139,21 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
     }
     // Up projection streaming the selected rows only, then the SwiGLU product.
     up.resize(static_cast<size_t>(nt * keep));
-    rows_dot<scalar_t>(xf + t0 * h, nt, h, wgu + inter * wgu_stride, wgu_stride, idx, keep, up.data(), keep);
+    if (bf16_dot)
+      rows_dot_bf16(xb + t0 * h, nt, h, reinterpret_cast<const c10::BFloat16*>(wgu + inter * wgu_stride), wgu_stride,
+                    idx, keep, up.data(), keep);
+    else
+      rows_dot<scalar_t>(xf + t0 * h, nt, h, wgu + inter * wgu_stride, wgu_stride, idx, keep, up.data(), keep);
     for (int64_t t = 0; t < nt; ++t) {
       const float* a = act + (t0 + t) * inter;
       for (int64_t j = 0; j < keep; ++j) hid[t * keep + j] = a[idx[j]] * up[t * keep + j];
     }
     // Down projection streaming the selected rows of w_down_t.
-    rows_axpy<scalar_t>(hid.data(), nt, keep, wdt, wdt_stride, idx, h, out_f.data() + t0 * h);
+    if (bf16_dot)
+      rows_axpy_bf16(hid.data(), nt, keep, reinterpret_cast<const c10::BFloat16*>(wdt), wdt_stride, idx, h,
+                     out_f.data() + t0 * h);
+    else
+      rows_axpy<scalar_t>(hid.data(), nt, keep, wdt, wdt_stride, idx, h, out_f.data() + t0 * h);
     for (int64_t t = t0; t < t0 + nt; ++t) store_from_f32<scalar_t>(out_f.data() + t * h, op + t * h, h);
   }
 }

@@ -187,3 +187,35 @@ def test_many_tokens_gemm_path(dtype):
     ref.moe_grouped_dispatch(expected, x, w, ids, w13, w2, rused)
     assert int(used) == int(rused)
     torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+_WIDENING_PATH_SCRIPT = r'''
+import sys
+import torch
+sys.path.insert(0, "tests")
+import vllm_sparsever._custom_ops as ops
+from op_inputs import SELECTION_TIE_RTOL, assert_ffn_matches_reference, ffn_weights, start_loc
+gen = torch.Generator().manual_seed(7)
+for h, inter, groups, keep in [(64, 96, [3, 5], 40), (100, 37, [1, 9], 11), (1536, 256, [4], 128)]:
+    wgu, wdt = ffn_weights(h, inter, torch.bfloat16, gen)
+    x = torch.randn(sum(groups), h, generator=gen).to(torch.bfloat16)
+    out, sel = ops.topk_swiglu_ffn(x, wgu, wdt, start_loc(groups), keep)
+    assert_ffn_matches_reference(out, sel, x, wgu, wdt, start_loc(groups), keep, SELECTION_TIE_RTOL[torch.bfloat16])
+print("OK")
+'''
+
+
+@pytest.mark.parametrize("bf16_dot", ["0", "1"])
+def test_ffn_bf16_paths_match_reference(bf16_dot):
+    """bf16 weights run vdpbf16ps kernels where the CPU has AVX512-BF16, else widen to fp32 FMAs;
+    SPARSEVER_CPU_FFN_BF16_DOT=0 forces the widening path, so both are checked on every CPU."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "SPARSEVER_CPU_FFN_BF16_DOT": bf16_dot}
+    res = subprocess.run([sys.executable, "-c", _WIDENING_PATH_SCRIPT], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

@@ -1,0 +1,248 @@
+// AVX512-BF16 row kernels for the few-token SwiGLU projections (see gemv_rows_bf16.h).
+//
+// Up (rows_dot): a 4-row x 4-token register tile; each 64-byte load of a weight row (32 bf16) meets the
+// same 32 channels of each token in one vdpbf16ps; sums are reduced across lanes once per tile.
+// Down (rows_axpy): rows are taken two at a time; unpacklo/hi_epi16 interleave their columns into the
+// (row j, row j+1) pairs vdpbf16ps multiplies by the broadcast pair (a[t, j], a[t, j+1]). The unpack
+// works within 128-bit lanes, so a 32-column chunk accumulates in a fixed column permutation that is
+// undone once per slab, after all rows.
+#include "gemv_rows_bf16.h"
+
+#include "cpu_utils.h"
+
+#include <algorithm>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+namespace sparsever::cpu {
+namespace {
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+template <int NR, int NT>
+inline void dot_tile_bf16(const uint16_t* x, int64_t h, const uint16_t* const* rows, float* y, int64_t ys) {
+  __m512 acc[NR][NT];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= h; c += 32) {
+    __m512bh xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = as_bh(_mm512_loadu_si512(x + t * h + c));
+    for (int i = 0; i < NR; ++i) {
+      const __m512bh wv = as_bh(_mm512_loadu_si512(rows[i] + c));
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv, xv[t]);
+    }
+  }
+  if (c < h) {  // tail: masked (zeroed) loads
+    const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << (h - c)) - 1);
+    __m512bh xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = as_bh(_mm512_maskz_loadu_epi16(m, x + t * h + c));
+    for (int i = 0; i < NR; ++i) {
+      const __m512bh wv = as_bh(_mm512_maskz_loadu_epi16(m, rows[i] + c));
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv, xv[t]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) y[t * ys + i] = _mm512_reduce_add_ps(acc[i][t]);
+}
+
+template <int NR>
+inline void dot_rows_bf16(const uint16_t* x, int64_t nt, int64_t h, const uint16_t* const* rows, float* y,
+                          int64_t ys) {
+  int64_t t = 0;
+  for (; t + 4 <= nt; t += 4) dot_tile_bf16<NR, 4>(x + t * h, h, rows, y + t * ys, ys);
+  switch (nt - t) {
+    case 3: dot_tile_bf16<NR, 3>(x + t * h, h, rows, y + t * ys, ys); break;
+    case 2: dot_tile_bf16<NR, 2>(x + t * h, h, rows, y + t * ys, ys); break;
+    case 1: dot_tile_bf16<NR, 1>(x + t * h, h, rows, y + t * ys, ys); break;
+    default: break;
+  }
+}
+
+// One (token tile x NV 32-column chunks) over row pairs [q0, q1); chunk cc starts at column 32 * cc.
+// buf holds the slab's partial sums in the unpack order: per chunk, 16 "lo" then 16 "hi" lanes.
+template <int NT, int NV>
+inline void axpy_tile_bf16(const uint32_t* ap, int64_t kp, const uint16_t* const* rows, int64_t q0, int64_t q1,
+                           int64_t cc, int64_t h, bool accumulate, float* buf, int64_t buf_stride) {
+  __m512 lo[NT][NV], hi[NT][NV];
+  for (int t = 0; t < NT; ++t)
+    for (int v = 0; v < NV; ++v) {
+      float* b = buf + t * buf_stride + v * 32;
+      lo[t][v] = accumulate ? _mm512_loadu_ps(b) : _mm512_setzero_ps();
+      hi[t][v] = accumulate ? _mm512_loadu_ps(b + 16) : _mm512_setzero_ps();
+    }
+  const int64_t c0 = cc * 32;
+  __mmask32 masks[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t left = h - (c0 + v * 32);
+    masks[v] = left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << std::max<int64_t>(0, left)) - 1);
+  }
+  for (int64_t q = q0; q < q1; ++q) {
+    const uint16_t* ra = rows[2 * q] + c0;
+    const uint16_t* rb = rows[2 * q + 1] + c0;
+    __m512bh s[NT];
+    for (int t = 0; t < NT; ++t) s[t] = as_bh(_mm512_set1_epi32(static_cast<int>(ap[t * kp + q])));
+    for (int v = 0; v < NV; ++v) {
+      const __m512i wa = _mm512_maskz_loadu_epi16(masks[v], ra + v * 32);
+      const __m512i wb = _mm512_maskz_loadu_epi16(masks[v], rb + v * 32);
+      const __m512bh wl = as_bh(_mm512_unpacklo_epi16(wa, wb)), wh = as_bh(_mm512_unpackhi_epi16(wa, wb));
+      for (int t = 0; t < NT; ++t) {
+        lo[t][v] = _mm512_dpbf16_ps(lo[t][v], wl, s[t]);
+        hi[t][v] = _mm512_dpbf16_ps(hi[t][v], wh, s[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int v = 0; v < NV; ++v) {
+      float* b = buf + t * buf_stride + v * 32;
+      _mm512_storeu_ps(b, lo[t][v]);
+      _mm512_storeu_ps(b + 16, hi[t][v]);
+    }
+}
+
+template <int NV>
+inline void axpy_chunk_bf16(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t* const* rows, int64_t q0,
+                            int64_t q1, int64_t cc, int64_t h, bool acc, float* buf, int64_t bs) {
+  int64_t t = 0;
+  for (; t + 4 <= nt; t += 4) axpy_tile_bf16<4, NV>(ap + t * kp, kp, rows, q0, q1, cc, h, acc, buf + t * bs, bs);
+  switch (nt - t) {
+    case 3: axpy_tile_bf16<3, NV>(ap + t * kp, kp, rows, q0, q1, cc, h, acc, buf + t * bs, bs); break;
+    case 2: axpy_tile_bf16<2, NV>(ap + t * kp, kp, rows, q0, q1, cc, h, acc, buf + t * bs, bs); break;
+    case 1: axpy_tile_bf16<1, NV>(ap + t * kp, kp, rows, q0, q1, cc, h, acc, buf + t * bs, bs); break;
+    default: break;
+  }
+}
+
+// Undo the unpack order of one 32-column chunk: lanes 4l+m of lo / hi hold columns 8l+m / 8l+4+m.
+inline void store_chunk_bf16(const float* b, float* out, int64_t cols) {
+  const __m512 lo = _mm512_loadu_ps(b), hi = _mm512_loadu_ps(b + 16);
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 c0 = _mm512_permutex2var_ps(lo, i0, hi), c1 = _mm512_permutex2var_ps(lo, i1, hi);
+  const int64_t n0 = std::min<int64_t>(16, cols), n1 = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16));
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n0) - 1), c0);
+  _mm512_mask_storeu_ps(out + 16, static_cast<__mmask16>((1u << n1) - 1), c1);
+}
+
+// Column chunks [cc0, cc1) of rows_axpy, all row pairs, blocks of kPairBlock pairs (next block prefetched).
+void axpy_slab_bf16(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t* const* rows, int64_t cc0,
+                    int64_t cc1, int64_t h, float* out) {
+  constexpr int64_t kPairBlock = 16;
+  constexpr int kChunks = 2;  // 32-column chunks per register tile: 4 tokens x 2 x (lo, hi) accumulators
+  const int64_t bs = (cc1 - cc0) * 32;
+  std::vector<float> buf(static_cast<size_t>(nt * bs));
+  const int64_t c_begin = cc0 * 32, c_end = std::min(h, cc1 * 32);
+  for (int64_t q0 = 0; q0 < kp; q0 += kPairBlock) {
+    const int64_t q1 = std::min(kp, q0 + kPairBlock);
+    for (int64_t r = 2 * q1; r < 2 * std::min(kp, q1 + kPairBlock); ++r) {
+      const char* p = reinterpret_cast<const char*>(rows[r] + c_begin);
+      for (int64_t b = 0; b < (c_end - c_begin) * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    }
+    for (int64_t cc = cc0; cc < cc1; cc += kChunks) {
+      float* b = buf.data() + (cc - cc0) * 32;
+      if (cc1 - cc >= kChunks)
+        axpy_chunk_bf16<kChunks>(ap, nt, kp, rows, q0, q1, cc, h, q0 > 0, b, bs);
+      else
+        axpy_chunk_bf16<1>(ap, nt, kp, rows, q0, q1, cc, h, q0 > 0, b, bs);
+    }
+  }
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t cc = cc0; cc < cc1; ++cc)
+      store_chunk_bf16(buf.data() + t * bs + (cc - cc0) * 32, out + t * h + cc * 32, std::min<int64_t>(32, h - cc * 32));
+}
+
+}  // namespace
+
+void rows_dot_range_bf16_impl(const c10::BFloat16* x, int64_t nt, int64_t h, const c10::BFloat16* w,
+                              int64_t stride, const int32_t* idx, int64_t r0, int64_t r1, float* y, int64_t ys) {
+  const auto* xb = reinterpret_cast<const uint16_t*>(x);
+  const auto* wb = reinterpret_cast<const uint16_t*>(w);
+  const int64_t row_bytes = h * 2;
+  for (int64_t j0 = r0; j0 < r1; j0 += 4) {
+    const int nr = static_cast<int>(std::min<int64_t>(4, r1 - j0));
+    const uint16_t* rows[4];
+    for (int i = 0; i < nr; ++i) rows[i] = wb + (idx ? idx[j0 + i] : j0 + i) * stride;
+    for (int64_t jn = j0 + 4; jn < std::min(r1, j0 + 8); ++jn) {
+      const char* p = reinterpret_cast<const char*>(wb + (idx ? idx[jn] : jn) * stride);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+    switch (nr) {
+      case 4: dot_rows_bf16<4>(xb, nt, h, rows, y + j0, ys); break;
+      case 3: dot_rows_bf16<3>(xb, nt, h, rows, y + j0, ys); break;
+      case 2: dot_rows_bf16<2>(xb, nt, h, rows, y + j0, ys); break;
+      default: dot_rows_bf16<1>(xb, nt, h, rows, y + j0, ys); break;
+    }
+  }
+}
+
+void axpy_slab_bf16_impl(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t* const* rows, int64_t cc0,
+                         int64_t cc1, int64_t h, float* out) {
+  axpy_slab_bf16(ap, nt, kp, rows, cc0, cc1, h, out);
+}
+
+}  // namespace sparsever::cpu
+#pragma GCC pop_options
+#endif  // CPU_CAPABILITY_AVX512
+
+namespace sparsever::cpu {
+
+bool rows_bf16_available() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+void rows_dot_range_bf16(const c10::BFloat16* x, int64_t num_tokens, int64_t h, const c10::BFloat16* w,
+                         int64_t w_row_stride, const int32_t* idx, int64_t row_begin, int64_t row_end, float* y,
+                         int64_t y_stride) {
+#if defined(CPU_CAPABILITY_AVX512)
+  TORCH_CHECK(rows_bf16_available(), "rows_dot_range_bf16 needs AVX512-BF16");
+  rows_dot_range_bf16_impl(x, num_tokens, h, w, w_row_stride, idx, row_begin, row_end, y, y_stride);
+#else
+  TORCH_CHECK(false, "rows_dot_range_bf16 needs the AVX-512 build");
+#endif
+}
+
+void rows_axpy_bf16(const float* a, int64_t num_tokens, int64_t k, const c10::BFloat16* w, int64_t w_row_stride,
+                    const int32_t* idx, int64_t h, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  TORCH_CHECK(rows_bf16_available(), "rows_axpy_bf16 needs AVX512-BF16");
+  if (num_tokens == 0) return;
+  if (k == 0) {
+    std::fill(out, out + num_tokens * h, 0.f);
+    return;
+  }
+  // Row pairs: the activations as bf16 pairs (a[t, 2q], a[t, 2q + 1]); an odd last row pairs with zeros.
+  const int64_t kp = (k + 1) / 2;
+  std::vector<uint32_t> ap(static_cast<size_t>(num_tokens * kp));
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int64_t q = 0; q < kp; ++q) {
+      const uint16_t lo = c10::BFloat16(a[t * k + 2 * q]).x;
+      const uint16_t hi = 2 * q + 1 < k ? c10::BFloat16(a[t * k + 2 * q + 1]).x : uint16_t{0};
+      ap[t * kp + q] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+  const auto* wb = reinterpret_cast<const uint16_t*>(w);
+  std::vector<uint16_t> zeros(k % 2 ? static_cast<size_t>(h) : 0, 0);
+  std::vector<const uint16_t*> rows(static_cast<size_t>(2 * kp));
+  for (int64_t j = 0; j < k; ++j) rows[j] = wb + (idx ? idx[j] : j) * w_row_stride;
+  if (k % 2) rows[k] = zeros.data();
+  const int64_t chunks = (h + 31) / 32;
+  const int64_t slabs = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks / 2));
+  const int64_t per_slab = (chunks + slabs - 1) / slabs;
+  at::parallel_for(0, slabs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t cc0 = s * per_slab, cc1 = std::min(chunks, cc0 + per_slab);
+      if (cc0 < cc1) axpy_slab_bf16_impl(ap.data(), num_tokens, kp, rows.data(), cc0, cc1, h, out);
+    }
+  });
+#else
+  TORCH_CHECK(false, "rows_axpy_bf16 needs the AVX-512 build");
+#endif
+}
+
+}  // namespace sparsever::cpu
