@@ -21,13 +21,17 @@ namespace {
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
+// next: the next tile's rows (or null): one cache line of each is prefetched per 64-byte step, so the
+// next tile streams in while this one computes (spread out, not a burst that fills the miss buffers).
 template <int NR, int NT>
-inline void dot_tile_bf16(const uint16_t* x, int64_t h, const uint16_t* const* rows, float* y, int64_t ys) {
+inline void dot_tile_bf16(const uint16_t* x, int64_t h, const uint16_t* const* rows, float* y, int64_t ys,
+                          const uint16_t* const* next, int nn) {
   __m512 acc[NR][NT];
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= h; c += 32) {
+    for (int i = 0; i < nn; ++i) _mm_prefetch(reinterpret_cast<const char*>(next[i] + c), _MM_HINT_T0);
     __m512bh xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = as_bh(_mm512_loadu_si512(x + t * h + c));
     for (int i = 0; i < NR; ++i) {
@@ -50,13 +54,14 @@ inline void dot_tile_bf16(const uint16_t* x, int64_t h, const uint16_t* const* r
 
 template <int NR>
 inline void dot_rows_bf16(const uint16_t* x, int64_t nt, int64_t h, const uint16_t* const* rows, float* y,
-                          int64_t ys) {
+                          int64_t ys, const uint16_t* const* next, int nn) {
+  // Only the first token tile prefetches: later tiles re-read this tile's rows from cache.
   int64_t t = 0;
-  for (; t + 4 <= nt; t += 4) dot_tile_bf16<NR, 4>(x + t * h, h, rows, y + t * ys, ys);
+  for (; t + 4 <= nt; t += 4, nn = 0) dot_tile_bf16<NR, 4>(x + t * h, h, rows, y + t * ys, ys, next, nn);
   switch (nt - t) {
-    case 3: dot_tile_bf16<NR, 3>(x + t * h, h, rows, y + t * ys, ys); break;
-    case 2: dot_tile_bf16<NR, 2>(x + t * h, h, rows, y + t * ys, ys); break;
-    case 1: dot_tile_bf16<NR, 1>(x + t * h, h, rows, y + t * ys, ys); break;
+    case 3: dot_tile_bf16<NR, 3>(x + t * h, h, rows, y + t * ys, ys, next, nn); break;
+    case 2: dot_tile_bf16<NR, 2>(x + t * h, h, rows, y + t * ys, ys, next, nn); break;
+    case 1: dot_tile_bf16<NR, 1>(x + t * h, h, rows, y + t * ys, ys, next, nn); break;
     default: break;
   }
 }
@@ -133,14 +138,18 @@ void axpy_slab_bf16(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t* 
   constexpr int kChunks = 2;  // 32-column chunks per register tile: 4 tokens x 2 x (lo, hi) accumulators
   const int64_t bs = (cc1 - cc0) * 32;
   std::vector<float> buf(static_cast<size_t>(nt * bs));
-  const int64_t c_begin = cc0 * 32, c_end = std::min(h, cc1 * 32);
+  const int64_t c_begin = cc0 * 32, c_end = std::min(h, cc1 * 32);  // columns
+  // The first block's slab, then each block's chunk step prefetches the same columns of the next block.
+  for (int64_t r = 0; r < 2 * std::min(kp, kPairBlock); ++r)
+    for (int64_t b = c_begin * 2; b < c_end * 2; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + b, _MM_HINT_T0);
   for (int64_t q0 = 0; q0 < kp; q0 += kPairBlock) {
     const int64_t q1 = std::min(kp, q0 + kPairBlock);
-    for (int64_t r = 2 * q1; r < 2 * std::min(kp, q1 + kPairBlock); ++r) {
-      const char* p = reinterpret_cast<const char*>(rows[r] + c_begin);
-      for (int64_t b = 0; b < (c_end - c_begin) * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-    }
+    const int64_t r_next_end = 2 * std::min(kp, q1 + kPairBlock);
     for (int64_t cc = cc0; cc < cc1; cc += kChunks) {
+      const int64_t pb = cc * 64, pe = std::min(c_end, (cc + kChunks) * 32) * 2;
+      for (int64_t r = 2 * q1; r < r_next_end; ++r)
+        for (int64_t b = pb; b < pe; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + b, _MM_HINT_T0);
       float* b = buf.data() + (cc - cc0) * 32;
       if (cc1 - cc >= kChunks)
         axpy_chunk_bf16<kChunks>(ap, nt, kp, rows, q0, q1, cc, h, q0 > 0, b, bs);
@@ -159,20 +168,22 @@ void rows_dot_range_bf16_impl(const c10::BFloat16* x, int64_t nt, int64_t h, con
                               int64_t stride, const int32_t* idx, int64_t r0, int64_t r1, float* y, int64_t ys) {
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
   const auto* wb = reinterpret_cast<const uint16_t*>(w);
-  const int64_t row_bytes = h * 2;
+  auto row = [&](int64_t j) { return wb + (idx ? idx[j] : j) * stride; };
   for (int64_t j0 = r0; j0 < r1; j0 += 4) {
     const int nr = static_cast<int>(std::min<int64_t>(4, r1 - j0));
+    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(4, r1 - j0 - 4)));
     const uint16_t* rows[4];
-    for (int i = 0; i < nr; ++i) rows[i] = wb + (idx ? idx[j0 + i] : j0 + i) * stride;
-    for (int64_t jn = j0 + 4; jn < std::min(r1, j0 + 8); ++jn) {
-      const char* p = reinterpret_cast<const char*>(wb + (idx ? idx[jn] : jn) * stride);
-      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-    }
+    const uint16_t* next[4];
+    for (int i = 0; i < nr; ++i) rows[i] = row(j0 + i);
+    for (int i = 0; i < nn; ++i) next[i] = row(j0 + 4 + i);
+    if (j0 == r0)  // the task's first tile: nothing prefetched it
+      for (int i = 0; i < nr; ++i)
+        for (int64_t b = 0; b < h * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i]) + b, _MM_HINT_T0);
     switch (nr) {
-      case 4: dot_rows_bf16<4>(xb, nt, h, rows, y + j0, ys); break;
-      case 3: dot_rows_bf16<3>(xb, nt, h, rows, y + j0, ys); break;
-      case 2: dot_rows_bf16<2>(xb, nt, h, rows, y + j0, ys); break;
-      default: dot_rows_bf16<1>(xb, nt, h, rows, y + j0, ys); break;
+      case 4: dot_rows_bf16<4>(xb, nt, h, rows, y + j0, ys, next, nn); break;
+      case 3: dot_rows_bf16<3>(xb, nt, h, rows, y + j0, ys, next, nn); break;
+      case 2: dot_rows_bf16<2>(xb, nt, h, rows, y + j0, ys, next, nn); break;
+      default: dot_rows_bf16<1>(xb, nt, h, rows, y + j0, ys, next, nn); break;
     }
   }
 }
