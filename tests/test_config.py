@@ -143,41 +143,6 @@ def test_sparsity_on_unsupported_architecture_fails_in_front_end():
         check_sparsity_supported(config, llama)
 
 
-def test_packed_ffn_needs_bf16_avx512_bf16_and_multiples_of_16(monkeypatch):
-    from types import SimpleNamespace
-
-    import torch
-
-    from vllm_sparsever.verification import support
-
-    config = SparseverConfig.from_dict({"method": "sparsever", "model": "d", "num_speculative_tokens": 3,
-                                        "ffn": {"enabled": True, "weights": "packed"}})
-
-    def qwen(dtype, hidden=1536, inter=8960):
-        return SimpleNamespace(architectures=["Qwen2ForCausalLM"], quantization=None, dtype=dtype,
-                               hf_text_config=SimpleNamespace(hidden_size=hidden, intermediate_size=inter))
-
-    monkeypatch.setattr(support, "cpu_has_avx512_bf16", lambda: True)
-    support.check_sparsity_supported(config, qwen(torch.bfloat16))
-    with pytest.raises(SparseverConfigError, match=r"ffn\.weights: 'packed' needs a bfloat16 target.*'copy'"):
-        support.check_sparsity_supported(config, qwen(torch.float32))
-    with pytest.raises(SparseverConfigError, match=r"intermediate_size to be a multiple of 16, got 8968"):
-        support.check_sparsity_supported(config, qwen(torch.bfloat16, inter=8968))
-    monkeypatch.setattr(support, "cpu_has_avx512_bf16", lambda: False)
-    with pytest.raises(SparseverConfigError, match=r"ffn\.weights: 'packed' needs a CPU with AVX512-BF16"):
-        support.check_sparsity_supported(config, qwen(torch.bfloat16))
-    with pytest.raises(SparseverConfigError, match=r"ffn\.weights.*'packed'"):
-        SparseverConfig.from_dict({"method": "sparsever", "model": "d", "num_speculative_tokens": 3,
-                                   "ffn": {"enabled": True, "weights": "blocks"}})
-
-
-def test_cpu_flag_reader_agrees_with_the_extension():
-    import vllm_sparsever._custom_ops as ops
-    from vllm_sparsever.verification.support import cpu_has_avx512_bf16
-
-    assert cpu_has_avx512_bf16() == (ops.ffn_packed_isa() == "avx512_bf16")
-
-
 def test_trees_on_a_sliding_window_model_fail_in_front_end():
     from types import SimpleNamespace
 

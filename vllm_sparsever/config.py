@@ -100,14 +100,12 @@ class FFNSparsityConfig:
     max_verify_requests: int = 2
     # CPU: "copy" keeps vLLM's prepacked (oneDNN) MLP for every dense step and a plain copy for the
     # sparse path (+1x MLP weights in memory); "shared" keeps only plain weights (no extra memory,
-    # dense steps use torch's matmul, slower than oneDNN; measured in bench/results); "packed" keeps
-    # vLLM's prepacked MLP plus a copy in sparsever's packed bf16 layout and selects neurons in
-    # blocks of 16 (+1x MLP weights; bf16 targets on CPUs with AVX512-BF16; docs/kernels.md).
-    weights: Literal["shared", "copy", "packed"] = "copy"
+    # dense steps use torch's matmul, slower than oneDNN; measured in bench/results).
+    weights: Literal["shared", "copy"] = "copy"
 
     def validate(self, prefix: str) -> None:
         _check_int(f"{prefix}.max_verify_requests", self.max_verify_requests, minimum=1)
-        _check_choice(f"{prefix}.weights", self.weights, ("shared", "copy", "packed"))
+        _check_choice(f"{prefix}.weights", self.weights, ("shared", "copy"))
         if self.keep_ratio is not None:
             _check_float(f"{prefix}.keep_ratio", self.keep_ratio, low=0.0, high=1.0, low_open=True)
 

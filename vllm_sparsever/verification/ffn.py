@@ -14,10 +14,7 @@ vLLM-CPU normally repacks linear weights for oneDNN and frees them. While the ta
 `keep_mlp_weights(mode)` changes that for the MLP linears: "copy" (default) lets vLLM pack them as
 usual (dense steps stay stock) and keeps the plain tensors for the sparse path (+1x MLP weights);
 "shared" skips the packing (dense steps use torch's matmul on the plain weights) and
-`down_proj.weight` becomes a transposed view of the [I, H] tensor: no extra memory; "packed" is
-"copy" with the sparse path's copy in sparsever's bf16 neuron-block layout
-(`reference.pack_swiglu_ffn_blocks`), selected in blocks of 16 neurons (`topk_block_swiglu_ffn`,
-AVX512-BF16).
+`down_proj.weight` becomes a transposed view of the [I, H] tensor: no extra memory.
 """
 
 from __future__ import annotations
@@ -64,7 +61,7 @@ def _(x: torch.Tensor, layer_key: str) -> torch.Tensor:
 class SparseSwiGLUMLP(nn.Module):
     """A SwiGLU MLP that verifies with one top-k neuron set per request."""
 
-    def __init__(self, mlp: nn.Module, prefix: str, layer_idx: int, weights: str = "copy") -> None:
+    def __init__(self, mlp: nn.Module, prefix: str, layer_idx: int) -> None:
         super().__init__()
         self.mlp = mlp
         self.prefix = prefix
@@ -79,16 +76,6 @@ class SparseSwiGLUMLP(nn.Module):
         else:
             down.weight = nn.Parameter(w_down_t.t(), requires_grad=False)
         self.w_down_t = w_down_t
-        # "packed": the sparse path's only copy is the neuron-block layout (vLLM's serves dense steps).
-        self.packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        if weights == "packed":
-            from vllm_sparsever.reference import pack_swiglu_ffn_blocks
-
-            self.packed = pack_swiglu_ffn_blocks(self.w_gate_up.detach(), w_down_t)
-            if hasattr(gate_up, "_sparsever_plain_weight"):
-                del gate_up._sparsever_plain_weight
-            self.w_gate_up = self.w_down_t = None
-            self.num_blocks = self.packed[0].shape[0]
         self.reduce_results = bool(getattr(down, "reduce_results", False)) and (
             getattr(down, "tp_size", 1) > 1
         )
@@ -106,10 +93,8 @@ class SparseSwiGLUMLP(nn.Module):
         return self.mlp(x) if out is None else out
 
     def _sparse(self, x: torch.Tensor, groups: TokenGroups, rt: SparseVerificationRuntime) -> torch.Tensor | None:
-        ratio = rt.ffn_keep_ratio(self.layer_idx)
-        unit, units = (16, self.num_blocks) if self.packed is not None else (1, self.intermediate)
-        keep = min(units, max(1, math.ceil(ratio * units)))
-        if keep >= units:
+        keep = min(self.intermediate, max(1, math.ceil(rt.ffn_keep_ratio(self.layer_idx) * self.intermediate)))
+        if keep >= self.intermediate:
             return None
         if x.ndim != 2 or x.shape[0] < groups.num_tokens:
             raise SparsePathUnavailable("shape_mismatch", f"hidden states {tuple(x.shape)} vs {groups.num_tokens} tokens")
@@ -117,10 +102,7 @@ class SparseSwiGLUMLP(nn.Module):
         xv = x if all_verify else x[groups.token_index]
         # This rank's share (its neurons only under tensor parallelism), then the all-reduce
         # down_proj would do.
-        if self.packed is not None:
-            partial, _ = ops.topk_block_swiglu_ffn(xv.contiguous(), *self.packed, groups.group_start_loc, keep)
-        else:
-            partial, _ = ops.topk_swiglu_ffn(xv, self.w_gate_up, self.w_down_t, groups.group_start_loc, keep)
+        partial, _ = ops.topk_swiglu_ffn(xv, self.w_gate_up, self.w_down_t, groups.group_start_loc, keep)
         if rt.check_reference:
             self._check_reference(xv, partial, groups, keep, rt)
         sparse_out = self._reduce(partial)
@@ -134,7 +116,7 @@ class SparseSwiGLUMLP(nn.Module):
                 out[other] = self.mlp(x[other])
         # Each group reads the up/down rows of its own `keep` neurons (counted from the sizes, not
         # from the selection: no extra work on the measured path).
-        rt.record(ffn_layers_sparse=1, ffn_neurons_read=keep * unit * groups.num_groups,
+        rt.record(ffn_layers_sparse=1, ffn_neurons_read=keep * groups.num_groups,
                   ffn_neurons_dense=self.intermediate)
         return out
 
@@ -145,11 +127,8 @@ class SparseSwiGLUMLP(nn.Module):
 
         expected = torch.empty_like(xv)
         selected = torch.empty(groups.group_start_loc.numel() - 1, keep, dtype=torch.int32)
-        if self.packed is not None:
-            reference.topk_block_swiglu_ffn(expected, xv, *self.packed, groups.group_start_loc, keep, selected)
-        else:
-            reference.topk_swiglu_ffn(expected, xv, self.w_gate_up, self.w_down_t,
-                                      groups.group_start_loc, keep, selected)
+        reference.topk_swiglu_ffn(expected, xv, self.w_gate_up, self.w_down_t,
+                                  groups.group_start_loc, keep, selected)
         rt.record_reference_error("ffn", float((partial.float() - expected.float()).abs().max()))
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
@@ -178,9 +157,8 @@ def _is_swiglu_mlp(module: nn.Module) -> bool:
     )
 
 
-def install_ffn(model: nn.Module, architecture: str, weights: str = "copy") -> int:
-    """Wrap every SwiGLU MLP of the target (`weights`: FFNSparsityConfig.weights); returns how many
-    were wrapped."""
+def install_ffn(model: nn.Module, architecture: str) -> int:
+    """Wrap every SwiGLU MLP of the target; returns how many were wrapped."""
     found = [(name, m) for name, m in model.named_modules() if _is_swiglu_mlp(m)]
     if not found:
         raise RuntimeError(
@@ -204,7 +182,7 @@ def install_ffn(model: nn.Module, architecture: str, weights: str = "copy") -> i
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, SparseSwiGLUMLP(mlp, name, layer_idx, weights))
+        setattr(parent, child, SparseSwiGLUMLP(mlp, name, layer_idx))
         count += 1
     return count
 
@@ -222,7 +200,6 @@ def keep_mlp_weights(mode: str = "copy") -> Iterator[None]:
             if mode == "shared":
                 use_plain_cpu_linear(layer)
                 return
-            # "copy" and "packed": vLLM packs as usual; the plain weights wait for the wrapper.
             layer._sparsever_plain_weight = layer.weight.data  # survives the packing's removal
         stock(layer, remove_weight)
 
