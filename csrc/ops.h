@@ -38,15 +38,6 @@ void topk_swiglu_ffn_cpu(torch::Tensor& out, const torch::Tensor& x, const torch
                          const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
                          torch::Tensor& selected);
 
-// SwiGLU MLP over one top-`keep_blocks` set of 16-neuron blocks per token group, on weights packed by
-// reference.pack_swiglu_ffn_blocks (bf16; AVX512-BF16 where the CPU has it).
-void topk_block_swiglu_ffn_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w_gate_p,
-                               const torch::Tensor& w_up_p, const torch::Tensor& w_down_p,
-                               const torch::Tensor& group_start_loc, int64_t keep_blocks, torch::Tensor& selected);
-
-// Which kernel topk_block_swiglu_ffn runs on this CPU: "avx512_bf16" or "portable".
-std::string ffn_packed_isa();
-
 // Top-k softmax routing + ratio pruning + optional per-group expert budget.
 void moe_route_and_prune_cpu(const torch::Tensor& router_logits, int64_t top_k, double prune_ratio,
                              const std::optional<torch::Tensor>& group_start_loc, int64_t expert_budget,

@@ -45,13 +45,6 @@ TORCH_LIBRARY(sparsever, m) {
       "topk_swiglu_ffn(Tensor(a!) out, Tensor x, Tensor w_gate_up, Tensor w_down_t, "
       "Tensor group_start_loc, int keep, Tensor(b!) selected) -> ()");
 
-  // out/x [T, H] bf16; w_gate_p/w_up_p [nb, H/2, 16, 2], w_down_p [nb, H/16, 8, 16, 2] bf16 (packed once by
-  // reference.pack_swiglu_ffn_blocks); group_start_loc [G+1] int32; selected [G, keep_blocks] int32 block ids.
-  m.def(
-      "topk_block_swiglu_ffn(Tensor(a!) out, Tensor x, Tensor w_gate_p, Tensor w_up_p, Tensor w_down_p, "
-      "Tensor group_start_loc, int keep_blocks, Tensor(b!) selected) -> ()");
-  m.def("ffn_packed_isa() -> str", &ffn_packed_isa);
-
   // router_logits [T, E]; group_start_loc [G+1] int32 or None; topk_weights [T, K] fp32;
   // topk_ids [T, K] int32 (-1 = pruned).
   m.def(
@@ -70,7 +63,6 @@ TORCH_LIBRARY_IMPL(sparsever, CPU, m) {
   m.impl("select_kv_blocks", &select_kv_blocks_cpu);
   m.impl("block_sparse_tree_attention", &block_sparse_tree_attention_cpu);
   m.impl("topk_swiglu_ffn", &topk_swiglu_ffn_cpu);
-  m.impl("topk_block_swiglu_ffn", &topk_block_swiglu_ffn_cpu);
   m.impl("moe_route_and_prune", &moe_route_and_prune_cpu);
   m.impl("moe_grouped_dispatch", &moe_grouped_dispatch_cpu);
 }

@@ -39,12 +39,6 @@ def _topk_swiglu_ffn_fake(out, x, w_gate_up, w_down_t, group_start_loc, keep, se
     return None
 
 
-@torch.library.register_fake("sparsever::topk_block_swiglu_ffn")
-def _topk_block_swiglu_ffn_fake(out, x, w_gate_p, w_up_p, w_down_p, group_start_loc, keep_blocks,
-                                selected) -> None:
-    return None
-
-
 @torch.library.register_fake("sparsever::moe_route_and_prune")
 def _moe_route_and_prune_fake(router_logits, top_k, prune_ratio, group_start_loc, expert_budget, renormalize,
                               topk_weights, topk_ids) -> None:
@@ -107,25 +101,6 @@ def topk_swiglu_ffn(x: torch.Tensor, w_gate_up: torch.Tensor, w_down_t: torch.Te
         selected = torch.empty(group_start_loc.numel() - 1, keep, dtype=torch.int32, device=x.device)
     _ops.topk_swiglu_ffn(out, x, w_gate_up, w_down_t, group_start_loc, keep, selected)
     return out, selected
-
-
-def topk_block_swiglu_ffn(x: torch.Tensor, w_gate_p: torch.Tensor, w_up_p: torch.Tensor,
-                          w_down_p: torch.Tensor, group_start_loc: torch.Tensor, keep_blocks: int,
-                          out: torch.Tensor | None = None,
-                          selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """SwiGLU MLP over one top-`keep_blocks` set of 16-neuron blocks per group, on weights packed by
-    `reference.pack_swiglu_ffn_blocks` (bf16, CPU); returns (out [T, H], selected [G, keep_blocks])."""
-    if out is None:
-        out = torch.empty_like(x)
-    if selected is None:
-        selected = torch.empty(group_start_loc.numel() - 1, keep_blocks, dtype=torch.int32, device=x.device)
-    _ops.topk_block_swiglu_ffn(out, x, w_gate_p, w_up_p, w_down_p, group_start_loc, keep_blocks, selected)
-    return out, selected
-
-
-def ffn_packed_isa() -> str:
-    """The kernel topk_block_swiglu_ffn runs on this CPU: "avx512_bf16" (fast) or "portable"."""
-    return _ops.ffn_packed_isa()
 
 
 def moe_route_and_prune(router_logits: torch.Tensor, top_k: int, prune_ratio: float = 0.0,

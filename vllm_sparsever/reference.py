@@ -38,10 +38,6 @@ __all__ = [
     "topk_lower_index_wins",
     "num_context_blocks",
     "swiglu_ffn_on_neurons",
-    "FFN_NEURON_BLOCK",
-    "pack_swiglu_ffn_blocks",
-    "unpack_swiglu_ffn_blocks",
-    "topk_block_swiglu_ffn",
 ]
 
 
@@ -291,85 +287,6 @@ def swiglu_ffn_on_neurons(
     xf = x.float()
     h = F.silu(xf @ w_gate_up[idx].float().t()) * (xf @ w_gate_up[inter + idx].float().t())
     return h @ w_down_t[idx].float()
-
-
-# Neurons per block of the packed FFN layout: one 64-byte load of bf16 pairs holds 16 neurons.
-FFN_NEURON_BLOCK = 16
-
-
-def pack_swiglu_ffn_blocks(
-    w_gate_up: torch.Tensor, w_down_t: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The packed layout of topk_block_swiglu_ffn, made once at load time from vLLM's weights.
-
-    w_gate_up [2I, H] (gate rows then up rows), w_down_t [I, H]; I and H multiples of 16. Returns
-    (w_gate_p, w_up_p) [nb, H/2, 16, 2] with w_gate_p[b, p, i, r] = w_gate[16b + i, 2p + r], and
-    w_down_p [nb, H/16, 8, 16, 2] with w_down_p[b, c, p, l, r] = w_down_t[16b + 2p + r, 16c + l]:
-    pairs along the reduction axis, as AVX512-BF16's dot instruction reads them, and every 16-neuron
-    block one contiguous run (so is each 16-column slice of a block's down rows).
-    """
-    two_i, h = w_gate_up.shape
-    inter, nb = two_i // 2, two_i // 2 // FFN_NEURON_BLOCK
-    if inter % FFN_NEURON_BLOCK or h % FFN_NEURON_BLOCK or tuple(w_down_t.shape) != (inter, h):
-        raise ValueError(f"packed FFN needs I and H multiples of {FFN_NEURON_BLOCK} and w_down_t [I, H]; "
-                         f"got w_gate_up {tuple(w_gate_up.shape)}, w_down_t {tuple(w_down_t.shape)}")
-
-    def rows(w: torch.Tensor) -> torch.Tensor:
-        return w.reshape(nb, FFN_NEURON_BLOCK, h // 2, 2).permute(0, 2, 1, 3).contiguous()
-
-    w_down_p = (w_down_t.reshape(nb, FFN_NEURON_BLOCK // 2, 2, h // FFN_NEURON_BLOCK, FFN_NEURON_BLOCK)
-                .permute(0, 3, 1, 4, 2).contiguous())
-    return rows(w_gate_up[:inter]), rows(w_gate_up[inter:]), w_down_p
-
-
-def unpack_swiglu_ffn_blocks(
-    w_gate_p: torch.Tensor, w_up_p: torch.Tensor, w_down_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of pack_swiglu_ffn_blocks: (w_gate_up [2I, H], w_down_t [I, H])."""
-    nb, hp = w_gate_p.shape[:2]
-    inter, h = nb * FFN_NEURON_BLOCK, 2 * hp
-
-    def rows(w: torch.Tensor) -> torch.Tensor:
-        return w.permute(0, 2, 1, 3).reshape(inter, h)
-
-    w_down_t = w_down_p.permute(0, 2, 4, 1, 3).reshape(inter, h)
-    return torch.cat([rows(w_gate_p), rows(w_up_p)]), w_down_t
-
-
-def topk_block_swiglu_ffn(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    w_gate_p: torch.Tensor,
-    w_up_p: torch.Tensor,
-    w_down_p: torch.Tensor,
-    group_start_loc: torch.Tensor,
-    keep_blocks: int,
-    selected: torch.Tensor,
-) -> None:
-    """topk_swiglu_ffn with neuron *blocks* as the unit of selection, on packed weights, in place.
-
-    Weights from pack_swiglu_ffn_blocks (nb = I/16 blocks of 16 consecutive neurons). A block's score
-    is the sum of its neurons' scores (sum over the group's tokens of |silu(gate)|); each group keeps
-    its top-`keep_blocks` blocks (lower index wins ties), stored ascending in selected[g] (block ids);
-    its tokens' output is the SwiGLU MLP over the kept blocks' neurons. Empty group: -1, no output.
-    keep_blocks == nb is the dense MLP. (The CPU kernel rounds x and the SwiGLU product to bf16 pairs,
-    as a bf16 MLP does.)
-    """
-    w_gate_up, w_down_t = unpack_swiglu_ffn_blocks(w_gate_p, w_up_p, w_down_p)
-    inter = w_gate_up.shape[0] // 2
-    act = F.silu(x.float() @ w_gate_up[:inter].float().t())  # [T, I]
-    starts = group_start_loc.tolist()
-    arange = torch.arange(FFN_NEURON_BLOCK)
-    for g in range(len(starts) - 1):
-        t0, t1 = starts[g], starts[g + 1]
-        if t1 == t0:
-            selected[g] = -1
-            continue
-        block_scores = act[t0:t1].abs().sum(dim=0).view(-1, FFN_NEURON_BLOCK).sum(dim=1)
-        blocks = topk_lower_index_wins(block_scores, keep_blocks)
-        selected[g] = blocks.to(selected.dtype)
-        idx = (blocks[:, None] * FFN_NEURON_BLOCK + arange).flatten()
-        out[t0:t1] = swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, idx).to(out.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import vllm_sparsever._custom_ops as ops  # noqa: E402
-import vllm_sparsever.reference as ref  # noqa: E402
 
 MODELS = {
     # name: hidden, intermediate, q heads, kv heads, head_dim
@@ -320,32 +319,6 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
             "speedup_vs_torch_dense": t_torch / t[STAT],
             "speedup_vs_vllm_dense": t_vllm / t[STAT],
         })
-    # Packed neuron blocks (bf16 only): the layout made once at load, selection per 16-neuron block.
-    if dtype == torch.bfloat16 and inter % ref.FFN_NEURON_BLOCK == 0 and hidden % ref.FFN_NEURON_BLOCK == 0:
-        packed = [ref.pack_swiglu_ffn_blocks(w_gu[l], w_down_t[l]) for l in range(layers)]
-        nb = inter // ref.FFN_NEURON_BLOCK
-        res["packed_isa"] = ops.ffn_packed_isa()
-        res["by_keep_packed"] = []
-        for r in keep_fracs:
-            kb = max(1, round(r * nb))
-            sel_b = torch.empty(1, kb, dtype=torch.int32)
-
-            def ours_packed():
-                l = rot.next()
-                ops.topk_block_swiglu_ffn(x, *packed[l], gsl, kb, out=out, selected=sel_b)
-
-            t = bench(ours_packed)
-            frac = kb / nb
-            ideal_frac = 1 / 3 + 2 * frac / 3
-            ideal_s = ideal_frac * dense_bytes / (bw * 1e9)
-            res["by_keep_packed"].append({
-                "keep_ratio": frac, "keep_blocks": kb, "time": t, "bytes": ideal_frac * dense_bytes,
-                "GBps": ideal_frac * dense_bytes / t[STAT] / 1e9,
-                "ideal_s_at_measured_bw": ideal_s, "ratio_to_ideal": t[STAT] / ideal_s,
-                "speedup_vs_torch_dense": t_torch / t[STAT],
-                "speedup_vs_vllm_dense": t_vllm / t[STAT],
-            })
-        del packed
     # Same target relative to our own dense streaming rate (keep = I): isolates the cost of selection
     # from how close the streaming loop gets to DRAM bandwidth.
     dense_ours = [k for k in res["by_keep"] if k["keep"] == inter]
@@ -464,19 +437,6 @@ def markdown(results: dict) -> str:
                 f"{vllm_dense} | {k['keep_ratio']:.3f} | {k['time'][STAT]*1e3:.3f} ({k['GBps']:.1f}) | {k['ratio_to_ideal']:.2f} | "
                 f"{k.get('ratio_to_scaled_own_dense', float('nan')):.2f} | "
                 f"{k['speedup_vs_torch_dense']:.2f}x | {k.get('speedup_vs_vllm_dense', float('nan')):.2f}x |")
-    packed_rows = [r for r in results["ffn"] if r.get("by_keep_packed")]
-    if packed_rows:
-        lines += ["", f"## Top-k FFN over packed 16-neuron blocks (bf16, kernel: {packed_rows[0]['packed_isa']})", "",
-                  "Aim (issue 14): time within 1.3x of the bytes bound (1/3 + 2r/3 of the dense MLP's bytes at the "
-                  "DRAM read rate measured in this run).", "",
-                  "| model | q | vLLM dense ms (GB/s) [path] | keep r | packed ms (GB/s) | time / bytes bound | speedup vs torch dense | speedup vs vLLM dense |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in packed_rows:
-            for k in r["by_keep_packed"]:
-                lines.append(
-                    f"| {r['model']} | {r['q_len']} | {r['dense_vllm'][STAT]*1e3:.3f} ({r['GBps_dense_vllm']:.1f}) "
-                    f"[{r['vllm_linear_kind']}] | {k['keep_ratio']:.3f} | {k['time'][STAT]*1e3:.3f} ({k['GBps']:.1f}) | "
-                    f"{k['ratio_to_ideal']:.2f} | {k['speedup_vs_torch_dense']:.2f}x | {k['speedup_vs_vllm_dense']:.2f}x |")
     lines += ["", "## MoE grouped dispatch (E=64, top-8, H=1024, I=512 per expert)", "",
               "| dtype | q | budget | distinct experts | ours ms (GB/s) | torch loop ms | speedup |", "|---|---|---|---|---|---|---|"]
     for m in results["moe"]:
