@@ -7,13 +7,19 @@
 namespace sparsever::cpu {
 
 // Y[t, j] = X[t, :] . W[row(j), :], row(j) = idx ? idx[j] : j; X [T, H] fp32 contiguous; Y row stride y_stride.
+// next: the next tile's rows (nn of them): prefetched along with this tile's loads, a line at a time, so
+// they stream in while this tile computes (a burst of prefetches would fill the miss buffers and stall).
 template <int NR, int NT, typename WT>
-inline void dot_tile(const float* x, int64_t h, const WT* const* wrows, float* y, int64_t y_stride) {
+inline void dot_tile(const float* x, int64_t h, const WT* const* wrows, float* y, int64_t y_stride,
+                     const WT* const* next, int nn) {
+  constexpr int64_t kLineElems = 64 / sizeof(WT);
   Vec acc[NR][NT];
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = Vec(0.f);
   int64_t c = 0;
   for (; c + kVecLen <= h; c += kVecLen) {
+    if (c % kLineElems == 0)
+      for (int i = 0; i < nn; ++i) _mm_prefetch(reinterpret_cast<const char*>(next[i] + c), _MM_HINT_T0);
     Vec xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = Vec::loadu(x + t * h + c);
     for (int i = 0; i < NR; ++i) {
@@ -31,15 +37,15 @@ inline void dot_tile(const float* x, int64_t h, const WT* const* wrows, float* y
 
 template <int NR, typename WT>
 inline void dot_rows_all_tokens(const float* x, int64_t num_tokens, int64_t h, const WT* const* wrows, float* y,
-                                int64_t y_stride) {
+                                int64_t y_stride, const WT* const* next, int nn) {
   constexpr int kTokTile = 4;
-  int64_t t = 0;
-  for (; t + kTokTile <= num_tokens; t += kTokTile)
-    dot_tile<NR, kTokTile, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride);
+  int64_t t = 0;  // only the first token tile prefetches; later ones re-read this tile from cache
+  for (; t + kTokTile <= num_tokens; t += kTokTile, nn = 0)
+    dot_tile<NR, kTokTile, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride, next, nn);
   switch (num_tokens - t) {
-    case 3: dot_tile<NR, 3, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride); break;
-    case 2: dot_tile<NR, 2, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride); break;
-    case 1: dot_tile<NR, 1, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride); break;
+    case 3: dot_tile<NR, 3, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride, next, nn); break;
+    case 2: dot_tile<NR, 2, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride, next, nn); break;
+    case 1: dot_tile<NR, 1, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride, next, nn); break;
     default: break;
   }
 }
@@ -50,21 +56,25 @@ void rows_dot_range(const float* x, int64_t num_tokens, int64_t h, const WT* w, 
                     const int32_t* idx, int64_t row_begin, int64_t row_end, float* y, int64_t y_stride) {
   constexpr int kRowTile = 4;
   const int64_t row_bytes = h * static_cast<int64_t>(sizeof(WT));
+  auto row = [&](int64_t j) { return w + (idx ? idx[j] : j) * w_row_stride; };
   for (int64_t j0 = row_begin; j0 < row_end; j0 += kRowTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kRowTile, row_end - j0));
+    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kRowTile, row_end - j0 - kRowTile)));
     const WT* rows[kRowTile];
-    for (int i = 0; i < nr; ++i) rows[i] = w + (idx ? idx[j0 + i] : j0 + i) * w_row_stride;
-    // Rows are short streams (1-3 KiB): prefetch the next tile's rows so DRAM latency overlaps this tile.
-    for (int64_t jn = j0 + kRowTile; jn < std::min(row_end, j0 + 2 * kRowTile); ++jn) {
-      const char* p = reinterpret_cast<const char*>(w + (idx ? idx[jn] : jn) * w_row_stride);
-      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-    }
+    const WT* next[kRowTile];
+    for (int i = 0; i < nr; ++i) rows[i] = row(j0 + i);
+    for (int i = 0; i < nn; ++i) next[i] = row(j0 + kRowTile + i);
+    // Rows are short streams (1-3 KiB): the task's first tile is prefetched here, every later one
+    // while the tile before it computes.
+    if (j0 == row_begin)
+      for (int i = 0; i < nr; ++i)
+        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i]) + b, _MM_HINT_T0);
     float* yj = y + j0;
     switch (nr) {
-      case 4: dot_rows_all_tokens<4, WT>(x, num_tokens, h, rows, yj, y_stride); break;
-      case 3: dot_rows_all_tokens<3, WT>(x, num_tokens, h, rows, yj, y_stride); break;
-      case 2: dot_rows_all_tokens<2, WT>(x, num_tokens, h, rows, yj, y_stride); break;
-      default: dot_rows_all_tokens<1, WT>(x, num_tokens, h, rows, yj, y_stride); break;
+      case 4: dot_rows_all_tokens<4, WT>(x, num_tokens, h, rows, yj, y_stride, next, nn); break;
+      case 3: dot_rows_all_tokens<3, WT>(x, num_tokens, h, rows, yj, y_stride, next, nn); break;
+      case 2: dot_rows_all_tokens<2, WT>(x, num_tokens, h, rows, yj, y_stride, next, nn); break;
+      default: dot_rows_all_tokens<1, WT>(x, num_tokens, h, rows, yj, y_stride, next, nn); break;
     }
   }
 }
@@ -87,14 +97,14 @@ void rows_dot(const float* x, int64_t num_tokens, int64_t h, const WT* w, int64_
   });
 }
 
-// Prefetch (into L2) columns [c0, c1) of rows row(j), j in [j0, j1): the next row block of rows_axpy.
+// Prefetch columns [c0, c1) of rows row(j), j in [j0, j1): the next row block of rows_axpy.
 template <typename WT>
 inline void prefetch_rows(const WT* w, int64_t w_row_stride, const int32_t* idx, int64_t j0, int64_t j1,
                           int64_t c0, int64_t c1) {
   for (int64_t j = j0; j < j1; ++j) {
     const char* p = reinterpret_cast<const char*>(w + (idx ? idx[j] : j) * w_row_stride + c0);
     const int64_t bytes = (c1 - c0) * static_cast<int64_t>(sizeof(WT));
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
   }
 }
 
@@ -157,11 +167,14 @@ void rows_axpy(const float* a, int64_t num_tokens, int64_t k, const WT* w, int64
       const int64_t ch0 = slab * chunks_per_slab, ch1 = std::min(chunks, ch0 + chunks_per_slab);
       if (ch0 >= ch1) continue;
       const int64_t col0 = ch0 * kCols * kVecLen, col1 = std::min(full_vecs * kVecLen, ch1 * kCols * kVecLen);
+      prefetch_rows<WT>(w, w_row_stride, idx, 0, std::min(k, kRowBlock), col0, col1);
       for (int64_t j0 = 0; j0 < k; j0 += kRowBlock) {
         const int64_t j1 = std::min(k, j0 + kRowBlock);
-        prefetch_rows<WT>(w, w_row_stride, idx, j1, std::min(k, j1 + kRowBlock), col0, col1);
+        const int64_t jn1 = std::min(k, j1 + kRowBlock);
         for (int64_t ch = ch0; ch < ch1; ++ch) {
           const int64_t c0 = ch * kCols * kVecLen;
+          // This chunk's columns of the next row block, spread over the chunks (see dot_tile).
+          prefetch_rows<WT>(w, w_row_stride, idx, j1, jn1, c0, std::min(col1, c0 + kCols * kVecLen));
           switch (std::min<int64_t>(kCols, full_vecs - ch * kCols)) {
             case 4: axpy_chunk<4, WT>(a, num_tokens, k, w, w_row_stride, idx, j0, j1, j0 > 0, c0, out, h); break;
             case 3: axpy_chunk<3, WT>(a, num_tokens, k, w, w_row_stride, idx, j0, j1, j0 > 0, c0, out, h); break;
