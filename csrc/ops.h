@@ -11,6 +11,9 @@
 // Which ISA build of the extension is loaded ("avx512" or "avx2"); used for diagnostics.
 std::string ext_info();
 
+// Whether this build and CPU run topk_swiglu_ffn's bf16 projections with AVX512-BF16 (vdpbf16ps).
+bool ffn_bf16_dot_available();
+
 // ---- CPU implementations (csrc/cpu) ------------------------------------------------------------
 
 // KV block key summaries: exact per-channel min/max of every block touched by slot_mapping.

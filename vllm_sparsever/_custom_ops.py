@@ -103,6 +103,12 @@ def topk_swiglu_ffn(x: torch.Tensor, w_gate_up: torch.Tensor, w_down_t: torch.Te
     return out, selected
 
 
+def ffn_bf16_dot_available() -> bool:
+    """Whether topk_swiglu_ffn streams bf16 weights with AVX512-BF16 dot instructions on this CPU
+    (else it widens them to fp32; SPARSEVER_CPU_FFN_BF16_DOT=0 forces that)."""
+    return bool(_ops.ffn_bf16_dot_available())
+
+
 def moe_route_and_prune(router_logits: torch.Tensor, top_k: int, prune_ratio: float = 0.0,
                         group_start_loc: torch.Tensor | None = None, expert_budget: int = 0,
                         renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -310,6 +310,14 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
             ops.topk_swiglu_ffn(x, w_gu[l], w_down_t[l], gsl, keep, out=out, selected=sel)
 
         t = bench(ours)
+        widened = None
+        if dtype == torch.bfloat16 and ops.ffn_bf16_dot_available():
+            # The same op on the fp32-widening path (what CPUs without AVX512-BF16 run), same data.
+            os.environ["SPARSEVER_CPU_FFN_BF16_DOT"] = "0"
+            try:
+                widened = bench(ours)
+            finally:
+                del os.environ["SPARSEVER_CPU_FFN_BF16_DOT"]
         ideal_frac = 1 / 3 + 2 * (keep / inter) / 3
         ideal_s = ideal_frac * dense_bytes / (bw * 1e9)
         res["by_keep"].append({
@@ -318,6 +326,8 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
             "ideal_s_at_measured_bw": ideal_s, "ratio_to_ideal": t[STAT] / ideal_s,
             "speedup_vs_torch_dense": t_torch / t[STAT],
             "speedup_vs_vllm_dense": t_vllm / t[STAT],
+            **({"time_fp32_widening": widened, "speedup_vs_vllm_dense_fp32_widening": t_vllm / widened[STAT]}
+               if widened else {}),
         })
     # Same target relative to our own dense streaming rate (keep = I): isolates the cost of selection
     # from how close the streaming loop gets to DRAM bandwidth.
@@ -426,8 +436,10 @@ def markdown(results: dict) -> str:
             f"{r['dense_ours'][STAT]*1e3:.3f} ({r['GBps_dense_ours']:.1f}) | {r['sparse_with_select'][STAT]*1e3:.3f} | "
             f"{r['speedup_sparse_vs_torch_dense']:.2f}x | {r['speedup_sparse_vs_our_dense']:.2f}x " + vllm_cols)
     lines += ["", "## Top-k SwiGLU FFN (one neuron set for all q tokens)", "",
-              "| model | dtype | q | torch dense ms (GB/s) | vLLM dense ms (GB/s) [path] | keep r | ours ms (GB/s) | time / ideal at DRAM BW | time / ideal at own dense rate | speedup vs torch dense | speedup vs vLLM dense |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "bf16 on a CPU with AVX512-BF16: 'ours' runs the vdpbf16ps kernels; the last column is the same op on "
+              "the fp32-widening path (SPARSEVER_CPU_FFN_BF16_DOT=0), as CPUs without it run.", "",
+              "| model | dtype | q | torch dense ms (GB/s) | vLLM dense ms (GB/s) [path] | keep r | ours ms (GB/s) | time / ideal at DRAM BW | time / ideal at own dense rate | speedup vs torch dense | speedup vs vLLM dense | widening path: ms, vs vLLM dense |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["ffn"]:
         vllm_dense = (f"{r['dense_vllm'][STAT]*1e3:.3f} ({r['GBps_dense_vllm']:.1f}) [{r['vllm_linear_kind']}]"
                       if "dense_vllm" in r else "-")
@@ -436,7 +448,9 @@ def markdown(results: dict) -> str:
                 f"| {r['model']} | {r['dtype']} | {r['q_len']} | {r['dense_torch'][STAT]*1e3:.3f} ({r['GBps_dense_torch']:.1f}) | "
                 f"{vllm_dense} | {k['keep_ratio']:.3f} | {k['time'][STAT]*1e3:.3f} ({k['GBps']:.1f}) | {k['ratio_to_ideal']:.2f} | "
                 f"{k.get('ratio_to_scaled_own_dense', float('nan')):.2f} | "
-                f"{k['speedup_vs_torch_dense']:.2f}x | {k.get('speedup_vs_vllm_dense', float('nan')):.2f}x |")
+                f"{k['speedup_vs_torch_dense']:.2f}x | {k.get('speedup_vs_vllm_dense', float('nan')):.2f}x | "
+                + (f"{k['time_fp32_widening'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_fp32_widening']:.2f}x |"
+                   if "time_fp32_widening" in k else "- |"))
     lines += ["", "## MoE grouped dispatch (E=64, top-8, H=1024, I=512 per expert)", "",
               "| dtype | q | budget | distinct experts | ours ms (GB/s) | torch loop ms | speedup |", "|---|---|---|---|---|---|---|"]
     for m in results["moe"]:

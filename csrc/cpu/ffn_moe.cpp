@@ -39,13 +39,12 @@ inline int64_t gemm_min_tokens() {
 }
 
 // bf16 weights on a CPU with AVX512-BF16: stream them with vdpbf16ps (gemv_rows_bf16.h) instead of
-// widening to fp32. SPARSEVER_CPU_FFN_BF16_DOT=0 turns it off (benchmarks compare both).
+// widening to fp32. SPARSEVER_CPU_FFN_BF16_DOT=0 turns it off; read per call (a getenv is nothing next
+// to a layer's MLP), so a benchmark can time both paths in one process.
 inline bool use_bf16_dot() {
-  static const bool value = [] {
-    const char* env = std::getenv("SPARSEVER_CPU_FFN_BF16_DOT");
-    return rows_bf16_available() && !(env && std::string(env) == "0");
-  }();
-  return value;
+  if (!rows_bf16_available()) return false;
+  const char* env = std::getenv("SPARSEVER_CPU_FFN_BF16_DOT");
+  return !(env && std::string(env) == "0");
 }
 
 // rows_dot with the bf16 kernel: parallel over output rows.
