@@ -264,6 +264,18 @@ class vllm_cpu_linear:  # noqa: N801 (a callable standing for one linear layer)
         return self.layer.cpu_linear(x, self.layer.weight, None)
 
 
+def bench_widening_path(fn, dtype: torch.dtype) -> dict | None:
+    """fn timed on the fp32-widening path (what CPUs without AVX512-BF16 run) where this CPU would
+    take the bf16 dot path; None where there is no second path to compare."""
+    if dtype != torch.bfloat16 or not ops.ffn_bf16_dot_available():
+        return None
+    os.environ["SPARSEVER_CPU_FFN_BF16_DOT"] = "0"
+    try:
+        return bench(fn)
+    finally:
+        del os.environ["SPARSEVER_CPU_FFN_BF16_DOT"]
+
+
 def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[float], bw: float) -> dict:
     hidden, inter, *_ = MODELS[model]
     esize = torch.finfo(dtype).bits // 8
@@ -310,14 +322,7 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
             ops.topk_swiglu_ffn(x, w_gu[l], w_down_t[l], gsl, keep, out=out, selected=sel)
 
         t = bench(ours)
-        widened = None
-        if dtype == torch.bfloat16 and ops.ffn_bf16_dot_available():
-            # The same op on the fp32-widening path (what CPUs without AVX512-BF16 run), same data.
-            os.environ["SPARSEVER_CPU_FFN_BF16_DOT"] = "0"
-            try:
-                widened = bench(ours)
-            finally:
-                del os.environ["SPARSEVER_CPU_FFN_BF16_DOT"]
+        widened = bench_widening_path(ours, dtype)
         ideal_frac = 1 / 3 + 2 * (keep / inter) / 3
         ideal_s = ideal_frac * dense_bytes / (bw * 1e9)
         res["by_keep"].append({
@@ -376,12 +381,14 @@ def bench_moe(num_tokens: int, dtype: torch.dtype, budgets: list[int], bw: float
             ops.moe_grouped_dispatch(x, weights, ids, w13[l], w2[l], out=out)
 
         t = bench(ours)
+        widened = bench_widening_path(ours, dtype)
         tt = bench(lambda: torch_grouped(weights, ids))
         route = bench(lambda: ops.moe_route_and_prune(logits, top_k, 0.0, gsl, budget, True))
         rows.append({"budget": budget, "distinct_experts": distinct, "time": t, "torch_time": tt,
                      "route_time": route, "bytes": distinct * expert_bytes,
                      "GBps": distinct * expert_bytes / t[STAT] / 1e9,
-                     "speedup_vs_torch": tt[STAT] / t[STAT]})
+                     "speedup_vs_torch": tt[STAT] / t[STAT],
+                     **({"time_fp32_widening": widened} if widened else {})})
     # Least-squares fit time = a + b * distinct: proportional cost means a small intercept.
     xs = [r["distinct_experts"] for r in rows]
     ys = [r["time"][STAT] for r in rows]
@@ -452,16 +459,18 @@ def markdown(results: dict) -> str:
                 + (f"{k['time_fp32_widening'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_fp32_widening']:.2f}x |"
                    if "time_fp32_widening" in k else "- |"))
     lines += ["", "## MoE grouped dispatch (E=64, top-8, H=1024, I=512 per expert)", "",
-              "| dtype | q | budget | distinct experts | ours ms (GB/s) | torch loop ms | speedup |", "|---|---|---|---|---|---|---|"]
+              "| dtype | q | budget | distinct experts | ours ms (GB/s) | torch loop ms | speedup | widening path ms |",
+              "|---|---|---|---|---|---|---|---|"]
     for m in results["moe"]:
         for r in m["rows"]:
             lines.append(f"| {m['dtype']} | {m['q_len']} | {r['budget'] or 'none'} | {r['distinct_experts']} | "
                          f"{r['time'][STAT]*1e3:.3f} ({r['GBps']:.1f}) | {r['torch_time'][STAT]*1e3:.3f} | "
-                         f"{r['speedup_vs_torch']:.2f}x |")
+                         f"{r['speedup_vs_torch']:.2f}x | "
+                         + (f"{r['time_fp32_widening'][STAT]*1e3:.3f} |" if "time_fp32_widening" in r else "- |"))
         if m["fit"]:
             f = m["fit"]
             lines.append(f"| fit q={m['q_len']} | | | time = {f['intercept_s']*1e3:.3f} ms + {f['per_expert_s']*1e3:.3f} ms x experts "
-                         f"(R^2 {f['r2']:.3f}; ideal per expert {f['per_expert_ideal_s']*1e3:.3f} ms) | | | |")
+                         f"(R^2 {f['r2']:.3f}; ideal per expert {f['per_expert_ideal_s']*1e3:.3f} ms) | | | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -206,17 +206,29 @@ int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torc
   const int64_t n_streamed = static_cast<int64_t>(streamed.size());
   // One parallel region per projection over (expert, row chunk) tasks, so all streamed experts share
   // the threads and there is no per-expert synchronisation.
+  // bf16 weights on a CPU with AVX512-BF16: both projections dot bf16 activations with vdpbf16ps.
+  const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && use_bf16_dot();
+  std::vector<c10::BFloat16> in_bf16;
   auto run_projection = [&](int64_t rows_per_expert, int64_t in_dim, const scalar_t* wbase, int64_t w_expert_stride,
                             int64_t w_row_stride, const float* in, float* outbuf) {
     const int64_t chunk = rows_per_task(in_dim, sizeof(scalar_t));
     const int64_t per_expert = (rows_per_expert + chunk - 1) / chunk;
+    if (bf16_dot) {  // the activations rounded to bf16 once, as a bf16 expert's input is
+      in_bf16.resize(static_cast<size_t>(total_rows * in_dim));
+      store_from_f32<c10::BFloat16>(in, in_bf16.data(), total_rows * in_dim);
+    }
     at::parallel_for(0, n_streamed * per_expert, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const Active& a = streamed[task / per_expert];
-        const int64_t r0 = (task % per_expert) * chunk;
-        rows_dot_range<scalar_t>(in + a.row_offset * in_dim, a.ne, in_dim, wbase + a.expert * w_expert_stride,
-                                 w_row_stride, nullptr, r0, std::min(rows_per_expert, r0 + chunk),
-                                 outbuf + a.row_offset * rows_per_expert, rows_per_expert);
+        const int64_t r0 = (task % per_expert) * chunk, r1 = std::min(rows_per_expert, r0 + chunk);
+        float* y = outbuf + a.row_offset * rows_per_expert;
+        if (bf16_dot)
+          rows_dot_range_bf16(in_bf16.data() + a.row_offset * in_dim, a.ne, in_dim,
+                              reinterpret_cast<const c10::BFloat16*>(wbase + a.expert * w_expert_stride), w_row_stride,
+                              nullptr, r0, r1, y, rows_per_expert);
+        else
+          rows_dot_range<scalar_t>(in + a.row_offset * in_dim, a.ne, in_dim, wbase + a.expert * w_expert_stride,
+                                   w_row_stride, nullptr, r0, r1, y, rows_per_expert);
       }
     });
   };

@@ -194,7 +194,8 @@ def test_many_tokens_gemm_path(dtype):
 def test_ffn_bf16_paths_match_reference(bf16_dot, monkeypatch):
     """bf16 weights run vdpbf16ps kernels where the CPU has AVX512-BF16, else widen to fp32 FMAs;
     SPARSEVER_CPU_FFN_BF16_DOT=0 forces the widening path, so both are checked on every CPU
-    (shapes with column/row tails, odd keeps, more than one token tile, a real hidden size)."""
+    (shapes with column/row tails, odd keeps, more than one token tile, a real hidden size), for
+    the top-k FFN and the MoE experts' streamed projections."""
     monkeypatch.setenv("SPARSEVER_CPU_FFN_BF16_DOT", bf16_dot)
     gen = torch.Generator().manual_seed(7)
     for h, inter, groups, keep in [(64, 96, [3, 5], 40), (100, 37, [1, 9], 11), (1536, 256, [4, 7], 129)]:
@@ -203,6 +204,15 @@ def test_ffn_bf16_paths_match_reference(bf16_dot, monkeypatch):
         out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, start_loc(groups), keep)
         assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, start_loc(groups), keep,
                                      SELECTION_TIE_RTOL[torch.bfloat16])
+    # MoE experts with few tokens stream through the same kernels (hidden and expert sizes with tails).
+    for h, inter, num_tokens in [(64, 48, 5), (100, 37, 9), (1536, 64, 3)]:
+        x, w13, w2, logits = _moe_problem(num_tokens, h, inter, 6, 2, torch.bfloat16, gen)
+        w, ids = ops.moe_route_and_prune(logits, 2, 0.0)
+        out, used = ops.moe_grouped_dispatch(x, w, ids, w13, w2)
+        expected, rused = torch.empty_like(x), torch.empty(1, dtype=torch.int32)
+        ref.moe_grouped_dispatch(expected, x, w, ids, w13, w2, rused)
+        assert int(used) == int(rused)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_ffn_bf16_dot_follows_the_cpu_flags():
