@@ -204,11 +204,11 @@ int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torc
   const scalar_t* w13p = w13.data_ptr<scalar_t>();
   const scalar_t* w2p = w2.data_ptr<scalar_t>();
   const int64_t n_streamed = static_cast<int64_t>(streamed.size());
-  // One parallel region per projection over (expert, row chunk) tasks, so all streamed experts share
-  // the threads and there is no per-expert synchronisation.
   // bf16 weights on a CPU with AVX512-BF16: both projections dot bf16 activations with vdpbf16ps.
   const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && use_bf16_dot();
   std::vector<c10::BFloat16> in_bf16;
+  // One parallel region per projection over (expert, row chunk) tasks, so all streamed experts share
+  // the threads and there is no per-expert synchronisation.
   auto run_projection = [&](int64_t rows_per_expert, int64_t in_dim, const scalar_t* wbase, int64_t w_expert_stride,
                             int64_t w_row_stride, const float* in, float* outbuf) {
     const int64_t chunk = rows_per_task(in_dim, sizeof(scalar_t));

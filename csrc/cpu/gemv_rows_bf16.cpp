@@ -162,8 +162,6 @@ void axpy_slab_bf16(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t* 
       store_chunk_bf16(buf.data() + t * bs + (cc - cc0) * 32, out + t * h + cc * 32, std::min<int64_t>(32, h - cc * 32));
 }
 
-}  // namespace
-
 void rows_dot_range_bf16_impl(const c10::BFloat16* x, int64_t nt, int64_t h, const c10::BFloat16* w,
                               int64_t stride, const int32_t* idx, int64_t r0, int64_t r1, float* y, int64_t ys) {
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
@@ -188,11 +186,7 @@ void rows_dot_range_bf16_impl(const c10::BFloat16* x, int64_t nt, int64_t h, con
   }
 }
 
-void axpy_slab_bf16_impl(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t* const* rows, int64_t cc0,
-                         int64_t cc1, int64_t h, float* out) {
-  axpy_slab_bf16(ap, nt, kp, rows, cc0, cc1, h, out);
-}
-
+}  // namespace
 }  // namespace sparsever::cpu
 #pragma GCC pop_options
 #endif  // CPU_CAPABILITY_AVX512
@@ -248,7 +242,7 @@ void rows_axpy_bf16(const float* a, int64_t num_tokens, int64_t k, const c10::BF
   at::parallel_for(0, slabs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const int64_t cc0 = s * per_slab, cc1 = std::min(chunks, cc0 + per_slab);
-      if (cc0 < cc1) axpy_slab_bf16_impl(ap.data(), num_tokens, kp, rows.data(), cc0, cc1, h, out);
+      if (cc0 < cc1) axpy_slab_bf16(ap.data(), num_tokens, kp, rows.data(), cc0, cc1, h, out);
     }
   });
 #else
