@@ -189,7 +189,6 @@ def test_many_tokens_gemm_path(dtype):
     torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
 
 
-
 @pytest.mark.parametrize("bf16_dot", ["0", "1"])
 def test_ffn_bf16_paths_match_reference(bf16_dot, monkeypatch):
     """bf16 weights run vdpbf16ps kernels where the CPU has AVX512-BF16, else widen to fp32 FMAs;
