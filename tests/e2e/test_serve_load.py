@@ -91,8 +91,10 @@ def test_load_with_cancellations(name, tiny_target, tiny_draft, cost_profile, re
     generated = delta("vllm:generation_tokens_total")
     # Cancelled requests generated something, at most their max_tokens each.
     assert served < generated <= served + sum(REQUESTS[r.index].max_tokens for r in cancelled)
-    # vLLM counts finished requests only (aborted ones appear in no counter).
-    assert delta("vllm:request_success_total") == len(completed)
+    # vLLM counts requests that finished in the engine (aborted ones appear in no counter). A
+    # cancelled stream whose request had already finished server-side (its last chunks still in
+    # flight when the client closed) counts as a success: a race the client cannot see.
+    assert len(completed) <= delta("vllm:request_success_total") <= len(completed) + len(cancelled)
     assert delta("vllm:prompt_tokens_total") > 0
     # sparsever's counters: drafts were verified, never more accepted than drafted or generated.
     drafts, accepted = delta("sparsever:num_drafts_total"), delta("sparsever:num_accepted_tokens_total")
