@@ -47,17 +47,6 @@ inline bool use_bf16_dot() {
   return !(env && std::string(env) == "0");
 }
 
-// rows_dot with the bf16 kernel: parallel over output rows.
-void rows_dot_bf16(const c10::BFloat16* x, int64_t num_tokens, int64_t h, const c10::BFloat16* w,
-                   int64_t w_row_stride, const int32_t* idx, int64_t nrows, float* y, int64_t y_stride) {
-  if (num_tokens == 0 || nrows == 0) return;
-  const int64_t chunk = rows_per_task(h, 2);
-  at::parallel_for(0, (nrows + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
-    rows_dot_range_bf16(x, num_tokens, h, w, w_row_stride, idx, begin * chunk, std::min(nrows, end * chunk), y,
-                        y_stride);
-  });
-}
-
 template <typename scalar_t>
 void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w_gate_up,
               const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
@@ -91,9 +80,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
   std::vector<float> scores(static_cast<size_t>(num_groups * inter), 0.f);
   {
     const bool streamed = num_tokens < gemm_from;
-    const int64_t chunk = rows_per_task(h, sizeof(scalar_t));
-    at::parallel_for(0, (inter + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
-      const int64_t r0 = begin * chunk, r1 = std::min(inter, end * chunk);
+    parallel_row_tasks(inter, h, sizeof(scalar_t), [&](int64_t r0, int64_t r1) {
       if (streamed && bf16_dot)
         rows_dot_range_bf16(xb, num_tokens, h, reinterpret_cast<const c10::BFloat16*>(wgu), wgu_stride, nullptr, r0,
                             r1, act, inter);
@@ -139,8 +126,10 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
     // Up projection streaming the selected rows only, then the SwiGLU product.
     up.resize(static_cast<size_t>(nt * keep));
     if (bf16_dot)
-      rows_dot_bf16(xb + t0 * h, nt, h, reinterpret_cast<const c10::BFloat16*>(wgu + inter * wgu_stride), wgu_stride,
-                    idx, keep, up.data(), keep);
+      parallel_row_tasks(keep, h, sizeof(scalar_t), [&](int64_t r0, int64_t r1) {
+        rows_dot_range_bf16(xb + t0 * h, nt, h, reinterpret_cast<const c10::BFloat16*>(wgu + inter * wgu_stride),
+                            wgu_stride, idx, r0, r1, up.data(), keep);
+      });
     else
       rows_dot<scalar_t>(xf + t0 * h, nt, h, wgu + inter * wgu_stride, wgu_stride, idx, keep, up.data(), keep);
     for (int64_t t = 0; t < nt; ++t) {
@@ -213,9 +202,11 @@ int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torc
                             int64_t w_row_stride, const float* in, float* outbuf) {
     const int64_t chunk = rows_per_task(in_dim, sizeof(scalar_t));
     const int64_t per_expert = (rows_per_expert + chunk - 1) / chunk;
-    if (bf16_dot) {  // the activations rounded to bf16 once, as a bf16 expert's input is
+    if (bf16_dot) {  // the streamed experts' activations rounded to bf16 once, as a bf16 expert's input is
       in_bf16.resize(static_cast<size_t>(total_rows * in_dim));
-      store_from_f32<c10::BFloat16>(in, in_bf16.data(), total_rows * in_dim);
+      for (const Active& a : streamed)
+        store_from_f32<c10::BFloat16>(in + a.row_offset * in_dim, in_bf16.data() + a.row_offset * in_dim,
+                                      a.ne * in_dim);
     }
     at::parallel_for(0, n_streamed * per_expert, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {

@@ -4,6 +4,8 @@
 
 #include "cpu_utils.h"
 
+#include <type_traits>
+
 namespace sparsever::cpu {
 
 // Y[t, j] = X[t, :] . W[row(j), :], row(j) = idx ? idx[j] : j; X [T, H] fp32 contiguous; Y row stride y_stride.
@@ -35,18 +37,47 @@ inline void dot_tile(const float* x, int64_t h, const WT* const* wrows, float* y
     }
 }
 
-template <int NR, typename WT>
-inline void dot_rows_all_tokens(const float* x, int64_t num_tokens, int64_t h, const WT* const* wrows, float* y,
-                                int64_t y_stride, const WT* const* next, int nn) {
-  constexpr int kTokTile = 4;
-  int64_t t = 0;  // only the first token tile prefetches; later ones re-read this tile from cache
-  for (; t + kTokTile <= num_tokens; t += kTokTile, nn = 0)
-    dot_tile<NR, kTokTile, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride, next, nn);
+// fn(std::integral_constant<int, NT>, t) for token tiles [t, t + NT) covering [0, num_tokens): tiles of 4,
+// then one of 3, 2 or 1 (NT is a compile-time register-tile size for the kernels).
+template <typename Fn>
+inline void for_each_token_tile(int64_t num_tokens, Fn&& fn) {
+  int64_t t = 0;
+  for (; t + 4 <= num_tokens; t += 4) fn(std::integral_constant<int, 4>{}, t);
   switch (num_tokens - t) {
-    case 3: dot_tile<NR, 3, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride, next, nn); break;
-    case 2: dot_tile<NR, 2, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride, next, nn); break;
-    case 1: dot_tile<NR, 1, WT>(x + t * h, h, wrows, y + t * y_stride, y_stride, next, nn); break;
+    case 3: fn(std::integral_constant<int, 3>{}, t); break;
+    case 2: fn(std::integral_constant<int, 2>{}, t); break;
+    case 1: fn(std::integral_constant<int, 1>{}, t); break;
     default: break;
+  }
+}
+
+// The row-tile walk of every row-dot kernel (fp32 FMAs below, vdpbf16ps in gemv_rows_bf16.cpp): output
+// rows [row_begin, row_end) in tiles of up to 4 rows, row(j) = idx ? idx[j] : j;
+// tile(std::integral_constant<int, NR>, rows, j0, next, nn) computes rows j0..j0+NR-1, with the next
+// tile's nn rows to prefetch as it goes. Rows are short streams (1-3 KiB): the task's first tile is
+// prefetched here, every later one while the tile before it computes.
+template <typename T, typename Tile>
+inline void for_each_row_tile(const T* w, int64_t w_row_stride, const int32_t* idx, int64_t h, int64_t row_begin,
+                              int64_t row_end, Tile&& tile) {
+  constexpr int kRowTile = 4;
+  const int64_t row_bytes = h * static_cast<int64_t>(sizeof(T));
+  auto row = [&](int64_t j) { return w + (idx ? idx[j] : j) * w_row_stride; };
+  for (int64_t j0 = row_begin; j0 < row_end; j0 += kRowTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRowTile, row_end - j0));
+    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kRowTile, row_end - j0 - kRowTile)));
+    const T* rows[kRowTile];
+    const T* next[kRowTile];
+    for (int i = 0; i < nr; ++i) rows[i] = row(j0 + i);
+    for (int i = 0; i < nn; ++i) next[i] = row(j0 + kRowTile + i);
+    if (j0 == row_begin)
+      for (int i = 0; i < nr; ++i)
+        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i]) + b, _MM_HINT_T0);
+    switch (nr) {
+      case 4: tile(std::integral_constant<int, 4>{}, rows, j0, next, nn); break;
+      case 3: tile(std::integral_constant<int, 3>{}, rows, j0, next, nn); break;
+      case 2: tile(std::integral_constant<int, 2>{}, rows, j0, next, nn); break;
+      default: tile(std::integral_constant<int, 1>{}, rows, j0, next, nn); break;
+    }
   }
 }
 
@@ -54,29 +85,14 @@ inline void dot_rows_all_tokens(const float* x, int64_t num_tokens, int64_t h, c
 template <typename WT>
 void rows_dot_range(const float* x, int64_t num_tokens, int64_t h, const WT* w, int64_t w_row_stride,
                     const int32_t* idx, int64_t row_begin, int64_t row_end, float* y, int64_t y_stride) {
-  constexpr int kRowTile = 4;
-  const int64_t row_bytes = h * static_cast<int64_t>(sizeof(WT));
-  auto row = [&](int64_t j) { return w + (idx ? idx[j] : j) * w_row_stride; };
-  for (int64_t j0 = row_begin; j0 < row_end; j0 += kRowTile) {
-    const int nr = static_cast<int>(std::min<int64_t>(kRowTile, row_end - j0));
-    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kRowTile, row_end - j0 - kRowTile)));
-    const WT* rows[kRowTile];
-    const WT* next[kRowTile];
-    for (int i = 0; i < nr; ++i) rows[i] = row(j0 + i);
-    for (int i = 0; i < nn; ++i) next[i] = row(j0 + kRowTile + i);
-    // Rows are short streams (1-3 KiB): the task's first tile is prefetched here, every later one
-    // while the tile before it computes.
-    if (j0 == row_begin)
-      for (int i = 0; i < nr; ++i)
-        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i]) + b, _MM_HINT_T0);
-    float* yj = y + j0;
-    switch (nr) {
-      case 4: dot_rows_all_tokens<4, WT>(x, num_tokens, h, rows, yj, y_stride, next, nn); break;
-      case 3: dot_rows_all_tokens<3, WT>(x, num_tokens, h, rows, yj, y_stride, next, nn); break;
-      case 2: dot_rows_all_tokens<2, WT>(x, num_tokens, h, rows, yj, y_stride, next, nn); break;
-      default: dot_rows_all_tokens<1, WT>(x, num_tokens, h, rows, yj, y_stride, next, nn); break;
-    }
-  }
+  for_each_row_tile(w, w_row_stride, idx, h, row_begin, row_end,
+                    [&](auto nr, const WT* const* rows, int64_t j0, const WT* const* next, int nn) {
+                      // Only the first token tile prefetches; later ones re-read this tile from cache.
+                      for_each_token_tile(num_tokens, [&](auto nt, int64_t t) {
+                        dot_tile<decltype(nr)::value, decltype(nt)::value, WT>(
+                            x + t * h, h, rows, y + t * y_stride + j0, y_stride, next, t == 0 ? nn : 0);
+                      });
+                    });
 }
 
 // Rows per parallel task: ~64 KiB of weights, so small matrices are not split into tiny tasks.
@@ -84,16 +100,22 @@ inline int64_t rows_per_task(int64_t h, int64_t elem_size) {
   return std::max<int64_t>(4, (65536 / std::max<int64_t>(1, h * elem_size)) / 4 * 4);
 }
 
+// range(r0, r1) over output rows [0, nrows) in parallel tasks of rows_per_task(h, elem_size) rows.
+template <typename Range>
+inline void parallel_row_tasks(int64_t nrows, int64_t h, int64_t elem_size, Range&& range) {
+  const int64_t chunk = rows_per_task(h, elem_size);
+  at::parallel_for(0, (nrows + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
+    range(begin * chunk, std::min(nrows, end * chunk));
+  });
+}
+
 // Y[t, j] = X[t, :] . W[row(j), :]: parallel over output rows (weight rows). Y [T, nrows], row stride y_stride.
 template <typename WT>
 void rows_dot(const float* x, int64_t num_tokens, int64_t h, const WT* w, int64_t w_row_stride,
               const int32_t* idx, int64_t nrows, float* y, int64_t y_stride) {
   if (num_tokens == 0 || nrows == 0) return;
-  const int64_t chunk = rows_per_task(h, sizeof(WT));
-  const int64_t tasks = (nrows + chunk - 1) / chunk;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    rows_dot_range<WT>(x, num_tokens, h, w, w_row_stride, idx, begin * chunk, std::min(nrows, end * chunk), y,
-                       y_stride);
+  parallel_row_tasks(nrows, h, sizeof(WT), [&](int64_t r0, int64_t r1) {
+    rows_dot_range<WT>(x, num_tokens, h, w, w_row_stride, idx, r0, r1, y, y_stride);
   });
 }
 
@@ -132,16 +154,9 @@ template <int NV, typename WT>
 inline void axpy_chunk(const float* a, int64_t num_tokens, int64_t k, const WT* w, int64_t w_row_stride,
                        const int32_t* idx, int64_t j0, int64_t j1, bool accumulate, int64_t c0, float* out,
                        int64_t h) {
-  constexpr int kTokTile = 4;
-  int64_t t = 0;
-  for (; t + kTokTile <= num_tokens; t += kTokTile)
-    axpy_tile<kTokTile, NV, WT>(a + t * k, k, w, w_row_stride, idx, j0, j1, accumulate, c0, out + t * h, h);
-  switch (num_tokens - t) {
-    case 3: axpy_tile<3, NV, WT>(a + t * k, k, w, w_row_stride, idx, j0, j1, accumulate, c0, out + t * h, h); break;
-    case 2: axpy_tile<2, NV, WT>(a + t * k, k, w, w_row_stride, idx, j0, j1, accumulate, c0, out + t * h, h); break;
-    case 1: axpy_tile<1, NV, WT>(a + t * k, k, w, w_row_stride, idx, j0, j1, accumulate, c0, out + t * h, h); break;
-    default: break;
-  }
+  for_each_token_tile(num_tokens, [&](auto nt, int64_t t) {
+    axpy_tile<decltype(nt)::value, NV, WT>(a + t * k, k, w, w_row_stride, idx, j0, j1, accumulate, c0, out + t * h, h);
+  });
 }
 
 // OUT[t, :] = sum_j A[t, j] * W[row(j), :]  (A [T, K] fp32, OUT [T, H] fp32 contiguous, overwritten).

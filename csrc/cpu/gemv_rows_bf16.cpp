@@ -9,6 +9,7 @@
 #include "gemv_rows_bf16.h"
 
 #include "cpu_utils.h"
+#include "gemv_rows.h"  // before the target pragma: its inline functions stay plain AVX-512
 
 #include <algorithm>
 #include <vector>
@@ -50,20 +51,6 @@ inline void dot_tile_bf16(const uint16_t* x, int64_t h, const uint16_t* const* r
   }
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) y[t * ys + i] = _mm512_reduce_add_ps(acc[i][t]);
-}
-
-template <int NR>
-inline void dot_rows_bf16(const uint16_t* x, int64_t nt, int64_t h, const uint16_t* const* rows, float* y,
-                          int64_t ys, const uint16_t* const* next, int nn) {
-  // Only the first token tile prefetches: later tiles re-read this tile's rows from cache.
-  int64_t t = 0;
-  for (; t + 4 <= nt; t += 4, nn = 0) dot_tile_bf16<NR, 4>(x + t * h, h, rows, y + t * ys, ys, next, nn);
-  switch (nt - t) {
-    case 3: dot_tile_bf16<NR, 3>(x + t * h, h, rows, y + t * ys, ys, next, nn); break;
-    case 2: dot_tile_bf16<NR, 2>(x + t * h, h, rows, y + t * ys, ys, next, nn); break;
-    case 1: dot_tile_bf16<NR, 1>(x + t * h, h, rows, y + t * ys, ys, next, nn); break;
-    default: break;
-  }
 }
 
 // One (token tile x NV 32-column chunks) over row pairs [q0, q1); chunk cc starts at column 32 * cc.
@@ -110,14 +97,9 @@ inline void axpy_tile_bf16(const uint32_t* ap, int64_t kp, const uint16_t* const
 template <int NV>
 inline void axpy_chunk_bf16(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t* const* rows, int64_t q0,
                             int64_t q1, int64_t cc, int64_t h, bool acc, float* buf, int64_t bs) {
-  int64_t t = 0;
-  for (; t + 4 <= nt; t += 4) axpy_tile_bf16<4, NV>(ap + t * kp, kp, rows, q0, q1, cc, h, acc, buf + t * bs, bs);
-  switch (nt - t) {
-    case 3: axpy_tile_bf16<3, NV>(ap + t * kp, kp, rows, q0, q1, cc, h, acc, buf + t * bs, bs); break;
-    case 2: axpy_tile_bf16<2, NV>(ap + t * kp, kp, rows, q0, q1, cc, h, acc, buf + t * bs, bs); break;
-    case 1: axpy_tile_bf16<1, NV>(ap + t * kp, kp, rows, q0, q1, cc, h, acc, buf + t * bs, bs); break;
-    default: break;
-  }
+  for_each_token_tile(nt, [&](auto tile, int64_t t) {
+    axpy_tile_bf16<decltype(tile)::value, NV>(ap + t * kp, kp, rows, q0, q1, cc, h, acc, buf + t * bs, bs);
+  });
 }
 
 // Undo the unpack order of one 32-column chunk: lanes 4l+m of lo / hi hold columns 8l+m / 8l+4+m.
@@ -165,25 +147,14 @@ void axpy_slab_bf16(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t* 
 void rows_dot_range_bf16_impl(const c10::BFloat16* x, int64_t nt, int64_t h, const c10::BFloat16* w,
                               int64_t stride, const int32_t* idx, int64_t r0, int64_t r1, float* y, int64_t ys) {
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
-  const auto* wb = reinterpret_cast<const uint16_t*>(w);
-  auto row = [&](int64_t j) { return wb + (idx ? idx[j] : j) * stride; };
-  for (int64_t j0 = r0; j0 < r1; j0 += 4) {
-    const int nr = static_cast<int>(std::min<int64_t>(4, r1 - j0));
-    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(4, r1 - j0 - 4)));
-    const uint16_t* rows[4];
-    const uint16_t* next[4];
-    for (int i = 0; i < nr; ++i) rows[i] = row(j0 + i);
-    for (int i = 0; i < nn; ++i) next[i] = row(j0 + 4 + i);
-    if (j0 == r0)  // the task's first tile: nothing prefetched it
-      for (int i = 0; i < nr; ++i)
-        for (int64_t b = 0; b < h * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i]) + b, _MM_HINT_T0);
-    switch (nr) {
-      case 4: dot_rows_bf16<4>(xb, nt, h, rows, y + j0, ys, next, nn); break;
-      case 3: dot_rows_bf16<3>(xb, nt, h, rows, y + j0, ys, next, nn); break;
-      case 2: dot_rows_bf16<2>(xb, nt, h, rows, y + j0, ys, next, nn); break;
-      default: dot_rows_bf16<1>(xb, nt, h, rows, y + j0, ys, next, nn); break;
-    }
-  }
+  for_each_row_tile(reinterpret_cast<const uint16_t*>(w), stride, idx, h, r0, r1,
+                    [&](auto nr, const uint16_t* const* rows, int64_t j0, const uint16_t* const* next, int nn) {
+                      // Only the first token tile prefetches: later tiles re-read this tile's rows from cache.
+                      for_each_token_tile(nt, [&](auto tile, int64_t t) {
+                        dot_tile_bf16<decltype(nr)::value, decltype(tile)::value>(
+                            xb + t * h, h, rows, y + t * ys + j0, ys, next, t == 0 ? nn : 0);
+                      });
+                    });
 }
 
 }  // namespace
