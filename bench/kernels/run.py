@@ -488,6 +488,7 @@ def main() -> None:
     ap.add_argument("--keeps", type=float, nargs="+", default=None,
                     help="FFN keep ratios (default 1/8, 1/4, 1/2, 1; issue 14's aims: 0.3 0.5 0.7 1)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--tag", default="", help="suffix of the result files (e.g. the machine), so runs on one day do not overwrite each other")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -521,7 +522,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = "" if len(args.parts) == 3 else "_" + "-".join(args.parts)
-    stem = f"kernels_{dt.date.today().isoformat()}{'_quick' if args.quick else ''}{parts}_{args.dtype}_t{args.threads}"
+    stem = f"kernels_{dt.date.today().isoformat()}{'_quick' if args.quick else ''}{parts}_{args.dtype}_t{args.threads}{'_' + args.tag if args.tag else ''}"
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1))
     md = markdown(results)
     (out_dir / f"{stem}.md").write_text(md)

@@ -5,7 +5,10 @@
 // Down (rows_axpy): rows are taken two at a time; unpacklo/hi_epi16 interleave their columns into the
 // (row j, row j+1) pairs vdpbf16ps multiplies by the broadcast pair (a[t, j], a[t, j+1]). The unpack
 // works within 128-bit lanes, so a 32-column chunk accumulates in a fixed column permutation that is
-// undone once per slab, after all rows.
+// undone once, after all rows. Each thread takes a share of the row pairs and walks them in blocks of 8
+// pairs along the whole row (its own partial sums of every column; the threads' partials are added at
+// the end): every selected row is read start to end by one thread. On a Zen 5 EPYC this was 8-22%
+// faster at 4-8 tokens than giving each thread a column slab of every row (interleaved A/B, 2026-11-25).
 #include "gemv_rows_bf16.h"
 
 #include "cpu_utils.h"
@@ -113,35 +116,28 @@ inline void store_chunk_bf16(const float* b, float* out, int64_t cols) {
   _mm512_mask_storeu_ps(out + 16, static_cast<__mmask16>((1u << n1) - 1), c1);
 }
 
-// Column chunks [cc0, cc1) of rows_axpy, all row pairs, blocks of kPairBlock pairs (next block prefetched).
-void axpy_slab_bf16(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t* const* rows, int64_t cc0,
-                    int64_t cc1, int64_t h, float* out) {
-  constexpr int64_t kPairBlock = 16;
+// Row pairs [p0, p1) of rows_axpy over every column, in blocks of kPairBlock pairs (the next block's
+// columns prefetched a chunk step at a time); sums in buf [nt, chunks * 32] in the unpack order, overwritten.
+void axpy_pairs_bf16(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t* const* rows, int64_t p0,
+                     int64_t p1, int64_t h, float* buf) {
+  constexpr int64_t kPairBlock = 8;
   constexpr int kChunks = 2;  // 32-column chunks per register tile: 4 tokens x 2 x (lo, hi) accumulators
-  const int64_t bs = (cc1 - cc0) * 32;
-  std::vector<float> buf(static_cast<size_t>(nt * bs));
-  const int64_t c_begin = cc0 * 32, c_end = std::min(h, cc1 * 32);  // columns
-  // The first block's slab, then each block's chunk step prefetches the same columns of the next block.
-  for (int64_t r = 0; r < 2 * std::min(kp, kPairBlock); ++r)
-    for (int64_t b = c_begin * 2; b < c_end * 2; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + b, _MM_HINT_T0);
-  for (int64_t q0 = 0; q0 < kp; q0 += kPairBlock) {
-    const int64_t q1 = std::min(kp, q0 + kPairBlock);
-    const int64_t r_next_end = 2 * std::min(kp, q1 + kPairBlock);
-    for (int64_t cc = cc0; cc < cc1; cc += kChunks) {
-      const int64_t pb = cc * 64, pe = std::min(c_end, (cc + kChunks) * 32) * 2;
+  const int64_t chunks = (h + 31) / 32, bs = chunks * 32;
+  for (int64_t r = 2 * p0; r < 2 * std::min(p1, p0 + kPairBlock); ++r)  // the first block
+    for (int64_t b = 0; b < h * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + b, _MM_HINT_T0);
+  for (int64_t q0 = p0; q0 < p1; q0 += kPairBlock) {
+    const int64_t q1 = std::min(p1, q0 + kPairBlock);
+    const int64_t r_next_end = 2 * std::min(p1, q1 + kPairBlock);
+    for (int64_t cc = 0; cc < chunks; cc += kChunks) {
+      const int64_t pb = cc * 64, pe = std::min(h, (cc + kChunks) * 32) * 2;
       for (int64_t r = 2 * q1; r < r_next_end; ++r)
         for (int64_t b = pb; b < pe; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + b, _MM_HINT_T0);
-      float* b = buf.data() + (cc - cc0) * 32;
-      if (cc1 - cc >= kChunks)
-        axpy_chunk_bf16<kChunks>(ap, nt, kp, rows, q0, q1, cc, h, q0 > 0, b, bs);
+      if (chunks - cc >= kChunks)
+        axpy_chunk_bf16<kChunks>(ap, nt, kp, rows, q0, q1, cc, h, q0 > p0, buf + cc * 32, bs);
       else
-        axpy_chunk_bf16<1>(ap, nt, kp, rows, q0, q1, cc, h, q0 > 0, b, bs);
+        axpy_chunk_bf16<1>(ap, nt, kp, rows, q0, q1, cc, h, q0 > p0, buf + cc * 32, bs);
     }
   }
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t cc = cc0; cc < cc1; ++cc)
-      store_chunk_bf16(buf.data() + t * bs + (cc - cc0) * 32, out + t * h + cc * 32, std::min<int64_t>(32, h - cc * 32));
 }
 
 void rows_dot_range_bf16_impl(const c10::BFloat16* x, int64_t nt, int64_t h, const c10::BFloat16* w,
@@ -207,15 +203,27 @@ void rows_axpy_bf16(const float* a, int64_t num_tokens, int64_t k, const c10::BF
   std::vector<const uint16_t*> rows(static_cast<size_t>(2 * kp));
   for (int64_t j = 0; j < k; ++j) rows[j] = wb + (idx ? idx[j] : j) * w_row_stride;
   if (k % 2) rows[k] = zeros.data();
-  const int64_t chunks = (h + 31) / 32;
-  const int64_t slabs = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks / 2));
-  const int64_t per_slab = (chunks + slabs - 1) / slabs;
-  at::parallel_for(0, slabs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t cc0 = s * per_slab, cc1 = std::min(chunks, cc0 + per_slab);
-      if (cc0 < cc1) axpy_slab_bf16(ap.data(), num_tokens, kp, rows.data(), cc0, cc1, h, out);
+  // Each part's partial sums of every column (unpack order), added up once all parts are done.
+  constexpr int64_t kMinPairsPerPart = 8;
+  const int64_t chunks = (h + 31) / 32, bs = chunks * 32, part_size = num_tokens * bs;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), kp / kMinPairsPerPart));
+  const int64_t per_part = (kp + parts - 1) / parts;
+  std::vector<float> partial(static_cast<size_t>(parts * part_size));
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t p0 = p * per_part, p1 = std::min(kp, p0 + per_part);
+      float* buf = partial.data() + p * part_size;
+      if (p0 < p1)
+        axpy_pairs_bf16(ap.data(), num_tokens, kp, rows.data(), p0, p1, h, buf);
+      else
+        std::fill(buf, buf + part_size, 0.f);
     }
   });
+  for (int64_t p = 1; p < parts; ++p)
+    for (int64_t i = 0; i < part_size; ++i) partial[i] += partial[p * part_size + i];
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int64_t cc = 0; cc < chunks; ++cc)
+      store_chunk_bf16(partial.data() + t * bs + cc * 32, out + t * h + cc * 32, std::min<int64_t>(32, h - cc * 32));
 #else
   TORCH_CHECK(false, "rows_axpy_bf16 needs the AVX-512 build");
 #endif

@@ -20,7 +20,7 @@ void rows_dot_range_bf16(const c10::BFloat16* x, int64_t num_tokens, int64_t h, 
                          int64_t y_stride);
 
 // OUT[t, :] = sum_j A[t, j] * W[row(j), :] (A fp32 [T, K], rounded to bf16 inside; OUT fp32 [T, H]
-// contiguous, overwritten). Parallel over column slabs.
+// contiguous, overwritten). Parallel over shares of the selected rows.
 void rows_axpy_bf16(const float* a, int64_t num_tokens, int64_t k, const c10::BFloat16* w, int64_t w_row_stride,
                     const int32_t* idx, int64_t h, float* out);
 
