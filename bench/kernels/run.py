@@ -63,6 +63,44 @@ def bench(fn, min_reps=7, min_time=0.3, warmup=2) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "reps": len(times)}
 
 
+def bench_interleaved(fns: dict, min_rounds=15, min_time=1.0, warmup=2) -> dict:
+    """Wall times of each fn, called in turn round after round (baseline and candidates alike), so a
+    phase of a shared machine (other tenants, memory contention) slows them all instead of whichever
+    was being timed then: {name: {min_s, median_s, reps}}."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < min_rounds or (time.perf_counter() - start < min_time and rounds < 200):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return {name: {"median_s": statistics.median(t), "min_s": min(t), "reps": len(t)} for name, t in times.items()}
+
+
+class EnvSwitch:
+    """Calls fn with environment variables set for the call only (kernels that read a switch per call)."""
+
+    def __init__(self, fn, **env: str):
+        self.fn, self.env = fn, env
+
+    def __call__(self):
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            return self.fn()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+
+
 _BASE = torch.randn(4 << 20)
 
 
@@ -224,11 +262,13 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
         "model": model, "ctx": ctx, "q_len": q_len, "dtype": str(dtype).split(".")[-1], "block_size": bs,
         "kept_blocks": kept, "ctx_blocks": ctx_blocks, "layers_rotated": layers,
         "bytes_dense": bytes_dense, "bytes_sparse": bytes_sparse,
-        "dense_torch_sdpa": bench(dense_torch), "dense_ours": bench(dense_ours),
-        "sparse_with_select": bench(sparse_select_and_attend), "sparse_attend_only": bench(sparse_attend_only),
-        "summary_update": bench(summary_update),
-        "vllm_dense": bench(vllm_dense), "vllm_sparse_with_select": bench(vllm_sparse_select_and_attend),
-        "vllm_sparse_attend_only": bench(vllm_sparse_attend_only),
+        **bench_interleaved({
+            "dense_torch_sdpa": dense_torch, "dense_ours": dense_ours,
+            "sparse_with_select": sparse_select_and_attend, "sparse_attend_only": sparse_attend_only,
+            "summary_update": summary_update,
+            "vllm_dense": vllm_dense, "vllm_sparse_with_select": vllm_sparse_select_and_attend,
+            "vllm_sparse_attend_only": vllm_sparse_attend_only,
+        }),
     }
     t_dt = res["dense_torch_sdpa"][STAT]
     t_sp = res["sparse_with_select"][STAT]
@@ -264,16 +304,10 @@ class vllm_cpu_linear:  # noqa: N801 (a callable standing for one linear layer)
         return self.layer.cpu_linear(x, self.layer.weight, None)
 
 
-def bench_widening_path(fn, dtype: torch.dtype) -> dict | None:
-    """fn timed on the fp32-widening path (what CPUs without AVX512-BF16 run) where this CPU would
-    take the bf16 dot path; None where there is no second path to compare."""
-    if dtype != torch.bfloat16 or not ops.ffn_bf16_dot_available():
-        return None
-    os.environ["SPARSEVER_CPU_FFN_BF16_DOT"] = "0"
-    try:
-        return bench(fn)
-    finally:
-        del os.environ["SPARSEVER_CPU_FFN_BF16_DOT"]
+def has_widening_path(dtype: torch.dtype) -> bool:
+    """True where this CPU takes the bf16 dot path, so the fp32-widening path (what CPUs without
+    AVX512-BF16 run; SPARSEVER_CPU_FFN_BF16_DOT=0) is a second path to time."""
+    return dtype == torch.bfloat16 and ops.ffn_bf16_dot_available()
 
 
 def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[float], bw: float) -> dict:
@@ -305,24 +339,32 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
         g, u = v_gu[l](x).chunk(2, dim=-1)
         return v_down[l](F.silu(g) * u)
 
+    # Every variant is timed in the same rounds (bench_interleaved): baseline and candidates see the
+    # same machine phases.
+    fns = {"dense_torch": dense_torch, "dense_vllm": dense_vllm}
+    keeps = {r: max(1, round(r * inter)) for r in keep_fracs}
+    for r, keep in keeps.items():
+        sel = torch.empty(1, keep, dtype=torch.int32)
+
+        def ours(keep=keep, sel=sel):
+            l = rot.next()
+            ops.topk_swiglu_ffn(x, w_gu[l], w_down_t[l], gsl, keep, out=out, selected=sel)
+
+        fns[f"ours@{r}"] = ours
+        if has_widening_path(dtype):
+            fns[f"widening@{r}"] = EnvSwitch(ours, SPARSEVER_CPU_FFN_BF16_DOT="0")
+    times = bench_interleaved(fns)
     res = {"model": model, "q_len": num_tokens, "dtype": str(dtype).split(".")[-1], "hidden": hidden,
            "intermediate": inter, "layers_rotated": layers, "dense_bytes": dense_bytes,
-           "dense_torch": bench(dense_torch), "dense_vllm": bench(dense_vllm),
-           "vllm_linear_kind": v_gu[0].kind, "by_keep": []}
+           "dense_torch": times["dense_torch"], "dense_vllm": times["dense_vllm"],
+           "vllm_linear_kind": v_gu[0].kind, "by_keep": [], "timing": "interleaved rounds"}
     t_torch = res["dense_torch"][STAT]
     t_vllm = res["dense_vllm"][STAT]
     res["GBps_dense_torch"] = dense_bytes / t_torch / 1e9
     res["GBps_dense_vllm"] = dense_bytes / t_vllm / 1e9
-    for r in keep_fracs:
-        keep = max(1, round(r * inter))
-        sel = torch.empty(1, keep, dtype=torch.int32)
-
-        def ours():
-            l = rot.next()
-            ops.topk_swiglu_ffn(x, w_gu[l], w_down_t[l], gsl, keep, out=out, selected=sel)
-
-        t = bench(ours)
-        widened = bench_widening_path(ours, dtype)
+    for r, keep in keeps.items():
+        t = times[f"ours@{r}"]
+        widened = times.get(f"widening@{r}")
         ideal_frac = 1 / 3 + 2 * (keep / inter) / 3
         ideal_s = ideal_frac * dense_bytes / (bw * 1e9)
         res["by_keep"].append({
@@ -380,9 +422,11 @@ def bench_moe(num_tokens: int, dtype: torch.dtype, budgets: list[int], bw: float
             l = rot.next()
             ops.moe_grouped_dispatch(x, weights, ids, w13[l], w2[l], out=out)
 
-        t = bench(ours)
-        widened = bench_widening_path(ours, dtype)
-        tt = bench(lambda: torch_grouped(weights, ids))
+        fns = {"ours": ours, "torch": lambda: torch_grouped(weights, ids)}
+        if has_widening_path(dtype):
+            fns["widening"] = EnvSwitch(ours, SPARSEVER_CPU_FFN_BF16_DOT="0")
+        times = bench_interleaved(fns)
+        t, tt, widened = times["ours"], times["torch"], times.get("widening")
         route = bench(lambda: ops.moe_route_and_prune(logits, top_k, 0.0, gsl, budget, True))
         rows.append({"budget": budget, "distinct_experts": distinct, "time": t, "torch_time": tt,
                      "route_time": route, "bytes": distinct * expert_bytes,
@@ -428,7 +472,7 @@ def markdown(results: dict) -> str:
              f"Machine: {results['hardware'].get('Model name', '?')}, {results['hardware'].get('CPU(s)', '?')} CPUs; "
              f"threads: {results['threads']}; load average at start/end {results['loadavg_start'][0]:.1f}/{results['loadavg_end'][0]:.1f} "
              f"(shared machine); DRAM read {bw:.1f} GB/s, copy {results['bandwidth']['copy_GBps']:.1f} GB/s "
-             f"(measured in this run). Times: best of repetitions (shared machine; medians in the JSON).", "",
+             f"(measured in this run). Times: best of rounds in which the baseline and every candidate of a row run in turn (shared machine; medians in the JSON).", "",
              "## Block-sparse attention (keep 1/8 of context blocks incl. 1 sink + 1 local, block 128, vLLM-CPU layout)", "",
              "'vllm' = vLLM's own CPU attention kernel (vec ISA): dense, and sparse over a compacted block "
              "table (attention.kernel 'vllm'; selection + compaction included).", "",
