@@ -57,7 +57,7 @@ inline void dot_tile_bf16(const uint16_t* x, int64_t h, const uint16_t* const* r
 }
 
 // One (token tile x NV 32-column chunks) over row pairs [q0, q1); chunk cc starts at column 32 * cc.
-// buf holds the slab's partial sums in the unpack order: per chunk, 16 "lo" then 16 "hi" lanes.
+// buf holds the partial sums in the unpack order: per chunk, 16 "lo" then 16 "hi" lanes.
 template <int NT, int NV>
 inline void axpy_tile_bf16(const uint32_t* ap, int64_t kp, const uint16_t* const* rows, int64_t q0, int64_t q1,
                            int64_t cc, int64_t h, bool accumulate, float* buf, int64_t buf_stride) {
