@@ -187,35 +187,45 @@ void axpy_rows(const float* a, int64_t num_tokens, int64_t k, const WT* w, int64
   }
 }
 
-// OUT[t, :] = sum_j A[t, j] * W[row(j), :]  (A [T, K] fp32, OUT [T, H] fp32 contiguous, overwritten).
-// Each thread streams a share of the selected rows start to end into its own partial sums of every
-// column; the partials are added once. (A column slab of every row per thread was 3-14% slower at
-// 1-8 tokens on a Zen 5 EPYC, interleaved A/B, 2026-11-25.)
-template <typename WT>
-void rows_axpy(const float* a, int64_t num_tokens, int64_t k, const WT* w, int64_t w_row_stride,
-               const int32_t* idx, int64_t h, float* out) {
-  constexpr int64_t kMinRowsPerPart = 16;
-  if (num_tokens == 0) return;
-  const int64_t size = num_tokens * h;
-  if (k == 0) {
-    std::fill(out, out + size, 0.f);
-    return;
-  }
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), k / kMinRowsPerPart));
-  const int64_t per_part = (k + parts - 1) / parts;
-  std::vector<float> partial(static_cast<size_t>((parts - 1) * size));  // part 0 writes out itself
-  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t jb = p * per_part, je = std::min(k, jb + per_part);
-      float* buf = p == 0 ? out : partial.data() + (p - 1) * size;
-      if (jb < je)
-        axpy_rows<WT>(a, num_tokens, k, w, w_row_stride, idx, jb, je, h, buf);
+// sum[0, size) = the sum over shares of [0, n) of work(begin, end, buf), where work writes a share's
+// partial sums into buf (size floats, overwritten). One share per thread, at least min_per_share units
+// each; share 0 writes sum itself, the others a buffer added once at the end. The down projections
+// use it so that each thread streams its share of the selected rows start to end.
+template <typename Work>
+inline void sum_over_row_shares(int64_t n, int64_t min_per_share, int64_t size, float* sum, Work&& work) {
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / min_per_share));
+  const int64_t per_share = (n + shares - 1) / shares;
+  std::vector<float> partial(static_cast<size_t>((shares - 1) * size));
+  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t b = s * per_share, e = std::min(n, b + per_share);
+      float* buf = s == 0 ? sum : partial.data() + (s - 1) * size;
+      if (b < e)
+        work(b, e, buf);
       else
         std::fill(buf, buf + size, 0.f);
     }
   });
-  for (int64_t p = 1; p < parts; ++p)
-    for (int64_t i = 0; i < size; ++i) out[i] += partial[(p - 1) * size + i];
+  for (int64_t s = 1; s < shares; ++s)
+    for (int64_t i = 0; i < size; ++i) sum[i] += partial[(s - 1) * size + i];
+}
+
+// OUT[t, :] = sum_j A[t, j] * W[row(j), :]  (A [T, K] fp32, OUT [T, H] fp32 contiguous, overwritten).
+// Each thread streams a share of the selected rows start to end into its own partial sums of every
+// column (sum_over_row_shares). (A column slab of every row per thread was 3-14% slower at 1-8 tokens
+// on a Zen 5 EPYC, interleaved A/B, 2026-11-25.)
+template <typename WT>
+void rows_axpy(const float* a, int64_t num_tokens, int64_t k, const WT* w, int64_t w_row_stride,
+               const int32_t* idx, int64_t h, float* out) {
+  constexpr int64_t kMinRowsPerShare = 16;
+  if (num_tokens == 0) return;
+  if (k == 0) {
+    std::fill(out, out + num_tokens * h, 0.f);
+    return;
+  }
+  sum_over_row_shares(k, kMinRowsPerShare, num_tokens * h, out, [&](int64_t jb, int64_t je, float* buf) {
+    axpy_rows<WT>(a, num_tokens, k, w, w_row_stride, idx, jb, je, h, buf);
+  });
   // Columns past the last full vector (H not a multiple of the vector width): scalar.
   for (int64_t c = h / kVecLen * kVecLen; c < h; ++c)
     for (int64_t t = 0; t < num_tokens; ++t) {

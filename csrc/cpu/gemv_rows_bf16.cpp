@@ -203,27 +203,16 @@ void rows_axpy_bf16(const float* a, int64_t num_tokens, int64_t k, const c10::BF
   std::vector<const uint16_t*> rows(static_cast<size_t>(2 * kp));
   for (int64_t j = 0; j < k; ++j) rows[j] = wb + (idx ? idx[j] : j) * w_row_stride;
   if (k % 2) rows[k] = zeros.data();
-  // Each part's partial sums of every column (unpack order), added up once all parts are done.
-  constexpr int64_t kMinPairsPerPart = 8;
-  const int64_t chunks = (h + 31) / 32, bs = chunks * 32, part_size = num_tokens * bs;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), kp / kMinPairsPerPart));
-  const int64_t per_part = (kp + parts - 1) / parts;
-  std::vector<float> partial(static_cast<size_t>(parts * part_size));
-  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t p0 = p * per_part, p1 = std::min(kp, p0 + per_part);
-      float* buf = partial.data() + p * part_size;
-      if (p0 < p1)
-        axpy_pairs_bf16(ap.data(), num_tokens, kp, rows.data(), p0, p1, h, buf);
-      else
-        std::fill(buf, buf + part_size, 0.f);
-    }
+  // Each thread's share of the row pairs into partial sums of every column (unpack order), summed.
+  constexpr int64_t kMinPairsPerShare = 8;
+  const int64_t chunks = (h + 31) / 32, bs = chunks * 32;
+  std::vector<float> sum(static_cast<size_t>(num_tokens * bs));
+  sum_over_row_shares(kp, kMinPairsPerShare, num_tokens * bs, sum.data(), [&](int64_t p0, int64_t p1, float* buf) {
+    axpy_pairs_bf16(ap.data(), num_tokens, kp, rows.data(), p0, p1, h, buf);
   });
-  for (int64_t p = 1; p < parts; ++p)
-    for (int64_t i = 0; i < part_size; ++i) partial[i] += partial[p * part_size + i];
   for (int64_t t = 0; t < num_tokens; ++t)
     for (int64_t cc = 0; cc < chunks; ++cc)
-      store_chunk_bf16(partial.data() + t * bs + cc * 32, out + t * h + cc * 32, std::min<int64_t>(32, h - cc * 32));
+      store_chunk_bf16(sum.data() + t * bs + cc * 32, out + t * h + cc * 32, std::min<int64_t>(32, h - cc * 32));
 #else
   TORCH_CHECK(false, "rows_axpy_bf16 needs the AVX-512 build");
 #endif
