@@ -87,11 +87,11 @@ def test_tree_sampling_follows_the_target_distribution(tree_run, plain_samples):
     _assert_follows_plain_sampling(tree_run[2], plain_samples, "draft tree")
 
 
-def _cost_profile(path: Path, per_token_s: float) -> str:
-    """A synthetic verify-cost profile: a 20 ms step plus `per_token_s` per token."""
+def _cost_profile(path: Path, per_token_s: float, step_s: float = 0.02) -> str:
+    """A synthetic verify-cost profile: a `step_s` step plus `per_token_s` per token."""
     from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile
 
-    ms = [Measurement(mask, r, q, c, 0.02 + per_token_s * r * q)
+    ms = [Measurement(mask, r, q, c, step_s + per_token_s * r * q)
           for mask in ("tree", "chain") for r in (1, 4, 8) for q in (1, 2, 4, 8, 16) for c in (64, 512)]
     return str(VerifyCostProfile(model="tiny", hardware="synthetic", dtype="float32", measurements=ms).fit().save(path))
 
@@ -121,8 +121,15 @@ def test_evict_trees_sampling_follows_the_target_distribution(evict_run, plain_s
 
 
 def test_adaptive_chain_greedy_equals_plain_greedy(plain_greedy, tiny_target, tiny_draft, tmp_path):
-    """adaptive without tree: chains of adaptive length; expensive tokens -> the guard skips drafting."""
-    profile = _cost_profile(tmp_path / "cost.json", per_token_s=0.05)
+    """adaptive without tree: chains of adaptive length; expensive tokens -> the guard skips drafting.
+
+    The guard compares with the measured drafting time D (a few ms per step here, more on a loaded
+    machine), so the profile must hold for any D in a wide range: a draft token (1 ms) must not pay
+    for a node the noisy draft gives ~1e-2 (needs 6 rows x 1 ms > 0.05 (1 ms + D): D < 110 ms), and
+    a plain step (1 ms + 6 x 1 ms) must be cheap enough next to D that the guard does not probe on
+    its first skip (probes cost at most 5% of the skipped time: 0.05 x 7 ms < D: D > 0.35 ms). A
+    20 ms step with 50 ms tokens made the guard probe at every step where D < 16 ms."""
+    profile = _cost_profile(tmp_path / "cost.json", per_token_s=1e-3, step_s=1e-3)
     spec = {"method": "sparsever", "model": str(tiny_draft), "num_speculative_tokens": 4,
             "adaptive": {"enabled": True, "cost_profile": profile}}
     greedy, m = _greedy_and_metrics(tiny_target, spec)

@@ -126,7 +126,9 @@ class TreeDrafting:
         if self.evict is not None:
             # A request's verify step has its root (last committed token) at `position`: the
             # context before it is `position` tokens.
-            trees = self.evict.truncate(trees, list(reqs.positions), draft_time_s=steady_draft_s)
+            # A step of chains only is verified without a tree mask (vLLM's attention path).
+            mask = "chain" if all(t.is_chain() for t in trees) else "tree"
+            trees = self.evict.truncate(trees, list(reqs.positions), draft_time_s=steady_draft_s, mask=mask)
         for row, tree in zip(reqs.rows, trees, strict=True):
             if len(tree):
                 self._trees[batch.req_ids[row]] = tree
