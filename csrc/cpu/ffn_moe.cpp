@@ -8,22 +8,35 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <functional>
+#include <limits>
 #include <numeric>
 #include <string>
 
 namespace sparsever::cpu {
 namespace {
 
-// Indices of the k largest scores (lower index wins ties), ascending. k <= scores.size().
-void topk_ascending(const float* scores, int64_t n, int64_t k, int32_t* dst, std::vector<int32_t>& order) {
-  order.resize(n);
-  std::iota(order.begin(), order.end(), 0);
+// Indices of the k largest scores (lower index wins ties), ascending. k <= n. The k-th largest value
+// by selection on a copy, then one ascending pass: O(n), no sort of the kept indices (a serial
+// nth_element over indices plus a sort of the kept ones took ~0.1-0.2 ms per layer at I = 8960, 5-10%
+// of a Qwen-1.5B MLP's verify step). NaN scores count as -inf (no comparator on NaN: no UB).
+void topk_ascending(const float* scores, int64_t n, int64_t k, int32_t* dst, std::vector<float>& tmp) {
   if (k <= 0) return;
-  auto better = [&](int32_t a, int32_t b) { return scores[a] > scores[b] || (scores[a] == scores[b] && a < b); };
-  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), better);
-  std::sort(order.begin(), order.begin() + k);
-  std::copy(order.begin(), order.begin() + k, dst);
+  constexpr float kLowest = -std::numeric_limits<float>::infinity();
+  auto value = [&](int64_t i) { return std::isnan(scores[i]) ? kLowest : scores[i]; };
+  tmp.resize(n);
+  for (int64_t i = 0; i < n; ++i) tmp[i] = value(i);
+  std::nth_element(tmp.begin(), tmp.begin() + (k - 1), tmp.end(), std::greater<float>());
+  const float kth = tmp[k - 1];
+  int64_t above = 0;
+  for (int64_t i = 0; i < n; ++i) above += value(i) > kth;
+  int64_t ties = k - above, m = 0;  // ties at the k-th value: the lowest indices
+  for (int64_t i = 0; i < n && m < k; ++i) {
+    const float v = value(i);
+    if (v > kth || (v == kth && ties-- > 0)) dst[m++] = static_cast<int32_t>(i);
+  }
 }
 
 // Token count from which a projection runs as a GEMM through ATen (oneDNN: AMX / AVX-512 BF16 where the
@@ -98,7 +111,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
 
   std::vector<float> out_f(static_cast<size_t>(num_tokens * h), 0.f);
   std::vector<float> up, hid;
-  std::vector<int32_t> order;
+  std::vector<float> topk_tmp;
   scalar_t* op = out.data_ptr<scalar_t>();
   for (int64_t g = 0; g < num_groups; ++g) {
     const int64_t t0 = gsl[g], nt = gsl[g + 1] - gsl[g];
@@ -107,7 +120,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
       std::fill(idx, idx + keep, -1);
       continue;
     }
-    topk_ascending(scores.data() + g * inter, inter, keep, idx, order);
+    topk_ascending(scores.data() + g * inter, inter, keep, idx, topk_tmp);
     hid.resize(static_cast<size_t>(nt * keep));
     if (nt >= gemm_from) {
       // Gather the selected up rows / down rows once (contiguous rows), then GEMMs.

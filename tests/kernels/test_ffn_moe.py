@@ -43,6 +43,28 @@ def test_ffn_keep_all_is_dense_mlp():
     assert sel[0].tolist() == list(range(inter))
 
 
+@pytest.mark.parametrize("keep", [1, 5, 12, 23, 24])
+def test_ffn_exact_ties_lower_index_wins_and_nan_scores_come_last(keep):
+    # Neurons in groups of identical gate rows have bit-identical scores: a cut through a group
+    # keeps its lowest indices, as the reference does. A NaN gate row (NaN score) is never taken
+    # before a number (it ranks as -inf), and the selection stays k valid indices, ascending.
+    gen = torch.Generator().manual_seed(2)
+    h, inter = 64, 24
+    w_gate_up, w_down_t = ffn_weights(h, inter, torch.float32, gen)
+    w_gate_up[:inter] = w_gate_up[torch.arange(inter) // 4]  # 6 groups of 4 equal gate rows
+    x = torch.randn(3, h, generator=gen)
+    out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, start_loc([3]), keep)
+    expected, expected_sel = torch.empty_like(x), torch.empty_like(sel)
+    ref.topk_swiglu_ffn(expected, x, w_gate_up, w_down_t, start_loc([3]), keep, expected_sel)
+    assert sel.tolist() == expected_sel.tolist()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    w_gate_up[inter - 1] = float("nan")
+    _, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, start_loc([3]), keep)
+    picked = sel[0].tolist()
+    assert picked == sorted(set(picked)) and len(picked) == keep and all(0 <= n < inter for n in picked)
+    assert (inter - 1 in picked) == (keep == inter)
+
+
 def test_ffn_reads_only_selected_rows():
     gen = torch.Generator().manual_seed(1)
     h, inter, keep = 64, 128, 16
