@@ -41,6 +41,11 @@ void topk_swiglu_ffn_cpu(torch::Tensor& out, const torch::Tensor& x, const torch
                          const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
                          torch::Tensor& selected);
 
+// The same with the gate projection x @ w_gate^T [T, I] given (w_up [I, H]).
+void topk_swiglu_ffn_gated_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate,
+                               const torch::Tensor& w_up, const torch::Tensor& w_down_t,
+                               const torch::Tensor& group_start_loc, int64_t keep, torch::Tensor& selected);
+
 // Top-k softmax routing + ratio pruning + optional per-group expert budget.
 void moe_route_and_prune_cpu(const torch::Tensor& router_logits, int64_t top_k, double prune_ratio,
                              const std::optional<torch::Tensor>& group_start_loc, int64_t expert_budget,

@@ -46,6 +46,11 @@ TORCH_LIBRARY(sparsever, m) {
   m.def(
       "topk_swiglu_ffn(Tensor(a!) out, Tensor x, Tensor w_gate_up, Tensor w_down_t, "
       "Tensor group_start_loc, int keep, Tensor(b!) selected) -> ()");
+  // The same with the gate projection given: gate [T, I] = x @ w_gate^T (any float dtype, e.g. from the
+  // target's packed dense GEMM); w_up [I, H].
+  m.def(
+      "topk_swiglu_ffn_gated(Tensor(a!) out, Tensor x, Tensor gate, Tensor w_up, Tensor w_down_t, "
+      "Tensor group_start_loc, int keep, Tensor(b!) selected) -> ()");
 
   // router_logits [T, E]; group_start_loc [G+1] int32 or None; topk_weights [T, K] fp32;
   // topk_ids [T, K] int32 (-1 = pruned).
@@ -65,6 +70,7 @@ TORCH_LIBRARY_IMPL(sparsever, CPU, m) {
   m.impl("select_kv_blocks", &select_kv_blocks_cpu);
   m.impl("block_sparse_tree_attention", &block_sparse_tree_attention_cpu);
   m.impl("topk_swiglu_ffn", &topk_swiglu_ffn_cpu);
+  m.impl("topk_swiglu_ffn_gated", &topk_swiglu_ffn_gated_cpu);
   m.impl("moe_route_and_prune", &moe_route_and_prune_cpu);
   m.impl("moe_grouped_dispatch", &moe_grouped_dispatch_cpu);
 }

@@ -70,8 +70,9 @@ def assert_topk_selection(got, expected, scores: torch.Tensor, keep: int, tie_rt
 
 
 def assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, group_start_loc, keep: int,
-                                 tie_rtol: float) -> int:
-    """Check a top-k SwiGLU FFN kernel's (out, selected) against vllm_sparsever.reference.topk_swiglu_ffn.
+                                 tie_rtol: float, gate: torch.Tensor | None = None) -> int:
+    """Check a top-k SwiGLU FFN kernel's (out, selected) against vllm_sparsever.reference.topk_swiglu_ffn
+    (or, with `gate` given, reference.topk_swiglu_ffn_gated on the up rows of w_gate_up).
 
     Per group: the selection against the reference selection (assert_topk_selection), then the output
     against the reference output. Returns how many non-empty groups selected exactly the reference set.
@@ -80,8 +81,13 @@ def assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, group_start_l
 
     rsel = torch.full_like(sel, 77)
     expected = torch.zeros_like(x)
-    reference.topk_swiglu_ffn(expected, x, w_gate_up, w_down_t, group_start_loc, keep, rsel)
-    scores = ffn_neuron_scores(x, w_gate_up)
+    inter = w_down_t.shape[0]
+    if gate is None:
+        reference.topk_swiglu_ffn(expected, x, w_gate_up, w_down_t, group_start_loc, keep, rsel)
+        scores = ffn_neuron_scores(x, w_gate_up)
+    else:
+        reference.topk_swiglu_ffn_gated(expected, x, gate, w_gate_up[inter:], w_down_t, group_start_loc, keep, rsel)
+        scores = torch.nn.functional.silu(gate.float()).abs()
     rtol, atol = TOL[x.dtype]
     starts = group_start_loc.tolist()
     num_equal = 0
@@ -96,7 +102,14 @@ def assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, group_start_l
         else:
             # A near-tie at the cut flipped the selection (accepted above): the reference output is for
             # another neuron set, so compare with the reference recomputed on the kernel's set.
-            want = reference.swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, sel[g]).to(x.dtype)
+            if gate is None:
+                want = reference.swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, sel[g]).to(x.dtype)
+            else:
+                idx = sel[g].long()
+                act = torch.nn.functional.silu(gate[t0:t1, idx].float())
+                up = x[t0:t1].float() @ w_gate_up[inter + idx].float().t()
+                want = ((act * up) @ w_down_t[idx].float()).to(x.dtype)
         torch.testing.assert_close(out[t0:t1].float(), want.float(), rtol=rtol, atol=atol,
                                    msg=lambda m, g=g: f"group {g}: {m}")
     return num_equal
+

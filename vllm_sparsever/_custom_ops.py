@@ -39,6 +39,11 @@ def _topk_swiglu_ffn_fake(out, x, w_gate_up, w_down_t, group_start_loc, keep, se
     return None
 
 
+@torch.library.register_fake("sparsever::topk_swiglu_ffn_gated")
+def _topk_swiglu_ffn_gated_fake(out, x, gate, w_up, w_down_t, group_start_loc, keep, selected) -> None:
+    return None
+
+
 @torch.library.register_fake("sparsever::moe_route_and_prune")
 def _moe_route_and_prune_fake(router_logits, top_k, prune_ratio, group_start_loc, expert_budget, renormalize,
                               topk_weights, topk_ids) -> None:
@@ -100,6 +105,19 @@ def topk_swiglu_ffn(x: torch.Tensor, w_gate_up: torch.Tensor, w_down_t: torch.Te
     if selected is None:
         selected = torch.empty(group_start_loc.numel() - 1, keep, dtype=torch.int32, device=x.device)
     _ops.topk_swiglu_ffn(out, x, w_gate_up, w_down_t, group_start_loc, keep, selected)
+    return out, selected
+
+
+def topk_swiglu_ffn_gated(x: torch.Tensor, gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
+                          group_start_loc: torch.Tensor, keep: int, out: torch.Tensor | None = None,
+                          selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_swiglu_ffn with the gate projection given (gate [T, I] = x @ w_gate^T, e.g. from the
+    target's packed dense GEMM; w_up [I, H]); returns (out [T, H], selected [G, keep])."""
+    if out is None:
+        out = torch.empty_like(x)
+    if selected is None:
+        selected = torch.empty(group_start_loc.numel() - 1, keep, dtype=torch.int32, device=x.device)
+    _ops.topk_swiglu_ffn_gated(out, x, gate, w_up, w_down_t, group_start_loc, keep, selected)
     return out, selected
 
 

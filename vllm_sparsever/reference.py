@@ -33,6 +33,7 @@ __all__ = [
     "select_kv_blocks",
     "block_sparse_tree_attention",
     "topk_swiglu_ffn",
+    "topk_swiglu_ffn_gated",
     "moe_route_and_prune",
     "moe_grouped_dispatch",
     "topk_lower_index_wins",
@@ -266,16 +267,34 @@ def topk_swiglu_ffn(
     An empty group writes -1 to its selected row and no output. keep == I is the dense MLP.
     """
     inter = w_gate_up.shape[0] // 2
-    act = F.silu(x.float() @ w_gate_up[:inter].float().t())  # [T, I]
+    gate = x.float() @ w_gate_up[:inter].float().t()  # [T, I]
+    topk_swiglu_ffn_gated(out, x, gate, w_gate_up[inter:], w_down_t, group_start_loc, keep, selected)
+
+
+def topk_swiglu_ffn_gated(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down_t: torch.Tensor,
+    group_start_loc: torch.Tensor,
+    keep: int,
+    selected: torch.Tensor,
+) -> None:
+    """topk_swiglu_ffn with the gate projection given: gate [T, I] = x @ w_gate.T in any float dtype
+    (e.g. the target's own dense GEMM, rounded to its dtype); w_up [I, H]. Scores and the SwiGLU
+    product use silu(gate) as given."""
+    act = F.silu(gate.float())  # [T, I]
     starts = group_start_loc.tolist()
     for g in range(len(starts) - 1):
         t0, t1 = starts[g], starts[g + 1]
         if t1 == t0:
             selected[g] = -1
             continue
-        idx = topk_lower_index_wins(act[t0:t1].abs().sum(dim=0), keep)
+        idx = topk_lower_index_wins(act[t0:t1].abs().sum(dim=0), keep).to(torch.long)
         selected[g] = idx.to(selected.dtype)
-        out[t0:t1] = swiglu_ffn_on_neurons(x[t0:t1], w_gate_up, w_down_t, idx).to(out.dtype)
+        up = x[t0:t1].float() @ w_up[idx].float().t()
+        out[t0:t1] = ((act[t0:t1, idx] * up) @ w_down_t[idx].float()).to(out.dtype)
 
 
 def swiglu_ffn_on_neurons(

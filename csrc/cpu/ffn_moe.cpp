@@ -60,45 +60,51 @@ inline bool use_bf16_dot() {
   return !(env && std::string(env) == "0");
 }
 
+// `gate`: the gate projection x @ w_gate^T [T, I] when the caller computed it (e.g. on the target's
+// packed dense GEMM); else it is computed here from `w_gate` [I, H] (unused when `gate` is given).
 template <typename scalar_t>
-void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w_gate_up,
-              const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
-              torch::Tensor& selected) {
+void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<torch::Tensor>& gate,
+              const torch::Tensor& w_gate, const torch::Tensor& w_up, const torch::Tensor& w_down_t,
+              const torch::Tensor& group_start_loc, int64_t keep, torch::Tensor& selected) {
   const int64_t num_tokens = x.size(0), h = x.size(1);
-  const int64_t inter = w_gate_up.size(0) / 2;
+  const int64_t inter = w_up.size(0);
   const int64_t num_groups = group_start_loc.size(0) - 1;
   const int64_t gemm_from = gemm_min_tokens();
   auto xf_t = x.to(torch::kFloat).contiguous();
   const float* xf = xf_t.data_ptr<float>();
   // bf16 dot path: the layer input itself, contiguous, with unit-stride weight rows.
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  const bool bf16_dot = kBf16 && use_bf16_dot() && w_gate_up.stride(1) == 1 && w_down_t.stride(1) == 1;
+  const bool bf16_dot = kBf16 && use_bf16_dot() && w_gate.stride(1) == 1 && w_up.stride(1) == 1 &&
+                        w_down_t.stride(1) == 1;
   auto xb_t = bf16_dot ? x.contiguous() : torch::Tensor();
   const auto* xb = bf16_dot ? reinterpret_cast<const c10::BFloat16*>(xb_t.data_ptr()) : nullptr;
-  const scalar_t* wgu = w_gate_up.data_ptr<scalar_t>();
+  const scalar_t* wg = w_gate.data_ptr<scalar_t>();
+  const scalar_t* wup = w_up.data_ptr<scalar_t>();
   const scalar_t* wdt = w_down_t.data_ptr<scalar_t>();
-  const int64_t wgu_stride = w_gate_up.stride(0), wdt_stride = w_down_t.stride(0);
+  const int64_t wg_stride = w_gate.stride(0), wup_stride = w_up.stride(0), wdt_stride = w_down_t.stride(0);
   const int32_t* gsl = group_start_loc.data_ptr<int32_t>();
   int32_t* sel = selected.data_ptr<int32_t>();
 
-  // Gate projection for every token (dense: the scores need it), silu and the per-group neuron scores
-  // sum_t |silu(gate)|.
+  // Gate projection for every token (dense: the scores need it; given, or computed here), silu and the
+  // per-group neuron scores sum_t |silu(gate)|.
   torch::Tensor act_t;
-  if (num_tokens >= gemm_from) {
-    act_t = at::linear(x, w_gate_up.narrow(0, 0, inter)).to(torch::kFloat).contiguous();
+  if (gate.has_value()) {  // a copy: silu runs in place
+    act_t = gate->to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  } else if (num_tokens >= gemm_from) {
+    act_t = at::linear(x, w_gate).to(torch::kFloat).contiguous();
   } else {
     act_t = torch::empty({num_tokens, inter}, torch::kFloat);
   }
   float* act = act_t.data_ptr<float>();
   std::vector<float> scores(static_cast<size_t>(num_groups * inter), 0.f);
   {
-    const bool streamed = num_tokens < gemm_from;
+    const bool streamed = !gate.has_value() && num_tokens < gemm_from;
     parallel_row_tasks(inter, h, sizeof(scalar_t), [&](int64_t r0, int64_t r1) {
       if (streamed && bf16_dot)
-        rows_dot_range_bf16(xb, num_tokens, h, reinterpret_cast<const c10::BFloat16*>(wgu), wgu_stride, nullptr, r0,
+        rows_dot_range_bf16(xb, num_tokens, h, reinterpret_cast<const c10::BFloat16*>(wg), wg_stride, nullptr, r0,
                             r1, act, inter);
       else if (streamed)
-        rows_dot_range<scalar_t>(xf, num_tokens, h, wgu, wgu_stride, nullptr, r0, r1, act, inter);
+        rows_dot_range<scalar_t>(xf, num_tokens, h, wg, wg_stride, nullptr, r0, r1, act, inter);
       for (int64_t g = 0; g < num_groups; ++g)
         for (int64_t t = gsl[g]; t < gsl[g + 1]; ++t) {
           float* a = act + t * inter;
@@ -126,7 +132,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
       // Gather the selected up rows / down rows once (contiguous rows), then GEMMs.
       auto idx_t = torch::from_blob(idx, {keep}, torch::kInt32).to(torch::kLong);
       auto xg = x.narrow(0, t0, nt);
-      auto up_t = at::linear(xg, w_gate_up.index_select(0, idx_t + inter)).to(torch::kFloat).contiguous();
+      auto up_t = at::linear(xg, w_up.index_select(0, idx_t)).to(torch::kFloat).contiguous();
       const float* upp = up_t.data_ptr<float>();
       for (int64_t t = 0; t < nt; ++t) {
         const float* a = act + (t0 + t) * inter;
@@ -140,11 +146,11 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w
     up.resize(static_cast<size_t>(nt * keep));
     if (bf16_dot)
       parallel_row_tasks(keep, h, sizeof(scalar_t), [&](int64_t r0, int64_t r1) {
-        rows_dot_range_bf16(xb + t0 * h, nt, h, reinterpret_cast<const c10::BFloat16*>(wgu + inter * wgu_stride),
-                            wgu_stride, idx, r0, r1, up.data(), keep);
+        rows_dot_range_bf16(xb + t0 * h, nt, h, reinterpret_cast<const c10::BFloat16*>(wup), wup_stride, idx, r0,
+                            r1, up.data(), keep);
       });
     else
-      rows_dot<scalar_t>(xf + t0 * h, nt, h, wgu + inter * wgu_stride, wgu_stride, idx, keep, up.data(), keep);
+      rows_dot<scalar_t>(xf + t0 * h, nt, h, wup, wup_stride, idx, keep, up.data(), keep);
     for (int64_t t = 0; t < nt; ++t) {
       const float* a = act + (t0 + t) * inter;
       for (int64_t j = 0; j < keep; ++j) hid[t * keep + j] = a[idx[j]] * up[t * keep + j];
@@ -270,18 +276,17 @@ int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torc
 }  // namespace
 }  // namespace sparsever::cpu
 
-void topk_swiglu_ffn_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w_gate_up,
-                         const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
-                         torch::Tensor& selected) {
+namespace {
+
+void check_ffn_args(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w_up,
+                    const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
+                    const torch::Tensor& selected) {
   TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && out.is_contiguous(), "x/out must be [T, H], out contiguous");
-  TORCH_CHECK(w_gate_up.dim() == 2 && w_gate_up.size(1) == x.size(1) && w_gate_up.size(0) % 2 == 0 &&
-                  w_gate_up.stride(1) == 1,
-              "w_gate_up must be [2I, H] with contiguous rows");
-  const int64_t inter = w_gate_up.size(0) / 2;
+  const int64_t inter = w_up.size(0);
   TORCH_CHECK(w_down_t.dim() == 2 && w_down_t.size(0) == inter && w_down_t.size(1) == x.size(1) &&
                   w_down_t.stride(1) == 1,
               "w_down_t must be [I, H] with contiguous rows");
-  TORCH_CHECK(x.scalar_type() == w_gate_up.scalar_type() && x.scalar_type() == w_down_t.scalar_type() &&
+  TORCH_CHECK(x.scalar_type() == w_up.scalar_type() && x.scalar_type() == w_down_t.scalar_type() &&
                   out.scalar_type() == x.scalar_type(),
               "x, out and weights must share a dtype");
   TORCH_CHECK(keep >= 1 && keep <= inter, "keep must be in [1, I]");
@@ -290,8 +295,36 @@ void topk_swiglu_ffn_cpu(torch::Tensor& out, const torch::Tensor& x, const torch
   TORCH_CHECK(selected.scalar_type() == torch::kInt32 && selected.is_contiguous() &&
                   selected.size(0) == group_start_loc.size(0) - 1 && selected.size(1) == keep,
               "selected must be contiguous int32 [G, keep]");
+}
+
+}  // namespace
+
+void topk_swiglu_ffn_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w_gate_up,
+                         const torch::Tensor& w_down_t, const torch::Tensor& group_start_loc, int64_t keep,
+                         torch::Tensor& selected) {
+  TORCH_CHECK(w_gate_up.dim() == 2 && w_gate_up.size(1) == x.size(1) && w_gate_up.size(0) % 2 == 0 &&
+                  w_gate_up.stride(1) == 1,
+              "w_gate_up must be [2I, H] with contiguous rows");
+  const int64_t inter = w_gate_up.size(0) / 2;
+  const auto w_gate = w_gate_up.narrow(0, 0, inter), w_up = w_gate_up.narrow(0, inter, inter);
+  check_ffn_args(out, x, w_up, w_down_t, group_start_loc, keep, selected);
   SPARSEVER_DISPATCH_FLOAT_TYPES(x.scalar_type(), "topk_swiglu_ffn_cpu", [&] {
-    sparsever::cpu::ffn_impl<scalar_t>(out, x, w_gate_up, w_down_t, group_start_loc, keep, selected);
+    sparsever::cpu::ffn_impl<scalar_t>(out, x, std::nullopt, w_gate, w_up, w_down_t, group_start_loc, keep,
+                                       selected);
+  });
+}
+
+void topk_swiglu_ffn_gated_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate,
+                               const torch::Tensor& w_up, const torch::Tensor& w_down_t,
+                               const torch::Tensor& group_start_loc, int64_t keep, torch::Tensor& selected) {
+  TORCH_CHECK(w_up.dim() == 2 && w_up.size(1) == x.size(1) && w_up.stride(1) == 1,
+              "w_up must be [I, H] with contiguous rows");
+  TORCH_CHECK(gate.dim() == 2 && gate.size(0) == x.size(0) && gate.size(1) == w_up.size(0) &&
+                  gate.is_floating_point(),
+              "gate must be a floating-point [T, I] (x @ w_gate^T)");
+  check_ffn_args(out, x, w_up, w_down_t, group_start_loc, keep, selected);
+  SPARSEVER_DISPATCH_FLOAT_TYPES(x.scalar_type(), "topk_swiglu_ffn_gated_cpu", [&] {
+    sparsever::cpu::ffn_impl<scalar_t>(out, x, gate, w_up, w_up, w_down_t, group_start_loc, keep, selected);
   });
 }
 

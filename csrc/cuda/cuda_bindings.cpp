@@ -9,6 +9,7 @@ TORCH_LIBRARY_IMPL(sparsever, CUDA, m) {
   m.impl("select_kv_blocks", &sparsever::cuda::select_kv_blocks);
   m.impl("block_sparse_tree_attention", &sparsever::cuda::block_sparse_tree_attention);
   m.impl("topk_swiglu_ffn", &sparsever::cuda::topk_swiglu_ffn);
+  m.impl("topk_swiglu_ffn_gated", &sparsever::cuda::topk_swiglu_ffn_gated);
   m.impl("moe_route_and_prune", &sparsever::cuda::moe_route_and_prune);
   m.impl("moe_grouped_dispatch", &sparsever::cuda::moe_grouped_dispatch);
 }

@@ -1,4 +1,4 @@
-// CUDA launcher: top-k SwiGLU FFN gating (bodies in csrc/kernels/ffn.cuh).
+// CUDA launchers: top-k SwiGLU FFN gating (the gate computed, or given) (bodies in csrc/kernels/ffn.cuh).
 #include "cuda/cuda_launcher.cuh"
 #include "cuda/ops_cuda.h"
 #include "kernels/ffn.cuh"
@@ -11,6 +11,14 @@ void topk_swiglu_ffn(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_g
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   kernels::topk_swiglu_ffn_impl(out, x, w_gate_up, w_down_t, group_start_loc, keep, selected,
                                 CudaLauncher::current());
+}
+
+void topk_swiglu_ffn_gated(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& w_up,
+                           const at::Tensor& w_down_t, const at::Tensor& group_start_loc, int64_t keep,
+                           at::Tensor& selected) {
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  kernels::topk_swiglu_ffn_gated_impl(out, x, gate, w_up, w_down_t, group_start_loc, keep, selected,
+                                      CudaLauncher::current());
 }
 
 }  // namespace cuda

@@ -27,6 +27,10 @@ void block_sparse_tree_attention(at::Tensor& out, const at::Tensor& query, const
 void topk_swiglu_ffn(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down_t,
                      const at::Tensor& group_start_loc, int64_t keep, at::Tensor& selected);
 
+void topk_swiglu_ffn_gated(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& w_up,
+                           const at::Tensor& w_down_t, const at::Tensor& group_start_loc, int64_t keep,
+                           at::Tensor& selected);
+
 void moe_route_and_prune(const at::Tensor& router_logits, int64_t top_k, double prune_ratio,
                          const std::optional<at::Tensor>& group_start_loc, int64_t expert_budget, bool renormalize,
                          at::Tensor& topk_weights, at::Tensor& topk_ids);

@@ -44,6 +44,16 @@ __global__ void __launch_bounds__(kGemvThreads)
   }
 }
 
+// topk_swiglu_ffn_gated: the gate projection is given (any float dtype), step 1 is only its silu.
+template <typename G>
+__global__ void ffn_silu_gate_kernel(const G* __restrict__ gate, int64_t gate_stride, int num_tokens, int inter,
+                                     float* __restrict__ act) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(num_tokens) * inter) return;
+  const int64_t t = i / inter, n = i % inter;
+  act[i] = silu(to_float(gate[t * gate_stride + n]));
+}
+
 // One CTA per group: scores into a global scratch row, then the exact top-`keep` (ascending).
 __global__ void __launch_bounds__(kFfnSelectThreads)
     ffn_select_neurons_kernel(const float* __restrict__ act, int inter, const int* __restrict__ group_start_loc,
@@ -168,26 +178,35 @@ inline int ffn_down_num_splits(int64_t ctas, int64_t keep, int num_sms, int forc
   return int(std::max<int64_t>(1, std::min<int64_t>({want, std::max<int64_t>(1, keep / 16), 64})));
 }
 
+// `gate` given: act = silu(gate) (topk_swiglu_ffn_gated, `w_gate` unused); else the gate GEMV over `w_gate`.
 template <typename T, int kVec, class Launcher>
-void launch_ffn(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down_t,
-                const at::Tensor& group_start_loc, int64_t keep, at::Tensor& selected, const Launcher& launch) {
-  const int num_tokens = int(x.size(0)), hidden = int(x.size(1)), inter = int(w_gate_up.size(0) / 2);
+void launch_ffn(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& gate, const at::Tensor& w_gate,
+                const at::Tensor& w_up, const at::Tensor& w_down_t, const at::Tensor& group_start_loc, int64_t keep,
+                at::Tensor& selected, const Launcher& launch) {
+  const int num_tokens = int(x.size(0)), hidden = int(x.size(1)), inter = int(w_up.size(0));
   const int num_groups = int(group_start_loc.numel() - 1);
   auto f32 = x.options().dtype(at::kFloat);
   at::Tensor act = at::empty({num_tokens, inter}, f32);
   at::Tensor scores = at::empty({std::max(num_groups, 1), inter}, f32);
   at::Tensor h = at::empty({num_tokens, keep}, f32);
   const T* xp = x.data_ptr<T>();
-  const T* wgu = w_gate_up.data_ptr<T>();
   const int* gsl = group_start_loc.data_ptr<int>();
-  launch(dim3(unsigned(div_up(inter, kGemvRowsPerCta))), dim3(kGemvThreads), 0, ffn_gate_kernel<T, kVec>, xp,
-         x.stride(0), num_tokens, wgu, w_gate_up.stride(0), inter, hidden, act.data_ptr<float>());
+  if (gate.has_value()) {
+    SV_DISPATCH_FLOAT_TYPES(gate->scalar_type(), "ffn_silu_gate", [&] {
+      launch(dim3(unsigned(div_up<int64_t>(int64_t(num_tokens) * inter, 256))), dim3(256), 0,
+             ffn_silu_gate_kernel<scalar_t>, gate->data_ptr<scalar_t>(), gate->stride(0), num_tokens, inter,
+             act.data_ptr<float>());
+    });
+  } else {
+    launch(dim3(unsigned(div_up(inter, kGemvRowsPerCta))), dim3(kGemvThreads), 0, ffn_gate_kernel<T, kVec>, xp,
+           x.stride(0), num_tokens, w_gate.data_ptr<T>(), w_gate.stride(0), inter, hidden, act.data_ptr<float>());
+  }
   launch(dim3(unsigned(num_groups)), dim3(kFfnSelectThreads), 0, ffn_select_neurons_kernel, act.data_ptr<float>(),
          inter, gsl, int(keep), scores.data_ptr<float>(), selected.data_ptr<int>(), selected.stride(0));
   launch(dim3(unsigned(div_up<int64_t>(keep, kGemvRowsPerCta)), unsigned(num_groups)), dim3(kGemvThreads), 0,
-         ffn_up_selected_kernel<T, kVec>, xp, x.stride(0), wgu + int64_t(inter) * w_gate_up.stride(0),
-         w_gate_up.stride(0), hidden, act.data_ptr<float>(), inter, gsl, selected.data_ptr<int>(),
-         selected.stride(0), int(keep), h.data_ptr<float>());
+         ffn_up_selected_kernel<T, kVec>, xp, x.stride(0), w_up.data_ptr<T>(), w_up.stride(0), hidden,
+         act.data_ptr<float>(), inter, gsl, selected.data_ptr<int>(), selected.stride(0), int(keep),
+         h.data_ptr<float>());
   const int col_ctas = div_up(hidden, kGemvThreads * kVec);
   const int splits = ffn_down_num_splits(int64_t(col_ctas) * num_groups, keep, launch.num_sms, launch.forced_splits);
   at::Tensor partial;
@@ -203,19 +222,18 @@ void launch_ffn(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_gate_u
 }
 
 template <class Launcher>
-void topk_swiglu_ffn_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_gate_up,
-                          const at::Tensor& w_down_t, const at::Tensor& group_start_loc, int64_t keep,
-                          at::Tensor& selected, const Launcher& launch) {
+void ffn_checked(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& gate, const at::Tensor& w_gate,
+                 const at::Tensor& w_up, const at::Tensor& w_down_t, const at::Tensor& group_start_loc, int64_t keep,
+                 at::Tensor& selected, const Launcher& launch) {
   TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes(), "x/out must be [T, H] of equal shape");
-  TORCH_CHECK(w_gate_up.dim() == 2 && w_gate_up.size(0) % 2 == 0 && w_gate_up.size(1) == x.size(1),
-              "w_gate_up must be [2I, H]");
-  const int64_t inter = w_gate_up.size(0) / 2;
+  const int64_t inter = w_up.size(0);
   TORCH_CHECK(w_down_t.dim() == 2 && w_down_t.size(0) == inter && w_down_t.size(1) == x.size(1),
               "w_down_t must be [I, H]");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == w_gate_up.scalar_type() &&
-                  x.scalar_type() == w_down_t.scalar_type(),
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == w_gate.scalar_type() &&
+                  x.scalar_type() == w_up.scalar_type() && x.scalar_type() == w_down_t.scalar_type(),
               "x, out and the weights must share one dtype");
-  TORCH_CHECK(unit_stride(x, 1) && unit_stride(out, 1) && unit_stride(w_gate_up, 1) && unit_stride(w_down_t, 1),
+  TORCH_CHECK(unit_stride(x, 1) && unit_stride(out, 1) && unit_stride(w_gate, 1) && unit_stride(w_up, 1) &&
+                  unit_stride(w_down_t, 1),
               "rows of x, out and the weights must be contiguous");
   TORCH_CHECK(keep >= 1 && keep <= inter, "keep must be in [1, I], got ", keep);
   check_int32(group_start_loc, "group_start_loc");
@@ -226,23 +244,51 @@ void topk_swiglu_ffn_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor
   TORCH_CHECK(selected.dim() == 2 && selected.size(0) == num_groups && selected.size(1) == keep &&
                   unit_stride(selected, 1),
               "selected must be [G, keep] with contiguous rows");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &w_gate_up, &w_down_t, &group_start_loc, &selected})
+  for (const at::Tensor* t :
+       std::initializer_list<const at::Tensor*>{&x, &w_gate, &w_up, &w_down_t, &group_start_loc, &selected})
     check_same_device(out, *t, "topk_swiglu_ffn argument");
+  if (gate.has_value()) {
+    TORCH_CHECK(gate->dim() == 2 && gate->size(0) == x.size(0) && gate->size(1) == inter &&
+                    gate->is_floating_point() && unit_stride(*gate, 1),
+                "gate must be a floating-point [T, I] (x @ w_gate^T) with contiguous rows");
+    check_same_device(out, *gate, "topk_swiglu_ffn_gated gate");
+  }
   if (num_groups == 0) return;
   const int64_t elem = x.element_size();
   const int64_t hidden = x.size(1);
   const bool vectorize = can_vectorize(x.data_ptr(), elem, hidden, {x.stride(0)}) &&
                          can_vectorize(out.data_ptr(), elem, hidden, {out.stride(0)}) &&
-                         can_vectorize(w_gate_up.data_ptr(), elem, hidden, {w_gate_up.stride(0)}) &&
+                         can_vectorize(w_gate.data_ptr(), elem, hidden, {w_gate.stride(0)}) &&
+                         can_vectorize(w_up.data_ptr(), elem, hidden, {w_up.stride(0)}) &&
                          can_vectorize(w_down_t.data_ptr(), elem, hidden, {w_down_t.stride(0)});
   SV_DISPATCH_FLOAT_TYPES(x.scalar_type(), "topk_swiglu_ffn", [&] {
     constexpr int kVec = 16 / sizeof(scalar_t);
     if (vectorize) {
-      launch_ffn<scalar_t, kVec>(out, x, w_gate_up, w_down_t, group_start_loc, keep, selected, launch);
+      launch_ffn<scalar_t, kVec>(out, x, gate, w_gate, w_up, w_down_t, group_start_loc, keep, selected, launch);
     } else {
-      launch_ffn<scalar_t, 1>(out, x, w_gate_up, w_down_t, group_start_loc, keep, selected, launch);
+      launch_ffn<scalar_t, 1>(out, x, gate, w_gate, w_up, w_down_t, group_start_loc, keep, selected, launch);
     }
   });
+}
+
+template <class Launcher>
+void topk_swiglu_ffn_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_gate_up,
+                          const at::Tensor& w_down_t, const at::Tensor& group_start_loc, int64_t keep,
+                          at::Tensor& selected, const Launcher& launch) {
+  TORCH_CHECK(w_gate_up.dim() == 2 && w_gate_up.size(0) % 2 == 0 && w_gate_up.size(1) == x.size(1),
+              "w_gate_up must be [2I, H]");
+  const int64_t inter = w_gate_up.size(0) / 2;
+  ffn_checked(out, x, std::nullopt, w_gate_up.narrow(0, 0, inter), w_gate_up.narrow(0, inter, inter), w_down_t,
+              group_start_loc, keep, selected, launch);
+}
+
+template <class Launcher>
+void topk_swiglu_ffn_gated_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& w_up,
+                                const at::Tensor& w_down_t, const at::Tensor& group_start_loc, int64_t keep,
+                                at::Tensor& selected, const Launcher& launch) {
+  TORCH_CHECK(w_up.dim() == 2 && w_up.size(1) == x.size(1), "w_up must be [I, H]");
+  ffn_checked(out, x, std::optional<at::Tensor>(gate), w_up, w_up, w_down_t, group_start_loc, keep, selected,
+              launch);
 }
 
 }  // namespace kernels

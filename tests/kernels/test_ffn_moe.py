@@ -32,6 +32,53 @@ def test_ffn_matches_reference(dtype, h, inter, groups, keep_frac, seed):
     assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, gsl, keep, SELECTION_TIE_RTOL[dtype])
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(list(TOL)),
+    gate_in_fp32=st.booleans(),
+    h=st.sampled_from([8, 40, 64, 128]),
+    inter=st.integers(1, 150),
+    groups=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    keep_frac=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_ffn_gated_matches_reference(dtype, gate_in_fp32, h, inter, groups, keep_frac, seed):
+    # The gate projection given (as a dense GEMM returns it: x's dtype, or fp32), w_up a view of the
+    # up rows: scores, selection and output from that gate, which the op must not modify.
+    gen = torch.Generator().manual_seed(seed)
+    keep = max(1, round(keep_frac * inter))
+    w_gate_up, w_down_t = ffn_weights(h, inter, dtype, gen)
+    x = torch.randn(sum(groups), h, generator=gen).to(dtype)
+    gate = x.float() @ w_gate_up[:inter].float().t()
+    gate = gate if gate_in_fp32 else gate.to(dtype)
+    given = gate.clone()
+    gsl = start_loc(groups)
+    out, sel = ops.topk_swiglu_ffn_gated(x, gate, w_gate_up[inter:], w_down_t, gsl, keep)
+    assert torch.equal(gate, given)
+    assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, gsl, keep, SELECTION_TIE_RTOL[dtype], gate=gate)
+
+
+def test_ffn_gated_with_the_exact_gate_is_the_ungated_op():
+    gen = torch.Generator().manual_seed(4)
+    h, inter, keep = 64, 96, 30
+    w_gate_up, w_down_t = ffn_weights(h, inter, torch.float32, gen)
+    x = torch.randn(7, h, generator=gen)
+    gsl = start_loc([3, 4])
+    out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, gsl, keep)
+    gate = x @ w_gate_up[:inter].t()
+    out_g, sel_g = ops.topk_swiglu_ffn_gated(x, gate, w_gate_up[inter:].clone(), w_down_t, gsl, keep)
+    assert torch.equal(sel, sel_g)
+    torch.testing.assert_close(out_g, out, rtol=1e-5, atol=1e-5)
+
+
+def test_ffn_gated_rejects_a_gate_of_the_wrong_shape():
+    gen = torch.Generator().manual_seed(5)
+    w_gate_up, w_down_t = ffn_weights(16, 24, torch.float32, gen)
+    x = torch.randn(3, 16, generator=gen)
+    with pytest.raises(RuntimeError, match=r"gate must be a floating-point \[T, I\]"):
+        ops.topk_swiglu_ffn_gated(x, torch.randn(3, 23), w_gate_up[24:], w_down_t, start_loc([3]), 5)
+
+
 def test_ffn_keep_all_is_dense_mlp():
     gen = torch.Generator().manual_seed(0)
     h, inter = 64, 96
@@ -183,6 +230,9 @@ def test_opcheck_fake_impls():
     gsl = start_loc([2, 1])
     torch.library.opcheck(torch.ops.sparsever.topk_swiglu_ffn.default,
                           (torch.empty_like(x), x, w_gate_up, w_down_t, gsl, 5, torch.empty(2, 5, dtype=torch.int32)))
+    torch.library.opcheck(torch.ops.sparsever.topk_swiglu_ffn_gated.default,
+                          (torch.empty_like(x), x, torch.randn(3, inter, generator=gen), w_gate_up[inter:], w_down_t,
+                           gsl, 5, torch.empty(2, 5, dtype=torch.int32)))
     x, w13, w2, logits = _moe_problem(3, h, inter, 4, 2, torch.float32, gen)
     tw, ti = torch.empty(3, 2), torch.empty(3, 2, dtype=torch.int32)
     torch.library.opcheck(torch.ops.sparsever.moe_route_and_prune.default, (logits, 2, 0.2, gsl, 2, True, tw, ti))

@@ -49,6 +49,33 @@ def test_ffn_matches_reference(ops, dtype, h, inter, groups, keep_frac, forced_s
     check_ffn(ops, x, w_gate_up, w_down_t, groups, keep, forced_splits)
 
 
+@settings(**SETTINGS)
+@given(
+    dtype=st.sampled_from(list(TOL)),
+    gate_in_fp32=st.booleans(),
+    h=st.sampled_from([8, 40, 64]),
+    inter=st.integers(1, 120),
+    groups=st.lists(st.integers(0, 10), min_size=1, max_size=3),
+    keep_frac=st.floats(0.0, 1.0),
+    forced_splits=st.sampled_from([0, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_ffn_gated_matches_reference(ops, dtype, gate_in_fp32, h, inter, groups, keep_frac, forced_splits, seed):
+    # topk_swiglu_ffn_gated: the gate given (x's dtype or fp32), w_up a view of the up rows.
+    gen = torch.Generator().manual_seed(seed)
+    keep = max(1, round(keep_frac * inter))
+    w_gate_up, w_down_t = ffn_weights(h, inter, dtype, gen)
+    x = torch.randn(sum(groups), h, generator=gen).to(dtype)
+    gate = x.float() @ w_gate_up[:inter].float().t()
+    gate = gate if gate_in_fp32 else gate.to(dtype)
+    gsl = start_loc(groups)
+    out = torch.full_like(x, 5.0)
+    sel = torch.full((len(groups), keep), 123, dtype=torch.int32)
+    ops.topk_swiglu_ffn_gated(out, x, gate, w_gate_up[inter:], w_down_t, gsl, keep, sel, 4, forced_splits)
+    assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, gsl, keep, SELECTION_TIE_RTOL[torch.float32],
+                                 gate=gate)
+
+
 def test_ffn_keep_all_is_dense_mlp_and_ties_prefer_lower_index(ops):
     gen = torch.Generator().manual_seed(1)
     w_gate_up, w_down_t = ffn_weights(64, 48, torch.float32, gen)

@@ -23,6 +23,13 @@ void topk_swiglu_ffn(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_g
                                            launcher(num_sms, forced_splits));
 }
 
+void topk_swiglu_ffn_gated(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& w_up,
+                           const at::Tensor& w_down_t, const at::Tensor& group_start_loc, int64_t keep,
+                           at::Tensor& selected, int64_t num_sms, int64_t forced_splits) {
+  sparsever::kernels::topk_swiglu_ffn_gated_impl(out, x, gate, w_up, w_down_t, group_start_loc, keep, selected,
+                                                 launcher(num_sms, forced_splits));
+}
+
 void moe_route_and_prune(const at::Tensor& router_logits, int64_t top_k, double prune_ratio,
                          const std::optional<at::Tensor>& group_start_loc, int64_t expert_budget, bool renormalize,
                          at::Tensor& topk_weights, at::Tensor& topk_ids) {
@@ -44,6 +51,10 @@ TORCH_LIBRARY_FRAGMENT(sparsever_simt, m) {
       "topk_swiglu_ffn(Tensor(a!) out, Tensor x, Tensor w_gate_up, Tensor w_down_t, Tensor group_start_loc, "
       "int keep, Tensor(b!) selected, int num_sms=4, int forced_splits=0) -> ()",
       &topk_swiglu_ffn);
+  m.def(
+      "topk_swiglu_ffn_gated(Tensor(a!) out, Tensor x, Tensor gate, Tensor w_up, Tensor w_down_t, "
+      "Tensor group_start_loc, int keep, Tensor(b!) selected, int num_sms=4, int forced_splits=0) -> ()",
+      &topk_swiglu_ffn_gated);
   m.def(
       "moe_route_and_prune(Tensor router_logits, int top_k, float prune_ratio, Tensor? group_start_loc, "
       "int expert_budget, bool renormalize, Tensor(a!) topk_weights, Tensor(b!) topk_ids) -> ()",
