@@ -61,6 +61,7 @@ def test_serialization_round_trip():
         ({"num_speculative_tokens": 3, "model": "d", "ffn": {"keep_ratio": 1.5}}, ["ffn.keep_ratio"]),
         ({"num_speculative_tokens": 3, "model": "d", "ffn": {"kep_ratio": 0.5}}, ["ffn.'kep_ratio'", "keep_ratio"]),
         ({"num_speculative_tokens": 3, "model": "d", "ffn": 3}, ["ffn", "object"]),
+        ({"num_speculative_tokens": 3, "model": "d", "ffn": {"gate": "onednn"}}, ["ffn.gate", "'auto', 'stock', 'kernel'"]),
         ({"num_speculative_tokens": 3, "model": "d", "moe": {"expert_budget": 0}}, ["moe.expert_budget", ">= 1"]),
         ({"num_speculative_tokens": 3, "model": "d", "attention": {"anchor_layers": [3, 1]}},
          ["attention.anchor_layers", "increasing"]),

@@ -84,6 +84,11 @@ class AttentionSparsityConfig:
 
 # Used when neither the config nor a calibration profile gives a value.
 DEFAULT_FFN_KEEP_RATIO = 0.5
+# ffn.gate "auto": gate rows from this size per rank run on the stock packed GEMM. On a Zen 5 EPYC
+# (bf16, 2 threads; bench/results/kernels_2026-11-25_ffn_bf16_t2_epyc-zen5-gate) the packed GEMM
+# streamed Qwen2.5-1.5B's 27.5 MB gate 1.3-1.5x faster than sparsever's kernel, Qwen2.5-0.5B's
+# 8.7 MB and SmolLM2's 1.8 MB no faster (its call and the separate pass then cost more).
+FFN_STOCK_GATE_MIN_BYTES = 16 << 20
 DEFAULT_MOE_RATIO_THRESHOLD = 0.25
 
 
@@ -102,10 +107,18 @@ class FFNSparsityConfig:
     # sparse path (+1x MLP weights in memory); "shared" keeps only plain weights (no extra memory,
     # dense steps use torch's matmul, slower than oneDNN; measured in bench/results).
     weights: Literal["shared", "copy"] = "copy"
+    # Where the dense gate projection (every neuron's score) runs on verify steps. "stock": the
+    # target's own dense linear (vLLM-CPU's packed oneDNN/sgl-kernel GEMM for the gate rows, which
+    # replace the plain gate copy; torch's linear on GPU), then topk_swiglu_ffn_gated; "kernel":
+    # sparsever's op streams the plain gate rows itself; "auto": "stock" on CPU for gate rows of
+    # at least FFN_STOCK_GATE_MIN_BYTES per rank (where the packed GEMM streams faster, measured in
+    # bench/results), else "kernel".
+    gate: Literal["auto", "stock", "kernel"] = "auto"
 
     def validate(self, prefix: str) -> None:
         _check_int(f"{prefix}.max_verify_requests", self.max_verify_requests, minimum=1)
         _check_choice(f"{prefix}.weights", self.weights, ("shared", "copy"))
+        _check_choice(f"{prefix}.gate", self.gate, ("auto", "stock", "kernel"))
         if self.keep_ratio is not None:
             _check_float(f"{prefix}.keep_ratio", self.keep_ratio, low=0.0, high=1.0, low_open=True)
 

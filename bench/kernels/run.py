@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import vllm_sparsever._custom_ops as ops  # noqa: E402
+from vllm_sparsever.integration.compat.linear import stock_cpu_linear  # noqa: E402
 
 MODELS = {
     # name: hidden, intermediate, q heads, kv heads, head_dim
@@ -342,15 +343,25 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
     # Every variant is timed in the same rounds (bench_interleaved): baseline and candidates see the
     # same machine phases.
     fns = {"dense_torch": dense_torch, "dense_vllm": dense_vllm}
+    # What the served FFN path runs ("copy" weights): the dense gate on vLLM's own packed linear for
+    # the gate rows, then topk_swiglu_ffn_gated over the kept up/down rows; and the op that streams
+    # the gate itself ("shared" weights).
+    gate_linear = [stock_cpu_linear(w[:inter].clone()) for w in w_gu]
+    w_up = [w[inter:] for w in w_gu]
     keeps = {r: max(1, round(r * inter)) for r in keep_fracs}
     for r, keep in keeps.items():
         sel = torch.empty(1, keep, dtype=torch.int32)
 
         def ours(keep=keep, sel=sel):
             l = rot.next()
+            ops.topk_swiglu_ffn_gated(x, gate_linear[l](x), w_up[l], w_down_t[l], gsl, keep, out=out, selected=sel)
+
+        def streamed_gate(keep=keep, sel=sel):
+            l = rot.next()
             ops.topk_swiglu_ffn(x, w_gu[l], w_down_t[l], gsl, keep, out=out, selected=sel)
 
         fns[f"ours@{r}"] = ours
+        fns[f"streamed_gate@{r}"] = streamed_gate
         if has_widening_path(dtype):
             fns[f"widening@{r}"] = EnvSwitch(ours, SPARSEVER_CPU_FFN_BF16_DOT="0")
     times = bench_interleaved(fns)
@@ -365,6 +376,7 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
     for r, keep in keeps.items():
         t = times[f"ours@{r}"]
         widened = times.get(f"widening@{r}")
+        streamed = times[f"streamed_gate@{r}"]
         ideal_frac = 1 / 3 + 2 * (keep / inter) / 3
         ideal_s = ideal_frac * dense_bytes / (bw * 1e9)
         res["by_keep"].append({
@@ -373,6 +385,7 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
             "ideal_s_at_measured_bw": ideal_s, "ratio_to_ideal": t[STAT] / ideal_s,
             "speedup_vs_torch_dense": t_torch / t[STAT],
             "speedup_vs_vllm_dense": t_vllm / t[STAT],
+            "time_streamed_gate": streamed, "speedup_vs_vllm_dense_streamed_gate": t_vllm / streamed[STAT],
             **({"time_fp32_widening": widened, "speedup_vs_vllm_dense_fp32_widening": t_vllm / widened[STAT]}
                if widened else {}),
         })
@@ -487,10 +500,13 @@ def markdown(results: dict) -> str:
             f"{r['dense_ours'][STAT]*1e3:.3f} ({r['GBps_dense_ours']:.1f}) | {r['sparse_with_select'][STAT]*1e3:.3f} | "
             f"{r['speedup_sparse_vs_torch_dense']:.2f}x | {r['speedup_sparse_vs_our_dense']:.2f}x " + vllm_cols)
     lines += ["", "## Top-k SwiGLU FFN (one neuron set for all q tokens)", "",
-              "bf16 on a CPU with AVX512-BF16: 'ours' runs the vdpbf16ps kernels; the last column is the same op on "
-              "the fp32-widening path (SPARSEVER_CPU_FFN_BF16_DOT=0), as CPUs without it run.", "",
-              "| model | dtype | q | torch dense ms (GB/s) | vLLM dense ms (GB/s) [path] | keep r | ours ms (GB/s) | time / ideal at DRAM BW | time / ideal at own dense rate | speedup vs torch dense | speedup vs vLLM dense | widening path: ms, vs vLLM dense |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "'ours' = what the served path runs with `ffn.weights: copy`: the dense gate on vLLM's own packed "
+              "linear for the gate rows, then topk_swiglu_ffn_gated over the kept up/down rows. 'gate streamed' = "
+              "topk_swiglu_ffn computing the gate itself (`weights: shared`). bf16 on a CPU with AVX512-BF16: the "
+              "kernels use vdpbf16ps; the last column is 'ours' on the fp32-widening path "
+              "(SPARSEVER_CPU_FFN_BF16_DOT=0), as CPUs without it run.", "",
+              "| model | dtype | q | torch dense ms (GB/s) | vLLM dense ms (GB/s) [path] | keep r | ours ms (GB/s) | time / ideal at DRAM BW | time / ideal at own dense rate | speedup vs torch dense | speedup vs vLLM dense | gate streamed: ms, vs vLLM dense | widening path: ms, vs vLLM dense |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["ffn"]:
         vllm_dense = (f"{r['dense_vllm'][STAT]*1e3:.3f} ({r['GBps_dense_vllm']:.1f}) [{r['vllm_linear_kind']}]"
                       if "dense_vllm" in r else "-")
@@ -500,6 +516,8 @@ def markdown(results: dict) -> str:
                 f"{vllm_dense} | {k['keep_ratio']:.3f} | {k['time'][STAT]*1e3:.3f} ({k['GBps']:.1f}) | {k['ratio_to_ideal']:.2f} | "
                 f"{k.get('ratio_to_scaled_own_dense', float('nan')):.2f} | "
                 f"{k['speedup_vs_torch_dense']:.2f}x | {k.get('speedup_vs_vllm_dense', float('nan')):.2f}x | "
+                + (f"{k['time_streamed_gate'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_streamed_gate']:.2f}x | "
+                   if "time_streamed_gate" in k else "- | ")
                 + (f"{k['time_fp32_widening'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_fp32_widening']:.2f}x |"
                    if "time_fp32_widening" in k else "- |"))
     lines += ["", "## MoE grouped dispatch (E=64, top-8, H=1024, I=512 per expert)", "",

@@ -60,6 +60,16 @@ inline bool use_bf16_dot() {
   return !(env && std::string(env) == "0");
 }
 
+// Columns [r0, r1) of every token's row of a given gate [T, I] (any float dtype, unit column stride)
+// into act [T, I] fp32: run inside the gate pass's row tasks, so the copy is parallel and cache-hot.
+void gate_rows_to_f32(const torch::Tensor& gate, int64_t r0, int64_t r1, float* act, int64_t inter) {
+  SPARSEVER_DISPATCH_FLOAT_TYPES(gate.scalar_type(), "gate_rows_to_f32", [&] {
+    const scalar_t* g = gate.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < gate.size(0); ++t)
+      convert_to_f32<scalar_t>(g + t * gate.stride(0) + r0, act + t * inter + r0, r1 - r0);
+  });
+}
+
 // `gate`: the gate projection x @ w_gate^T [T, I] when the caller computed it (e.g. on the target's
 // packed dense GEMM); else it is computed here from `w_gate` [I, H] (unused when `gate` is given).
 template <typename scalar_t>
@@ -88,19 +98,20 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
   // Gate projection for every token (dense: the scores need it; given, or computed here), silu and the
   // per-group neuron scores sum_t |silu(gate)|.
   torch::Tensor act_t;
-  if (gate.has_value()) {  // a copy: silu runs in place
-    act_t = gate->to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
-  } else if (num_tokens >= gemm_from) {
+  if (!gate.has_value() && num_tokens >= gemm_from) {
     act_t = at::linear(x, w_gate).to(torch::kFloat).contiguous();
-  } else {
+  } else {  // streamed here, or the given gate converted (silu runs in place: never on the caller's tensor)
     act_t = torch::empty({num_tokens, inter}, torch::kFloat);
   }
+  const torch::Tensor given = gate.has_value() ? gate->contiguous() : torch::Tensor();
   float* act = act_t.data_ptr<float>();
   std::vector<float> scores(static_cast<size_t>(num_groups * inter), 0.f);
   {
     const bool streamed = !gate.has_value() && num_tokens < gemm_from;
     parallel_row_tasks(inter, h, sizeof(scalar_t), [&](int64_t r0, int64_t r1) {
-      if (streamed && bf16_dot)
+      if (given.defined())
+        gate_rows_to_f32(given, r0, r1, act, inter);
+      else if (streamed && bf16_dot)
         rows_dot_range_bf16(xb, num_tokens, h, reinterpret_cast<const c10::BFloat16*>(wg), wg_stride, nullptr, r0,
                             r1, act, inter);
       else if (streamed)

@@ -61,3 +61,15 @@ def test_stock_dispatch_sets_cpu_linear():
     layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
     x = torch.randn(2, 32)
     torch.testing.assert_close(layer.cpu_linear(x, layer.weight, None), x @ weight.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_stock_cpu_linear_packs_a_weight_of_its_own():
+    """stock_cpu_linear: vLLM's dense CPU linear for a bare weight (the FFN path's gate projection),
+    the same product in the weight's dtype."""
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        weight = torch.randn(96, 64).to(dtype)
+        linear = compat_linear.stock_cpu_linear(weight.clone())
+        x = torch.randn(3, 64).to(dtype)
+        y = linear(x)
+        assert y.shape == (3, 96) and y.dtype == dtype
+        torch.testing.assert_close(y.float(), (x.float() @ weight.float().t()), rtol=tol, atol=tol)

@@ -80,3 +80,8 @@ def test_weights_mode_is_fixed_at_start():
     assert rt.ffn.weights == "shared"
     with pytest.raises(SparseverConfigError, match="ffn.weights"):
         rt.set_sections({"ffn": {"enabled": True, "weights": "copy"}})
+    rt = SparseVerificationRuntime(_config(ffn={"enabled": True, "gate": "stock"}))
+    rt.set_sections({"ffn": {"enabled": True, "keep_ratio": 0.3}})  # keeps "stock"
+    assert rt.ffn.gate == "stock"
+    with pytest.raises(SparseverConfigError, match="ffn.gate"):
+        rt.set_sections({"ffn": {"enabled": True, "gate": "kernel"}})

@@ -210,7 +210,9 @@ def test_vllm_kernel_keeping_every_block_is_identical_to_plain_greedy(vllm_kerne
 @pytest.fixture(scope="module")
 def tp_llm(target4):
     # Two ranks on two cores: no core reserved for the front end, one OpenMP thread per rank.
-    llm = _start(target4, {"attention": ATTENTION, "ffn": FFN}, tensor_parallel_size=2,
+    # The gate on vLLM's stock dense linear here ("auto" streams gates this small in the op itself,
+    # as sparse_llm does): both FFN paths are checked against the reference, gate included.
+    llm = _start(target4, {"attention": ATTENTION, "ffn": {**FFN, "gate": "stock"}}, tensor_parallel_size=2,
                  distributed_executor_backend="mp",
                  env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     yield llm

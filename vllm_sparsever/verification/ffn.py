@@ -9,17 +9,22 @@ On a verify step the op scores neurons by the summed |silu(gate)| of each reques
 and reads the up/down rows of the top `keep_ratio * I` neurons only (`topk_swiglu_ffn`). Other
 tokens of the step, and every decode/prefill step, run the stock MLP.
 
-Weights: the op needs `gate_up_proj.weight` [2I, H] and the transposed down projection [I, H].
-vLLM-CPU normally repacks linear weights for oneDNN and frees them. While the target loads,
+Weights: the op needs the gate projection, the up rows [I, H] and the transposed down projection
+[I, H]. vLLM-CPU normally repacks linear weights for oneDNN and frees them. While the target loads,
 `keep_mlp_weights(mode)` changes that for the MLP linears: "copy" (default) lets vLLM pack them as
-usual (dense steps stay stock) and keeps the plain tensors for the sparse path (+1x MLP weights);
-"shared" skips the packing (dense steps use torch's matmul on the plain weights) and
-`down_proj.weight` becomes a transposed view of the [I, H] tensor: no extra memory.
+usual (dense steps stay stock) and keeps the plain tensors for the sparse path; the gate rows are
+then packed by vLLM's own dense CPU linear as a projection of their own (`stock_cpu_linear`): the
+dense gate every verify step needs runs on the stock packed GEMM (faster than streaming it, e.g.
+1.25x on a Zen 5 EPYC), and `topk_swiglu_ffn_gated` reads only the kept up/down rows. Memory: the
+packed gate + plain up + plain down_t, +1x MLP weights. "shared" skips the packing (dense steps
+use torch's matmul on the plain weights, the op computes the gate itself) and `down_proj.weight`
+becomes a transposed view of the [I, H] tensor: no extra memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 
@@ -27,9 +32,11 @@ import torch
 from torch import nn
 
 from vllm_sparsever import _custom_ops as ops
+from vllm_sparsever.config import FFN_STOCK_GATE_MIN_BYTES
 from vllm_sparsever.integration.compat.linear import (
     cpu_gemm_dispatch_override,
     layer_prefix,
+    stock_cpu_linear,
     use_plain_cpu_linear,
 )
 from vllm_sparsever.integration.compat.worker import is_cpu_platform
@@ -41,6 +48,8 @@ from vllm_sparsever.verification.runtime import (
     get_runtime,
     layer_index_of,
 )
+
+logger = logging.getLogger("vllm_sparsever")
 
 _MLP_LINEAR_SUFFIXES = (".mlp.gate_up_proj", ".mlp.down_proj")
 
@@ -61,14 +70,32 @@ def _(x: torch.Tensor, layer_key: str) -> torch.Tensor:
 class SparseSwiGLUMLP(nn.Module):
     """A SwiGLU MLP that verifies with one top-k neuron set per request."""
 
-    def __init__(self, mlp: nn.Module, prefix: str, layer_idx: int) -> None:
+    def __init__(self, mlp: nn.Module, prefix: str, layer_idx: int, gate: str = "kernel") -> None:
         super().__init__()
         self.mlp = mlp
         self.prefix = prefix
         self.layer_idx = layer_idx
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        self.w_gate_up = plain_weight(gate_up)
-        self.intermediate = self.w_gate_up.shape[0] // 2
+        w_gate_up = plain_weight(gate_up)
+        self.intermediate = inter = w_gate_up.shape[0] // 2
+        self.gate = resolve_gate(gate, w_gate_up[:inter])
+        # "stock": the dense gate on the target's own linear for the gate rows, the op reads the
+        # kept up/down rows; "kernel": the op streams the plain gate rows too.
+        self.gate_linear = None
+        self.w_gate_up = w_gate_up
+        self.w_up = w_gate_up[inter:]
+        rt = get_runtime()
+        # Test hook (check_reference): the plain gate rows, to check the stock linear's gate too.
+        self._w_gate_check = w_gate_up[:inter] if rt is not None and rt.check_reference else None
+        if self.gate == "stock" and not is_cpu_platform():
+            self.gate_linear = lambda x, w=w_gate_up[:inter]: torch.nn.functional.linear(x, w)
+        elif self.gate == "stock":
+            # vLLM-CPU packs a copy of the gate rows; with "copy" weights the plain gate rows go.
+            self.gate_linear = stock_cpu_linear(w_gate_up[:inter].clone())
+            if hasattr(gate_up, "_sparsever_plain_weight"):
+                self.w_gate_up = None
+                self.w_up = w_gate_up[inter:].clone()
+                del gate_up._sparsever_plain_weight
         # [I, H]: a neuron's output weights are one contiguous row, read only if it is kept.
         w_down_t = plain_weight(down).detach().t().contiguous()
         if hasattr(down, "_sparsever_plain_weight"):
@@ -102,9 +129,15 @@ class SparseSwiGLUMLP(nn.Module):
         xv = x if all_verify else x[groups.token_index]
         # This rank's share (its neurons only under tensor parallelism), then the all-reduce
         # down_proj would do.
-        partial, _ = ops.topk_swiglu_ffn(xv, self.w_gate_up, self.w_down_t, groups.group_start_loc, keep)
+        gsl = groups.group_start_loc
+        if self.gate_linear is not None:
+            gate = self.gate_linear(xv)
+            partial, _ = ops.topk_swiglu_ffn_gated(xv, gate, self.w_up, self.w_down_t, gsl, keep)
+        else:
+            gate = None
+            partial, _ = ops.topk_swiglu_ffn(xv, self.w_gate_up, self.w_down_t, gsl, keep)
         if rt.check_reference:
-            self._check_reference(xv, partial, groups, keep, rt)
+            self._check_reference(xv, gate, partial, groups, keep, rt)
         sparse_out = self._reduce(partial)
         if all_verify:
             out = sparse_out
@@ -120,16 +153,24 @@ class SparseSwiGLUMLP(nn.Module):
                   ffn_neurons_dense=self.intermediate)
         return out
 
-    def _check_reference(self, xv, partial, groups, keep, rt) -> None:
+    def _check_reference(self, xv, gate, partial, groups, keep, rt) -> None:
         """Test hook: this rank's output for the verify tokens (before the TP all-reduce) equals
-        reference.topk_swiglu_ffn over this rank's weights."""
+        reference.topk_swiglu_ffn over this rank's weights (the gated one on the gate it used,
+        and that gate x @ w_gate^T)."""
         from vllm_sparsever import reference
 
         expected = torch.empty_like(xv)
         selected = torch.empty(groups.group_start_loc.numel() - 1, keep, dtype=torch.int32)
-        reference.topk_swiglu_ffn(expected, xv, self.w_gate_up, self.w_down_t,
-                                  groups.group_start_loc, keep, selected)
-        rt.record_reference_error("ffn", float((partial.float() - expected.float()).abs().max()))
+        if gate is None:
+            reference.topk_swiglu_ffn(expected, xv, self.w_gate_up, self.w_down_t,
+                                      groups.group_start_loc, keep, selected)
+        else:
+            reference.topk_swiglu_ffn_gated(expected, xv, gate, self.w_up, self.w_down_t,
+                                            groups.group_start_loc, keep, selected)
+        err = float((partial.float() - expected.float()).abs().max())
+        if gate is not None and self._w_gate_check is not None:  # the given gate itself
+            err = max(err, float((gate.float() - xv.float() @ self._w_gate_check.float().t()).abs().max()))
+        rt.record_reference_error("ffn", err)
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         if not self.reduce_results:
@@ -137,6 +178,14 @@ class SparseSwiGLUMLP(nn.Module):
         from vllm.distributed import tensor_model_parallel_all_reduce
 
         return tensor_model_parallel_all_reduce(out)
+
+
+def resolve_gate(gate: str, w_gate: torch.Tensor) -> str:
+    """ffn.gate for a layer whose gate rows (this rank's) are `w_gate`: "auto" resolved."""
+    if gate != "auto":
+        return gate
+    big = w_gate.numel() * w_gate.element_size() >= FFN_STOCK_GATE_MIN_BYTES
+    return "stock" if is_cpu_platform() and big else "kernel"
 
 
 def plain_weight(linear: nn.Module) -> torch.Tensor:
@@ -157,8 +206,8 @@ def _is_swiglu_mlp(module: nn.Module) -> bool:
     )
 
 
-def install_ffn(model: nn.Module, architecture: str) -> int:
-    """Wrap every SwiGLU MLP of the target; returns how many were wrapped."""
+def install_ffn(model: nn.Module, architecture: str, gate: str = "auto") -> int:
+    """Wrap every SwiGLU MLP of the target (`gate`: ffn.gate); returns how many were wrapped."""
     found = [(name, m) for name, m in model.named_modules() if _is_swiglu_mlp(m)]
     if not found:
         raise RuntimeError(
@@ -166,7 +215,7 @@ def install_ffn(model: nn.Module, architecture: str) -> int:
             f"{architecture}; FFN sparsity supports dense Llama/Qwen2/Mistral-style MLPs "
             f"(allowed for this model: false)"
         )
-    count = 0
+    count, gates = 0, set()
     for name, mlp in found:
         for linear in (mlp.gate_up_proj, mlp.down_proj):
             if getattr(linear, "bias", None) is not None:
@@ -182,8 +231,11 @@ def install_ffn(model: nn.Module, architecture: str) -> int:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, SparseSwiGLUMLP(mlp, name, layer_idx))
+        wrapped = SparseSwiGLUMLP(mlp, name, layer_idx, gate)
+        setattr(parent, child, wrapped)
+        gates.add(wrapped.gate)
         count += 1
+    logger.info("sparsever: FFN gate projection on verify steps: %s (ffn.gate=%s)", "/".join(sorted(gates)), gate)
     return count
 
 

@@ -75,7 +75,7 @@ def layer_index_of(prefix: str) -> int | None:
 
 
 # Knobs whose start-up work (KV layout, kept weights) fixes them for the engine's lifetime.
-_START_UP_KNOBS = {"attention": ("kernel",), "ffn": ("weights",), "moe": ("weights",)}
+_START_UP_KNOBS = {"attention": ("kernel",), "ffn": ("weights", "gate"), "moe": ("weights",)}
 
 
 class SparseVerificationRuntime:

