@@ -113,3 +113,14 @@ def assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, group_start_l
                                    msg=lambda m, g=g: f"group {g}: {m}")
     return num_equal
 
+
+def gated_ffn_problem(h: int, inter: int, groups: list[int], keep_frac: float, dtype: torch.dtype,
+                      gate_in_fp32: bool, seed: int):
+    """Inputs of topk_swiglu_ffn_gated: (x, gate, w_gate_up, w_down_t, group_start_loc, keep). The
+    gate as a dense GEMM returns it (x's dtype, or fp32); the op's w_up is w_gate_up[inter:]."""
+    gen = torch.Generator().manual_seed(seed)
+    keep = max(1, round(keep_frac * inter))
+    w_gate_up, w_down_t = ffn_weights(h, inter, dtype, gen)
+    x = torch.randn(sum(groups), h, generator=gen).to(dtype)
+    gate = x.float() @ w_gate_up[:inter].float().t()
+    return x, gate if gate_in_fp32 else gate.to(dtype), w_gate_up, w_down_t, start_loc(groups), keep

@@ -85,10 +85,11 @@ class AttentionSparsityConfig:
 # Used when neither the config nor a calibration profile gives a value.
 DEFAULT_FFN_KEEP_RATIO = 0.5
 # ffn.gate "auto": gate rows from this size per rank run on the stock packed GEMM. On a Zen 5 EPYC
-# (bf16, 2 threads; bench/results/kernels_2026-11-25_ffn_bf16_t2_epyc-zen5-gate) the packed GEMM
-# streamed Qwen2.5-1.5B's 27.5 MB gate 1.3-1.5x faster than sparsever's kernel, Qwen2.5-0.5B's
-# 8.7 MB and SmolLM2's 1.8 MB no faster (its call and the separate pass then cost more).
-FFN_STOCK_GATE_MIN_BYTES = 16 << 20
+# (bf16, 2 threads; bench/results/kernels_2026-11-25_ffn_bf16_t2_epyc-zen5-gate) the whole sparse
+# MLP was 8-13% faster with the packed gate for Qwen2.5-0.5B (8.7 MB of gate rows) and 1.5B
+# (27.5 MB), 2-6% slower for SmolLM2-135M (1.8 MB: the extra call and pass cost more than the
+# packed GEMM saves).
+FFN_STOCK_GATE_MIN_BYTES = 4 << 20
 DEFAULT_MOE_RATIO_THRESHOLD = 0.25
 
 

@@ -10,7 +10,7 @@ import vllm_sparsever._custom_ops as ops
 import vllm_sparsever.reference as ref
 
 from op_inputs import (SELECTION_TIE_RTOL, TOL, assert_ffn_matches_reference, assert_topk_selection,
-                       ffn_weights, start_loc)
+                       ffn_weights, gated_ffn_problem, start_loc)
 
 
 @settings(max_examples=50, deadline=None)
@@ -43,16 +43,11 @@ def test_ffn_matches_reference(dtype, h, inter, groups, keep_frac, seed):
     seed=st.integers(0, 2**16),
 )
 def test_ffn_gated_matches_reference(dtype, gate_in_fp32, h, inter, groups, keep_frac, seed):
-    # The gate projection given (as a dense GEMM returns it: x's dtype, or fp32), w_up a view of the
-    # up rows: scores, selection and output from that gate, which the op must not modify.
-    gen = torch.Generator().manual_seed(seed)
-    keep = max(1, round(keep_frac * inter))
-    w_gate_up, w_down_t = ffn_weights(h, inter, dtype, gen)
-    x = torch.randn(sum(groups), h, generator=gen).to(dtype)
-    gate = x.float() @ w_gate_up[:inter].float().t()
-    gate = gate if gate_in_fp32 else gate.to(dtype)
+    # The gate projection given, w_up a view of the up rows: scores, selection and output from that
+    # gate, which the op must not modify.
+    x, gate, w_gate_up, w_down_t, gsl, keep = gated_ffn_problem(h, inter, groups, keep_frac, dtype, gate_in_fp32,
+                                                                seed)
     given = gate.clone()
-    gsl = start_loc(groups)
     out, sel = ops.topk_swiglu_ffn_gated(x, gate, w_gate_up[inter:], w_down_t, gsl, keep)
     assert torch.equal(gate, given)
     assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, gsl, keep, SELECTION_TIE_RTOL[dtype], gate=gate)

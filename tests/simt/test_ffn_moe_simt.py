@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from simt_build import kernel_ops
 
-from op_inputs import SELECTION_TIE_RTOL, TOL, assert_ffn_matches_reference, ffn_weights, start_loc
+from op_inputs import (SELECTION_TIE_RTOL, TOL, assert_ffn_matches_reference, ffn_weights, gated_ffn_problem,
+                       start_loc)
 
 from vllm_sparsever import reference
 
@@ -62,13 +63,8 @@ def test_ffn_matches_reference(ops, dtype, h, inter, groups, keep_frac, forced_s
 )
 def test_ffn_gated_matches_reference(ops, dtype, gate_in_fp32, h, inter, groups, keep_frac, forced_splits, seed):
     # topk_swiglu_ffn_gated: the gate given (x's dtype or fp32), w_up a view of the up rows.
-    gen = torch.Generator().manual_seed(seed)
-    keep = max(1, round(keep_frac * inter))
-    w_gate_up, w_down_t = ffn_weights(h, inter, dtype, gen)
-    x = torch.randn(sum(groups), h, generator=gen).to(dtype)
-    gate = x.float() @ w_gate_up[:inter].float().t()
-    gate = gate if gate_in_fp32 else gate.to(dtype)
-    gsl = start_loc(groups)
+    x, gate, w_gate_up, w_down_t, gsl, keep = gated_ffn_problem(h, inter, groups, keep_frac, dtype, gate_in_fp32,
+                                                                seed)
     out = torch.full_like(x, 5.0)
     sel = torch.full((len(groups), keep), 123, dtype=torch.int32)
     ops.topk_swiglu_ffn_gated(out, x, gate, w_gate_up[inter:], w_down_t, gsl, keep, sel, 4, forced_splits)

@@ -124,6 +124,8 @@ def test_sparse_attention_matches_reference_and_reads_fewer_blocks(sparse_llm):
 
 def test_sparse_ffn_matches_reference_and_reads_fewer_neurons(sparse_llm):
     llm, _ = sparse_llm
+    # "auto" with the tiny model's gate rows (far below 4 MiB): the op streams the gate itself.
+    assert llm.collective_rpc("sparsever_sparsity_info")[0]["ffn_gate"] == ["kernel"]
     _, metrics = _run(llm, LONG_PROMPTS, attention={"enabled": False}, ffn=FFN)
     s = metrics["sparsity"]
     assert s.get("ffn_fallbacks", 0) == 0, s
@@ -221,6 +223,7 @@ def tp_llm(target4):
 
 
 def test_tensor_parallel_sparse_verification_matches_reference_on_every_rank(tp_llm):
+    assert [info["ffn_gate"] for info in tp_llm.collective_rpc("sparsever_sparsity_info")] == [["stock"]] * 2
     _, metrics = _run(tp_llm, LONG_PROMPTS, attention=ATTENTION, ffn=FFN)
     ranks = metrics["ranks"]
     assert len(ranks) == 2

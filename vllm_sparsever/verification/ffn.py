@@ -236,6 +236,9 @@ def install_ffn(model: nn.Module, architecture: str, gate: str = "auto") -> int:
         gates.add(wrapped.gate)
         count += 1
     logger.info("sparsever: FFN gate projection on verify steps: %s (ffn.gate=%s)", "/".join(sorted(gates)), gate)
+    rt = get_runtime()
+    if rt is not None:
+        rt.ffn_gates |= gates
     return count
 
 

@@ -110,6 +110,7 @@ class SparseVerificationRuntime:
         # verify request's (tokens, distinct experts) per layer (EVICT's expert-union model), if anyone.
         self.moe_routing: tuple[int, int] | None = None
         self.experts_observer: Callable[[int, int], None] | None = None
+        self.ffn_gates: set[str] = set()  # where FFN layers run their dense gate (install_ffn)
         # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
         # records the largest difference (slow; for tests and debugging only).
         self.check_reference = os.environ.get("VLLM_SPARSEVER_CHECK_REFERENCE") == "1"
@@ -250,6 +251,8 @@ class SparseVerificationRuntime:
             "anchor_layers": self.anchor_layers(),
             "sections": {n: getattr(self.config, n).__dict__ for n in ("attention", "ffn", "moe")},
             "started_with": dict(self.started_with),
+            # where the wrapped FFN layers compute their dense gate ("stock"/"kernel"; ffn.gate resolved)
+            "ffn_gate": sorted(self.ffn_gates),
         }
 
 
