@@ -109,7 +109,7 @@ class FFNSparsityConfig:
     # dense steps use torch's matmul, slower than oneDNN; measured in bench/results).
     weights: Literal["shared", "copy"] = "copy"
     # Where the dense gate projection (every neuron's score) runs on verify steps. "stock": the
-    # target's own dense linear (vLLM-CPU's packed oneDNN/sgl-kernel GEMM for the gate rows, which
+    # target's own dense linear (vLLM-CPU's packed GEMM for the gate rows, oneDNN at these sizes, which
     # replace the plain gate copy; torch's linear on GPU), then topk_swiglu_ffn_gated; "kernel":
     # sparsever's op streams the plain gate rows itself; "auto": "stock" on CPU for gate rows of
     # at least FFN_STOCK_GATE_MIN_BYTES per rank (where the packed GEMM streams faster, measured in
