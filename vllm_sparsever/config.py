@@ -85,10 +85,11 @@ class AttentionSparsityConfig:
 # Used when neither the config nor a calibration profile gives a value.
 DEFAULT_FFN_KEEP_RATIO = 0.5
 # ffn.gate "auto": gate rows from this size per rank run on the stock packed GEMM. On a Zen 5 EPYC
-# (bf16, 2 threads; bench/results/kernels_2026-11-25_ffn_bf16_t2_epyc-zen5-gate) the whole sparse
-# MLP was 8-13% faster with the packed gate for Qwen2.5-0.5B (8.7 MB of gate rows) and 1.5B
-# (27.5 MB), 2-6% slower for SmolLM2-135M (1.8 MB: the extra call and pass cost more than the
-# packed GEMM saves).
+# (bf16, 2 threads, keep 0.5; bench/results/kernels_2026-11-25_ffn_bf16_t2_epyc-zen5-gate*) the
+# whole sparse MLP was 6-14% faster with the packed gate for Qwen2.5-1.5B (27.5 MB of gate rows) in
+# every run, 8-13% for Qwen2.5-0.5B (8.7 MB) except in the fastest memory phase (+4-12% at 1
+# token, 3-7% slower at 4-8), and 0-8% slower for SmolLM2-135M (1.8 MB: the extra call and pass
+# cost more than the packed GEMM saves).
 FFN_STOCK_GATE_MIN_BYTES = 4 << 20
 DEFAULT_MOE_RATIO_THRESHOLD = 0.25
 

@@ -20,8 +20,9 @@ Gate (`ffn.gate`): "stock" hands the gate rows to vLLM's own dense CPU linear as
 their own (`stock_cpu_linear`, packed; with "copy" weights the plain gate rows are then dropped), so
 the dense gate every verify step needs runs on the stock packed GEMM and `topk_swiglu_ffn_gated`
 reads only the kept up/down rows (per MLP on a Zen 5 EPYC: 6-14% faster on Qwen-1.5B, mostly faster
-on Qwen-0.5B, 0-8% slower on SmolLM2's small gate; docs/kernels.md); "kernel" lets `topk_swiglu_ffn` stream the plain gate
-rows itself; "auto" chooses by the gate rows' size (FFN_STOCK_GATE_MIN_BYTES).
+on Qwen-0.5B, 0-8% slower on SmolLM2's small gate; docs/kernels.md); "kernel" lets
+`topk_swiglu_ffn` stream the plain gate rows itself; "auto" chooses by the gate rows' size
+(FFN_STOCK_GATE_MIN_BYTES).
 """
 
 from __future__ import annotations
