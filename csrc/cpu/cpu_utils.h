@@ -13,6 +13,12 @@
 #include <cstring>
 #include <vector>
 
+// Put before each loop over a register tile's compile-time dimensions (rows, tokens, vectors): fully
+// unrolled, the tile's accumulator arrays stay in registers. Without it GCC kept them on the stack and
+// stored every accumulator on each step (seen with perf annotate): the bf16 down projection ran at half
+// speed at 8-16 tokens.
+#define SPARSEVER_UNROLL _Pragma("GCC unroll 16")
+
 namespace sparsever::cpu {
 
 using Vec = at::vec::Vectorized<float>;

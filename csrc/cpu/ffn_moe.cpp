@@ -8,6 +8,9 @@
 #include "ops.h"
 
 #include <algorithm>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -41,15 +44,37 @@ void topk_ascending(const float* scores, int64_t n, int64_t k, int32_t* dst, std
 }
 
 // Token count from which a projection runs as a GEMM through ATen (oneDNN: AMX / AVX-512 BF16 where the
-// CPU has them) on gathered rows instead of the weight-streaming kernels: with many tokens the work is
-// compute-bound and the matrix engines win; with few tokens streaming each selected row once wins.
-// SPARSEVER_CPU_GEMM_MIN_TOKENS overrides it (benchmarks sweep it).
-inline int64_t gemm_min_tokens() {
-  static const int64_t value = [] {
-    const char* env = std::getenv("SPARSEVER_CPU_GEMM_MIN_TOKENS");
-    return env ? std::max<int64_t>(1, std::atoll(env)) : int64_t{16};
+// CPU has them) instead of the weight-streaming kernels: with many tokens the work is compute-bound and
+// the matrix engines win; with few tokens streaming each selected row once wins. MoE experts (their
+// weights contiguous: no gather) switch at 16 tokens. SPARSEVER_CPU_GEMM_MIN_TOKENS overrides both; read
+// per call, like use_bf16_dot(), so a benchmark can time both paths in one process.
+inline int64_t gemm_min_tokens(int64_t fallback = 16) {
+  const char* env = std::getenv("SPARSEVER_CPU_GEMM_MIN_TOKENS");
+  return env ? std::max<int64_t>(1, std::atoll(env)) : fallback;
+}
+
+// AMX-BF16 (CPUID leaf 7, EDX bit 22): oneDNN's tile GEMMs, against which the streaming threshold below
+// was never measured.
+inline bool cpu_has_amx_bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1u);
   }();
-  return value;
+  return has;
+#else
+  return false;
+#endif
+}
+
+// The top-k FFN's GEMM path gathers the kept up/down rows (index_select) and runs oneDNN on those
+// unpacked copies. On a Zen 5 EPYC (AVX512-BF16, no AMX; 2 threads) the vdpbf16ps streaming kernels beat
+// it up to 32-64 tokens per group (Qwen-1.5B and SmolLM2 MLPs, keep 0.3-0.5: 1.13-1.44x vs 0.80-1.09x of
+// vLLM's dense MLP at 16 tokens, equal at 64; 2026-11-25), so they stream below 64 tokens. The widening
+// fp32 path and AMX CPUs keep 16 (not measured against the GEMM path since), as does a gate the op
+// computes itself (dense rows, no gather).
+inline int64_t ffn_gemm_min_tokens(bool bf16_dot) {
+  return gemm_min_tokens(bf16_dot && !cpu_has_amx_bf16() ? 64 : 16);
 }
 
 // bf16 weights on a CPU with AVX512-BF16: stream them with vdpbf16ps (gemv_rows_bf16.h) instead of
@@ -80,13 +105,13 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
   const int64_t num_tokens = x.size(0), h = x.size(1);
   const int64_t inter = w_up.size(0);
   const int64_t num_groups = group_start_loc.size(0) - 1;
-  const int64_t gemm_from = gemm_min_tokens();
   auto xf_t = x.to(torch::kFloat).contiguous();
   const float* xf = xf_t.data_ptr<float>();
   // bf16 dot path: the layer input itself, contiguous, with unit-stride weight rows.
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   const bool bf16_dot = kBf16 && use_bf16_dot() && w_gate.stride(1) == 1 && w_up.stride(1) == 1 &&
                         w_down_t.stride(1) == 1;
+  const int64_t gemm_from = ffn_gemm_min_tokens(bf16_dot);
   auto xb_t = bf16_dot ? x.contiguous() : torch::Tensor();
   const auto* xb = bf16_dot ? reinterpret_cast<const c10::BFloat16*>(xb_t.data_ptr()) : nullptr;
   const scalar_t* wg = w_gate.data_ptr<scalar_t>();
@@ -99,7 +124,8 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
   // Gate projection for every token (dense: the scores need it; given, or computed here), silu and the
   // per-group neuron scores sum_t |silu(gate)|.
   torch::Tensor act_t;
-  if (!gate.has_value() && num_tokens >= gemm_from) {
+  const bool gate_gemm = !gate.has_value() && num_tokens >= gemm_min_tokens();
+  if (gate_gemm) {
     act_t = at::linear(x, w_gate).to(torch::kFloat).contiguous();
   } else {  // streamed here, or the given gate converted (silu runs in place: never on the caller's tensor)
     act_t = torch::empty({num_tokens, inter}, torch::kFloat);
@@ -108,7 +134,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
   float* act = act_t.data_ptr<float>();
   std::vector<float> scores(static_cast<size_t>(num_groups * inter), 0.f);
   {
-    const bool streamed = !gate.has_value() && num_tokens < gemm_from;
+    const bool streamed = !gate.has_value() && !gate_gemm;
     parallel_row_tasks(inter, h, sizeof(scalar_t), [&](int64_t r0, int64_t r1) {
       if (given.defined())
         gate_rows_to_f32(given, r0, r1, act, inter);

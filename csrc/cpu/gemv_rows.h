@@ -16,20 +16,28 @@ inline void dot_tile(const float* x, int64_t h, const WT* const* wrows, float* y
                      const WT* const* next, int nn) {
   constexpr int64_t kLineElems = 64 / sizeof(WT);
   Vec acc[NR][NT];
+  SPARSEVER_UNROLL
   for (int i = 0; i < NR; ++i)
+    SPARSEVER_UNROLL
     for (int t = 0; t < NT; ++t) acc[i][t] = Vec(0.f);
   int64_t c = 0;
   for (; c + kVecLen <= h; c += kVecLen) {
     if (c % kLineElems == 0)
+      SPARSEVER_UNROLL
       for (int i = 0; i < nn; ++i) _mm_prefetch(reinterpret_cast<const char*>(next[i] + c), _MM_HINT_T0);
     Vec xv[NT];
+    SPARSEVER_UNROLL
     for (int t = 0; t < NT; ++t) xv[t] = Vec::loadu(x + t * h + c);
+    SPARSEVER_UNROLL
     for (int i = 0; i < NR; ++i) {
       Vec wv = load_f32<WT>(wrows[i] + c);
+      SPARSEVER_UNROLL
       for (int t = 0; t < NT; ++t) acc[i][t] = at::vec::fmadd(wv, xv[t], acc[i][t]);
     }
   }
+  SPARSEVER_UNROLL
   for (int i = 0; i < NR; ++i)
+    SPARSEVER_UNROLL
     for (int t = 0; t < NT; ++t) {
       float v = hsum(acc[i][t]);
       for (int64_t cc = c; cc < h; ++cc) v += static_cast<float>(wrows[i][cc]) * x[t * h + cc];
@@ -135,18 +143,25 @@ template <int NT, int NV, typename WT>
 inline void axpy_tile(const float* a, int64_t k, const WT* w, int64_t w_row_stride, const int32_t* idx,
                       int64_t j0, int64_t j1, bool accumulate, int64_t c0, float* out, int64_t h) {
   Vec acc[NT][NV];
+  SPARSEVER_UNROLL
   for (int t = 0; t < NT; ++t)
+    SPARSEVER_UNROLL
     for (int v = 0; v < NV; ++v) acc[t][v] = accumulate ? Vec::loadu(out + t * h + c0 + v * kVecLen) : Vec(0.f);
   for (int64_t j = j0; j < j1; ++j) {
     const WT* wr = w + (idx ? idx[j] : j) * w_row_stride + c0;
     Vec wv[NV];
+    SPARSEVER_UNROLL
     for (int v = 0; v < NV; ++v) wv[v] = load_f32<WT>(wr + v * kVecLen);
+    SPARSEVER_UNROLL
     for (int t = 0; t < NT; ++t) {
       Vec sv(a[t * k + j]);
+      SPARSEVER_UNROLL
       for (int v = 0; v < NV; ++v) acc[t][v] = at::vec::fmadd(sv, wv[v], acc[t][v]);
     }
   }
+  SPARSEVER_UNROLL
   for (int t = 0; t < NT; ++t)
+    SPARSEVER_UNROLL
     for (int v = 0; v < NV; ++v) acc[t][v].store(out + t * h + c0 + v * kVecLen);
 }
 

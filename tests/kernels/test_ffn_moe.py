@@ -236,9 +236,12 @@ def test_opcheck_fake_impls():
                           (torch.empty_like(x), x, tw, ti, w13, w2, torch.empty(1, dtype=torch.int32)))
 
 
+@pytest.mark.parametrize("gemm_min_tokens", ["16", "1000"])
 @pytest.mark.parametrize("dtype", list(TOL))
-def test_many_tokens_gemm_path(dtype):
-    # >= 16 tokens per group / per expert switch the kernels to gathered-row GEMMs (SPARSEVER_CPU_GEMM_MIN_TOKENS).
+def test_many_tokens_gemm_path(dtype, gemm_min_tokens, monkeypatch):
+    # Groups / experts with at least SPARSEVER_CPU_GEMM_MIN_TOKENS tokens run gathered-row GEMMs ("16":
+    # the 33-token group and every expert), else the streaming kernels over many token tiles ("1000").
+    monkeypatch.setenv("SPARSEVER_CPU_GEMM_MIN_TOKENS", gemm_min_tokens)
     gen = torch.Generator().manual_seed(4)
     h, inter, keep = 64, 96, 24
     w_gate_up, w_down_t = ffn_weights(h, inter, dtype, gen)
