@@ -23,7 +23,7 @@ def ffn_weights(h: int, inter: int, dtype: torch.dtype, gen: torch.Generator):
 
 
 # Relative tolerance under which two neuron scores count as tied, per dtype of x and the weights.
-# Kernels may round the gate projection to that dtype (the CPU kernels' GEMM path from 16 tokens on,
+# Kernels may round the gate projection to that dtype (the CPU kernels' GEMM path for many tokens,
 # like torch's own bf16 MLP) and sum in another order than the fp32 reference; unit roundoff is 2^-9
 # for bf16 and 2^-12 for fp16, so these leave a few-fold margin. fp32: summation order only.
 SELECTION_TIE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
