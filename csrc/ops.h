@@ -46,6 +46,11 @@ void topk_swiglu_ffn_gated_cpu(torch::Tensor& out, const torch::Tensor& x, const
                                const torch::Tensor& w_up, const torch::Tensor& w_down_t,
                                const torch::Tensor& group_start_loc, int64_t keep, torch::Tensor& selected);
 
+// TEAL-style approximate gate: per group the top-`input_keep` input channels by sum |x|, gate [T, I] from
+// those channels' rows of w_gate_t [H, I] only (gate in x's dtype); channels [G, input_keep] int32.
+void input_sparse_gate_cpu(torch::Tensor& gate, const torch::Tensor& x, const torch::Tensor& w_gate_t,
+                           const torch::Tensor& group_start_loc, int64_t input_keep, torch::Tensor& channels);
+
 // Top-k softmax routing + ratio pruning + optional per-group expert budget.
 void moe_route_and_prune_cpu(const torch::Tensor& router_logits, int64_t top_k, double prune_ratio,
                              const std::optional<torch::Tensor>& group_start_loc, int64_t expert_budget,

@@ -52,6 +52,12 @@ TORCH_LIBRARY(sparsever, m) {
       "topk_swiglu_ffn_gated(Tensor(a!) out, Tensor x, Tensor gate, Tensor w_up, Tensor w_down_t, "
       "Tensor group_start_loc, int keep, Tensor(b!) selected) -> ()");
 
+  // An approximate gate from the top `input_keep` input channels per group (TEAL-style): gate [T, I] out
+  // (x's dtype); x [T, H]; w_gate_t [H, I] = gate_proj.weight.T; channels [G, input_keep] int32 out.
+  m.def(
+      "input_sparse_gate(Tensor(a!) gate, Tensor x, Tensor w_gate_t, Tensor group_start_loc, "
+      "int input_keep, Tensor(b!) channels) -> ()");
+
   // router_logits [T, E]; group_start_loc [G+1] int32 or None; topk_weights [T, K] fp32;
   // topk_ids [T, K] int32 (-1 = pruned).
   m.def(
@@ -71,6 +77,7 @@ TORCH_LIBRARY_IMPL(sparsever, CPU, m) {
   m.impl("block_sparse_tree_attention", &block_sparse_tree_attention_cpu);
   m.impl("topk_swiglu_ffn", &topk_swiglu_ffn_cpu);
   m.impl("topk_swiglu_ffn_gated", &topk_swiglu_ffn_gated_cpu);
+  m.impl("input_sparse_gate", &input_sparse_gate_cpu);
   m.impl("moe_route_and_prune", &moe_route_and_prune_cpu);
   m.impl("moe_grouped_dispatch", &moe_grouped_dispatch_cpu);
 }

@@ -124,3 +124,29 @@ def gated_ffn_problem(h: int, inter: int, groups: list[int], keep_frac: float, d
     x = torch.randn(sum(groups), h, generator=gen).to(dtype)
     gate = x.float() @ w_gate_up[:inter].float().t()
     return x, gate if gate_in_fp32 else gate.to(dtype), w_gate_up, w_down_t, start_loc(groups), keep
+
+
+def assert_input_sparse_gate_matches_reference(gate, channels, x, w_gate_t, group_start_loc, input_keep: int,
+                                               tie_rtol: float) -> None:
+    """Check input_sparse_gate's (gate, channels) against vllm_sparsever.reference.input_sparse_gate:
+    per group the channel set (assert_topk_selection on sum |x|), then the gate rows against the
+    reference's gate on the kernel's channel set (the same set unless a near-tie flipped the cut)."""
+    from vllm_sparsever import reference
+
+    rgate = torch.zeros_like(gate)
+    rch = torch.full_like(channels, 77)
+    reference.input_sparse_gate(rgate, x, w_gate_t, group_start_loc, input_keep, rch)
+    rtol, atol = TOL[x.dtype]
+    starts = group_start_loc.tolist()
+    for g in range(len(starts) - 1):
+        t0, t1 = starts[g], starts[g + 1]
+        if t0 == t1:
+            assert channels[g].tolist() == [-1] * input_keep, f"empty group {g}: {channels[g].tolist()}"
+            continue
+        if assert_topk_selection(channels[g], rch[g], x[t0:t1].float().abs().sum(0), input_keep, tie_rtol):
+            want = rgate[t0:t1]
+        else:
+            idx = channels[g].long()
+            want = (x[t0:t1].float()[:, idx] @ w_gate_t[idx].float()).to(gate.dtype)
+        torch.testing.assert_close(gate[t0:t1].float(), want.float(), rtol=rtol, atol=atol,
+                                   msg=lambda m, g=g: f"group {g}: {m}")

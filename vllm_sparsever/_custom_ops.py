@@ -44,6 +44,11 @@ def _topk_swiglu_ffn_gated_fake(out, x, gate, w_up, w_down_t, group_start_loc, k
     return None
 
 
+@torch.library.register_fake("sparsever::input_sparse_gate")
+def _input_sparse_gate_fake(gate, x, w_gate_t, group_start_loc, input_keep, channels) -> None:
+    return None
+
+
 @torch.library.register_fake("sparsever::moe_route_and_prune")
 def _moe_route_and_prune_fake(router_logits, top_k, prune_ratio, group_start_loc, expert_budget, renormalize,
                               topk_weights, topk_ids) -> None:
@@ -119,6 +124,20 @@ def topk_swiglu_ffn_gated(x: torch.Tensor, gate: torch.Tensor, w_up: torch.Tenso
         selected = torch.empty(group_start_loc.numel() - 1, keep, dtype=torch.int32, device=x.device)
     _ops.topk_swiglu_ffn_gated(out, x, gate, w_up, w_down_t, group_start_loc, keep, selected)
     return out, selected
+
+
+def input_sparse_gate(x: torch.Tensor, w_gate_t: torch.Tensor, group_start_loc: torch.Tensor, input_keep: int,
+                      gate: torch.Tensor | None = None,
+                      channels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An approximate gate projection from each group's top `input_keep` input channels by sum |x|
+    (TEAL-style; w_gate_t [H, I] = gate_proj.weight.T); returns (gate [T, I] in x's dtype, channels
+    [G, input_keep]). Feed the gate to topk_swiglu_ffn_gated."""
+    if gate is None:
+        gate = torch.empty(x.shape[0], w_gate_t.shape[1], dtype=x.dtype, device=x.device)
+    if channels is None:
+        channels = torch.empty(group_start_loc.numel() - 1, input_keep, dtype=torch.int32, device=x.device)
+    _ops.input_sparse_gate(gate, x, w_gate_t, group_start_loc, input_keep, channels)
+    return gate, channels
 
 
 def ffn_bf16_dot_available() -> bool:

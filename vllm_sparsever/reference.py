@@ -34,6 +34,7 @@ __all__ = [
     "block_sparse_tree_attention",
     "topk_swiglu_ffn",
     "topk_swiglu_ffn_gated",
+    "input_sparse_gate",
     "moe_route_and_prune",
     "moe_grouped_dispatch",
     "topk_lower_index_wins",
@@ -295,6 +296,38 @@ def topk_swiglu_ffn_gated(
         selected[g] = idx.to(selected.dtype)
         up = x[t0:t1].float() @ w_up[idx].float().t()
         out[t0:t1] = ((act[t0:t1, idx] * up) @ w_down_t[idx].float()).to(out.dtype)
+
+
+def input_sparse_gate(
+    gate: torch.Tensor,
+    x: torch.Tensor,
+    w_gate_t: torch.Tensor,
+    group_start_loc: torch.Tensor,
+    input_keep: int,
+    channels: torch.Tensor,
+) -> None:
+    """An approximate gate projection from the largest input channels only (TEAL-style), in place.
+
+    x: [T, H]. w_gate_t: [H, I] = gate_proj.weight.T made contiguous (row c = channel c's gate weights).
+    group_start_loc: [G+1] int32 token offsets. 1 <= input_keep <= H. gate: [T, I] out (x's dtype).
+    channels: [G, input_keep] int32 out.
+
+    score[c] = sum over the group's tokens of |x[t, c]|; the group's channel set = top-`input_keep`
+    scores (lower index wins ties), stored ascending in channels[g]; for its tokens
+    gate[t] = sum_{c in set} x[t, c] * w_gate_t[c]. An empty group writes -1 to its channels row and
+    no gate rows. input_keep == H is the exact gate x @ w_gate.T. Reads input_keep / H of the gate's
+    bytes; feed the result to topk_swiglu_ffn_gated.
+    """
+    starts = group_start_loc.tolist()
+    for g in range(len(starts) - 1):
+        t0, t1 = starts[g], starts[g + 1]
+        if t1 == t0:
+            channels[g] = -1
+            continue
+        xs = x[t0:t1].float()
+        idx = topk_lower_index_wins(xs.abs().sum(dim=0), input_keep).to(torch.long)
+        channels[g] = idx.to(channels.dtype)
+        gate[t0:t1] = (xs[:, idx] @ w_gate_t[idx].float()).to(gate.dtype)
 
 
 def swiglu_ffn_on_neurons(

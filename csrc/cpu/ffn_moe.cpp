@@ -203,6 +203,48 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
   }
 }
 
+// input_sparse_gate: per group the top-`input_keep` channels of x by sum_t |x[t, c]|, then the gate
+// from those channels' rows of w_gate_t [H, I] only, with the down projection's row-axpy kernels (a
+// channel's gate weights are one contiguous row of the transposed gate).
+template <typename scalar_t>
+void input_sparse_gate_impl(torch::Tensor& gate, const torch::Tensor& x, const torch::Tensor& w_gate_t,
+                            const torch::Tensor& group_start_loc, int64_t input_keep, torch::Tensor& channels) {
+  const int64_t h = x.size(1), inter = w_gate_t.size(1);
+  const int64_t num_groups = group_start_loc.size(0) - 1;
+  auto xf_t = x.to(torch::kFloat).contiguous();
+  const float* xf = xf_t.data_ptr<float>();
+  const int32_t* gsl = group_start_loc.data_ptr<int32_t>();
+  const scalar_t* w = w_gate_t.data_ptr<scalar_t>();
+  const int64_t ws = w_gate_t.stride(0);
+  // x is already in the weights' dtype, so rounding it to bf16 pairs (rows_axpy_bf16) is exact.
+  const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && use_bf16_dot() && w_gate_t.stride(1) == 1;
+  std::vector<float> scores(static_cast<size_t>(h)), tmp, a, gate_f;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t t0 = gsl[g], nt = gsl[g + 1] - gsl[g];
+    int32_t* idx = channels.data_ptr<int32_t>() + g * input_keep;
+    if (nt <= 0) {
+      std::fill(idx, idx + input_keep, -1);
+      continue;
+    }
+    std::fill(scores.begin(), scores.end(), 0.f);
+    for (int64_t t = t0; t < t0 + nt; ++t)
+      for (int64_t c = 0; c < h; ++c) scores[c] += std::abs(xf[t * h + c]);
+    topk_ascending(scores.data(), h, input_keep, idx, tmp);
+    a.resize(static_cast<size_t>(nt * input_keep));
+    for (int64_t t = 0; t < nt; ++t)
+      for (int64_t j = 0; j < input_keep; ++j) a[t * input_keep + j] = xf[(t0 + t) * h + idx[j]];
+    gate_f.resize(static_cast<size_t>(nt * inter));
+    if (bf16_dot)
+      rows_axpy_bf16(a.data(), nt, input_keep, reinterpret_cast<const c10::BFloat16*>(w), ws, idx, inter,
+                     gate_f.data());
+    else
+      rows_axpy<scalar_t>(a.data(), nt, input_keep, w, ws, idx, inter, gate_f.data());
+    scalar_t* gp = gate.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < nt; ++t)
+      store_from_f32<scalar_t>(gate_f.data() + t * inter, gp + (t0 + t) * gate.stride(0), inter);
+  }
+}
+
 template <typename scalar_t>
 int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& topk_weights,
                           const torch::Tensor& topk_ids, const torch::Tensor& w13, const torch::Tensor& w2) {
@@ -363,6 +405,28 @@ void topk_swiglu_ffn_gated_cpu(torch::Tensor& out, const torch::Tensor& x, const
   check_ffn_args(out, x, w_up, w_down_t, group_start_loc, keep, selected);
   SPARSEVER_DISPATCH_FLOAT_TYPES(x.scalar_type(), "topk_swiglu_ffn_gated_cpu", [&] {
     sparsever::cpu::ffn_impl<scalar_t>(out, x, gate, w_up, w_up, w_down_t, group_start_loc, keep, selected);
+  });
+}
+
+void input_sparse_gate_cpu(torch::Tensor& gate, const torch::Tensor& x, const torch::Tensor& w_gate_t,
+                           const torch::Tensor& group_start_loc, int64_t input_keep, torch::Tensor& channels) {
+  TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
+  TORCH_CHECK(w_gate_t.dim() == 2 && w_gate_t.size(0) == x.size(1) && w_gate_t.stride(1) == 1,
+              "w_gate_t must be [H, I] (gate_proj.weight.T) with contiguous rows");
+  TORCH_CHECK(w_gate_t.scalar_type() == x.scalar_type() && gate.scalar_type() == x.scalar_type(),
+              "x, w_gate_t and gate must share a dtype");
+  TORCH_CHECK(gate.dim() == 2 && gate.size(0) == x.size(0) && gate.size(1) == w_gate_t.size(1) &&
+                  (gate.size(1) <= 1 || gate.stride(1) == 1),
+              "gate must be [T, I] with contiguous rows");
+  TORCH_CHECK(input_keep >= 1 && input_keep <= x.size(1), "input_keep must be in [1, H], got ", input_keep);
+  TORCH_CHECK(group_start_loc.scalar_type() == torch::kInt32 && group_start_loc.dim() == 1 &&
+                  group_start_loc.is_contiguous() && group_start_loc.numel() >= 1,
+              "group_start_loc must be contiguous int32 [G+1]");
+  TORCH_CHECK(channels.scalar_type() == torch::kInt32 && channels.is_contiguous() && channels.dim() == 2 &&
+                  channels.size(0) == group_start_loc.size(0) - 1 && channels.size(1) == input_keep,
+              "channels must be contiguous int32 [G, input_keep]");
+  SPARSEVER_DISPATCH_FLOAT_TYPES(x.scalar_type(), "input_sparse_gate_cpu", [&] {
+    sparsever::cpu::input_sparse_gate_impl<scalar_t>(gate, x, w_gate_t, group_start_loc, input_keep, channels);
   });
 }
 

@@ -1,4 +1,4 @@
-// CUDA launchers: top-k SwiGLU FFN gating (the gate computed, or given) (bodies in csrc/kernels/ffn.cuh).
+// CUDA launchers: top-k SwiGLU FFN gating (the gate computed, or given) and the input-sparse gate (bodies in csrc/kernels/ffn.cuh).
 #include "cuda/cuda_launcher.cuh"
 #include "cuda/ops_cuda.h"
 #include "kernels/ffn.cuh"
@@ -19,6 +19,12 @@ void topk_swiglu_ffn_gated(at::Tensor& out, const at::Tensor& x, const at::Tenso
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   kernels::topk_swiglu_ffn_gated_impl(out, x, gate, w_up, w_down_t, group_start_loc, keep, selected,
                                       CudaLauncher::current());
+}
+
+void input_sparse_gate(at::Tensor& gate, const at::Tensor& x, const at::Tensor& w_gate_t,
+                       const at::Tensor& group_start_loc, int64_t input_keep, at::Tensor& channels) {
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  kernels::input_sparse_gate_impl(gate, x, w_gate_t, group_start_loc, input_keep, channels, CudaLauncher::current());
 }
 
 }  // namespace cuda

@@ -31,6 +31,9 @@ void topk_swiglu_ffn_gated(at::Tensor& out, const at::Tensor& x, const at::Tenso
                            const at::Tensor& w_down_t, const at::Tensor& group_start_loc, int64_t keep,
                            at::Tensor& selected);
 
+void input_sparse_gate(at::Tensor& gate, const at::Tensor& x, const at::Tensor& w_gate_t,
+                       const at::Tensor& group_start_loc, int64_t input_keep, at::Tensor& channels);
+
 void moe_route_and_prune(const at::Tensor& router_logits, int64_t top_k, double prune_ratio,
                          const std::optional<at::Tensor>& group_start_loc, int64_t expert_budget, bool renormalize,
                          at::Tensor& topk_weights, at::Tensor& topk_ids);

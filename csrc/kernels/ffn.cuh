@@ -54,9 +54,11 @@ __global__ void ffn_silu_gate_kernel(const G* __restrict__ gate, int64_t gate_st
   act[i] = silu(to_float(gate[t * gate_stride + n]));
 }
 
-// One CTA per group: scores into a global scratch row, then the exact top-`keep` (ascending).
+// One CTA per group: scores sum_t |act[t, n]| into a global scratch row, then the exact top-`keep`
+// (ascending). act: the silu'd gate [T, inter] fp32, or x [T, H] itself (input_sparse_gate's channels).
+template <typename A>
 __global__ void __launch_bounds__(kFfnSelectThreads)
-    ffn_select_neurons_kernel(const float* __restrict__ act, int inter, const int* __restrict__ group_start_loc,
+    ffn_select_neurons_kernel(const A* __restrict__ act, int inter, const int* __restrict__ group_start_loc,
                               int keep, float* __restrict__ scores, int* __restrict__ selected,
                               int64_t sel_stride) {
   __shared__ BlockTopkScratch topk_scratch;
@@ -70,7 +72,7 @@ __global__ void __launch_bounds__(kFfnSelectThreads)
   float* row = scores + int64_t(g) * inter;
   for (int n = threadIdx.x; n < inter; n += blockDim.x) {
     float s = 0.0f;
-    for (int t = t0; t < t1; ++t) s += fabsf(act[int64_t(t) * inter + n]);
+    for (int t = t0; t < t1; ++t) s += fabsf(to_float(act[int64_t(t) * inter + n]));
     row[n] = s;
   }
   __syncthreads();
@@ -172,6 +174,20 @@ __global__ void ffn_reduce_splits_kernel(const float* __restrict__ partial, int 
   }
 }
 
+// input_sparse_gate: h[t, j] = x[t, channel_j] for the group's kept channels (the "activations" of the
+// down kernel, which then sums the kept rows of w_gate_t).
+template <typename T>
+__global__ void gather_channels_kernel(const T* __restrict__ x, int64_t x_stride, const int* __restrict__ group_start_loc,
+                                       const int* __restrict__ channels, int64_t ch_stride, int keep,
+                                       float* __restrict__ h) {
+  const int g = blockIdx.y;
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= keep) return;
+  const int c = channels[g * ch_stride + j];
+  for (int t = group_start_loc[g]; t < group_start_loc[g + 1]; ++t)
+    h[int64_t(t) * keep + j] = to_float(x[int64_t(t) * x_stride + c]);
+}
+
 inline int ffn_down_num_splits(int64_t ctas, int64_t keep, int num_sms, int forced) {
   if (forced > 0) return int(std::min<int64_t>(forced, std::max<int64_t>(keep, 1)));
   const int64_t want = div_up<int64_t>(2 * int64_t(num_sms), std::max<int64_t>(ctas, 1));
@@ -201,7 +217,7 @@ void launch_ffn(at::Tensor& out, const at::Tensor& x, const std::optional<at::Te
     launch(dim3(unsigned(div_up(inter, kGemvRowsPerCta))), dim3(kGemvThreads), 0, ffn_gate_kernel<T, kVec>, xp,
            x.stride(0), num_tokens, w_gate.data_ptr<T>(), w_gate.stride(0), inter, hidden, act.data_ptr<float>());
   }
-  launch(dim3(unsigned(num_groups)), dim3(kFfnSelectThreads), 0, ffn_select_neurons_kernel, act.data_ptr<float>(),
+  launch(dim3(unsigned(num_groups)), dim3(kFfnSelectThreads), 0, ffn_select_neurons_kernel<float>, act.data_ptr<float>(),
          inter, gsl, int(keep), scores.data_ptr<float>(), selected.data_ptr<int>(), selected.stride(0));
   launch(dim3(unsigned(div_up<int64_t>(keep, kGemvRowsPerCta)), unsigned(num_groups)), dim3(kGemvThreads), 0,
          ffn_up_selected_kernel<T, kVec>, xp, x.stride(0), w_up.data_ptr<T>(), w_up.stride(0), hidden,
@@ -289,6 +305,74 @@ void topk_swiglu_ffn_gated_impl(at::Tensor& out, const at::Tensor& x, const at::
   TORCH_CHECK(w_up.dim() == 2 && w_up.size(1) == x.size(1), "w_up must be [I, H]");
   ffn_checked(out, x, std::optional<at::Tensor>(gate), w_up, w_up, w_down_t, group_start_loc, keep, selected,
               launch);
+}
+
+// input_sparse_gate (semantics: reference.input_sparse_gate): channel scores and top-`input_keep` per
+// group (the neuron selection kernel, on x), the kept x values, then the down kernel over the kept rows
+// of w_gate_t [H, I]: input_keep / H of the gate's bytes.
+template <typename T, int kVec, class Launcher>
+void launch_input_sparse_gate(at::Tensor& gate, const at::Tensor& x, const at::Tensor& w_gate_t,
+                              const at::Tensor& group_start_loc, int64_t input_keep, at::Tensor& channels,
+                              const Launcher& launch) {
+  const int num_tokens = int(x.size(0)), hidden = int(x.size(1)), inter = int(w_gate_t.size(1));
+  const int num_groups = int(group_start_loc.numel() - 1), keep = int(input_keep);
+  auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor scores = at::empty({num_groups, hidden}, f32);
+  at::Tensor h = at::empty({num_tokens, keep}, f32);
+  at::Tensor xc = x.stride(1) == 1 && x.stride(0) == hidden ? x : x.contiguous();  // the scores read rows of H
+  const int* gsl = group_start_loc.data_ptr<int>();
+  launch(dim3(unsigned(num_groups)), dim3(kFfnSelectThreads), 0, ffn_select_neurons_kernel<T>, xc.data_ptr<T>(),
+         hidden, gsl, keep, scores.data_ptr<float>(), channels.data_ptr<int>(), channels.stride(0));
+  launch(dim3(unsigned(div_up(keep, 256)), unsigned(num_groups)), dim3(256), 0, gather_channels_kernel<T>,
+         xc.data_ptr<T>(), xc.stride(0), gsl, channels.data_ptr<int>(), channels.stride(0), keep, h.data_ptr<float>());
+  const int col_ctas = div_up(inter, kGemvThreads * kVec);
+  const int splits = ffn_down_num_splits(int64_t(col_ctas) * num_groups, keep, launch.num_sms, launch.forced_splits);
+  at::Tensor partial;
+  if (splits > 1) partial = at::empty({splits, num_tokens, inter}, f32);
+  launch(dim3(unsigned(col_ctas), unsigned(splits), unsigned(num_groups)), dim3(kGemvThreads), 0,
+         ffn_down_selected_kernel<T, kVec>, h.data_ptr<float>(), w_gate_t.data_ptr<T>(), w_gate_t.stride(0), inter,
+         gsl, channels.data_ptr<int>(), channels.stride(0), keep, splits, gate.data_ptr<T>(), gate.stride(0),
+         splits > 1 ? partial.data_ptr<float>() : nullptr, num_tokens);
+  if (splits > 1) {
+    launch(dim3(unsigned(div_up(inter, 256)), unsigned(num_groups)), dim3(256), 0, ffn_reduce_splits_kernel<T>,
+           partial.data_ptr<float>(), splits, num_tokens, inter, gsl, gate.data_ptr<T>(), gate.stride(0));
+  }
+}
+
+template <class Launcher>
+void input_sparse_gate_impl(at::Tensor& gate, const at::Tensor& x, const at::Tensor& w_gate_t,
+                            const at::Tensor& group_start_loc, int64_t input_keep, at::Tensor& channels,
+                            const Launcher& launch) {
+  TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
+  TORCH_CHECK(w_gate_t.dim() == 2 && w_gate_t.size(0) == x.size(1) && unit_stride(w_gate_t, 1),
+              "w_gate_t must be [H, I] (gate_proj.weight.T) with contiguous rows");
+  TORCH_CHECK(w_gate_t.scalar_type() == x.scalar_type() && gate.scalar_type() == x.scalar_type(),
+              "x, w_gate_t and gate must share a dtype");
+  TORCH_CHECK(gate.dim() == 2 && gate.size(0) == x.size(0) && gate.size(1) == w_gate_t.size(1) && unit_stride(gate, 1),
+              "gate must be [T, I] with contiguous rows");
+  TORCH_CHECK(input_keep >= 1 && input_keep <= x.size(1), "input_keep must be in [1, H], got ", input_keep);
+  check_int32(group_start_loc, "group_start_loc");
+  check_int32(channels, "channels");
+  TORCH_CHECK(group_start_loc.dim() == 1 && group_start_loc.is_contiguous() && group_start_loc.numel() >= 1,
+              "group_start_loc must be contiguous [G+1]");
+  const int64_t num_groups = group_start_loc.numel() - 1;
+  TORCH_CHECK(channels.dim() == 2 && channels.size(0) == num_groups && channels.size(1) == input_keep &&
+                  unit_stride(channels, 1),
+              "channels must be [G, input_keep] with contiguous rows");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &w_gate_t, &group_start_loc, &channels})
+    check_same_device(gate, *t, "input_sparse_gate argument");
+  if (num_groups == 0) return;
+  const int64_t elem = x.element_size(), inter = w_gate_t.size(1);
+  const bool vectorize = can_vectorize(w_gate_t.data_ptr(), elem, inter, {w_gate_t.stride(0)}) &&
+                         can_vectorize(gate.data_ptr(), elem, inter, {gate.stride(0)});
+  SV_DISPATCH_FLOAT_TYPES(x.scalar_type(), "input_sparse_gate", [&] {
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    if (vectorize) {
+      launch_input_sparse_gate<scalar_t, kVec>(gate, x, w_gate_t, group_start_loc, input_keep, channels, launch);
+    } else {
+      launch_input_sparse_gate<scalar_t, 1>(gate, x, w_gate_t, group_start_loc, input_keep, channels, launch);
+    }
+  });
 }
 
 }  // namespace kernels

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 import vllm_sparsever._custom_ops as ops
 import vllm_sparsever.reference as ref
 
-from op_inputs import (SELECTION_TIE_RTOL, TOL, assert_ffn_matches_reference, assert_topk_selection,
-                       ffn_weights, gated_ffn_problem, start_loc)
+from op_inputs import (SELECTION_TIE_RTOL, TOL, assert_ffn_matches_reference,
+                       assert_input_sparse_gate_matches_reference, assert_topk_selection, ffn_weights,
+                       gated_ffn_problem, start_loc)
 
 
 @settings(max_examples=50, deadline=None)
@@ -72,6 +73,70 @@ def test_ffn_gated_rejects_a_gate_of_the_wrong_shape():
     x = torch.randn(3, 16, generator=gen)
     with pytest.raises(RuntimeError, match=r"gate must be a floating-point \[T, I\]"):
         ops.topk_swiglu_ffn_gated(x, torch.randn(3, 23), w_gate_up[24:], w_down_t, start_loc([3]), 5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(list(TOL)),
+    h=st.sampled_from([8, 40, 64, 100]),
+    inter=st.integers(1, 150),
+    groups=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    keep_frac=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_input_sparse_gate_matches_reference(dtype, h, inter, groups, keep_frac, seed):
+    gen = torch.Generator().manual_seed(seed)
+    input_keep = max(1, round(keep_frac * h))
+    w_gate_t = (torch.randn(h, inter, generator=gen) / h**0.5).to(dtype)
+    x = torch.randn(sum(groups), h, generator=gen).to(dtype)
+    gsl = start_loc(groups)
+    gate, channels = ops.input_sparse_gate(x, w_gate_t, gsl, input_keep)
+    assert_input_sparse_gate_matches_reference(gate, channels, x, w_gate_t, gsl, input_keep,
+                                               SELECTION_TIE_RTOL[torch.float32])
+
+
+@pytest.mark.parametrize("bf16_dot", ["0", "1"])
+def test_input_sparse_gate_bf16_paths(bf16_dot, monkeypatch):
+    """Both bf16 paths (vdpbf16ps where the CPU has it, else fp32 FMAs), at sizes with column tails,
+    several token tiles and a real hidden size; all channels kept is the exact gate."""
+    monkeypatch.setenv("SPARSEVER_CPU_FFN_BF16_DOT", bf16_dot)
+    gen = torch.Generator().manual_seed(11)
+    for h, inter, groups, input_keep in [(64, 100, [3, 6], 45), (1536, 256, [4, 7], 1075), (96, 40, [2], 96)]:
+        w_gate_t = (torch.randn(h, inter, generator=gen) / h**0.5).to(torch.bfloat16)
+        x = torch.randn(sum(groups), h, generator=gen).to(torch.bfloat16)
+        gate, channels = ops.input_sparse_gate(x, w_gate_t, start_loc(groups), input_keep)
+        assert_input_sparse_gate_matches_reference(gate, channels, x, w_gate_t, start_loc(groups), input_keep,
+                                                   SELECTION_TIE_RTOL[torch.float32])
+        if input_keep == h:
+            exact = (x.float() @ w_gate_t.float()).to(torch.bfloat16)
+            torch.testing.assert_close(gate.float(), exact.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_input_sparse_gate_feeds_the_gated_ffn():
+    # All input channels kept: the approximate gate is the exact one, so the gated op then selects the
+    # same neurons as topk_swiglu_ffn (fp32).
+    gen = torch.Generator().manual_seed(12)
+    h, inter, keep = 64, 96, 30
+    w_gate_up, w_down_t = ffn_weights(h, inter, torch.float32, gen)
+    x = torch.randn(7, h, generator=gen)
+    gsl = start_loc([3, 4])
+    gate, channels = ops.input_sparse_gate(x, w_gate_up[:inter].t().contiguous(), gsl, h)
+    assert channels.tolist() == [list(range(h))] * 2
+    out_g, sel_g = ops.topk_swiglu_ffn_gated(x, gate, w_gate_up[inter:], w_down_t, gsl, keep)
+    out, sel = ops.topk_swiglu_ffn(x, w_gate_up, w_down_t, gsl, keep)
+    assert torch.equal(sel, sel_g)
+    torch.testing.assert_close(out_g, out, rtol=1e-5, atol=1e-5)
+
+
+def test_input_sparse_gate_rejects_bad_arguments():
+    x = torch.randn(3, 16)
+    gsl = start_loc([3])
+    with pytest.raises(RuntimeError, match=r"w_gate_t must be \[H, I\]"):
+        ops.input_sparse_gate(x, torch.randn(24, 16), gsl, 4)
+    with pytest.raises(RuntimeError, match=r"input_keep must be in \[1, H\], got 17"):
+        ops.input_sparse_gate(x, torch.randn(16, 24), gsl, 17)
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        ops.input_sparse_gate(x, torch.randn(16, 24).to(torch.bfloat16), gsl, 4)
 
 
 def test_ffn_keep_all_is_dense_mlp():
@@ -228,6 +293,9 @@ def test_opcheck_fake_impls():
     torch.library.opcheck(torch.ops.sparsever.topk_swiglu_ffn_gated.default,
                           (torch.empty_like(x), x, torch.randn(3, inter, generator=gen), w_gate_up[inter:], w_down_t,
                            gsl, 5, torch.empty(2, 5, dtype=torch.int32)))
+    torch.library.opcheck(torch.ops.sparsever.input_sparse_gate.default,
+                          (torch.empty(3, inter), x, w_gate_up[:inter].t().contiguous(), gsl, 7,
+                           torch.empty(2, 7, dtype=torch.int32)))
     x, w13, w2, logits = _moe_problem(3, h, inter, 4, 2, torch.float32, gen)
     tw, ti = torch.empty(3, 2), torch.empty(3, 2, dtype=torch.int32)
     torch.library.opcheck(torch.ops.sparsever.moe_route_and_prune.default, (logits, 2, 0.2, gsl, 2, True, tw, ti))

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from simt_build import kernel_ops
 
-from op_inputs import (SELECTION_TIE_RTOL, TOL, assert_ffn_matches_reference, ffn_weights, gated_ffn_problem,
-                       start_loc)
+from op_inputs import (SELECTION_TIE_RTOL, TOL, assert_ffn_matches_reference,
+                       assert_input_sparse_gate_matches_reference, ffn_weights, gated_ffn_problem, start_loc)
 
 from vllm_sparsever import reference
 
@@ -70,6 +70,47 @@ def test_ffn_gated_matches_reference(ops, dtype, gate_in_fp32, h, inter, groups,
     ops.topk_swiglu_ffn_gated(out, x, gate, w_gate_up[inter:], w_down_t, gsl, keep, sel, 4, forced_splits)
     assert_ffn_matches_reference(out, sel, x, w_gate_up, w_down_t, gsl, keep, SELECTION_TIE_RTOL[torch.float32],
                                  gate=gate)
+
+
+@settings(**SETTINGS)
+@given(
+    dtype=st.sampled_from(list(TOL)),
+    h=st.sampled_from([8, 40, 64]),
+    inter=st.integers(1, 120),
+    groups=st.lists(st.integers(0, 10), min_size=1, max_size=3),
+    keep_frac=st.floats(0.0, 1.0),
+    forced_splits=st.sampled_from([0, 1, 3]),
+    strided_x=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_input_sparse_gate_matches_reference(ops, dtype, h, inter, groups, keep_frac, forced_splits, strided_x,
+                                             seed):
+    gen = torch.Generator().manual_seed(seed)
+    input_keep = max(1, round(keep_frac * h))
+    w_gate_t = (torch.randn(h, inter, generator=gen) / h**0.5).to(dtype)
+    x = torch.randn(sum(groups), h + 8, generator=gen).to(dtype)
+    x = x[:, :h] if strided_x else x[:, :h].contiguous()  # a view with row stride > H: copied for the scores
+    gsl = start_loc(groups)
+    gate = torch.full((x.shape[0], inter), 5.0, dtype=dtype)
+    channels = torch.full((len(groups), input_keep), 123, dtype=torch.int32)
+    ops.input_sparse_gate(gate, x, w_gate_t, gsl, input_keep, channels, 4, forced_splits)
+    assert_input_sparse_gate_matches_reference(gate, channels, x, w_gate_t, gsl, input_keep,
+                                               SELECTION_TIE_RTOL[torch.float32])
+
+
+def test_input_sparse_gate_reads_only_kept_channels(ops):
+    gen = torch.Generator().manual_seed(6)
+    h, inter, input_keep = 64, 48, 16
+    w_gate_t = (torch.randn(h, inter, generator=gen) / 8).to(torch.bfloat16)
+    x = torch.randn(5, h, generator=gen).to(torch.bfloat16)
+    gsl = start_loc([5])
+    gate, channels = torch.empty(5, inter, dtype=torch.bfloat16), torch.empty(1, input_keep, dtype=torch.int32)
+    ops.input_sparse_gate(gate, x, w_gate_t, gsl, input_keep, channels, 4, 2)
+    unused = sorted(set(range(h)) - set(channels[0].tolist()))
+    w_gate_t[torch.tensor(unused)] = float("nan")  # gate rows of the dropped channels
+    gate2, channels2 = torch.empty_like(gate), torch.empty_like(channels)
+    ops.input_sparse_gate(gate2, x, w_gate_t, gsl, input_keep, channels2, 4, 2)
+    assert torch.equal(channels, channels2) and torch.equal(gate, gate2)
 
 
 def test_ffn_keep_all_is_dense_mlp_and_ties_prefer_lower_index(ops):

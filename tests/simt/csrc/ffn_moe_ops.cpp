@@ -1,4 +1,4 @@
-// Test-only ops (namespace sparsever_simt) running the FFN gating and MoE CUDA kernel bodies on the SIMT
+// Test-only ops (namespace sparsever_simt) running the FFN gating, input-sparse gate and MoE CUDA kernel bodies on the SIMT
 // executor through the same host launch code as csrc/cuda. Extra trailing arguments: num_sms and
 // forced_splits (0 = heuristic), so tests reach every split path.
 #include <torch/library.h>
@@ -30,6 +30,13 @@ void topk_swiglu_ffn_gated(at::Tensor& out, const at::Tensor& x, const at::Tenso
                                                  launcher(num_sms, forced_splits));
 }
 
+void input_sparse_gate(at::Tensor& gate, const at::Tensor& x, const at::Tensor& w_gate_t,
+                       const at::Tensor& group_start_loc, int64_t input_keep, at::Tensor& channels, int64_t num_sms,
+                       int64_t forced_splits) {
+  sparsever::kernels::input_sparse_gate_impl(gate, x, w_gate_t, group_start_loc, input_keep, channels,
+                                             launcher(num_sms, forced_splits));
+}
+
 void moe_route_and_prune(const at::Tensor& router_logits, int64_t top_k, double prune_ratio,
                          const std::optional<at::Tensor>& group_start_loc, int64_t expert_budget, bool renormalize,
                          at::Tensor& topk_weights, at::Tensor& topk_ids) {
@@ -55,6 +62,10 @@ TORCH_LIBRARY_FRAGMENT(sparsever_simt, m) {
       "topk_swiglu_ffn_gated(Tensor(a!) out, Tensor x, Tensor gate, Tensor w_up, Tensor w_down_t, "
       "Tensor group_start_loc, int keep, Tensor(b!) selected, int num_sms=4, int forced_splits=0) -> ()",
       &topk_swiglu_ffn_gated);
+  m.def(
+      "input_sparse_gate(Tensor(a!) gate, Tensor x, Tensor w_gate_t, Tensor group_start_loc, int input_keep, "
+      "Tensor(b!) channels, int num_sms=4, int forced_splits=0) -> ()",
+      &input_sparse_gate);
   m.def(
       "moe_route_and_prune(Tensor router_logits, int top_k, float prune_ratio, Tensor? group_start_loc, "
       "int expert_budget, bool renormalize, Tensor(a!) topk_weights, Tensor(b!) topk_ids) -> ()",
