@@ -48,8 +48,14 @@ def policies(args, sparsities: tuple[str, ...]) -> dict[str, dict[str, Any]]:
                  "kernel": args.attention_kernel}
     variants: dict[str, list[tuple[str, dict]]] = {"attention": [("attention", attention)]}
     if "ffn" in sparsities:
-        variants["ffn"] = [(f"ffn@{r}" if r else "ffn(profile)", {"enabled": True, "keep_ratio": r})
-                           for r in args.ffn_keep_ratios]
+        gate = {"gate": args.ffn_gate}
+        if args.ffn_gate == "input_sparse":  # the gate's input keep ratio switches at run time too
+            variants["ffn"] = [((f"ffn@{r}" if r else "ffn(profile)") + f"/in@{i}",
+                                {"enabled": True, "keep_ratio": r, **gate, "gate_input_keep_ratio": i})
+                               for r in args.ffn_keep_ratios for i in args.ffn_gate_input_keeps]
+        else:
+            variants["ffn"] = [(f"ffn@{r}" if r else "ffn(profile)", {"enabled": True, "keep_ratio": r, **gate})
+                               for r in args.ffn_keep_ratios]
     if "moe" in sparsities:
         variants["moe"] = [(f"moe(budget {b})" if b else "moe(profile)",
                             {"enabled": True, "ratio_threshold": args.moe_ratio_threshold, "expert_budget": b})
@@ -104,7 +110,10 @@ def bytes_per_verify_step(shapes: dict, sparsity: dict, verify_steps: int, conte
     else:
         rows = sparsity.get("ffn_neurons_read")
         kept = (rows / steps / L) if rows else inter
-        out["ffn_or_experts"] = L * (inter + 2 * kept) * H * b  # gate rows always, up/down kept
+        # The gate: every row, or (ffn.gate "input_sparse") the kept hidden channels' rows of [H, I].
+        channels = sparsity.get("ffn_gate_channels_read")
+        gate = (channels / steps / L) * inter if channels else inter * H
+        out["ffn_or_experts"] = L * (gate + 2 * kept * H) * b  # up/down: the kept neurons' rows
     blocks = sparsity.get("attn_kv_blocks_read")
     if blocks:
         out["kv"] = blocks / steps * block_size * d * 2 * b
@@ -390,6 +399,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attention.kernel of the sparse engine (fixed at its start)")
     p.add_argument("--ffn-keep-ratios", type=lambda v: None if v == "profile" else float(v), nargs="+",
                    default=[None, 0.5], help="FFN variants ('profile' = the calibration profile's ratios)")
+    p.add_argument("--ffn-gate", choices=["auto", "stock", "kernel", "input_sparse"], default="auto",
+                   help="ffn.gate of the sparse engine (a start-up knob)")
+    p.add_argument("--ffn-gate-input-keeps", type=float, nargs="+", default=[0.7],
+                   help="ffn.gate_input_keep_ratio variants with --ffn-gate input_sparse")
     p.add_argument("--moe-ratio-threshold", type=float, default=None, help="default: calibration profile")
     p.add_argument("--moe-expert-budgets", type=lambda v: None if v == "none" else int(v), nargs="+",
                    default=[None, 4], help="MoE variants: per-request expert budget ('none' = no cap)")

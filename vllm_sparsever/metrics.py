@@ -176,7 +176,8 @@ def get_metrics(llm: Any) -> dict[str, Any]:
     Returns the driver worker's summary: `acceptance_rate`, `mean_acceptance_length`,
     `per_position_acceptance`, `verification_time_share`, the raw counters, and `sparsity`: what
     sparse verification read versus dense (`attn_kv_blocks_read`/`_dense`, `ffn_neurons_read`/
-    `_dense`, `moe_experts_read`/`_dense`, per layer and step, summed) and `*_fallbacks`; with tensor
+    `_dense`, with `ffn.gate: "input_sparse"` `ffn_gate_channels_read`/`_dense`, `moe_experts_read`/
+    `_dense`, per layer and step, summed) and `*_fallbacks`; with tensor
     parallelism `ranks` holds every rank's summary.
     """
     summaries = llm.collective_rpc("sparsever_metrics")
@@ -246,7 +247,7 @@ class SparseverCollector:
         c = CounterMetricFamily(
             "sparsever:sparsity",
             "Sparse verification: units read vs dense (attn_kv_blocks_*, ffn_neurons_*, "
-            "moe_experts_*, summed over layers and verify steps) and sparse layer calls",
+            "ffn_gate_channels_*, moe_experts_*, summed over layers and verify steps) and sparse layer calls",
             labels=["counter"],
         )
         for name, value in sorted((s.get("sparsity") or {}).items()):

@@ -40,7 +40,8 @@ MODELS = {
     "Qwen2.5-0.5B": (896, 4864, 14, 2, 64),
     "Qwen2.5-1.5B": (1536, 8960, 12, 2, 128),
 }
-ROTATION_BYTES = 768 << 20  # total size of the rotated copies: well past L2/L3 per core
+ROTATION_BYTES = 768 << 20
+INPUT_KEEP = 0.7  # ffn.gate_input_keep_ratio timed for the "input_sparse" gate (its default)  # total size of the rotated copies: well past L2/L3 per core
 
 
 # The machine is shared: other processes preempt our threads, which inflates some repetitions by whole
@@ -348,6 +349,10 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
     # the gate itself ("shared" weights).
     gate_linear = [stock_cpu_linear(w[:inter].clone()) for w in w_gu]
     w_up = [w[inter:] for w in w_gu]
+    # ffn.gate "input_sparse": the approximate gate from the top INPUT_KEEP of hidden channels'
+    # rows of a transposed gate copy, then the gated op.
+    w_gate_t = [w[:inter].t().contiguous() for w in w_gu]
+    input_keep = max(1, round(INPUT_KEEP * hidden))
     keeps = {r: max(1, round(r * inter)) for r in keep_fracs}
     for r, keep in keeps.items():
         sel = torch.empty(1, keep, dtype=torch.int32)
@@ -360,8 +365,14 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
             l = rot.next()
             ops.topk_swiglu_ffn(x, w_gu[l], w_down_t[l], gsl, keep, out=out, selected=sel)
 
+        def input_sparse(keep=keep, sel=sel):
+            l = rot.next()
+            gate, _ = ops.input_sparse_gate(x, w_gate_t[l], gsl, input_keep)
+            ops.topk_swiglu_ffn_gated(x, gate, w_up[l], w_down_t[l], gsl, keep, out=out, selected=sel)
+
         fns[f"ours@{r}"] = ours
         fns[f"streamed_gate@{r}"] = streamed_gate
+        fns[f"input_sparse@{r}"] = input_sparse
         if has_widening_path(dtype):
             fns[f"widening@{r}"] = EnvSwitch(ours, SPARSEVER_CPU_FFN_BF16_DOT="0")
     times = bench_interleaved(fns)
@@ -386,6 +397,8 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
             "speedup_vs_torch_dense": t_torch / t[STAT],
             "speedup_vs_vllm_dense": t_vllm / t[STAT],
             "time_streamed_gate": streamed, "speedup_vs_vllm_dense_streamed_gate": t_vllm / streamed[STAT],
+            "time_input_sparse_gate": times[f"input_sparse@{r}"], "input_keep_ratio": INPUT_KEEP,
+            "speedup_vs_vllm_dense_input_sparse_gate": t_vllm / times[f"input_sparse@{r}"][STAT],
             **({"time_fp32_widening": widened, "speedup_vs_vllm_dense_fp32_widening": t_vllm / widened[STAT]}
                if widened else {}),
         })
@@ -502,11 +515,13 @@ def markdown(results: dict) -> str:
     lines += ["", "## Top-k SwiGLU FFN (one neuron set for all q tokens)", "",
               "'ours' = what the served path runs with `ffn.weights: copy`: the dense gate on vLLM's own packed "
               "linear for the gate rows, then topk_swiglu_ffn_gated over the kept up/down rows. 'gate streamed' = "
-              "topk_swiglu_ffn computing the gate itself (`weights: shared`). bf16 on a CPU with AVX512-BF16: the "
+              "topk_swiglu_ffn computing the gate itself (`weights: shared`). 'input-sparse gate' = `ffn.gate: "
+              f"input_sparse` (approximate): input_sparse_gate over the top {INPUT_KEEP} of hidden channels, then "
+              "topk_swiglu_ffn_gated. bf16 on a CPU with AVX512-BF16: the "
               "kernels use vdpbf16ps; the last column is 'ours' on the fp32-widening path "
               "(SPARSEVER_CPU_FFN_BF16_DOT=0), as CPUs without it run.", "",
-              "| model | dtype | q | torch dense ms (GB/s) | vLLM dense ms (GB/s) [path] | keep r | ours ms (GB/s) | time / ideal at DRAM BW | time / ideal at own dense rate | speedup vs torch dense | speedup vs vLLM dense | gate streamed: ms, vs vLLM dense | widening path: ms, vs vLLM dense |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| model | dtype | q | torch dense ms (GB/s) | vLLM dense ms (GB/s) [path] | keep r | ours ms (GB/s) | time / ideal at DRAM BW | time / ideal at own dense rate | speedup vs torch dense | speedup vs vLLM dense | gate streamed: ms, vs vLLM dense | input-sparse gate: ms, vs vLLM dense | widening path: ms, vs vLLM dense |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["ffn"]:
         vllm_dense = (f"{r['dense_vllm'][STAT]*1e3:.3f} ({r['GBps_dense_vllm']:.1f}) [{r['vllm_linear_kind']}]"
                       if "dense_vllm" in r else "-")
@@ -518,6 +533,8 @@ def markdown(results: dict) -> str:
                 f"{k['speedup_vs_torch_dense']:.2f}x | {k.get('speedup_vs_vllm_dense', float('nan')):.2f}x | "
                 + (f"{k['time_streamed_gate'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_streamed_gate']:.2f}x | "
                    if "time_streamed_gate" in k else "- | ")
+                + (f"{k['time_input_sparse_gate'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_input_sparse_gate']:.2f}x | "
+                   if "time_input_sparse_gate" in k else "- | ")
                 + (f"{k['time_fp32_widening'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_fp32_widening']:.2f}x |"
                    if "time_fp32_widening" in k else "- |"))
     lines += ["", "## MoE grouped dispatch (E=64, top-8, H=1024, I=512 per expert)", "",
