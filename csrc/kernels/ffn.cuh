@@ -194,6 +194,26 @@ inline int ffn_down_num_splits(int64_t ctas, int64_t keep, int num_sms, int forc
   return int(std::max<int64_t>(1, std::min<int64_t>({want, std::max<int64_t>(1, keep / 16), 64})));
 }
 
+// out[t] = sum_j h[t, j] * w_t[selected[g, j]] for each group's tokens (w_t [rows, N], out [T, N]): the
+// down kernel split over j where the columns alone give too few CTAs, then the splits' reduce.
+template <typename T, int kVec, class Launcher>
+void launch_down_selected(const at::Tensor& h, const at::Tensor& w_t, const int* gsl, const at::Tensor& selected,
+                          int keep, int num_groups, int num_tokens, at::Tensor& out, const Launcher& launch) {
+  const int n = int(w_t.size(1));
+  const int col_ctas = div_up(n, kGemvThreads * kVec);
+  const int splits = ffn_down_num_splits(int64_t(col_ctas) * num_groups, keep, launch.num_sms, launch.forced_splits);
+  at::Tensor partial;
+  if (splits > 1) partial = at::empty({splits, num_tokens, n}, h.options());
+  launch(dim3(unsigned(col_ctas), unsigned(splits), unsigned(num_groups)), dim3(kGemvThreads), 0,
+         ffn_down_selected_kernel<T, kVec>, h.data_ptr<float>(), w_t.data_ptr<T>(), w_t.stride(0), n, gsl,
+         selected.data_ptr<int>(), selected.stride(0), keep, splits, out.data_ptr<T>(), out.stride(0),
+         splits > 1 ? partial.data_ptr<float>() : nullptr, num_tokens);
+  if (splits > 1) {
+    launch(dim3(unsigned(div_up(n, 256)), unsigned(num_groups)), dim3(256), 0, ffn_reduce_splits_kernel<T>,
+           partial.data_ptr<float>(), splits, num_tokens, n, gsl, out.data_ptr<T>(), out.stride(0));
+  }
+}
+
 // `gate` given: act = silu(gate) (topk_swiglu_ffn_gated, `w_gate` unused); else the gate GEMV over `w_gate`.
 template <typename T, int kVec, class Launcher>
 void launch_ffn(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& gate, const at::Tensor& w_gate,
@@ -223,18 +243,20 @@ void launch_ffn(at::Tensor& out, const at::Tensor& x, const std::optional<at::Te
          ffn_up_selected_kernel<T, kVec>, xp, x.stride(0), w_up.data_ptr<T>(), w_up.stride(0), hidden,
          act.data_ptr<float>(), inter, gsl, selected.data_ptr<int>(), selected.stride(0), int(keep),
          h.data_ptr<float>());
-  const int col_ctas = div_up(hidden, kGemvThreads * kVec);
-  const int splits = ffn_down_num_splits(int64_t(col_ctas) * num_groups, keep, launch.num_sms, launch.forced_splits);
-  at::Tensor partial;
-  if (splits > 1) partial = at::empty({splits, num_tokens, hidden}, f32);
-  launch(dim3(unsigned(col_ctas), unsigned(splits), unsigned(num_groups)), dim3(kGemvThreads), 0,
-         ffn_down_selected_kernel<T, kVec>, h.data_ptr<float>(), w_down_t.data_ptr<T>(), w_down_t.stride(0), hidden,
-         gsl, selected.data_ptr<int>(), selected.stride(0), int(keep), splits, out.data_ptr<T>(), out.stride(0),
-         splits > 1 ? partial.data_ptr<float>() : nullptr, num_tokens);
-  if (splits > 1) {
-    launch(dim3(unsigned(div_up(hidden, 256)), unsigned(num_groups)), dim3(256), 0, ffn_reduce_splits_kernel<T>,
-           partial.data_ptr<float>(), splits, num_tokens, hidden, gsl, out.data_ptr<T>(), out.stride(0));
-  }
+  launch_down_selected<T, kVec>(h, w_down_t, gsl, selected, int(keep), num_groups, num_tokens, out, launch);
+}
+
+// group_start_loc int32 [G+1] contiguous, `sel` int32 [G, k] with contiguous rows; returns G.
+inline int64_t check_groups_and_selection(const at::Tensor& group_start_loc, const at::Tensor& sel, int64_t k,
+                                          const char* sel_name, const char* k_name) {
+  check_int32(group_start_loc, "group_start_loc");
+  check_int32(sel, sel_name);
+  TORCH_CHECK(group_start_loc.dim() == 1 && group_start_loc.is_contiguous() && group_start_loc.numel() >= 1,
+              "group_start_loc must be contiguous [G+1]");
+  const int64_t num_groups = group_start_loc.numel() - 1;
+  TORCH_CHECK(sel.dim() == 2 && sel.size(0) == num_groups && sel.size(1) == k && unit_stride(sel, 1), sel_name,
+              " must be [G, ", k_name, "] with contiguous rows");
+  return num_groups;
 }
 
 template <class Launcher>
@@ -252,14 +274,7 @@ void ffn_checked(at::Tensor& out, const at::Tensor& x, const std::optional<at::T
                   unit_stride(w_down_t, 1),
               "rows of x, out and the weights must be contiguous");
   TORCH_CHECK(keep >= 1 && keep <= inter, "keep must be in [1, I], got ", keep);
-  check_int32(group_start_loc, "group_start_loc");
-  check_int32(selected, "selected");
-  TORCH_CHECK(group_start_loc.dim() == 1 && group_start_loc.is_contiguous() && group_start_loc.numel() >= 1,
-              "group_start_loc must be contiguous [G+1]");
-  const int64_t num_groups = group_start_loc.numel() - 1;
-  TORCH_CHECK(selected.dim() == 2 && selected.size(0) == num_groups && selected.size(1) == keep &&
-                  unit_stride(selected, 1),
-              "selected must be [G, keep] with contiguous rows");
+  const int64_t num_groups = check_groups_and_selection(group_start_loc, selected, keep, "selected", "keep");
   for (const at::Tensor* t :
        std::initializer_list<const at::Tensor*>{&x, &w_gate, &w_up, &w_down_t, &group_start_loc, &selected})
     check_same_device(out, *t, "topk_swiglu_ffn argument");
@@ -314,7 +329,7 @@ template <typename T, int kVec, class Launcher>
 void launch_input_sparse_gate(at::Tensor& gate, const at::Tensor& x, const at::Tensor& w_gate_t,
                               const at::Tensor& group_start_loc, int64_t input_keep, at::Tensor& channels,
                               const Launcher& launch) {
-  const int num_tokens = int(x.size(0)), hidden = int(x.size(1)), inter = int(w_gate_t.size(1));
+  const int num_tokens = int(x.size(0)), hidden = int(x.size(1));
   const int num_groups = int(group_start_loc.numel() - 1), keep = int(input_keep);
   auto f32 = x.options().dtype(at::kFloat);
   at::Tensor scores = at::empty({num_groups, hidden}, f32);
@@ -325,18 +340,7 @@ void launch_input_sparse_gate(at::Tensor& gate, const at::Tensor& x, const at::T
          hidden, gsl, keep, scores.data_ptr<float>(), channels.data_ptr<int>(), channels.stride(0));
   launch(dim3(unsigned(div_up(keep, 256)), unsigned(num_groups)), dim3(256), 0, gather_channels_kernel<T>,
          xc.data_ptr<T>(), xc.stride(0), gsl, channels.data_ptr<int>(), channels.stride(0), keep, h.data_ptr<float>());
-  const int col_ctas = div_up(inter, kGemvThreads * kVec);
-  const int splits = ffn_down_num_splits(int64_t(col_ctas) * num_groups, keep, launch.num_sms, launch.forced_splits);
-  at::Tensor partial;
-  if (splits > 1) partial = at::empty({splits, num_tokens, inter}, f32);
-  launch(dim3(unsigned(col_ctas), unsigned(splits), unsigned(num_groups)), dim3(kGemvThreads), 0,
-         ffn_down_selected_kernel<T, kVec>, h.data_ptr<float>(), w_gate_t.data_ptr<T>(), w_gate_t.stride(0), inter,
-         gsl, channels.data_ptr<int>(), channels.stride(0), keep, splits, gate.data_ptr<T>(), gate.stride(0),
-         splits > 1 ? partial.data_ptr<float>() : nullptr, num_tokens);
-  if (splits > 1) {
-    launch(dim3(unsigned(div_up(inter, 256)), unsigned(num_groups)), dim3(256), 0, ffn_reduce_splits_kernel<T>,
-           partial.data_ptr<float>(), splits, num_tokens, inter, gsl, gate.data_ptr<T>(), gate.stride(0));
-  }
+  launch_down_selected<T, kVec>(h, w_gate_t, gsl, channels, keep, num_groups, num_tokens, gate, launch);
 }
 
 template <class Launcher>
@@ -351,14 +355,8 @@ void input_sparse_gate_impl(at::Tensor& gate, const at::Tensor& x, const at::Ten
   TORCH_CHECK(gate.dim() == 2 && gate.size(0) == x.size(0) && gate.size(1) == w_gate_t.size(1) && unit_stride(gate, 1),
               "gate must be [T, I] with contiguous rows");
   TORCH_CHECK(input_keep >= 1 && input_keep <= x.size(1), "input_keep must be in [1, H], got ", input_keep);
-  check_int32(group_start_loc, "group_start_loc");
-  check_int32(channels, "channels");
-  TORCH_CHECK(group_start_loc.dim() == 1 && group_start_loc.is_contiguous() && group_start_loc.numel() >= 1,
-              "group_start_loc must be contiguous [G+1]");
-  const int64_t num_groups = group_start_loc.numel() - 1;
-  TORCH_CHECK(channels.dim() == 2 && channels.size(0) == num_groups && channels.size(1) == input_keep &&
-                  unit_stride(channels, 1),
-              "channels must be [G, input_keep] with contiguous rows");
+  const int64_t num_groups =
+      check_groups_and_selection(group_start_loc, channels, input_keep, "channels", "input_keep");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &w_gate_t, &group_start_loc, &channels})
     check_same_device(gate, *t, "input_sparse_gate argument");
   if (num_groups == 0) return;
