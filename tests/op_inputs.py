@@ -126,6 +126,17 @@ def gated_ffn_problem(h: int, inter: int, groups: list[int], keep_frac: float, d
     return x, gate if gate_in_fp32 else gate.to(dtype), w_gate_up, w_down_t, start_loc(groups), keep
 
 
+def input_sparse_gate_problem(h: int, inter: int, groups: list[int], keep_frac: float, dtype: torch.dtype,
+                              seed: int, row_pad: int = 0):
+    """Inputs of input_sparse_gate: (x, w_gate_t, group_start_loc, input_keep); x is a view with row
+    stride h + row_pad (row_pad > 0: rows not contiguous with each other)."""
+    gen = torch.Generator().manual_seed(seed)
+    input_keep = max(1, round(keep_frac * h))
+    w_gate_t = (torch.randn(h, inter, generator=gen) / h**0.5).to(dtype)
+    x = torch.randn(sum(groups), h + row_pad, generator=gen).to(dtype)[:, :h]
+    return x, w_gate_t, start_loc(groups), input_keep
+
+
 def assert_input_sparse_gate_matches_reference(gate, channels, x, w_gate_t, group_start_loc, input_keep: int,
                                                tie_rtol: float) -> None:
     """Check input_sparse_gate's (gate, channels) against vllm_sparsever.reference.input_sparse_gate:

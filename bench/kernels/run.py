@@ -40,8 +40,8 @@ MODELS = {
     "Qwen2.5-0.5B": (896, 4864, 14, 2, 64),
     "Qwen2.5-1.5B": (1536, 8960, 12, 2, 128),
 }
-ROTATION_BYTES = 768 << 20
-INPUT_KEEP = 0.7  # ffn.gate_input_keep_ratio timed for the "input_sparse" gate (its default)  # total size of the rotated copies: well past L2/L3 per core
+ROTATION_BYTES = 768 << 20  # total size of the rotated copies: well past L2/L3 per core
+INPUT_KEEP = 0.7  # ffn.gate_input_keep_ratio timed for the "input_sparse" gate (its default)
 
 
 # The machine is shared: other processes preempt our threads, which inflates some repetitions by whole

@@ -11,7 +11,7 @@ import vllm_sparsever.reference as ref
 
 from op_inputs import (SELECTION_TIE_RTOL, TOL, assert_ffn_matches_reference,
                        assert_input_sparse_gate_matches_reference, assert_topk_selection, ffn_weights,
-                       gated_ffn_problem, start_loc)
+                       gated_ffn_problem, input_sparse_gate_problem, start_loc)
 
 
 @settings(max_examples=50, deadline=None)
@@ -85,11 +85,7 @@ def test_ffn_gated_rejects_a_gate_of_the_wrong_shape():
     seed=st.integers(0, 2**16),
 )
 def test_input_sparse_gate_matches_reference(dtype, h, inter, groups, keep_frac, seed):
-    gen = torch.Generator().manual_seed(seed)
-    input_keep = max(1, round(keep_frac * h))
-    w_gate_t = (torch.randn(h, inter, generator=gen) / h**0.5).to(dtype)
-    x = torch.randn(sum(groups), h, generator=gen).to(dtype)
-    gsl = start_loc(groups)
+    x, w_gate_t, gsl, input_keep = input_sparse_gate_problem(h, inter, groups, keep_frac, dtype, seed)
     gate, channels = ops.input_sparse_gate(x, w_gate_t, gsl, input_keep)
     assert_input_sparse_gate_matches_reference(gate, channels, x, w_gate_t, gsl, input_keep,
                                                SELECTION_TIE_RTOL[torch.float32])

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from simt_build import kernel_ops
 
 from op_inputs import (SELECTION_TIE_RTOL, TOL, assert_ffn_matches_reference,
-                       assert_input_sparse_gate_matches_reference, ffn_weights, gated_ffn_problem, start_loc)
+                       assert_input_sparse_gate_matches_reference, ffn_weights, gated_ffn_problem,
+                       input_sparse_gate_problem, start_loc)
 
 from vllm_sparsever import reference
 
@@ -85,12 +86,9 @@ def test_ffn_gated_matches_reference(ops, dtype, gate_in_fp32, h, inter, groups,
 )
 def test_input_sparse_gate_matches_reference(ops, dtype, h, inter, groups, keep_frac, forced_splits, strided_x,
                                              seed):
-    gen = torch.Generator().manual_seed(seed)
-    input_keep = max(1, round(keep_frac * h))
-    w_gate_t = (torch.randn(h, inter, generator=gen) / h**0.5).to(dtype)
-    x = torch.randn(sum(groups), h + 8, generator=gen).to(dtype)
-    x = x[:, :h] if strided_x else x[:, :h].contiguous()  # a view with row stride > H: copied for the scores
-    gsl = start_loc(groups)
+    # strided_x: a view with row stride > H (the kernel copies it for the scores)
+    x, w_gate_t, gsl, input_keep = input_sparse_gate_problem(h, inter, groups, keep_frac, dtype, seed,
+                                                             row_pad=8 if strided_x else 0)
     gate = torch.full((x.shape[0], inter), 5.0, dtype=dtype)
     channels = torch.full((len(groups), input_keep), 123, dtype=torch.int32)
     ops.input_sparse_gate(gate, x, w_gate_t, gsl, input_keep, channels, 4, forced_splits)
