@@ -306,6 +306,26 @@ class vllm_cpu_linear:  # noqa: N801 (a callable standing for one linear layer)
         return self.layer.cpu_linear(x, self.layer.weight, None)
 
 
+def shared_weights_mlp(w_gate_up: torch.Tensor, w_down: torch.Tensor, name: str) -> torch.nn.Module:
+    """The served FFN wrapper over one MLP loaded with `ffn.weights: "shared"` (plain weights, no packed
+    copy; `ffn.gate: "auto"`): its dense steps are what this times."""
+    from vllm_sparsever.verification.ffn import SparseSwiGLUMLP
+
+    class PlainMLP(torch.nn.Module):  # vLLM-CPU's MLP with "shared" weights: torch's linear on them
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Linear(w_gate_up.shape[1], w_gate_up.shape[0], bias=False)
+            self.down_proj = torch.nn.Linear(w_down.shape[1], w_down.shape[0], bias=False)
+            self.gate_up_proj.weight = torch.nn.Parameter(w_gate_up, requires_grad=False)
+            self.down_proj.weight = torch.nn.Parameter(w_down, requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
+
+    return SparseSwiGLUMLP(PlainMLP(), name, 0, gate="auto", weights="shared")
+
+
 def has_widening_path(dtype: torch.dtype) -> bool:
     """True where this CPU takes the bf16 dot path, so the fp32-widening path (what CPUs without
     AVX512-BF16 run; SPARSEVER_CPU_FFN_BF16_DOT=0) is a second path to time."""
@@ -343,7 +363,14 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
 
     # Every variant is timed in the same rounds (bench_interleaved): baseline and candidates see the
     # same machine phases.
-    fns = {"dense_torch": dense_torch, "dense_vllm": dense_vllm}
+    # A dense step with `ffn.weights: "shared"` as served (the op at keep = I over the plain weights
+    # for few tokens, else torch's linear on them).
+    shared = [shared_weights_mlp(w_gu[l], w_down[l], f"bench.{model}.{num_tokens}.{l}.mlp") for l in range(layers)]
+
+    def dense_shared():
+        return shared[rot.next()]._dense(x)
+
+    fns = {"dense_torch": dense_torch, "dense_vllm": dense_vllm, "dense_shared": dense_shared}
     # What the served FFN path runs ("copy" weights): the dense gate on vLLM's own packed linear for
     # the gate rows, then topk_swiglu_ffn_gated over the kept up/down rows; and the op that streams
     # the gate itself ("shared" weights).
@@ -384,6 +411,10 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
     t_vllm = res["dense_vllm"][STAT]
     res["GBps_dense_torch"] = dense_bytes / t_torch / 1e9
     res["GBps_dense_vllm"] = dense_bytes / t_vllm / 1e9
+    res["dense_shared"] = times["dense_shared"]
+    res["dense_shared_path"] = "op at keep = I" if num_tokens <= shared[0].dense_op_max_tokens else "torch linear"
+    res["speedup_vs_vllm_dense_shared"] = t_vllm / times["dense_shared"][STAT]
+    res["speedup_vs_vllm_dense_torch"] = t_vllm / t_torch
     for r, keep in keeps.items():
         t = times[f"ours@{r}"]
         widened = times.get(f"widening@{r}")
@@ -537,6 +568,19 @@ def markdown(results: dict) -> str:
                    if "time_input_sparse_gate" in k else "- | ")
                 + (f"{k['time_fp32_widening'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_fp32_widening']:.2f}x |"
                    if "time_fp32_widening" in k else "- |"))
+    lines += ["", "## Dense steps with `ffn.weights: shared` (no packed copy)", "",
+              "What a dense step (every neuron) runs when the MLP weights are kept once, plain: the FFN wrapper's "
+              "dense path (sparsever's op at keep = I for few tokens, else torch's linear), against vLLM's "
+              "packed dense MLP (what `copy` keeps, at +1x MLP memory); torch's linear on the plain weights for "
+              "reference.", "",
+              "| model | dtype | q | vLLM dense ms | torch linear (plain): ms, vs vLLM | shared-weights dense step: ms, vs vLLM [path] |",
+              "|---|---|---|---|---|---|"]
+    for r in results["ffn"]:
+        if "dense_shared" in r:
+            lines.append(f"| {r['model']} | {r['dtype']} | {r['q_len']} | {r['dense_vllm'][STAT]*1e3:.3f} | "
+                         f"{r['dense_torch'][STAT]*1e3:.3f}, {r['speedup_vs_vllm_dense_torch']:.2f}x | "
+                         f"{r['dense_shared'][STAT]*1e3:.3f}, {r['speedup_vs_vllm_dense_shared']:.2f}x "
+                         f"[{r['dense_shared_path']}] |")
     lines += ["", "## MoE grouped dispatch (E=64, top-8, H=1024, I=512 per expert)", "",
               "| dtype | q | budget | distinct experts | ours ms (GB/s) | torch loop ms | speedup | widening path ms |",
               "|---|---|---|---|---|---|---|---|"]

@@ -68,12 +68,18 @@ inline bool cpu_has_amx_bf16() {
 }
 
 // The top-k FFN's GEMM path gathers the kept up/down rows (index_select) and runs oneDNN on those
-// unpacked copies. On a Zen 5 EPYC (AVX512-BF16, no AMX; 2 threads) the vdpbf16ps streaming kernels beat
-// it up to 32-64 tokens per group (Qwen-1.5B and SmolLM2 MLPs, keep 0.3-0.5: 1.13-1.44x vs 0.80-1.09x of
-// vLLM's dense MLP at 16 tokens, equal at 64; 2026-11-25), so they stream below 64 tokens. The widening
-// fp32 path and AMX CPUs keep 16 (not measured against the GEMM path since), as does a gate the op
-// computes itself (dense rows, no gather).
-inline int64_t ffn_gemm_min_tokens(bool bf16_dot) {
+// unpacked copies; a gate the op computes itself runs as one GEMM over the plain gate rows. Where
+// streaming wins on a Zen 5 EPYC (AVX512-BF16, no AMX; 2 threads; Qwen-1.5B and SmolLM2 MLPs, keep 0.5
+// and 1; 2026-11-26):
+// - bf16 on the vdpbf16ps path: up to 32 tokens (0.39-0.75x the GEMM path's time), even at 64, the
+//   GEMM path ahead from 128 on Qwen-1.5B (keep 0.3-0.5 against vLLM's dense MLP: 1.13-1.44x vs
+//   0.80-1.09x at 16 tokens): stream below 64 tokens.
+// - bf16 widening to fp32 (CPUs without AVX512-BF16): up to 8-16 tokens: stream below 16.
+// - fp32: torch's fp32 GEMM reads the unpacked rows slowly here, streaming took 0.08-0.76x its time at
+//   8-128 tokens: stream below 128.
+// AMX CPUs keep 16 for bf16 (oneDNN's tile GEMMs; not measured against streaming).
+inline int64_t ffn_gemm_min_tokens(bool fp32_weights, bool bf16_dot) {
+  if (fp32_weights) return gemm_min_tokens(128);
   return gemm_min_tokens(bf16_dot && !cpu_has_amx_bf16() ? 64 : 16);
 }
 
@@ -111,7 +117,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   const bool bf16_dot = kBf16 && use_bf16_dot() && w_gate.stride(1) == 1 && w_up.stride(1) == 1 &&
                         w_down_t.stride(1) == 1;
-  const int64_t gemm_from = ffn_gemm_min_tokens(bf16_dot);
+  const int64_t gemm_from = ffn_gemm_min_tokens(std::is_same_v<scalar_t, float>, bf16_dot);
   auto xb_t = bf16_dot ? x.contiguous() : torch::Tensor();
   const auto* xb = bf16_dot ? reinterpret_cast<const c10::BFloat16*>(xb_t.data_ptr()) : nullptr;
   const scalar_t* wg = w_gate.data_ptr<scalar_t>();
@@ -124,7 +130,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
   // Gate projection for every token (dense: the scores need it; given, or computed here), silu and the
   // per-group neuron scores sum_t |silu(gate)|.
   torch::Tensor act_t;
-  const bool gate_gemm = !gate.has_value() && num_tokens >= gemm_min_tokens();
+  const bool gate_gemm = !gate.has_value() && num_tokens >= gemm_from;
   if (gate_gemm) {
     act_t = at::linear(x, w_gate).to(torch::kFloat).contiguous();
   } else {  // streamed here, or the given gate converted (silu runs in place: never on the caller's tensor)

@@ -68,3 +68,49 @@ def test_input_sparse_gate_keeps_a_transposed_gate(weights):
         assert layer.w_gate_up is None and not hasattr(mlp.gate_up_proj, "_sparsever_plain_weight")
     else:
         assert layer.w_gate_up is mlp.gate_up_proj.weight
+
+
+class _PlainMLP(nn.Module):
+    """An MLP loaded with "shared" weights: torch's linear on the plain weights (counts its calls)."""
+
+    def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = _Linear(w_gate_up, False), _Linear(w_down, False)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        g, u = torch.nn.functional.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+        return torch.nn.functional.linear(torch.nn.functional.silu(g) * u, self.down_proj.weight)
+
+
+@pytest.mark.parametrize("gate", ["kernel", "stock", "input_sparse"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_weights_dense_steps_run_the_op_for_few_tokens(gate, dtype):
+    # With "shared" weights there is no packed copy: a dense step of up to dense_op_max_tokens tokens
+    # runs the op at keep = I over the plain weights (every neuron: the MLP itself), beyond that torch's
+    # linear.
+    from vllm_sparsever.verification.ffn import shared_dense_op_max_tokens
+
+    h, inter = 64, 96
+    gen = torch.Generator().manual_seed(1)
+    w_gate_up = (torch.randn(2 * inter, h, generator=gen) * h**-0.5).to(dtype)
+    w_down = (torch.randn(h, inter, generator=gen) * inter**-0.5).to(dtype)
+    mlp = _PlainMLP(w_gate_up, w_down)
+    layer = SparseSwiGLUMLP(mlp, f"model.layers.0.mlp.shared.{gate}.{dtype}", 0, gate, weights="shared")
+    limit = layer.dense_op_max_tokens
+    assert limit == shared_dense_op_max_tokens(dtype) >= 4
+    for n in (1, limit, limit + 1):
+        x = torch.randn(n, h, generator=gen).to(dtype)
+        calls = mlp.calls
+        out = layer._dense(x)
+        assert mlp.calls == calls + (n > limit)  # the op below the limit, torch's linear above it
+        g, u = (x.float() @ w_gate_up.float().t()).chunk(2, dim=-1)
+        expected = (torch.nn.functional.silu(g) * u) @ w_down.float().t()
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+def test_copy_weights_dense_steps_stay_stock():
+    mlp, _, _ = _mlp(32, 48, keep_plain=True)
+    assert SparseSwiGLUMLP(mlp, "model.layers.0.mlp.copy", 0, "kernel", weights="copy").dense_op_max_tokens == 0

@@ -13,8 +13,10 @@ Weights: the op needs the gate projection, the up rows [I, H] and the transposed
 [I, H]. vLLM-CPU normally repacks linear weights for oneDNN and frees them. While the target loads,
 `keep_mlp_weights(mode)` changes that for the MLP linears: "copy" (default) lets vLLM pack them as
 usual (dense steps stay stock) and keeps the plain tensors for the sparse path (+1x MLP weights);
-"shared" skips the packing (dense steps use torch's matmul on the plain weights) and
-`down_proj.weight` becomes a transposed view of the [I, H] tensor: no extra memory.
+"shared" skips the packing and `down_proj.weight` becomes a transposed view of the [I, H] tensor: no
+extra memory. Dense steps then run on the plain weights: up to `shared_dense_op_max_tokens` tokens
+through the same op at keep = I (every neuron), beyond that (prefill) torch's linear, which reads plain
+bf16 weights at a third to a half of the packed path's speed at few tokens on CPU.
 
 Gate (`ffn.gate`): "stock" hands the gate rows to vLLM's own dense CPU linear as a projection of
 their own (`stock_cpu_linear`, packed; with "copy" weights the plain gate rows are then dropped), so
@@ -77,7 +79,8 @@ def _(x: torch.Tensor, layer_key: str) -> torch.Tensor:
 class SparseSwiGLUMLP(nn.Module):
     """A SwiGLU MLP that verifies with one top-k neuron set per request."""
 
-    def __init__(self, mlp: nn.Module, prefix: str, layer_idx: int, gate: str = "kernel") -> None:
+    def __init__(self, mlp: nn.Module, prefix: str, layer_idx: int, gate: str = "kernel",
+                 weights: str = "copy") -> None:
         super().__init__()
         self.mlp = mlp
         self.prefix = prefix
@@ -114,6 +117,9 @@ class SparseSwiGLUMLP(nn.Module):
         else:
             down.weight = nn.Parameter(w_down_t.t(), requires_grad=False)
         self.w_down_t = w_down_t
+        # "shared" weights on CPU: no packed copy, so the op serves dense steps of few tokens too.
+        self.dense_op_max_tokens = (shared_dense_op_max_tokens(w_down_t.dtype)
+                                    if weights == "shared" and is_cpu_platform() else 0)
         self.reduce_results = bool(getattr(down, "reduce_results", False)) and (
             getattr(down, "tp_size", 1) > 1
         )
@@ -134,14 +140,28 @@ class SparseSwiGLUMLP(nn.Module):
         plan, rt = current_plan(), get_runtime()
         if (plan is None or rt is None or not rt.ffn.enabled or plan.groups is None
                 or len(plan.requests) > rt.ffn.max_verify_requests):
-            return self.mlp(x)
+            return self._dense(x)
         out = rt.run_sparse("ffn", lambda: self._sparse(x, plan.groups, rt))
-        return self.mlp(x) if out is None else out
+        return self.mlp(x) if out is None else out  # after a run-time problem: the stock MLP
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """Every neuron: the stock MLP, or with "shared" weights on CPU and few tokens the op at
+        keep = I over the plain weights (faster there than torch's linear on them)."""
+        n = x.shape[0]
+        if x.ndim != 2 or not 0 < n <= self.dense_op_max_tokens:
+            return self.mlp(x)
+        gsl = torch.tensor([0, n], dtype=torch.int32)
+        if self.gate_linear is not None:  # the packed gate rows, as on verify steps
+            partial, _ = ops.topk_swiglu_ffn_gated(x, self.gate_linear(x), self.w_up, self.w_down_t, gsl,
+                                                   self.intermediate)
+        else:  # "shared" keeps the plain gate rows whatever the gate
+            partial, _ = ops.topk_swiglu_ffn(x, self.w_gate_up, self.w_down_t, gsl, self.intermediate)
+        return self._reduce(partial)
 
     def _sparse(self, x: torch.Tensor, groups: TokenGroups, rt: SparseVerificationRuntime) -> torch.Tensor | None:
         keep = min(self.intermediate, max(1, math.ceil(rt.ffn_keep_ratio(self.layer_idx) * self.intermediate)))
         if keep >= self.intermediate:
-            return None
+            return self._dense(x)
         if x.ndim != 2 or x.shape[0] < groups.num_tokens:
             raise SparsePathUnavailable("shape_mismatch", f"hidden states {tuple(x.shape)} vs {groups.num_tokens} tokens")
         all_verify = groups.all_tokens_verify and x.shape[0] == groups.num_tokens
@@ -171,7 +191,7 @@ class SparseSwiGLUMLP(nn.Module):
             out = torch.empty_like(x)
             out[groups.token_index] = sparse_out
             if other.numel():
-                out[other] = self.mlp(x[other])
+                out[other] = self._dense(x[other])
         # Each group reads the up/down rows of its own `keep` neurons (counted from the sizes, not
         # from the selection: no extra work on the measured path).
         rt.record(ffn_layers_sparse=1, ffn_neurons_read=keep * groups.num_groups,
@@ -212,6 +232,20 @@ class SparseSwiGLUMLP(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
 
+def shared_dense_op_max_tokens(dtype: torch.dtype) -> int:
+    """Up to how many tokens a dense step with "shared" weights runs the op at keep = I instead of
+    torch's linear on the plain weights. Per MLP on a Zen 5 EPYC (2 threads; SmolLM2 and Qwen-1.5B
+    shapes, 2026-11-26; docs/kernels.md), against vLLM's packed MLP: bf16 on the vdpbf16ps path, the
+    op 0.60-1.04x at 1-16 tokens, torch 0.30-0.68x, about even at 32; bf16 widened to fp32, the op
+    0.82-1.07x at 1-4 tokens, torch 0.56-0.63x, about even at 8; fp32, the op 0.49-0.92x at 1-64
+    tokens, torch 0.26-0.48x, torch even or ahead at 128."""
+    if dtype == torch.float32:
+        return 64
+    if dtype == torch.bfloat16 and ops.ffn_bf16_dot_available():
+        return 16
+    return 4
+
+
 def resolve_gate(gate: str, w_gate: torch.Tensor) -> str:
     """ffn.gate for a layer whose gate rows (this rank's) are `w_gate`: "auto" resolved."""
     if gate != "auto":
@@ -238,8 +272,9 @@ def _is_swiglu_mlp(module: nn.Module) -> bool:
     )
 
 
-def install_ffn(model: nn.Module, architecture: str, gate: str = "auto") -> int:
-    """Wrap every SwiGLU MLP of the target (`gate`: ffn.gate); returns how many were wrapped."""
+def install_ffn(model: nn.Module, architecture: str, gate: str = "auto", weights: str = "copy") -> int:
+    """Wrap every SwiGLU MLP of the target (`gate`: ffn.gate, `weights`: ffn.weights); returns how
+    many were wrapped."""
     found = [(name, m) for name, m in model.named_modules() if _is_swiglu_mlp(m)]
     if not found:
         raise RuntimeError(
@@ -263,7 +298,7 @@ def install_ffn(model: nn.Module, architecture: str, gate: str = "auto") -> int:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        wrapped = SparseSwiGLUMLP(mlp, name, layer_idx, gate)
+        wrapped = SparseSwiGLUMLP(mlp, name, layer_idx, gate, weights)
         setattr(parent, child, wrapped)
         gates.add(wrapped.gate)
         count += 1

@@ -80,7 +80,7 @@ def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, archit
     if runtime.started_with["ffn"]:
         from vllm_sparsever.verification.ffn import install_ffn
 
-        installed["ffn"] = install_ffn(model, architecture, runtime.ffn.gate)
+        installed["ffn"] = install_ffn(model, architecture, runtime.ffn.gate, runtime.ffn.weights)
     if runtime.started_with["moe"]:
         from vllm_sparsever.verification.moe import install_moe
 
