@@ -107,15 +107,17 @@ class FFNSparsityConfig:
     # requests union to ~all rows, and the gather kernel then costs more than a dense GEMM.
     max_verify_requests: int = 2
     # CPU: "copy" keeps vLLM's prepacked (oneDNN) MLP for every dense step and a plain copy for the
-    # sparse path (+1x MLP weights in memory); "shared" keeps only plain weights (no extra memory,
-    # dense steps use torch's matmul, slower than oneDNN; measured in bench/results).
+    # sparse path (+1x MLP weights in memory); "shared" keeps only plain weights (no extra memory;
+    # dense steps run the op at keep = I for few tokens, torch's linear beyond: 1.04-1.6x the time of
+    # vLLM's packed MLP per layer on a Zen 5 EPYC, docs/kernels.md).
     weights: Literal["shared", "copy"] = "copy"
     # How a verify step's gate projection (every neuron's score) is computed. "stock": densely on the
     # target's own linear (vLLM-CPU's packed GEMM for the gate rows, oneDNN at these sizes, which
     # replace the plain gate copy; torch's linear on GPU), then topk_swiglu_ffn_gated; "kernel":
     # densely by sparsever's op, streaming the plain gate rows itself; "auto": "stock" on CPU for gate
     # rows of at least FFN_STOCK_GATE_MIN_BYTES per rank (where the packed GEMM streams faster,
-    # measured in bench/results), else "kernel". "input_sparse": approximately, from each request's
+    # measured in bench/results) with "copy" weights, else "kernel" (with "shared" weights "stock"
+    # packs a second copy of the gate rows, +1/3x). "input_sparse": approximately, from each request's
     # top `gate_input_keep_ratio` of hidden channels by summed |x| (TEAL-style; a transposed gate
     # copy replaces the plain gate rows), reading that share of the gate's bytes; the kept neurons'
     # SwiGLU product uses that gate too (more approximate than the neuron selection alone).

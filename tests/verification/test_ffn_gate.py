@@ -17,6 +17,13 @@ def test_auto_takes_the_stock_linear_for_large_gates_only():
     assert resolve_gate("stock", torch.empty(4, 64)) == "stock"
 
 
+def test_auto_with_shared_weights_keeps_one_copy():
+    # "stock" would pack a second copy of the gate rows: "shared" asked for none.
+    rows = FFN_STOCK_GATE_MIN_BYTES // (2 * 64)
+    assert resolve_gate("auto", torch.empty(rows, 64, dtype=torch.bfloat16), "shared") == "kernel"
+    assert resolve_gate("stock", torch.empty(rows, 64, dtype=torch.bfloat16), "shared") == "stock"
+
+
 class _Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, keep_plain: bool) -> None:
         super().__init__()
@@ -84,7 +91,7 @@ class _PlainMLP(nn.Module):
         return torch.nn.functional.linear(torch.nn.functional.silu(g) * u, self.down_proj.weight)
 
 
-@pytest.mark.parametrize("gate", ["kernel", "stock", "input_sparse"])
+@pytest.mark.parametrize("gate", ["auto", "kernel", "stock", "input_sparse"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shared_weights_dense_steps_run_the_op_for_few_tokens(gate, dtype):
     # With "shared" weights there is no packed copy: a dense step of up to dense_op_max_tokens tokens

@@ -88,7 +88,7 @@ class SparseSwiGLUMLP(nn.Module):
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
         w_gate_up = plain_weight(gate_up)
         self.intermediate = inter = w_gate_up.shape[0] // 2
-        self.gate = resolve_gate(gate, w_gate_up[:inter])
+        self.gate = resolve_gate(gate, w_gate_up[:inter], weights)
         # "stock": the dense gate on the target's own linear for the gate rows, the op reads the
         # kept up/down rows; "kernel": the op streams the plain gate rows too; "input_sparse": the
         # gate from the top input channels' rows of a transposed gate copy [H, I].
@@ -234,11 +234,9 @@ class SparseSwiGLUMLP(nn.Module):
 
 def shared_dense_op_max_tokens(dtype: torch.dtype) -> int:
     """Up to how many tokens a dense step with "shared" weights runs the op at keep = I instead of
-    torch's linear on the plain weights. Per MLP on a Zen 5 EPYC (2 threads; SmolLM2 and Qwen-1.5B
-    shapes, 2026-11-26; docs/kernels.md), against vLLM's packed MLP: bf16 on the vdpbf16ps path, the
-    op 0.60-1.04x at 1-16 tokens, torch 0.30-0.68x, about even at 32; bf16 widened to fp32, the op
-    0.82-1.07x at 1-4 tokens, torch 0.56-0.63x, about even at 8; fp32, the op 0.49-0.92x at 1-64
-    tokens, torch 0.26-0.48x, torch even or ahead at 128."""
+    torch's linear on the plain weights: where the op streams the weights (its GEMM path takes over
+    at 64 tokens on the vdpbf16ps path, 16 on the widening one, 128 in fp32) and measured faster
+    than torch's linear (bench/kernels/run.py, "Dense steps with `ffn.weights: shared`")."""
     if dtype == torch.float32:
         return 64
     if dtype == torch.bfloat16 and ops.ffn_bf16_dot_available():
@@ -246,10 +244,13 @@ def shared_dense_op_max_tokens(dtype: torch.dtype) -> int:
     return 4
 
 
-def resolve_gate(gate: str, w_gate: torch.Tensor) -> str:
-    """ffn.gate for a layer whose gate rows (this rank's) are `w_gate`: "auto" resolved."""
+def resolve_gate(gate: str, w_gate: torch.Tensor, weights: str = "copy") -> str:
+    """ffn.gate for a layer whose gate rows (this rank's) are `w_gate`: "auto" resolved. With
+    "shared" weights "auto" is "kernel": the stock linear would pack a second copy of the gate rows."""
     if gate != "auto":
         return gate
+    if weights == "shared":
+        return "kernel"
     big = w_gate.numel() * w_gate.element_size() >= FFN_STOCK_GATE_MIN_BYTES
     return "stock" if is_cpu_platform() and big else "kernel"
 
