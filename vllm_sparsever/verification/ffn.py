@@ -16,7 +16,7 @@ usual (dense steps stay stock) and keeps the plain tensors for the sparse path (
 "shared" skips the packing and `down_proj.weight` becomes a transposed view of the [I, H] tensor: no
 extra memory. Dense steps then run on the plain weights: up to `shared_dense_op_max_tokens` tokens
 through the same op at keep = I (every neuron), beyond that (prefill) torch's linear, which reads plain
-bf16 weights at a third to a half of the packed path's speed at few tokens on CPU.
+weights at 0.3-0.7x of the packed path's speed at 1-16 tokens on CPU (docs/kernels.md).
 
 Gate (`ffn.gate`): "stock" hands the gate rows to vLLM's own dense CPU linear as a projection of
 their own (`stock_cpu_linear`, packed; with "copy" weights the plain gate rows are then dropped), so
@@ -24,7 +24,7 @@ the dense gate every verify step needs runs on the stock packed GEMM and `topk_s
 reads only the kept up/down rows (per MLP on a Zen 5 EPYC: 6-14% faster on Qwen-1.5B, mostly faster
 on Qwen-0.5B, 0-8% slower on SmolLM2's small gate; docs/kernels.md); "kernel" lets
 `topk_swiglu_ffn` stream the plain gate rows itself; "auto" chooses by the gate rows' size
-(FFN_STOCK_GATE_MIN_BYTES). "input_sparse" is approximate (TEAL-style): `input_sparse_gate` computes
+(FFN_STOCK_GATE_MIN_BYTES), and is "kernel" with "shared" weights (no second gate copy). "input_sparse" is approximate (TEAL-style): `input_sparse_gate` computes
 the gate from each request's top `gate_input_keep_ratio` of hidden channels by summed |x|, reading
 only those rows of a transposed gate copy [H, I] (which replaces the plain gate rows with "copy"
 weights); `topk_swiglu_ffn_gated` then selects and multiplies with that gate.
