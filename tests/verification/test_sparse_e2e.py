@@ -161,8 +161,10 @@ def test_run_time_switch_cannot_enable_what_start_did_not_set_up(sparse_llm):
 # ---- attention.kernel = "vllm": vLLM's attention kernel over compacted block tables -----------------
 
 
-# This engine also sets up the approximate, input-sparse FFN gate (the other engines use the dense one).
-FFN_INPUT_SPARSE = {**FFN, "gate": "input_sparse", "gate_input_keep_ratio": 0.5}
+# This engine also sets up the approximate, input-sparse FFN gate (the other engines use the dense one)
+# over "shared" weights: one plain copy, whose dense steps of up to 64 fp32 tokens run the op at keep =
+# I (so the identity test below checks that path against plain greedy too).
+FFN_INPUT_SPARSE = {**FFN, "gate": "input_sparse", "gate_input_keep_ratio": 0.5, "weights": "shared"}
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +186,9 @@ def test_vllm_kernel_sparse_attention_matches_reference(vllm_kernel_llm):
 def test_input_sparse_gate_ffn_matches_reference_and_reads_half_the_gate(vllm_kernel_llm):
     """ffn.gate "input_sparse": each request's gate from its top half of hidden channels (the
     transposed gate's rows), then the gated op; both equal the references on the same inputs."""
-    assert vllm_kernel_llm.collective_rpc("sparsever_sparsity_info")[0]["ffn_gate"] == ["input_sparse"]
+    info = vllm_kernel_llm.collective_rpc("sparsever_sparsity_info")[0]
+    assert info["ffn_gate"] == ["input_sparse"]
+    assert info["ffn_dense_op_max_tokens"] == 64  # "shared" fp32 weights: the op serves dense steps
     _, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={"enabled": False}, ffn=FFN_INPUT_SPARSE)
     s = metrics["sparsity"]
     assert s.get("ffn_fallbacks", 0) == 0, s
@@ -219,7 +223,8 @@ def test_plan_follows_the_target_when_the_draft_has_other_shapes(target4, tiny_d
 
 def test_vllm_kernel_keeping_every_block_is_identical_to_plain_greedy(vllm_kernel_llm, plain_greedy_long):
     """A budget that covers every block leaves the tables as they are: the sparse path then runs
-    exactly vLLM's dense attention, so the output is token-identical to plain greedy (fp32)."""
+    exactly vLLM's dense attention, so the output is token-identical to plain greedy (fp32). The MLPs
+    are dense here too, on one plain copy ("shared"): the op at keep = I on verify steps."""
     tokens, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={**ATTENTION, "kernel": "vllm", "top_k_blocks": 64},
                            ffn={"enabled": False})
     assert metrics["sparsity"]["attn_layers_sparse"] == NUM_LAYERS * metrics["num_verify_steps"]

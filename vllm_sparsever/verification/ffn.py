@@ -307,6 +307,7 @@ def install_ffn(model: nn.Module, architecture: str, gate: str = "auto", weights
     rt = get_runtime()
     if rt is not None:
         rt.ffn_gates |= gates
+        rt.ffn_dense_op_max_tokens = wrapped.dense_op_max_tokens if count else 0
     return count
 
 

@@ -111,6 +111,8 @@ class SparseVerificationRuntime:
         self.moe_routing: tuple[int, int] | None = None
         self.experts_observer: Callable[[int, int], None] | None = None
         self.ffn_gates: set[str] = set()  # where FFN layers run their dense gate (install_ffn)
+        # Dense steps of up to this many tokens run the FFN op at keep = I ("shared" weights on CPU).
+        self.ffn_dense_op_max_tokens = 0
         # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
         # records the largest difference (slow; for tests and debugging only).
         self.check_reference = os.environ.get("VLLM_SPARSEVER_CHECK_REFERENCE") == "1"
@@ -253,6 +255,7 @@ class SparseVerificationRuntime:
             "started_with": dict(self.started_with),
             # where the wrapped FFN layers compute their dense gate ("stock"/"kernel"; ffn.gate resolved)
             "ffn_gate": sorted(self.ffn_gates),
+            "ffn_dense_op_max_tokens": self.ffn_dense_op_max_tokens,
         }
 
 
