@@ -70,13 +70,12 @@ inline bool cpu_has_amx_bf16() {
 // The top-k FFN's GEMM path gathers the kept up/down rows (index_select) and runs oneDNN on those
 // unpacked copies; a gate the op computes itself runs as one GEMM over the plain gate rows. Where
 // streaming wins on a Zen 5 EPYC (AVX512-BF16, no AMX; 2 threads; Qwen-1.5B and SmolLM2 MLPs, keep 0.5
-// and 1; 2026-11-26):
-// - bf16 on the vdpbf16ps path: up to 32 tokens (0.39-0.75x the GEMM path's time), even at 64, the
-//   GEMM path ahead from 128 on Qwen-1.5B (keep 0.3-0.5 against vLLM's dense MLP: 1.13-1.44x vs
-//   0.80-1.09x at 16 tokens): stream below 64 tokens.
-// - bf16 widening to fp32 (CPUs without AVX512-BF16): up to 8-16 tokens: stream below 16.
-// - fp32: torch's fp32 GEMM reads the unpacked rows slowly here, streaming took 0.08-0.76x its time at
-//   8-128 tokens: stream below 128.
+// and 1; a probe of both paths, 2026-11-26; docs/kernels.md):
+// - bf16 on the vdpbf16ps path: streaming took 0.39-0.75x the GEMM path's time at 8-32 tokens, about
+//   the same at 64, 1.06-1.10x at 128 on Qwen-1.5B: stream below 64 tokens.
+// - bf16 widened to fp32 (CPUs without AVX512-BF16): the crossover at 8-32 tokens: stream below 16.
+// - fp32: torch's fp32 GEMM reads the unpacked rows slowly here; streaming took 0.08-0.76x its time
+//   at 8-128 tokens: stream below 128.
 // AMX CPUs keep 16 for bf16 (oneDNN's tile GEMMs; not measured against streaming).
 inline int64_t ffn_gemm_min_tokens(bool fp32_weights, bool bf16_dot) {
   if (fp32_weights) return gemm_min_tokens(128);

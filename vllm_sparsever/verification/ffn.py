@@ -7,7 +7,8 @@ freezing the branch at trace time (the pattern of vLLM's `unified_attention_with
 
 On a verify step the op scores neurons by the summed |silu(gate)| of each request's verify tokens
 and reads the up/down rows of the top `keep_ratio * I` neurons only (`topk_swiglu_ffn`). Other
-tokens of the step, and every decode/prefill step, run the stock MLP.
+tokens of the step, and every decode/prefill step, run every neuron (the stock MLP; with "shared"
+weights, see below).
 
 Weights: the op needs the gate projection, the up rows [I, H] and the transposed down projection
 [I, H]. vLLM-CPU normally repacks linear weights for oneDNN and frees them. While the target loads,
@@ -24,8 +25,8 @@ the dense gate every verify step needs runs on the stock packed GEMM and `topk_s
 reads only the kept up/down rows (per MLP on a Zen 5 EPYC: 6-14% faster on Qwen-1.5B, mostly faster
 on Qwen-0.5B, 0-8% slower on SmolLM2's small gate; docs/kernels.md); "kernel" lets
 `topk_swiglu_ffn` stream the plain gate rows itself; "auto" chooses by the gate rows' size
-(FFN_STOCK_GATE_MIN_BYTES), and is "kernel" with "shared" weights (no second gate copy). "input_sparse" is approximate (TEAL-style): `input_sparse_gate` computes
-the gate from each request's top `gate_input_keep_ratio` of hidden channels by summed |x|, reading
+(FFN_STOCK_GATE_MIN_BYTES), and is "kernel" with "shared" weights (no second gate copy).
+"input_sparse" is approximate (TEAL-style): `input_sparse_gate` computes the gate from each request's top `gate_input_keep_ratio` of hidden channels by summed |x|, reading
 only those rows of a transposed gate copy [H, I] (which replaces the plain gate rows with "copy"
 weights); `topk_swiglu_ffn_gated` then selects and multiplies with that gate.
 """
