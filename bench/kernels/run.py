@@ -412,7 +412,7 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
     res["GBps_dense_torch"] = dense_bytes / t_torch / 1e9
     res["GBps_dense_vllm"] = dense_bytes / t_vllm / 1e9
     res["dense_shared"] = times["dense_shared"]
-    res["dense_shared_path"] = "op at keep = I" if num_tokens <= shared[0].dense_op_max_tokens else "torch linear"
+    res["dense_shared_path"] = "op at keep = I" if shared[0].dense_uses_op(num_tokens) else "torch linear"
     res["speedup_vs_vllm_dense_shared"] = t_vllm / times["dense_shared"][STAT]
     res["speedup_vs_vllm_dense_torch"] = t_vllm / t_torch
     for r, keep in keeps.items():

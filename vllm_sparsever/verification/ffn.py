@@ -145,11 +145,15 @@ class SparseSwiGLUMLP(nn.Module):
         out = rt.run_sparse("ffn", lambda: self._sparse(x, plan.groups, rt))
         return self.mlp(x) if out is None else out  # after a run-time problem: the stock MLP
 
+    def dense_uses_op(self, num_tokens: int) -> bool:
+        """Whether a dense step of `num_tokens` tokens runs the op at keep = I (else the stock MLP)."""
+        return 0 < num_tokens <= self.dense_op_max_tokens
+
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """Every neuron: the stock MLP, or with "shared" weights on CPU and few tokens the op at
         keep = I over the plain weights (faster there than torch's linear on them)."""
         n = x.shape[0]
-        if x.ndim != 2 or not 0 < n <= self.dense_op_max_tokens:
+        if x.ndim != 2 or not self.dense_uses_op(n):
             return self.mlp(x)
         gsl = torch.tensor([0, n], dtype=torch.int32)
         if self.gate_linear is not None:  # the packed gate rows, as on verify steps
