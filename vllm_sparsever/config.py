@@ -108,8 +108,9 @@ class FFNSparsityConfig:
     max_verify_requests: int = 2
     # CPU: "copy" keeps vLLM's prepacked (oneDNN) MLP for every dense step and a plain copy for the
     # sparse path (+1x MLP weights in memory); "shared" keeps only plain weights (no extra memory;
-    # dense steps run the op at keep = I for few tokens, torch's linear beyond: 1.04-1.6x the time of
-    # vLLM's packed MLP per layer on a Zen 5 EPYC, docs/kernels.md).
+    # dense steps run the op at keep = I for few tokens, torch's linear beyond: per layer on a Zen 5
+    # EPYC, bf16 1.04-1.43x the time of vLLM's packed MLP, fp32 1.1-1.45x at 1-16 tokens and up to
+    # 2.5x at 32-128; docs/kernels.md).
     weights: Literal["shared", "copy"] = "copy"
     # How a verify step's gate projection (every neuron's score) is computed. "stock": densely on the
     # target's own linear (vLLM-CPU's packed GEMM for the gate rows, oneDNN at these sizes, which

@@ -26,9 +26,10 @@ reads only the kept up/down rows (per MLP on a Zen 5 EPYC: 6-14% faster on Qwen-
 on Qwen-0.5B, 0-8% slower on SmolLM2's small gate; docs/kernels.md); "kernel" lets
 `topk_swiglu_ffn` stream the plain gate rows itself; "auto" chooses by the gate rows' size
 (FFN_STOCK_GATE_MIN_BYTES), and is "kernel" with "shared" weights (no second gate copy).
-"input_sparse" is approximate (TEAL-style): `input_sparse_gate` computes the gate from each request's top `gate_input_keep_ratio` of hidden channels by summed |x|, reading
-only those rows of a transposed gate copy [H, I] (which replaces the plain gate rows with "copy"
-weights); `topk_swiglu_ffn_gated` then selects and multiplies with that gate.
+"input_sparse" is approximate (TEAL-style): `input_sparse_gate` computes the gate from each request's
+top `gate_input_keep_ratio` of hidden channels by summed |x|, reading only those rows of a transposed
+gate copy [H, I] (which replaces the plain gate rows with "copy" weights); `topk_swiglu_ffn_gated`
+then selects and multiplies with that gate.
 """
 
 from __future__ import annotations
