@@ -560,8 +560,8 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"| {r['model']} | {r['dtype']} | {r['q_len']} | {r['dense_torch'][STAT]*1e3:.3f} ({r['GBps_dense_torch']:.1f}) | "
                 f"{vllm_dense} | {k['keep_ratio']:.3f} | {k['time'][STAT]*1e3:.3f} ({k['GBps']:.1f}) | {k['ratio_to_ideal']:.2f} | "
-                f"{k.get('ratio_to_scaled_own_dense', float('nan')):.2f} | "
-                f"{k['speedup_vs_torch_dense']:.2f}x | {k.get('speedup_vs_vllm_dense', float('nan')):.2f}x | "
+                + (f"{k['ratio_to_scaled_own_dense']:.2f} | " if "ratio_to_scaled_own_dense" in k else "- | ")
+                + f"{k['speedup_vs_torch_dense']:.2f}x | {k.get('speedup_vs_vllm_dense', float('nan')):.2f}x | "
                 + (f"{k['time_streamed_gate'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_streamed_gate']:.2f}x | "
                    if "time_streamed_gate" in k else "- | ")
                 + (f"{k['time_input_sparse_gate'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_input_sparse_gate']:.2f}x | "
