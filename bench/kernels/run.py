@@ -402,6 +402,8 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
         fns[f"input_sparse@{r}"] = input_sparse
         if has_widening_path(dtype):
             fns[f"widening@{r}"] = EnvSwitch(ours, SPARSEVER_CPU_FFN_BF16_DOT="0")
+            if num_tokens > 4:  # more than one token tile: the up kernel's prefetch as before 2026-11-26
+                fns[f"first_tile_prefetch@{r}"] = EnvSwitch(ours, SPARSEVER_CPU_FFN_SPREAD_PREFETCH="0")
     times = bench_interleaved(fns)
     res = {"model": model, "q_len": num_tokens, "dtype": str(dtype).split(".")[-1], "hidden": hidden,
            "intermediate": inter, "layers_rotated": layers, "dense_bytes": dense_bytes,
@@ -432,6 +434,8 @@ def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[
             "speedup_vs_vllm_dense_input_sparse_gate": t_vllm / times[f"input_sparse@{r}"][STAT],
             **({"time_fp32_widening": widened, "speedup_vs_vllm_dense_fp32_widening": t_vllm / widened[STAT]}
                if widened else {}),
+            **({"time_first_tile_prefetch": first, "speedup_vs_vllm_dense_first_tile_prefetch": t_vllm / first[STAT]}
+               if (first := times.get(f"first_tile_prefetch@{r}")) else {}),
         })
     # Same target relative to our own dense streaming rate (keep = I): isolates the cost of selection
     # from how close the streaming loop gets to DRAM bandwidth.
@@ -550,9 +554,11 @@ def markdown(results: dict) -> str:
               f"input_sparse` (approximate): input_sparse_gate over the top {INPUT_KEEP} of hidden channels, then "
               "topk_swiglu_ffn_gated. bf16 on a CPU with AVX512-BF16: the "
               "kernels use vdpbf16ps; the last column is 'ours' on the fp32-widening path "
-              "(SPARSEVER_CPU_FFN_BF16_DOT=0), as CPUs without it run.", "",
-              "| model | dtype | q | torch dense ms (GB/s) | vLLM dense ms (GB/s) [path] | keep r | ours ms (GB/s) | time / ideal at DRAM BW | time / ideal at own dense rate | speedup vs torch dense | speedup vs vLLM dense | gate streamed: ms, vs vLLM dense | input-sparse gate: ms, vs vLLM dense | widening path: ms, vs vLLM dense |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "(SPARSEVER_CPU_FFN_BF16_DOT=0), as CPUs without it run; 'first-tile prefetch' = 'ours' with the up "
+              "kernel prefetching the next rows in the first 4-token tile only, as before 2026-11-26 "
+              "(SPARSEVER_CPU_FFN_SPREAD_PREFETCH=0; more than 4 tokens).", "",
+              "| model | dtype | q | torch dense ms (GB/s) | vLLM dense ms (GB/s) [path] | keep r | ours ms (GB/s) | time / ideal at DRAM BW | time / ideal at own dense rate | speedup vs torch dense | speedup vs vLLM dense | gate streamed: ms, vs vLLM dense | input-sparse gate: ms, vs vLLM dense | widening path: ms, vs vLLM dense | first-tile prefetch: ms, vs vLLM dense |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["ffn"]:
         vllm_dense = (f"{r['dense_vllm'][STAT]*1e3:.3f} ({r['GBps_dense_vllm']:.1f}) [{r['vllm_linear_kind']}]"
                       if "dense_vllm" in r else "-")
@@ -566,8 +572,10 @@ def markdown(results: dict) -> str:
                    if "time_streamed_gate" in k else "- | ")
                 + (f"{k['time_input_sparse_gate'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_input_sparse_gate']:.2f}x | "
                    if "time_input_sparse_gate" in k else "- | ")
-                + (f"{k['time_fp32_widening'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_fp32_widening']:.2f}x |"
-                   if "time_fp32_widening" in k else "- |"))
+                + (f"{k['time_fp32_widening'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_fp32_widening']:.2f}x | "
+                   if "time_fp32_widening" in k else "- | ")
+                + (f"{k['time_first_tile_prefetch'][STAT]*1e3:.3f}, {k['speedup_vs_vllm_dense_first_tile_prefetch']:.2f}x |"
+                   if "time_first_tile_prefetch" in k else "- |"))
     lines += ["", "## Dense steps with `ffn.weights: shared` (no packed copy)", "",
               "What a dense step (every neuron) runs when the MLP weights are kept once, plain: the FFN wrapper's "
               "dense path (sparsever's op at keep = I for few tokens, else torch's linear), against vLLM's "

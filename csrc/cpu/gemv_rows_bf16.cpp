@@ -15,6 +15,8 @@
 #include "gemv_rows.h"  // before the target pragma: its inline functions stay plain AVX-512
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -25,20 +27,22 @@ namespace {
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-// next: the next tile's rows (or null): one cache line of each is prefetched per 64-byte step, so the
-// next tile streams in while this one computes (spread out, not a burst that fills the miss buffers).
+// next: the next tile's rows (or null): one cache line of each is prefetched per 64-byte step whose number
+// is pf_phase modulo pf_every, so the next tile streams in while this one (and the other token tiles of
+// this row tile) computes: spread out, not a burst that fills the miss buffers.
 template <int NR, int NT>
 inline void dot_tile_bf16(const uint16_t* x, int64_t h, const uint16_t* const* rows, float* y, int64_t ys,
-                          const uint16_t* const* next, int nn) {
+                          const uint16_t* const* next, int nn, int pf_phase, int pf_every) {
   __m512 acc[NR][NT];
   SPARSEVER_UNROLL
   for (int i = 0; i < NR; ++i)
     SPARSEVER_UNROLL
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
   int64_t c = 0;
-  for (; c + 32 <= h; c += 32) {
-    SPARSEVER_UNROLL
-    for (int i = 0; i < nn; ++i) _mm_prefetch(reinterpret_cast<const char*>(next[i] + c), _MM_HINT_T0);
+  for (int64_t step = 0; c + 32 <= h; c += 32, ++step) {
+    if (step % pf_every == pf_phase)
+      SPARSEVER_UNROLL
+      for (int i = 0; i < nn; ++i) _mm_prefetch(reinterpret_cast<const char*>(next[i] + c), _MM_HINT_T0);
     __m512bh xv[NT];
     SPARSEVER_UNROLL
     for (int t = 0; t < NT; ++t) xv[t] = as_bh(_mm512_loadu_si512(x + t * h + c));
@@ -166,15 +170,28 @@ void axpy_pairs_bf16(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t*
   }
 }
 
+// With more than 4 tokens a row tile is computed once per 4-token tile; later token tiles re-read its rows
+// from cache. The next row tile's lines are prefetched a share per token tile, so memory streams during
+// all of them. Against prefetching in the first token tile only (Zen 5 EPYC, 2026-11-26; docs/kernels.md):
+// the up and down projections 0.88-0.93x the time at 8-16 tokens on Qwen-1.5B rows; the served op with
+// its packed gate 0.89-0.98x at keep 0.5-0.7 on Qwen shapes (one cell 1.04), about even at keep 0.3.
+// SPARSEVER_CPU_FFN_SPREAD_PREFETCH=0 restores it; read per call, so a benchmark can time both in one process.
+inline bool spread_prefetch() {
+  const char* env = std::getenv("SPARSEVER_CPU_FFN_SPREAD_PREFETCH");
+  return !(env && std::string(env) == "0");
+}
+
 void rows_dot_range_bf16_impl(const c10::BFloat16* x, int64_t nt, int64_t h, const c10::BFloat16* w,
                               int64_t stride, const int32_t* idx, int64_t r0, int64_t r1, float* y, int64_t ys) {
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
+  const int pf_every = spread_prefetch() ? static_cast<int>((nt + 3) / 4) : 1;  // token tiles sharing the prefetch
   for_each_row_tile(reinterpret_cast<const uint16_t*>(w), stride, idx, h, r0, r1,
                     [&](auto nr, const uint16_t* const* rows, int64_t j0, const uint16_t* const* next, int nn) {
-                      // Only the first token tile prefetches: later tiles re-read this tile's rows from cache.
                       for_each_token_tile(nt, [&](auto tile, int64_t t) {
+                        const int tile_no = static_cast<int>(t / 4);
                         dot_tile_bf16<decltype(nr)::value, decltype(tile)::value>(
-                            xb + t * h, h, rows, y + t * ys + j0, ys, next, t == 0 ? nn : 0);
+                            xb + t * h, h, rows, y + t * ys + j0, ys, next, tile_no < pf_every ? nn : 0, tile_no,
+                            pf_every);
                       });
                     });
 }
