@@ -82,14 +82,23 @@ inline int64_t ffn_gemm_min_tokens(bool fp32_weights, bool bf16_dot) {
   return gemm_min_tokens(bf16_dot && !cpu_has_amx_bf16() ? 64 : 16);
 }
 
-// bf16 weights on a CPU with AVX512-BF16: stream them with vdpbf16ps (gemv_rows_bf16.h) instead of
-// widening to fp32. SPARSEVER_CPU_FFN_BF16_DOT=0 turns it off; read per call (a getenv is nothing next
-// to a layer's MLP), so a benchmark can time both paths in one process.
-inline bool use_bf16_dot() {
-  if (!rows_bf16_available()) return false;
-  const char* env = std::getenv("SPARSEVER_CPU_FFN_BF16_DOT");
+// A kernel switch that is on unless the environment variable is "0". Read once per op call (a getenv
+// is nothing next to a layer's MLP, but not per parallel task), so a benchmark can time both ways in
+// one process.
+inline bool env_switch_on(const char* name) {
+  const char* env = std::getenv(name);
   return !(env && std::string(env) == "0");
 }
+
+// bf16 weights on a CPU with AVX512-BF16: stream them with vdpbf16ps (gemv_rows_bf16.h) instead of
+// widening to fp32. SPARSEVER_CPU_FFN_BF16_DOT=0 turns it off.
+inline bool use_bf16_dot() { return rows_bf16_available() && env_switch_on("SPARSEVER_CPU_FFN_BF16_DOT"); }
+
+// rows_dot_range_bf16's prefetch spread over token tiles. Against prefetching in the first token tile
+// only (Zen 5 EPYC, 2026-11-26; docs/kernels.md): the up and down projections 0.88-0.93x the time at
+// 8-16 tokens on Qwen-1.5B rows; the served op with its packed gate 0.89-0.98x at keep 0.5-0.7 on Qwen
+// shapes (one cell 1.04), about even at keep 0.3. SPARSEVER_CPU_FFN_SPREAD_PREFETCH=0 turns it off.
+inline bool spread_prefetch() { return env_switch_on("SPARSEVER_CPU_FFN_SPREAD_PREFETCH"); }
 
 // Columns [r0, r1) of every token's row of a given gate [T, I] (any float dtype, unit column stride)
 // into act [T, I] fp32: run inside the gate pass's row tasks, so the copy is parallel and cache-hot.
@@ -116,6 +125,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   const bool bf16_dot = kBf16 && use_bf16_dot() && w_gate.stride(1) == 1 && w_up.stride(1) == 1 &&
                         w_down_t.stride(1) == 1;
+  const bool spread = spread_prefetch();
   const int64_t gemm_from = ffn_gemm_min_tokens(std::is_same_v<scalar_t, float>, bf16_dot);
   auto xb_t = bf16_dot ? x.contiguous() : torch::Tensor();
   const auto* xb = bf16_dot ? reinterpret_cast<const c10::BFloat16*>(xb_t.data_ptr()) : nullptr;
@@ -145,7 +155,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
         gate_rows_to_f32(given, r0, r1, act, inter);
       else if (streamed && bf16_dot)
         rows_dot_range_bf16(xb, num_tokens, h, reinterpret_cast<const c10::BFloat16*>(wg), wg_stride, nullptr, r0,
-                            r1, act, inter);
+                            r1, act, inter, spread);
       else if (streamed)
         rows_dot_range<scalar_t>(xf, num_tokens, h, wg, wg_stride, nullptr, r0, r1, act, inter);
       for (int64_t g = 0; g < num_groups; ++g)
@@ -190,7 +200,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
     if (bf16_dot)
       parallel_row_tasks(keep, h, sizeof(scalar_t), [&](int64_t r0, int64_t r1) {
         rows_dot_range_bf16(xb + t0 * h, nt, h, reinterpret_cast<const c10::BFloat16*>(wup), wup_stride, idx, r0,
-                            r1, up.data(), keep);
+                            r1, up.data(), keep, spread);
       });
     else
       rows_dot<scalar_t>(xf + t0 * h, nt, h, wup, wup_stride, idx, keep, up.data(), keep);
@@ -299,6 +309,7 @@ int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torc
   const int64_t n_streamed = static_cast<int64_t>(streamed.size());
   // bf16 weights on a CPU with AVX512-BF16: both projections dot bf16 activations with vdpbf16ps.
   const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && use_bf16_dot();
+  const bool spread = spread_prefetch();
   std::vector<c10::BFloat16> in_bf16;
   // One parallel region per projection over (expert, row chunk) tasks, so all streamed experts share
   // the threads and there is no per-expert synchronisation.
@@ -320,7 +331,7 @@ int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torc
         if (bf16_dot)
           rows_dot_range_bf16(in_bf16.data() + a.row_offset * in_dim, a.ne, in_dim,
                               reinterpret_cast<const c10::BFloat16*>(wbase + a.expert * w_expert_stride), w_row_stride,
-                              nullptr, r0, r1, y, rows_per_expert);
+                              nullptr, r0, r1, y, rows_per_expert, spread);
         else
           rows_dot_range<scalar_t>(in + a.row_offset * in_dim, a.ne, in_dim, wbase + a.expert * w_expert_stride,
                                    w_row_stride, nullptr, r0, r1, y, rows_per_expert);

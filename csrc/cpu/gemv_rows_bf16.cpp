@@ -15,8 +15,6 @@
 #include "gemv_rows.h"  // before the target pragma: its inline functions stay plain AVX-512
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -171,27 +169,19 @@ void axpy_pairs_bf16(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t*
 }
 
 // With more than 4 tokens a row tile is computed once per 4-token tile; later token tiles re-read its rows
-// from cache. The next row tile's lines are prefetched a share per token tile, so memory streams during
-// all of them. Against prefetching in the first token tile only (Zen 5 EPYC, 2026-11-26; docs/kernels.md):
-// the up and down projections 0.88-0.93x the time at 8-16 tokens on Qwen-1.5B rows; the served op with
-// its packed gate 0.89-0.98x at keep 0.5-0.7 on Qwen shapes (one cell 1.04), about even at keep 0.3.
-// SPARSEVER_CPU_FFN_SPREAD_PREFETCH=0 restores it; read per call, so a benchmark can time both in one process.
-inline bool spread_prefetch() {
-  const char* env = std::getenv("SPARSEVER_CPU_FFN_SPREAD_PREFETCH");
-  return !(env && std::string(env) == "0");
-}
-
+// from cache. spread_prefetch: the next row tile's lines are prefetched a share per token tile, so memory
+// streams during all of them; else during the first token tile only (pf_every 1: the phase of every later
+// tile, 1, 2, ..., never matches step % 1).
 void rows_dot_range_bf16_impl(const c10::BFloat16* x, int64_t nt, int64_t h, const c10::BFloat16* w,
-                              int64_t stride, const int32_t* idx, int64_t r0, int64_t r1, float* y, int64_t ys) {
+                              int64_t stride, const int32_t* idx, int64_t r0, int64_t r1, float* y, int64_t ys,
+                              bool spread_prefetch) {
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
-  const int pf_every = spread_prefetch() ? static_cast<int>((nt + 3) / 4) : 1;  // token tiles sharing the prefetch
+  const int pf_every = spread_prefetch ? static_cast<int>((nt + 3) / 4) : 1;  // token tiles sharing the prefetch
   for_each_row_tile(reinterpret_cast<const uint16_t*>(w), stride, idx, h, r0, r1,
                     [&](auto nr, const uint16_t* const* rows, int64_t j0, const uint16_t* const* next, int nn) {
                       for_each_token_tile(nt, [&](auto tile, int64_t t) {
-                        const int tile_no = static_cast<int>(t / 4);
                         dot_tile_bf16<decltype(nr)::value, decltype(tile)::value>(
-                            xb + t * h, h, rows, y + t * ys + j0, ys, next, tile_no < pf_every ? nn : 0, tile_no,
-                            pf_every);
+                            xb + t * h, h, rows, y + t * ys + j0, ys, next, nn, static_cast<int>(t / 4), pf_every);
                       });
                     });
 }
@@ -214,10 +204,10 @@ bool rows_bf16_available() {
 
 void rows_dot_range_bf16(const c10::BFloat16* x, int64_t num_tokens, int64_t h, const c10::BFloat16* w,
                          int64_t w_row_stride, const int32_t* idx, int64_t row_begin, int64_t row_end, float* y,
-                         int64_t y_stride) {
+                         int64_t y_stride, bool spread_prefetch) {
 #if defined(CPU_CAPABILITY_AVX512)
   TORCH_CHECK(rows_bf16_available(), "rows_dot_range_bf16 needs AVX512-BF16");
-  rows_dot_range_bf16_impl(x, num_tokens, h, w, w_row_stride, idx, row_begin, row_end, y, y_stride);
+  rows_dot_range_bf16_impl(x, num_tokens, h, w, w_row_stride, idx, row_begin, row_end, y, y_stride, spread_prefetch);
 #else
   TORCH_CHECK(false, "rows_dot_range_bf16 needs the AVX-512 build");
 #endif

@@ -15,9 +15,11 @@ namespace sparsever::cpu {
 bool rows_bf16_available();
 
 // Y[t, j] = X[t, :] . W[row(j), :] for output rows [row_begin, row_end); X bf16 [T, H] contiguous.
+// spread_prefetch: with more than 4 tokens, the next rows are prefetched during every 4-token tile, not
+// only the first (the default; false only to time the old way, SPARSEVER_CPU_FFN_SPREAD_PREFETCH=0).
 void rows_dot_range_bf16(const c10::BFloat16* x, int64_t num_tokens, int64_t h, const c10::BFloat16* w,
                          int64_t w_row_stride, const int32_t* idx, int64_t row_begin, int64_t row_end, float* y,
-                         int64_t y_stride);
+                         int64_t y_stride, bool spread_prefetch = true);
 
 // OUT[t, :] = sum_j A[t, j] * W[row(j), :] (A fp32 [T, K], rounded to bf16 inside; OUT fp32 [T, H]
 // contiguous, overwritten). Parallel over shares of the selected rows.
