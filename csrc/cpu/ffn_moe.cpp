@@ -96,7 +96,7 @@ inline bool use_bf16_dot() { return rows_bf16_available() && env_switch_on("SPAR
 
 // rows_dot_range_bf16's prefetch spread over token tiles. Against prefetching in the first token tile
 // only (Zen 5 EPYC, 2026-11-26; docs/kernels.md): the up and down projections 0.88-0.93x the time at
-// 8-16 tokens on Qwen-1.5B rows; the served op with its packed gate 0.89-0.98x at keep 0.5-0.7 on Qwen
+// 8-16 tokens on Qwen-1.5B rows; the served op with its packed gate 0.86-0.99x at keep 0.5-0.7 on Qwen
 // shapes (one cell 1.04), about even at keep 0.3. SPARSEVER_CPU_FFN_SPREAD_PREFETCH=0 turns it off.
 inline bool spread_prefetch() { return env_switch_on("SPARSEVER_CPU_FFN_SPREAD_PREFETCH"); }
 
