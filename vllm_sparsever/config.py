@@ -179,12 +179,16 @@ class AdaptiveVerificationConfig:
     min_draft_tokens: int = 0
     # Verify-cost profile json. None = <target model folder>/sparsever_verify_cost.json.
     cost_profile: str | None = None
-    # Skip drafting for a while when even the best truncation does not pay for the drafting time.
+    # Skip drafting when the best depth is 0 (plain decoding pays better), probing now and then.
     guard: bool = True
+    # "auto": EVICT chooses how far to draft, before drafting and after each draft pass
+    # (num_speculative_tokens / tree.depth are caps); "cap": draft to the cap, EVICT only truncates.
+    depth: Literal["auto", "cap"] = "auto"
 
     def validate(self, prefix: str) -> None:
         _check_int(f"{prefix}.min_draft_tokens", self.min_draft_tokens, minimum=0)
         _check_bool(f"{prefix}.guard", self.guard)
+        _check_choice(f"{prefix}.depth", self.depth, ("auto", "cap"))
         if self.cost_profile is not None:
             if not isinstance(self.cost_profile, str) or not os.path.isfile(self.cost_profile):
                 raise SparseverConfigError(

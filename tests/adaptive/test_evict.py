@@ -39,53 +39,178 @@ def test_cheap_tokens_keep_the_confident_drafts_and_cut_the_rest():
     assert evict.stats.truncated_steps == 1 and evict.stats.nodes_kept == 3
 
 
-def test_expensive_tokens_verify_nothing_and_the_guard_skips_drafting():
-    from vllm_sparsever.adaptive.evict import FIRST_PROBE_SKIPS, PROBE_BUDGET
+def _measured(evict: Evict, pass_s: float, rows: int = 1, fixed_s: float = 0.0) -> Evict:
+    """`evict` after a drafting step at `rows` rows measured one draft pass at `pass_s`."""
+    evict.observe_drafting(rows, [pass_s], pass_s + fixed_s)
+    return evict
 
+
+def _rate_by_hand(evict: Evict, depth: int, alpha: float, pass_s: float, ctx: int = 256) -> float:
+    """Expected tokens per second of a one-row chain step drafting `depth` tokens, each accepted with
+    probability `alpha` given its parent: (1 + sum_j alpha^j) / (depth passes + verify of depth + 1)."""
+    tokens = 1 + sum(alpha ** j for j in range(1, depth + 1))
+    return tokens / (depth * pass_s + evict.cost([depth + 1], [ctx], "chain"))
+
+
+def test_depth_is_the_one_with_the_best_expected_rate():
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    shape = DraftShape(cap=8, budgets=(8,))
+    for alpha, pass_s in ((0.7, 0.02), (0.9, 0.01), (0.5, 0.03), (0.95, 0.004)):
+        evict = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=alpha), pass_s)
+        rates = [_rate_by_hand(evict, d, alpha, pass_s) for d in range(9)]
+        want = max(range(9), key=lambda d: (rates[d], -d))
+        assert evict.plan_depth([256], shape) == want, (alpha, pass_s, rates)
+    # The cases above cover an interior optimum and the cap.
+    cases = [(0.7, 0.02), (0.95, 0.004)]
+    got = []
+    for alpha, pass_s in cases:
+        evict = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=alpha), pass_s)
+        got.append(evict.plan_depth([256], shape))
+    assert 1 < got[0] < 8 and got[1] == 8
+
+
+def test_a_costly_drafter_drafts_shorter_chains_than_a_cheap_one():
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    shape = DraftShape(cap=6, budgets=(6,))
+    depths = {}
+    for pass_s in (0.002, 0.02, 0.06, 0.2):
+        depths[pass_s] = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.8), pass_s).plan_depth([256], shape)
+    assert depths[0.002] == 6 and depths[0.002] > depths[0.02] > depths[0.06] > 0
+    assert depths[0.2] == 0  # a pass costs twice a plain step: plain decoding wins
+
+
+def test_one_pass_drafters_draft_to_the_depth_verification_pays_for():
+    """n-gram: one lookup gives every level, so only verification prices depth."""
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    cheap_tokens = _measured(Evict(_profile(0.001, base_s=0.1), depth_prior=0.5), 0.001)
+    costly_tokens = _measured(Evict(_profile(0.05, base_s=0.1), depth_prior=0.5), 0.001)
+    one_pass = DraftShape(cap=5, budgets=(5,), one_pass=True)
+    assert cheap_tokens.plan_depth([256], one_pass) == 5
+    # 0.5 ** d expected tokens for 50 ms each: the first pays (0.5 / 0.05 = 10 tok/s against 1 / 0.151),
+    # the second (0.25 / 0.05) does not.
+    assert costly_tokens.plan_depth([256], one_pass) == 1
+
+
+def test_drafting_stops_when_the_path_probability_no_longer_pays():
+    """Decision 2: after a pass, the calibrated probability of reaching the newest level decides."""
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    shape = DraftShape(cap=6, budgets=(6,))
+    evict = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.8), 0.02)
+    assert evict.plan_depth([256], shape) >= 3
+    # One draft with path probability 0.9: the next pays; at 0.001 it cannot (0.001 * 0.8 expected
+    # tokens for a 25 ms pass + token, at a step rate near 10 tokens/s).
+    assert evict.keep_drafting([256], shape, 1, [_chain([0.9])], [[0]])
+    assert not evict.keep_drafting([256], shape, 1, [_chain([0.001])], [[0]])
+    # By hand: continuing pays iff some further depth beats stopping here.
+    evict2 = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.8), 0.02)
+    for p in (0.05, 0.1, 0.2, 0.4):
+        reach = evict2.calibration.estimate(p)
+        now = (1 + reach) / (0.02 + evict2.cost([2], [256], "chain"))
+        later = [(1 + reach + sum(reach * 0.8 ** j for j in range(1, e + 1)))
+                 / ((1 + e) * 0.02 + evict2.cost([2 + e], [256], "chain")) for e in range(1, 6)]
+        assert evict2.keep_drafting([256], shape, 1, [_chain([p])], [[0]]) == (max(later) > now), p
+    # A request that finished (empty frontier) adds nothing.
+    assert not evict.keep_drafting([256], shape, 1, [_chain([0.9])], [[]])
+
+
+def test_guard_skips_when_depth_zero_wins_and_probes_by_the_time_budget():
+    from vllm_sparsever.adaptive.evict import FIRST_PROBE_SKIPS, PROBE_BUDGET, DraftShape
+
+    shape = DraftShape(cap=4, budgets=(4,))
     evict = Evict(_profile(0.2, base_s=0.01), guard=True)  # a token costs 20x the step base
-    assert evict.should_draft([256])  # nothing seen yet: drafts
-    out = evict.truncate([_chain([0.5, 0.5])], [256], draft_time_s=0.01)
-    assert len(out[0]) == 0 and evict.stats.empty_steps == 1
-    # Drafting did not pay at one row: skipped; before any catch-up time was measured, a probe
+    assert evict.plan_depth([256], shape) == 4  # nothing measured yet: drafts blind, to the cap
+    _measured(evict, 0.01)
+    # Drafting does not pay at one row: skipped; before any catch-up time was measured, a probe
     # every FIRST_PROBE_SKIPS steps.
-    decisions = [evict.should_draft([256], catch_up_tokens=500) for _ in range(FIRST_PROBE_SKIPS)]
-    assert decisions.index(True) == FIRST_PROBE_SKIPS - 1 and sum(decisions) == 1
-    # A batch size never seen inherits the nearest one's averages: it does not pay either.
-    assert not evict.should_draft([256, 256], catch_up_tokens=500)
+    decisions = [evict.plan_depth([256], shape, catch_up_tokens=500) for _ in range(FIRST_PROBE_SKIPS)]
+    assert [d > 0 for d in decisions].index(True) == FIRST_PROBE_SKIPS - 1 and sum(d > 0 for d in decisions) == 1
+    assert evict.stats.skipped_drafting_steps == FIRST_PROBE_SKIPS - 1
+    # A batch size never seen is priced from the nearest measured pass: it does not pay either.
+    assert evict.plan_depth([256, 256], DraftShape(cap=4, budgets=(4, 4)), catch_up_tokens=500) == 0
     # With the catch-up measured (10 ms a token), a probe waits until the plain decoding time it
-    # skipped pays for it PROBE_BUDGET-fold: 500 tokens = 5 s of catch-up (+ the drafting step's extra
-    # 10 ms) -> after ~(5.01 / PROBE_BUDGET) / plain step.
+    # skipped pays for it PROBE_BUDGET-fold: 500 tokens = 5 s of catch-up + the probe step's extra time.
     evict.observe_catch_up(100, 1.0)
-    plain_s = evict.cost([1], [256], "chain")
-    expected = math.ceil((500 * 0.01 + 0.01) / PROBE_BUDGET / plain_s)
-    decisions = [evict.should_draft([256], catch_up_tokens=500) for _ in range(expected + 5)]
+    plain_s = evict.step_s([1], [256])
+    extra_s = 0.01 + evict.step_s([2], [256], "chain") - plain_s  # the probe drafts one level
+    expected = math.ceil((500 * 0.01 + extra_s) / PROBE_BUDGET / plain_s)
+    decisions = [evict.plan_depth([256], shape, catch_up_tokens=500) > 0 for _ in range(expected + 5)]
     assert decisions.index(True) == pytest.approx(expected - 1, abs=1) and sum(decisions) == 1
-    # Nothing to catch up on (a self-drafter): probing is cheap, so it happens often.
-    cheap = [evict.should_draft([256], catch_up_tokens=0) for _ in range(50)]
-    assert sum(cheap) >= 5
-    assert evict.stats.probe_steps == 2 + sum(cheap)
+    # Nothing to catch up on (a self-drafter, n-gram): a probe every extra_s / PROBE_BUDGET of skipping.
+    cheap = [evict.plan_depth([256], shape, catch_up_tokens=0) > 0 for _ in range(100)]
+    every = math.ceil(extra_s / PROBE_BUDGET / plain_s)
+    assert sum(cheap) == pytest.approx(100 / every, abs=1) and 100 / every >= 4
 
 
-def test_guard_without_catch_up_probes_by_the_time_budget_from_the_start():
-    """A drafter with nothing to catch up on (self-drafter, n-gram) never waits for a catch-up
-    measurement: its probes follow the time budget from the first skip."""
-    from vllm_sparsever.adaptive.evict import FIRST_PROBE_SKIPS, PROBE_BUDGET
+def test_guard_cannot_lock_itself_out_on_an_underestimated_plain_step():
+    """The issue-24 failure: the profile predicts a plain step 1.5x too fast, so drafting looks like a
+    loss. Measured plain steps (taken while skipping) scale the profile, and drafting resumes."""
+    from vllm_sparsever.adaptive.evict import DraftShape
 
-    evict = Evict(_profile(0.2, base_s=0.01), guard=True)
-    out = evict.truncate([_chain([0.5, 0.5])], [256], draft_time_s=0.05)  # keeps nothing: skip from now on
-    assert len(out[0]) == 0
-    plain_s = evict.cost([1], [256], "chain")
-    extra = 0.05 + evict.cost([1], [256]) - plain_s  # the drafting step's extra time
-    expected = math.ceil(max(extra, 0.0) / PROBE_BUDGET / plain_s)
-    decisions = [evict.should_draft([256], catch_up_tokens=0) for _ in range(FIRST_PROBE_SKIPS)]
-    assert 1 < expected < FIRST_PROBE_SKIPS - 1
-    assert decisions.index(True) == pytest.approx(expected - 1, abs=1)
+    shape = DraftShape(cap=3, budgets=(3,))
+    evict = _measured(Evict(_profile(0.002, base_s=0.1), depth_prior=0.9), 0.1)
+    assert evict.plan_depth([256], shape) == 0  # a pass costs a plain step: 1.9 tokens / 0.2 s < 1 / 0.1 s
+    predicted = evict.cost([1], [256], "chain")
+    for _ in range(10):
+        evict.observe_step([1], [256], 1.5 * predicted)  # plain steps take 1.5x the profile's time
+    assert evict.step_s([1], [256]) == pytest.approx(1.5 * predicted, rel=0.01)
+    # Verify steps were never measured: they take the plain steps' ratio.
+    assert evict.step_s([2], [256], "chain") == pytest.approx(1.5 * evict.cost([2], [256], "chain"), rel=0.01)
+    assert evict.plan_depth([256], shape) >= 1
+
+
+def test_verify_time_follows_measured_steps_per_batch_size_and_context_band():
+    evict = Evict(_profile(0.002, base_s=0.1))
+    predicted = evict.cost([4], [256], "chain")
+    for _ in range(20):
+        evict.observe_step([4], [256], 2.0 * predicted, gap_s=0.01)
+    assert evict.step_s([4], [256], "chain") == pytest.approx(2.0 * predicted + 0.01, rel=0.01)
+    # Another context band and another batch size inherit the nearest measured ratio until measured.
+    assert evict.step_s([4], [8000], "chain") == pytest.approx(2.0 * evict.cost([4], [8000], "chain") + 0.01, rel=0.01)
+    for _ in range(20):
+        evict.observe_step([4], [8000], 0.5 * evict.cost([4], [8000], "chain"))
+    assert evict.step_s([4], [8000], "chain") == pytest.approx(0.5 * evict.cost([4], [8000], "chain") + 0.01, rel=0.01)
+    assert evict.step_s([4], [256], "chain") == pytest.approx(2.0 * predicted + 0.01, rel=0.01)
+    # Idle time between steps is not per-step work.
+    evict.observe_step([4], [256], 2.0 * predicted, gap_s=30.0)
+    assert evict.clock.gap_s == pytest.approx(0.01)
+
+
+def test_depth_acceptance_is_measured_per_depth_and_extrapolated():
+    from vllm_sparsever.adaptive.evict import DepthAcceptance
+
+    acc = DepthAcceptance(first_prior=0.5)
+    for _ in range(400):  # 3 drafts verified; depth 1 always accepted, depth 2 half the time, never depth 3
+        acc.observe(3, 1)
+        acc.observe(3, 2)
+    a = acc.conditional(5)
+    assert a[0] == pytest.approx(1.0, abs=0.02) and a[1] == pytest.approx(0.5, abs=0.02) and a[2] < 0.02
+    assert a[3] == pytest.approx(a[2], abs=0.01) and a[4] == pytest.approx(a[2], abs=0.01)  # never verified
 
 
 def test_guard_keeps_drafting_when_it_pays():
-    evict = Evict(_profile(0.001), guard=True)
-    evict.truncate([_chain([0.9, 0.9, 0.9])], [256], draft_time_s=0.01)
-    assert all(evict.should_draft([256]) for _ in range(100)) and evict.stats.skipped_drafting_steps == 0
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    evict = _measured(Evict(_profile(0.001), guard=True, depth_prior=0.9), 0.005)
+    shape = DraftShape(cap=3, budgets=(3,))
+    assert all(evict.plan_depth([256], shape) == 3 for _ in range(100))
+    assert evict.stats.skipped_drafting_steps == 0
+
+
+def test_depth_cap_mode_drafts_to_the_cap_or_not_at_all():
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    shape = DraftShape(cap=6, budgets=(6,))
+    interior = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.7, depth="cap"), 0.02)
+    assert interior.plan_depth([256], shape) == 6
+    assert interior.keep_drafting([256], shape, 1, [_chain([0.001])], [[0]])
+    losing = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.7, depth="cap"), 0.2)
+    assert losing.plan_depth([256], shape) == 0
+    unguarded = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.7, guard=False), 0.2)
+    assert unguarded.plan_depth([256], shape) == 1  # guard off: at least one level
 
 
 def test_batch_is_taken_into_account():

@@ -1,33 +1,44 @@
-"""EVICT: truncate the step's draft trees to what pays for its verification.
+"""EVICT: how far to draft, and which drafts to verify, by what pays for its time.
 
-Per step, before verification, over the whole batch:
-- benefit: each node's probability of being accepted, estimated from the drafter's path
-  probability and calibrated online against what verification accepted (`AcceptanceCalibration`:
-  acceptance frequency per path-probability bin, starting from the path probability itself), made
-  non-increasing along every path (a node is never accepted without its parent);
-- cost: the verify step's time from the offline profile (adaptive/cost.py), as a function of every
-  row's tokens and context: batch-aware, since a bigger step turns compute-bound sooner; on MoE
-  targets also of the routed experts the step reads, predicted per row from its token count by the
-  expert-union model the target's verify steps calibrate (adaptive/experts.py; rows route
-  independently of each other, a row's tree nodes share experts);
-- decision: nodes are taken in order of benefit (a prefix-closed set at every size), and the size
-  that maximises expected emitted tokens per second of the step, (rows + sum of benefits) /
-  (drafting time + verification cost), wins. The drafting time is already spent, but it is part of
-  the step a node's verification makes longer: counting only verification would cut nodes whose
-  cost is small next to the whole step. Size 0 (no drafts: a plain decode step) is one of the
-  candidates, so a step is never verified at an expected loss.
-- guard (Cascade's worst case), before drafting: per batch size (rows in the step), it keeps running
-  averages of the drafting time, the expected gain per row, the tokens per row and the verification
-  time of the truncations it chose; a step whose expected tokens per second with drafting,
-  rows * (1 + gain) / (drafting + verification), falls below plain decoding's,
-  rows / cost(one token per row), does not draft at all. A batch size never seen inherits the
-  nearest seen one's averages (gain per row as it is, drafting time scaled by rows, verification
-  from the profile); only the very first drafting step is taken blind. Skipping, it probes (drafts
-  once anyway, to refresh its averages: acceptance and load change) when the plain decoding time
-  skipped since the last probe reaches 1/PROBE_BUDGET of what the probe is expected to cost over a
-  plain step: the drafting step's extra time plus the drafter's catch-up over the tokens it has not
-  seen (a draft model's K/V falls behind while it skips; the catch-up time per token is measured).
-  Probing then costs at most PROBE_BUDGET of the time spent skipping.
+Every decision maximises the step's expected emitted tokens per second, (rows + expected accepted
+drafts) / (step time), over the whole batch, where the step time is the engine's time between
+steps + drafting + verification:
+
+1. depth, before drafting (`plan_depth`): the number of draft levels (chain: drafts; tree: levels)
+   from 0 to the cap (`num_speculative_tokens` for chains, `tree.depth` for trees). A level's
+   expected gain comes from the acceptance measured per depth (`DepthAcceptance`: the share of
+   requests that got past depth d among those that got past d - 1); its cost from one measured
+   draft pass plus the verify tokens it adds. Depth 0 is a plain decode step.
+2. stop, after each draft pass (`keep_drafting`): the same comparison, from what this step's drafts
+   already say: the probability that a request's accepted path reaches the newest level (the
+   calibrated path probabilities of its newest nodes, summed), then the measured per-depth
+   acceptance below it. Drafting stops when no further level raises the step's rate (the stopping
+   rule of DEL / SpecDec++, on a calibrated path probability).
+3. truncate, before verification (`truncate`): each node's probability of being accepted, from the
+   drafter's path probability calibrated online against what verification accepted
+   (`AcceptanceCalibration`), made non-increasing along every path; nodes are taken in order of
+   benefit (a prefix-closed set at every size), and the size with the best rate wins. Drafting is
+   spent by then but is part of the step, so it counts in the denominator.
+
+Times (`StepClock`) are measured end to end on this engine, or predicted by the offline profile
+(adaptive/cost.py) scaled to such measurements, so like is compared with like:
+- a plain step and a verify step: the runner's measured step time (forward, sampling, bookkeeping).
+  The profile gives the shape (tokens, rows, context, MoE experts); a running ratio measured /
+  predicted per batch size and context band gives the level, one for plain steps and one for
+  verify steps (each stands in for the other until it is measured). A profile taken on a quieter or
+  noisier machine corrects itself within a few steps;
+- the engine's own time between steps (scheduling, outputs): measured, part of every step;
+- one draft pass at this batch size, and a drafting step's cost besides its passes: measured;
+- catch-up (a draft model's prompt, or the tokens it did not see while drafting was skipped) is a
+  one-off: it is kept out of the pass time and priced only in a probe's cost.
+
+Guard (Cascade's worst case): when the best depth is 0 the step does not draft. Skipping, it probes
+(drafts anyway, to refresh the acceptance measurements) once the plain decoding time skipped since
+the last probe reaches 1/PROBE_BUDGET of the probe's expected extra cost (its extra step time and
+the catch-up); probing then costs at most PROBE_BUDGET of the time spent skipping. It cannot lock
+itself out on a wrong time: while it skips, plain steps are measured and the plain time follows
+them. `adaptive.guard: false` always drafts at least one level; `adaptive.depth: "cap"` drafts to
+the cap (EVICT then only truncates, and the guard compares the cap with plain decoding).
 
 Chains are the one-branch case: an adaptive draft length per request.
 """
@@ -35,7 +46,7 @@ Chains are the one-branch case: an adaptive draft length per request.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -48,7 +59,12 @@ BINS = 20  # path-probability bins over log10 in [-5, 0]
 PRIOR = 8.0  # pseudo-observations at the drafter's own probability
 PROBE_BUDGET = 0.05  # guard: probes cost at most this share of the plain decoding time skipped
 FIRST_PROBE_SKIPS = 32  # guard: a probe with a catch-up whose cost was never measured
-EMA = 0.3  # guard: weight of the newest drafting step in its batch size's averages
+EMA = 0.3  # weight of the newest measurement in a running average
+DEPTH_PRIOR = 0.6  # acceptance of depth 1 before any is measured (deeper: the depth above's)
+DEPTH_PRIOR_WEIGHT = 4.0  # pseudo-observations behind a depth's prior
+DEPTH_DECAY = 0.995  # per observed request: older acceptance counts fade (prompts and load change)
+MAX_GAP_S = 1.0  # engine time between steps above this is idle time, not per-step work
+CATCH_UP_MIN_TOKENS = 16  # a roots' pass over fewer catch-up tokens is a draft pass like the others
 
 
 class AcceptanceCalibration:
@@ -76,6 +92,104 @@ class AcceptanceCalibration:
             self.accepted[b] += n in accepted
 
 
+class DepthAcceptance:
+    """Per depth d: the share of verified requests whose accepted path reached depth d among those
+    that reached d - 1 (and had depth d verified). A depth never measured inherits the estimate of
+    the depth above it; depth 1's prior is `first_prior`."""
+
+    def __init__(self, first_prior: float = DEPTH_PRIOR) -> None:
+        self.first_prior = first_prior
+        self.trials: list[float] = []
+        self.hits: list[float] = []
+
+    def observe(self, verified_depth: int, accepted_depth: int) -> None:
+        self.trials = [t * DEPTH_DECAY for t in self.trials]
+        self.hits = [h * DEPTH_DECAY for h in self.hits]
+        for d in range(1, verified_depth + 1):
+            if accepted_depth < d - 1:
+                break
+            while len(self.trials) < d:
+                self.trials.append(0.0)
+                self.hits.append(0.0)
+            self.trials[d - 1] += 1
+            self.hits[d - 1] += accepted_depth >= d
+
+    def conditional(self, depths: int) -> list[float]:
+        """Estimated P(reach d | reach d - 1) for d = 1..depths."""
+        out, prior = [], self.first_prior
+        for d in range(depths):
+            t = self.trials[d] if d < len(self.trials) else 0.0
+            h = self.hits[d] if d < len(self.hits) else 0.0
+            prior = (h + DEPTH_PRIOR_WEIGHT * prior) / (t + DEPTH_PRIOR_WEIGHT)
+            out.append(prior)
+        return out
+
+
+def _ema(table: dict, key: Any, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else EMA * value + (1 - EMA) * old
+
+
+def context_band(contexts: list[int]) -> int:
+    """Context bands for the verify-time ratio: <512, <1K, <2K, ... tokens per row (mean)."""
+    mean = sum(contexts) / max(len(contexts), 1)
+    return max(0, int(math.log2(max(mean, 1.0) / 256.0)))
+
+
+class StepClock:
+    """This engine's step times, measured end to end (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.ratio: dict[str, dict[tuple[int, int], float]] = {"plain": {}, "verify": {}}
+        self.gap_s: float | None = None  # the engine's time between steps
+        self.pass_s: dict[int, float] = {}  # rows -> one draft pass
+        self.fixed_s: dict[int, float] = {}  # rows -> a drafting step's time besides its passes
+        self.catch_up_s_per_token: float | None = None
+
+    def observe_ratio(self, kind: str, rows: int, contexts: list[int], measured_s: float, predicted_s: float) -> None:
+        if measured_s > 0 and predicted_s > 0:
+            _ema(self.ratio[kind], (rows, context_band(contexts)), measured_s / predicted_s)
+
+    def observe_gap(self, seconds: float) -> None:
+        if 0.0 <= seconds <= MAX_GAP_S:
+            self.gap_s = seconds if self.gap_s is None else EMA * seconds + (1 - EMA) * self.gap_s
+
+    def observe_drafting(self, rows: int, pass_times: list[float], total_s: float) -> None:
+        """A drafting step at `rows` rows: its steady passes' times and the whole step's drafting time
+        (passes, catch-up, Python around them)."""
+        if pass_times:
+            _ema(self.pass_s, rows, sum(pass_times) / len(pass_times))
+            _ema(self.fixed_s, rows, max(total_s - sum(pass_times), 0.0))
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        if tokens >= CATCH_UP_MIN_TOKENS:
+            old = self.catch_up_s_per_token
+            per_token = seconds / tokens
+            self.catch_up_s_per_token = per_token if old is None else EMA * per_token + (1 - EMA) * old
+
+    def scale(self, kind: str, rows: int, contexts: list[int]) -> float:
+        """Measured / predicted for a step of this kind and shape: its own, else the nearest measured
+        batch size and band, else the other kind's; 1 before any step was measured."""
+        band = context_band(contexts)
+        for table in (self.ratio[kind], self.ratio["verify" if kind == "plain" else "plain"]):
+            if (rows, band) in table:
+                return table[(rows, band)]
+            if table:
+                key = min(table, key=lambda k: (abs(k[0] - rows), abs(k[1] - band), k))
+                return table[key]
+        return 1.0
+
+    def draft_s(self, rows: int, passes: int) -> float | None:
+        """Drafting time of `passes` passes at `rows` rows (nearest measured batch size; the draft's
+        passes are weight-bound at small batches); None before any drafting step was measured."""
+        if passes <= 0:
+            return 0.0
+        if not self.pass_s:
+            return None
+        near = rows if rows in self.pass_s else min(self.pass_s, key=lambda r: (abs(r - rows), r))
+        return self.fixed_s.get(near, 0.0) + passes * self.pass_s[near]
+
+
 @dataclass
 class EvictStats:
     steps: int = 0
@@ -85,11 +199,14 @@ class EvictStats:
     empty_steps: int = 0  # steps verified with no drafts at all (speculation did not pay)
     skipped_drafting_steps: int = 0  # steps the guard skipped drafting in
     probe_steps: int = 0  # steps the guard drafted in although drafting did not pay, to re-measure
+    stopped_early_steps: int = 0  # drafting steps stopped before the planned depth (stopping rule)
     expected_tokens: float = 0.0  # sum over steps of the chosen expected emitted tokens
-    predicted_verify_s: float = 0.0  # sum of the chosen predicted verify costs
+    predicted_verify_s: float = 0.0  # sum of the chosen predicted verify times (scaled)
+    planned_depths: dict[int, int] = field(default_factory=dict)  # depth planned before drafting -> steps
+    drafted_depths: dict[int, int] = field(default_factory=dict)  # levels actually drafted -> steps
 
     def summary(self) -> dict[str, Any]:
-        return {
+        out = {
             "evict_steps": self.steps,
             "evict_nodes_drafted": self.nodes_drafted,
             "evict_nodes_kept": self.nodes_kept,
@@ -97,83 +214,187 @@ class EvictStats:
             "evict_empty_steps": self.empty_steps,
             "evict_skipped_drafting_steps": self.skipped_drafting_steps,
             "evict_probe_steps": self.probe_steps,
+            "evict_stopped_early_steps": self.stopped_early_steps,
             "evict_expected_tokens": self.expected_tokens,
             "evict_predicted_verify_s": self.predicted_verify_s,
         }
+        for d, n in sorted(self.planned_depths.items()):
+            out[f"evict_planned_depth_{d}"] = n
+        for d, n in sorted(self.drafted_depths.items()):
+            out[f"evict_drafted_depth_{d}"] = n
+        return out
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """How a step's drafts grow: `cap` levels at most, `first` nodes per request at the first level
+    and `later` at each later one, at most `budgets[i]` nodes for request i; `mask`: "chain" or
+    "tree" (how the target verifies them); `one_pass`: one drafter pass gives every level (n-gram
+    lookup), else one pass per level."""
+
+    cap: int
+    budgets: tuple[int, ...]
+    first: int = 1
+    later: int = 1
+    mask: str = "chain"
+    one_pass: bool = False
+
+    def passes(self, levels: int) -> int:
+        return min(levels, 1) if self.one_pass else levels
 
 
 class Evict:
-    def __init__(self, profile: VerifyCostProfile, *, min_draft_tokens: int = 0, guard: bool = True) -> None:
+    def __init__(self, profile: VerifyCostProfile, *, min_draft_tokens: int = 0, guard: bool = True,
+                 depth: str = "auto", depth_prior: float = DEPTH_PRIOR) -> None:
         self.profile = profile
         self.min_draft_tokens = min_draft_tokens
         self.guard = guard
+        self.depth_mode = depth
         self.calibration = AcceptanceCalibration()
+        self.depths = DepthAcceptance(depth_prior)
+        self.clock = StepClock()
         self.stats = EvictStats()
         # MoE targets: distinct experts per request's tokens (fed by the target's expert counter).
         self.experts = ExpertUnionModel(*profile.moe) if profile.moe else None
-        # guard, per batch size: running (drafting s, expected gain per row, tokens per row,
-        # verification s); the plain decoding time skipped since the last probe
-        self._averages: dict[int, tuple[float, float, float, float]] = {}
-        self._skipped_s: dict[int, float] = {}
+        self._skipped_s: dict[int, float] = {}  # guard, per batch size: plain time skipped since the last probe
         self._skips: dict[int, int] = {}
-        self._catch_up_s_per_token: float | None = None  # the drafter's catch-up time per token
 
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        """A drafter's catch-up pass over `tokens` tokens took `seconds` (for the probe's cost)."""
-        if tokens >= 16:  # fewer: the pass's fixed cost dominates
-            per_token = seconds / tokens
-            old = self._catch_up_s_per_token
-            self._catch_up_s_per_token = per_token if old is None else EMA * per_token + (1 - EMA) * old
-
-    def _guard_averages(self, rows: int, contexts: list[int]) -> tuple[float, float, float] | None:
-        """(drafting s, gain per row, verification s) expected at `rows` rows: its own averages, else
-        the nearest seen batch size's, rescaled; None before any drafting step."""
-        seen = self._averages.get(rows)
-        if seen is not None:
-            draft_s, gain, _, verify_s = seen
-            return draft_s, gain, verify_s
-        if not self._averages:
-            return None
-        nearest = min(self._averages, key=lambda r: (abs(r - rows), r))
-        draft_s, gain, tokens, _ = self._averages[nearest]
-        return draft_s * rows / nearest, gain, self.cost([max(1, round(tokens))] * rows, contexts)
-
-    def should_draft(self, contexts: list[int], catch_up_tokens: int = 0) -> bool:
-        """Whether to draft at this batch (rows with these contexts; the drafter has
-        `catch_up_tokens` tokens to catch up on first); see the module docstring. Counts skips and
-        probes."""
-        rows = len(contexts)
-        expected = self._guard_averages(rows, contexts) if self.guard and rows else None
-        if expected is None:
-            return True
-        draft_s, gain, verify_s = expected
-        plain_s = self.cost([1] * rows, contexts, "chain")
-        if rows * (1 + gain) / (draft_s + verify_s) >= rows / plain_s:
-            self._skipped_s[rows] = 0.0
-            self._skips[rows] = 0
-            return True
-        skipped_s = self._skipped_s.get(rows, 0.0) + plain_s
-        skips = self._skips.get(rows, 0) + 1
-        if catch_up_tokens and self._catch_up_s_per_token is None:
-            probe = skips >= FIRST_PROBE_SKIPS
-        else:
-            catch_up_s = catch_up_tokens * self._catch_up_s_per_token if catch_up_tokens else 0.0
-            probe_s = max(draft_s + verify_s - plain_s, 0.0) + catch_up_s
-            probe = PROBE_BUDGET * skipped_s >= probe_s
-        if probe:
-            self._skipped_s[rows], self._skips[rows] = 0.0, 0
-            self.stats.probe_steps += 1
-            return True
-        self._skipped_s[rows], self._skips[rows] = skipped_s, skips
-        self.stats.skipped_drafting_steps += 1
-        return False
+    # ---- costs ------------------------------------------------------------------------------
 
     def cost(self, query_tokens: list[int], contexts: list[int], mask: str = "tree") -> float:
-        """Predicted seconds of a verify step with these rows (query tokens incl. the root)."""
+        """The profile's seconds for a verify forward with these rows (query tokens incl. the root)."""
         experts = None
         if self.experts is not None:  # union over rows routing independently of each other
             experts = 1.0 - math.prod(1.0 - self.experts.fraction(q) for q in query_tokens)
         return self.profile.predict(query_tokens, contexts, mask, experts)
+
+    def step_s(self, query_tokens: list[int], contexts: list[int], mask: str = "tree") -> float:
+        """Expected seconds of a step with these rows on this engine, drafting excluded: the engine's
+        time between steps + the step, the profile scaled to measured steps."""
+        plain = all(q == 1 for q in query_tokens)
+        kind, mask = ("plain", "chain") if plain else ("verify", mask)
+        seconds = self.clock.scale(kind, len(query_tokens), contexts) * self.cost(query_tokens, contexts, mask)
+        return seconds + (self.clock.gap_s or 0.0)
+
+    def observe_step(self, query_tokens: list[int], contexts: list[int], seconds: float, mask: str = "chain",
+                     gap_s: float | None = None) -> None:
+        """The runner measured a decode step (no prefill rows): `query_tokens[i]` tokens (1 + drafts)
+        for row i after `contexts[i]` tokens took `seconds`; the engine spent `gap_s` before it."""
+        if not query_tokens:
+            return
+        plain = all(q == 1 for q in query_tokens)
+        kind, mask = ("plain", "chain") if plain else ("verify", mask)
+        self.clock.observe_ratio(kind, len(query_tokens), contexts, seconds, self.cost(query_tokens, contexts, mask))
+        if gap_s is not None:
+            self.clock.observe_gap(gap_s)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A drafter's catch-up pass over `tokens` tokens took `seconds` (for the probe's cost)."""
+        self.clock.observe_catch_up(tokens, seconds)
+
+    def observe_drafting(self, rows: int, pass_times: list[float], total_s: float) -> None:
+        self.clock.observe_drafting(rows, pass_times, total_s)
+
+    def observe_depth(self, verified_depth: int, accepted_depth: int) -> None:
+        self.depths.observe(verified_depth, accepted_depth)
+
+    # ---- depth: before and while drafting ----------------------------------------------------
+
+    def _outlook(self, contexts: list[int], shape: DraftShape, passes: int, reach: list[float],
+                 gains: list[float], tokens: list[int]) -> list[tuple[float, float]] | None:
+        """(expected emitted tokens, expected seconds) of the step if drafting went e = 0, 1, ... more
+        levels (up to the cap), after `passes` levels drafted with `tokens[i]` query tokens (1 +
+        nodes), an expected `gains[i]` accepted drafts and a probability `reach[i]` of reaching the
+        newest level; None when no draft pass was measured yet."""
+        rows = len(contexts)
+        alphas = self.depths.conditional(shape.cap)
+        reach, tokens = list(reach), list(tokens)
+        gain = sum(gains)
+        out = []
+        for e in range(shape.cap - passes + 1):
+            level = passes + e  # levels drafted
+            if e:
+                width = shape.first if level == 1 else shape.later
+                for i in range(rows):
+                    if tokens[i] - 1 < shape.budgets[i]:
+                        reach[i] *= alphas[level - 1]
+                        gain += reach[i]
+                        tokens[i] = min(tokens[i] + width, shape.budgets[i] + 1)
+            draft_s = self.clock.draft_s(rows, shape.passes(level))
+            if draft_s is None:
+                return None
+            out.append((rows + gain, draft_s + self.step_s(tokens if level else [1] * rows, contexts, shape.mask)))
+        return out
+
+    @staticmethod
+    def _best(outlook: list[tuple[float, float]], floor: int = 0) -> int:
+        """The number of further levels with the best rate (the fewest on a tie)."""
+        return max(range(floor, len(outlook)), key=lambda e: (outlook[e][0] / outlook[e][1], -e))
+
+    def plan_depth(self, contexts: list[int], shape: DraftShape, catch_up_tokens: int = 0) -> int:
+        """Levels to draft this step, 0 to skip drafting (the module docstring's decision 1 and the
+        guard). `contexts[i]`: request i's tokens before its root; the drafter has `catch_up_tokens`
+        tokens to catch up on before it drafts."""
+        rows = len(contexts)
+        if not rows or shape.cap <= 0:
+            return 0
+        outlook = self._outlook(contexts, shape, 0, [1.0] * rows, [0.0] * rows, [1] * rows)
+        if outlook is None:  # the first drafting step: nothing measured yet
+            return self._planned(shape.cap)
+        floor = 1 if (not self.guard or self.min_draft_tokens) else 0
+        if self.depth_mode == "cap":
+            rate = [tokens / seconds for tokens, seconds in outlook]
+            best = shape.cap if (floor or rate[shape.cap] >= rate[0]) else 0
+        else:
+            best = self._best(outlook, floor)
+        if best and self.min_draft_tokens and shape.mask == "chain":
+            best = max(best, min(self.min_draft_tokens, shape.cap))
+        if best:
+            self._skipped_s[rows], self._skips[rows] = 0.0, 0
+            return self._planned(best)
+        # Skipping: probe once the plain time skipped pays for the probe PROBE_BUDGET-fold.
+        plain_s = outlook[0][1]
+        probe = self._best(outlook, 1)
+        skipped_s = self._skipped_s.get(rows, 0.0) + plain_s
+        skips = self._skips.get(rows, 0) + 1
+        catch_up_s = self.clock.catch_up_s_per_token
+        if catch_up_tokens and catch_up_s is None:
+            probing = skips >= FIRST_PROBE_SKIPS
+        else:
+            extra_s = max(outlook[probe][1] - plain_s, 0.0) + catch_up_tokens * (catch_up_s or 0.0)
+            probing = PROBE_BUDGET * skipped_s >= extra_s
+        if probing:
+            self._skipped_s[rows], self._skips[rows] = 0.0, 0
+            self.stats.probe_steps += 1
+            return self._planned(probe)
+        self._skipped_s[rows], self._skips[rows] = skipped_s, skips
+        self.stats.skipped_drafting_steps += 1
+        return self._planned(0)
+
+    def _planned(self, levels: int) -> int:
+        self.stats.planned_depths[levels] = self.stats.planned_depths.get(levels, 0) + 1
+        return levels
+
+    def keep_drafting(self, contexts: list[int], shape: DraftShape, passes: int, trees: list[DraftTree],
+                      frontiers: list[list[int]]) -> bool:
+        """After `passes` draft levels: whether one more level may raise the step's rate (decision 2).
+        `trees[i]`: request i's nodes so far; `frontiers[i]`: the nodes the next level would expand
+        (empty: request i is done)."""
+        if self.depth_mode == "cap" or passes >= shape.cap:
+            return passes < shape.cap
+        if self.min_draft_tokens and shape.mask == "chain" and passes < min(self.min_draft_tokens, shape.cap):
+            return True
+        reach, gains, tokens, budgets = [], [], [], []
+        for tree, frontier, budget in zip(trees, frontiers, shape.budgets, strict=True):
+            benefits = self.benefits(tree)
+            reach.append(min(1.0, sum(benefits[n] for n in frontier)) if frontier else 0.0)
+            gains.append(sum(sorted(benefits, reverse=True)[:budget]))
+            tokens.append(1 + min(len(tree), budget))
+            budgets.append(budget if frontier else min(len(tree), budget))  # a finished request grows no more
+        outlook = self._outlook(contexts, replace(shape, budgets=tuple(budgets)), passes, reach, gains, tokens)
+        return outlook is None or self._best(outlook) > 0
+
+    # ---- truncation: before verification -----------------------------------------------------
 
     def benefits(self, tree: DraftTree) -> list[float]:
         out: list[float] = []
@@ -184,8 +405,8 @@ class Evict:
 
     def truncate(self, trees: list[DraftTree], contexts: list[int], draft_time_s: float = 0.0,
                  mask: str = "tree") -> list[DraftTree]:
-        """The step's trees cut to the batch-wide best size (module docstring). `contexts[i]`: the
-        tokens in request i's KV cache before this step's verification."""
+        """The step's trees cut to the batch-wide best size (module docstring, decision 3).
+        `contexts[i]`: the tokens in request i's KV cache before this step's verification."""
         self.stats.steps += 1
         candidates = []  # (-benefit, request, node): benefit order, parents first on ties
         for i, tree in enumerate(trees):
@@ -206,13 +427,13 @@ class Evict:
                 gain += -neg_a
             else:
                 rest.append((neg_a, n, i))
-        best_cost = self.cost(tokens, contexts, mask)
+        best_cost = self.step_s(tokens, contexts, mask)
         best_rate = (rows + gain) / (best_cost + draft_time_s)
         best_k, k_gain, trial = 0, gain, list(tokens)
         for k, (neg_a, n, i) in enumerate(rest, start=1):
             trial[i] += 1
             k_gain += -neg_a
-            cost = self.cost(trial, contexts, mask)
+            cost = self.step_s(trial, contexts, mask)
             rate = (rows + k_gain) / (cost + draft_time_s)
             if rate > best_rate:
                 best_rate, best_k, best_cost = rate, k, cost
@@ -228,9 +449,4 @@ class Evict:
         self.stats.empty_steps += kept == 0 and drafted > 0
         self.stats.expected_tokens += rows + gain
         self.stats.predicted_verify_s += best_cost
-        if drafted:
-            new = (draft_time_s, gain / rows, sum(tokens) / rows + best_k / rows, best_cost)
-            old = self._averages.get(rows)
-            self._averages[rows] = new if old is None else tuple(
-                EMA * n + (1 - EMA) * o for n, o in zip(new, old, strict=True))
         return out

@@ -49,6 +49,8 @@ class PromptLookupStats:
 
 class PromptLookupDrafter(TreeDrafting, RoundDrafter):
     level = "prompt_lookup"
+    depth_prior = NGRAM_SCORE
+    one_pass = True
 
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int, adaptive: Any = None) -> None:
         """`adaptive`: an AdaptiveVerificationConfig for EVICT-cut chains, or None."""
@@ -65,9 +67,10 @@ class PromptLookupDrafter(TreeDrafting, RoundDrafter):
         # Compile the numba matcher now (seconds), not on the first request.
         match_ngram(np.arange(4, dtype=np.int32), *self._bounds, self.max_model_len, 1)
 
-    def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
-        """Up to min(num_speculative_tokens, budget) drafts per request: what followed the longest
-        earlier match of its committed tokens + `pending[i]` (which end with `reqs.tokens[i]`)."""
+    def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None,
+              limit: int | None = None) -> list[list[int]]:
+        """Up to min(num_speculative_tokens, `limit`, budget) drafts per request: what followed the
+        longest earlier match of its committed tokens + `pending[i]` (which end with `reqs.tokens[i]`)."""
         from vllm_sparsever.integration.compat.ngram import match_ngram
         from vllm_sparsever.integration.compat.runner import token_history
 
@@ -78,7 +81,7 @@ class PromptLookupDrafter(TreeDrafting, RoundDrafter):
             tail = pending[i] if pending else []
             history = token_history(self._runner, row)
             tokens = np.concatenate([history, np.asarray(tail, dtype=history.dtype)]) if tail else history
-            k = min(self.num_speculative_tokens, reqs.budgets[i])
+            k = min(self.num_speculative_tokens, limit or self.num_speculative_tokens, reqs.budgets[i])
             found = match_ngram(tokens, min_n, max_n, self.max_model_len, k) if k > 0 else []
             self.stats.lookups += 1
             self.stats.no_match += not found
@@ -93,14 +96,15 @@ class PromptLookupDrafter(TreeDrafting, RoundDrafter):
             return super().propose(sampled_token_ids)
         return self.propose_trees(sampled_token_ids)
 
-    def grow_trees(self, reqs: DraftRequests) -> tuple[list[DraftTree], float]:
-        """EVICT's chains: each request's n-gram continuation with a score per depth (module
-        docstring); and the time the lookups took."""
+    def grow_trees(self, reqs: DraftRequests, levels: int, shape: Any,
+                   catch_up_tokens: int = 0) -> tuple[list[DraftTree], list[float]]:
+        """EVICT's chains: each request's n-gram continuation of at most `levels` drafts, with a score
+        per depth (module docstring); and the lookups' time (one pass for every level)."""
         start = time.perf_counter()
         trees = []
-        for found in self.draft(reqs):
+        for found in self.draft(reqs, limit=levels):
             n = len(found)
             trees.append(DraftTree(list(found), list(range(-1, n - 1)), [NGRAM_SCORE ** (d + 1) for d in range(n)]))
             self.tree_stats.trees += bool(n)
             self.tree_stats.nodes_grown += n
-        return trees, time.perf_counter() - start
+        return trees, [time.perf_counter() - start]

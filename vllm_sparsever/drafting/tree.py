@@ -38,11 +38,15 @@ class DraftTree:
         """The verify step's topology: query token 0 is the root, node j is query token j + 1."""
         return DraftTopology((-1, *(p + 1 for p in self.parents)))
 
-    def depth(self) -> int:
+    def node_depths(self) -> list[int]:
+        """Each node's depth below the root (the root's children: 1)."""
         depths: list[int] = []
         for p in self.parents:
             depths.append(1 if p < 0 else depths[p] + 1)
-        return max(depths, default=0)
+        return depths
+
+    def depth(self) -> int:
+        return max(self.node_depths(), default=0)
 
     def subtree(self, keep: list[int]) -> "DraftTree":
         """The nodes `keep` (ascending, prefix-closed), re-indexed."""
@@ -120,6 +124,10 @@ class TreeGrowth:
         room = self.max_expanded - len(self.expanded)
         best = sorted(new, key=lambda n: -self.tree.scores[n])[: max(0, min(self.expand, room))]
         self.frontier = sorted(best) if self.level < self.depth else []
+
+    def stop(self) -> None:
+        """Grow no further (EVICT found that another level does not pay)."""
+        self.frontier = []
 
     @property
     def done(self) -> bool:

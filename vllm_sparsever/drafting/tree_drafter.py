@@ -47,6 +47,8 @@ class TreeDrafting:
 
     tree: Any = None
     adaptive: Any = None
+    depth_prior = 0.6  # EVICT's acceptance of depth 1 before any is measured
+    one_pass = False  # True: one pass drafts every level (a lookup), so deeper drafts cost no more passes
 
     def init_trees(self, tree: Any, adaptive: Any, num_speculative_tokens: int) -> None:
         """`tree`: a DraftTreeConfig or None; `adaptive`: an AdaptiveVerificationConfig or None (a
@@ -60,7 +62,6 @@ class TreeDrafting:
         self.evict: Any = None  # adaptive.evict.Evict, once the target's cost profile is loaded
         self.tree_stats = TreeDraftStats()
         self._trees: dict[str, DraftTree] = {}  # req id -> the tree proposed for its next step
-        self._root_pass_s = 0.0  # the last roots' pass (with its catch-up), for EVICT's guard
 
     def load(self, runner: Any) -> None:
         super().load(runner)
@@ -69,7 +70,8 @@ class TreeDrafting:
             from vllm_sparsever.adaptive.evict import Evict
 
             profile = resolve_cost_profile(self.adaptive.cost_profile, runner.model_config.model)
-            self.evict = Evict(profile, min_draft_tokens=self.adaptive.min_draft_tokens, guard=self.adaptive.guard)
+            self.evict = Evict(profile, min_draft_tokens=self.adaptive.min_draft_tokens, guard=self.adaptive.guard,
+                               depth=self.adaptive.depth, depth_prior=self.depth_prior)
             target_moe = runner.sparsever_runtime.moe_routing
             if self.evict.experts is not None and target_moe is not None:
                 if tuple(profile.moe) != tuple(target_moe):
@@ -108,27 +110,41 @@ class TreeDrafting:
     def propose_trees(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         from vllm_sparsever.integration.compat.runner import tree_sampling_supported
 
+        start = time.perf_counter()
         self._trees.clear()
         reqs = self.requests(sampled_token_ids, self.num_speculative_tokens)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        catch_up = self._catch_up_tokens(reqs) if self.evict is not None else 0
-        if not reqs.rows or (self.evict is not None and not self.evict.should_draft(list(reqs.positions), catch_up)):
+        if not reqs.rows:
             return drafts
-        batch = self.runner.input_batch
-        start = time.perf_counter()
-        trees, steady_draft_s = self.grow_trees(reqs)
+        # A request's verify step has its root (last committed token) at `position`: the context
+        # before it is `position` tokens.
+        contexts = list(reqs.positions)
+        shape = self._draft_shape(reqs)
+        catch_up = self._catch_up_tokens(reqs)
+        levels = shape.cap
         if self.evict is not None:
-            self.evict.observe_catch_up(catch_up, self._root_pass_s)
+            levels = self.evict.plan_depth(contexts, shape, catch_up)
+            if levels == 0:
+                return drafts
+        batch = self.runner.input_batch
+        trees, passes = self.grow_trees(reqs, levels, shape, catch_up)
         for k, row in enumerate(reqs.rows):
             if len(trees[k]) and not trees[k].is_chain() and not tree_sampling_supported(self.runner, row):
                 trees[k] = trees[k].subtree(trees[k].best_path())
                 self.tree_stats.chains_for_sampler += 1
         if self.evict is not None:
-            # A request's verify step has its root (last committed token) at `position`: the
-            # context before it is `position` tokens.
+            from vllm_sparsever.adaptive.evict import CATCH_UP_MIN_TOKENS
+
+            rows = len(reqs.rows)
+            steady_passes = [t for t in passes[1:]] if catch_up >= CATCH_UP_MIN_TOKENS else list(passes)
+            self.evict.observe_drafting(rows, steady_passes, time.perf_counter() - start)
+            if catch_up >= CATCH_UP_MIN_TOKENS and passes:
+                self.evict.observe_catch_up(catch_up, passes[0])
+            self.evict.stats.drafted_depths[len(passes)] = self.evict.stats.drafted_depths.get(len(passes), 0) + 1
+            draft_s = self.evict.clock.draft_s(rows, len(passes)) or 0.0
             # A step of chains only is verified without a tree mask (vLLM's attention path).
             mask = "chain" if all(t.is_chain() for t in trees) else "tree"
-            trees = self.evict.truncate(trees, list(reqs.positions), draft_time_s=steady_draft_s, mask=mask)
+            trees = self.evict.truncate(trees, contexts, draft_time_s=draft_s, mask=mask)
         for row, tree in zip(reqs.rows, trees, strict=True):
             if len(tree):
                 self._trees[batch.req_ids[row]] = tree
@@ -136,6 +152,17 @@ class TreeDrafting:
             self.tree_stats.nodes += len(tree)
         self.tree_stats.time_s += time.perf_counter() - start
         return drafts
+
+    def _draft_shape(self, reqs: DraftRequests) -> Any:
+        """How this step's drafts can grow (EVICT's DraftShape): the tree config's levels, node
+        budgets and widths; chains are one-branch trees."""
+        from vllm_sparsever.adaptive.evict import DraftShape
+
+        cfg = self.tree
+        budgets = tuple(max(0, min(self.num_speculative_tokens, b)) for b in reqs.budgets)
+        chain = cfg.branching == 1
+        return DraftShape(cap=cfg.depth, budgets=budgets, first=cfg.branching, later=cfg.branching * cfg.expand,
+                          mask="chain" if chain else "tree", one_pass=self.one_pass)
 
     def topologies(self, scheduled: dict[str, list[int]]) -> dict[str, Any]:
         """req id -> the topology of its scheduled drafts, for the trees this drafter proposed
@@ -149,21 +176,29 @@ class TreeDrafting:
 
     def observe_acceptance(self, req_id: str, verified: int, accepted_nodes: list[int]) -> None:
         """What verification made of the drafts proposed for `req_id`: the first `verified` nodes
-        were verified, `accepted_nodes` (tree node indices) accepted. Calibrates EVICT."""
+        were verified, `accepted_nodes` (tree node indices) accepted. Calibrates EVICT: per node by
+        path probability, per depth for the next step's depth decision."""
         tree = self._trees.get(req_id)
         if self.evict is not None and tree is not None:
             self.evict.calibration.observe(tree, verified, accepted_nodes)
+            depths = tree.node_depths()
+            self.evict.observe_depth(max(depths[:verified], default=0), len(accepted_nodes))
+
+    def observe_step_time(self, query_tokens: list[int], contexts: list[int], seconds: float, mask: str,
+                          gap_s: float | None) -> None:
+        """The runner measured a decode step (see Evict.observe_step)."""
+        if self.evict is not None:
+            self.evict.observe_step(query_tokens, contexts, seconds, mask, gap_s)
 
     # ---- growing --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def grow_trees(self, reqs: DraftRequests) -> tuple[list[DraftTree], float]:
-        """A dynamic draft tree per request of at most min(num_speculative_tokens, budget) nodes:
-        the roots' pass, then one pass per level over every growing tree. Also returns what this
-        drafting costs in steady state: the level passes plus one more for the roots (the roots'
-        pass itself may carry a catch-up over many tokens, e.g. a new prompt in the draft model,
-        which a step that drafts every time does not pay; counting it would make EVICT's guard
-        skip drafting, and skipping makes the next catch-up longer)."""
+    def grow_trees(self, reqs: DraftRequests, levels: int, shape: Any,
+                   catch_up_tokens: int = 0) -> tuple[list[DraftTree], list[float]]:
+        """A dynamic draft tree per request of at most min(num_speculative_tokens, budget) nodes and
+        `levels` levels: the roots' pass (with the catch-up, if any), then one pass per level over
+        every growing tree, while EVICT finds that one more level pays (`Evict.keep_drafting`).
+        Returns the trees and the time of each pass (the roots' first)."""
         from vllm_sparsever.plan import stacked_tree_mask
 
         cfg = self.tree
@@ -174,20 +209,28 @@ class TreeDrafting:
             budget = min(self.num_speculative_tokens, budget)
             if budget > 0:
                 # Node K/V slots after the root: budget - 1 (the slots the scheduler reserved).
-                growths[i] = TreeGrowth(branching=cfg.branching, expand=cfg.expand, depth=cfg.depth,
+                growths[i] = TreeGrowth(branching=cfg.branching, expand=cfg.expand, depth=min(cfg.depth, levels),
                                         budget=budget, max_expanded=budget - 1)
                 idx.append(i)
-        start = time.perf_counter()
+        passes: list[float] = []
         if idx:
+            start = time.perf_counter()
             top_p, top_t = self._tree_root_top(reqs, idx, cfg.branching)
             for k, i in enumerate(idx):
                 growths[i].grow_top(top_p[k: k + 1], top_t[k: k + 1])
-        root_s, levels_start, levels = time.perf_counter() - start, time.perf_counter(), 0
-        self._root_pass_s = root_s
+            passes.append(time.perf_counter() - start)
         while True:
             live = [i for i in idx if not growths[i].done]
             if not live:
                 break
+            if self.evict is not None and not self.evict.keep_drafting(
+                    [reqs.positions[i] for i in idx], _shape_of(shape, idx), len(passes),
+                    [growths[i].tree for i in idx], [list(growths[i].frontier) for i in idx]):
+                self.evict.stats.stopped_early_steps += 1
+                for i in live:
+                    growths[i].stop()
+                break
+            start = time.perf_counter()
             tokens, positions, kv_positions, lens, topologies, wanted = [], [], [], [], [], []
             offset = 0
             for i in live:
@@ -206,12 +249,12 @@ class TreeDrafting:
                 [reqs.rows[i] for i in live], as_long(tokens), as_long(positions), as_long(kv_positions), lens,
                 stacked_tree_mask(topologies).to(device), as_long(wanted), cfg.branching)
             self.tree_stats.levels += 1
-            levels += 1
             offset = 0
             for i in live:
                 n = len(growths[i].frontier)
                 growths[i].grow_top(top_p[offset: offset + n], top_t[offset: offset + n])
                 offset += n
+            passes.append(time.perf_counter() - start)
         trees = []
         for g in growths:
             tree = g.result() if g is not None else DraftTree()
@@ -219,8 +262,7 @@ class TreeDrafting:
                 self.tree_stats.trees += 1
                 self.tree_stats.nodes_grown += len(g.tree)
             trees.append(tree)
-        levels_s = time.perf_counter() - levels_start
-        return trees, (levels_s * (levels + 1) / levels if levels else root_s)
+        return trees, passes
 
     def _catch_up_tokens(self, reqs: DraftRequests) -> int:
         """Tokens the roots' pass would run besides the roots (a draft model's K/V behind the
@@ -236,3 +278,10 @@ class TreeDrafting:
                         wanted: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k after the query tokens `wanted` of a level's tree query (K/V at `kv_positions`)."""
         raise NotImplementedError
+
+
+def _shape_of(shape: Any, idx: list[int]) -> Any:
+    """`shape` for the requests `idx` only."""
+    from dataclasses import replace
+
+    return replace(shape, budgets=tuple(shape.budgets[i] for i in idx))

@@ -55,6 +55,9 @@ class SparseverRunnerMixin:
         self._sparsever_snapshots.write(self.sparsever_metrics, force=True)
         self._sparsever_step = 0
         self._sparsever_timing: dict[str, float] = {}
+        self._sparsever_last_end: float | None = None  # when the runner's last step (with drafting) ended
+        self._sparsever_decode_shape: tuple[list[int], list[int]] | None = None  # see _decode_shape
+        self._sparsever_gap_s: float | None = None
         self.sparsever_runtime = start_sparse_verification(config, self.vllm_config)
         self.sparsever_proposer = _make_proposer(config, self.model_config.max_model_len)
         self._sparsever_hierarchy = self.sparsever_proposer if config.early_exit.enabled else None
@@ -102,6 +105,9 @@ class SparseverRunnerMixin:
         if finished and self.sparsever_proposer is not None:
             self.sparsever_proposer.forget(finished)
         start = time.perf_counter()
+        # The engine's own time since the runner's last step (scheduling, outputs): part of every step.
+        last, self._sparsever_last_end = self._sparsever_last_end, None
+        self._sparsever_gap_s = start - last if last is not None else None
         output = super().execute_model(scheduler_output, intermediate_tensors)
         self._sparsever_timing = {"execute": time.perf_counter() - start, "sample": 0.0, "draft": 0.0}
         return output
@@ -109,6 +115,7 @@ class SparseverRunnerMixin:
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self.sparsever_plan = self._build_plan(scheduler_output, num_scheduled_tokens)
+        self._sparsever_decode_shape = self._decode_shape(scheduler_output, num_scheduled_tokens)
         self._sparsever_reuse = self._reusable_streams(num_scheduled_tokens)
         return result
 
@@ -199,11 +206,14 @@ class SparseverRunnerMixin:
         finally:
             self.sparsever_plan = None
         sample_tokens_time = time.perf_counter() - start
+        drafted_inside = self._sparsever_timing.get("draft", 0.0)  # drafting that ran inside sample_tokens
         if self._sparsever_propose_late and plan is not None:
             self._propose_after_bookkeeping(output)  # timed as drafting, not as this step's sampling
         timing, self._sparsever_timing = self._sparsever_timing, {}
         if plan is None or "execute" not in timing:
             return output  # no forward ran this step (empty batch, pipeline pass-through)
+        self._observe_step_time(plan, timing["execute"] + sample_tokens_time - drafted_inside)
+        self._sparsever_last_end = time.perf_counter()
         # With async scheduling (GPU) the output is an AsyncModelRunnerOutput whose tokens are not
         # ready here; acceptance is then not counted (timing still is).
         sampled = sampled_tokens(output)
@@ -225,6 +235,31 @@ class SparseverRunnerMixin:
             self.sparsever_metrics.drafting = self.sparsever_drafting_stats()
         self._sparsever_snapshots.write(self.sparsever_metrics)
         return output
+
+    def _decode_shape(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray
+                      ) -> tuple[list[int], list[int]] | None:
+        """(query tokens, context) per row when every row of the step decodes (1 + its drafts; no
+        prefill chunk), for a drafter that times such steps (EVICT); else None."""
+        if getattr(self.sparsever_proposer, "observe_step_time", None) is None:
+            return None
+        batch = input_batch_view(self)
+        drafts = scheduled_drafts(scheduler_output)
+        queries, contexts = [], []
+        for row, req_id in enumerate(batch.req_ids):
+            q = int(num_scheduled_tokens[row])
+            if q != 1 + len(drafts.get(req_id, ())):
+                return None
+            queries.append(q)
+            contexts.append(int(batch.num_computed_tokens[row]))
+        return (queries, contexts) if queries else None
+
+    def _observe_step_time(self, plan: VerificationPlan, seconds: float) -> None:
+        """Hand a decode step's measured time (drafting excluded) and the engine's time before it to
+        the drafter that prices steps (EVICT)."""
+        shape, self._sparsever_decode_shape = self._sparsever_decode_shape, None
+        if shape is not None:
+            mask = "tree" if plan.tree is not None else "chain"
+            self.sparsever_proposer.observe_step_time(*shape, seconds, mask, self._sparsever_gap_s)
 
     def _observe_acceptance(self, plan: VerificationPlan, sampler_output: Any) -> None:
         """Tell a drafter that calibrates on it (EVICT) which of its drafts were accepted: a tree's
