@@ -119,3 +119,28 @@ def make_tiny_exit_llama(path: Path, *, seed: int = 0, num_layers: int = 6, logi
         head.copy_(torch.randn(head.shape, generator=g) * logit_scale / head.shape[1] ** 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def make_padded_llama(path: Path, base: Path, *, extra_layers: int, seed: int = 0) -> Path:
+    """`base` (a tiny Llama) with `extra_layers` more decoder layers whose outputs are zero (o_proj and
+    down_proj zero, the rest random): the same next-token distributions as `base`, exactly in fp32
+    (each extra layer adds 0 to the residual stream), at the cost of a deeper model. Pairs of these
+    give drafters that are always right and cheap or costly next to their target."""
+    from transformers import LlamaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    small = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    config = small.config
+    config.num_hidden_layers += extra_layers
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+        model.load_state_dict(small.state_dict(), strict=False)
+        for layer in model.model.layers[len(small.model.layers):]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return save_model(model, path, random_init=False)

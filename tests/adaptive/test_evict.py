@@ -30,7 +30,7 @@ def test_cost_profile_fit_recovers_a_linear_cost():
 
 
 def test_cheap_tokens_keep_the_confident_drafts_and_cut_the_rest():
-    evict = Evict(_profile(0.001), guard=False)
+    evict = Evict(_profile(0.001), guard=False, depth_prior=1e-3)  # the drafter's scores decide
     tree = _chain([0.95, 0.9, 0.9, 0.02, 0.9])
     out = evict.truncate([tree], [256])
     # Each confident draft adds ~0.9 expected tokens for 2% more time; the 4th node's path
@@ -40,8 +40,10 @@ def test_cheap_tokens_keep_the_confident_drafts_and_cut_the_rest():
 
 
 def _measured(evict: Evict, pass_s: float, rows: int = 1, fixed_s: float = 0.0) -> Evict:
-    """`evict` after a drafting step at `rows` rows measured one draft pass at `pass_s`."""
+    """`evict` after a drafting step at `rows` rows measured one draft pass at `pass_s`, and a verify
+    step of one draft per row that took what the profile predicts."""
     evict.observe_drafting(rows, [pass_s], pass_s + fixed_s)
+    evict.observe_step([2] * rows, [256] * rows, evict.cost([2] * rows, [256] * rows, "chain"))
     return evict
 
 
@@ -101,18 +103,27 @@ def test_drafting_stops_when_the_path_probability_no_longer_pays():
     shape = DraftShape(cap=6, budgets=(6,))
     evict = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.8), 0.02)
     assert evict.plan_depth([256], shape) >= 3
-    # One draft with path probability 0.9: the next pays; at 0.001 it cannot (0.001 * 0.8 expected
-    # tokens for a 25 ms pass + token, at a step rate near 10 tokens/s).
+    # Verification showed drafts scored 0.9 accepted, drafts scored 0.001 rejected.
+    for _ in range(50):
+        evict.calibration.observe(_chain([0.9]), 1, [0])
+        evict.calibration.observe(_chain([0.001]), 1, [])
+    # One draft with path probability 0.9: the next pays; at 0.001 it cannot (~0 expected tokens for a
+    # 25 ms pass + token, at a step rate near 10 tokens/s).
     assert evict.keep_drafting([256], shape, 1, [_chain([0.9])], [[0]])
     assert not evict.keep_drafting([256], shape, 1, [_chain([0.001])], [[0]])
     # By hand: continuing pays iff some further depth beats stopping here.
     evict2 = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.8), 0.02)
+    decisions = []
     for p in (0.05, 0.1, 0.2, 0.4):
-        reach = evict2.calibration.estimate(p)
+        for _ in range(60):
+            evict2.calibration.observe(_chain([p]), 1, [0] if p > 0.1 else [])
+        reach = evict2.benefits(_chain([p]))[0]
         now = (1 + reach) / (0.02 + evict2.cost([2], [256], "chain"))
         later = [(1 + reach + sum(reach * 0.8 ** j for j in range(1, e + 1)))
                  / ((1 + e) * 0.02 + evict2.cost([2 + e], [256], "chain")) for e in range(1, 6)]
-        assert evict2.keep_drafting([256], shape, 1, [_chain([p])], [[0]]) == (max(later) > now), p
+        decisions.append(evict2.keep_drafting([256], shape, 1, [_chain([p])], [[0]]))
+        assert decisions[-1] == (max(later) > now), p
+    assert decisions == [False, False, True, True]
     # A request that finished (empty frontier) adds nothing.
     assert not evict.keep_drafting([256], shape, 1, [_chain([0.9])], [[]])
 
@@ -123,6 +134,8 @@ def test_guard_skips_when_depth_zero_wins_and_probes_by_the_time_budget():
     shape = DraftShape(cap=4, budgets=(4,))
     evict = Evict(_profile(0.2, base_s=0.01), guard=True)  # a token costs 20x the step base
     assert evict.plan_depth([256], shape) == 4  # nothing measured yet: drafts blind, to the cap
+    evict.observe_drafting(1, [0.01], 0.01)
+    assert evict.plan_depth([256], shape) == 4  # no step measured yet: the profile's level is unknown
     _measured(evict, 0.01)
     # Drafting does not pay at one row: skipped; before any catch-up time was measured, a probe
     # every FIRST_PROBE_SKIPS steps.
@@ -157,8 +170,7 @@ def test_guard_cannot_lock_itself_out_on_an_underestimated_plain_step():
     for _ in range(10):
         evict.observe_step([1], [256], 1.5 * predicted)  # plain steps take 1.5x the profile's time
     assert evict.step_s([1], [256]) == pytest.approx(1.5 * predicted, rel=0.01)
-    # Verify steps were never measured: they take the plain steps' ratio.
-    assert evict.step_s([2], [256], "chain") == pytest.approx(1.5 * evict.cost([2], [256], "chain"), rel=0.01)
+    assert evict.step_s([2], [256], "chain") == pytest.approx(evict.cost([2], [256], "chain"), rel=0.01)
     assert evict.plan_depth([256], shape) >= 1
 
 
@@ -168,6 +180,8 @@ def test_verify_time_follows_measured_steps_per_batch_size_and_context_band():
     for _ in range(20):
         evict.observe_step([4], [256], 2.0 * predicted, gap_s=0.01)
     assert evict.step_s([4], [256], "chain") == pytest.approx(2.0 * predicted + 0.01, rel=0.01)
+    # Plain steps were never measured: they take the verify steps' ratio.
+    assert evict.step_s([1], [256]) == pytest.approx(2.0 * evict.cost([1], [256], "chain") + 0.01, rel=0.01)
     # Another context band and another batch size inherit the nearest measured ratio until measured.
     assert evict.step_s([4], [8000], "chain") == pytest.approx(2.0 * evict.cost([4], [8000], "chain") + 0.01, rel=0.01)
     for _ in range(20):
@@ -225,7 +239,7 @@ def test_batch_is_taken_into_account():
 
 
 def test_min_draft_tokens_and_prefix_closure():
-    evict = Evict(_profile(1.0), min_draft_tokens=2, guard=False)  # tokens far too expensive
+    evict = Evict(_profile(1.0), min_draft_tokens=2, guard=False, depth_prior=1e-3)  # tokens far too expensive
     tree = DraftTree([1, 2, 3, 4], [-1, -1, 0, 2], [0.6, 0.3, 0.5, 0.4])
     out = evict.truncate([tree], [256])
     assert out[0].tokens == [1, 3]  # the two best nodes, prefix-closed (3 hangs under 1)
@@ -246,3 +260,11 @@ def test_drafting_time_makes_verifying_more_nodes_worth_it():
     quick = Evict(_profile(0.01), guard=False).truncate([tree], [256], draft_time_s=0.0)
     slow = Evict(_profile(0.01), guard=False).truncate([tree], [256], draft_time_s=0.5)
     assert len(slow[0]) > len(quick[0])
+
+
+def test_fit_flags_non_monotone_points():
+    ms = [Measurement("chain", 1, q, 256, t) for q, t in ((1, 0.10), (2, 0.11), (4, 0.09), (8, 0.12))]
+    ms += [Measurement("chain", 1, q, 1024, t) for q, t in ((1, 0.10), (2, 0.099), (4, 0.12))]  # within noise
+    profile = VerifyCostProfile(model="m", hardware="h", dtype="float32", measurements=ms).fit()
+    assert len(profile.warnings) == 1 and "4 tokens took 90.0 ms" in profile.warnings[0]
+    assert "rows=1 context=256" in profile.warnings[0]

@@ -7,7 +7,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
-def test_profile_verify_writes_a_fitted_profile(tiny_dir, tmp_path):
+def test_profile_verify_writes_a_fitted_profile(tiny_dir, tmp_path, capfd):
     import shutil
 
     from tiny_models import make_tiny_llama
@@ -20,6 +20,9 @@ def test_profile_verify_writes_a_fitted_profile(tiny_dir, tmp_path):
     assert main(["profile-verify", str(model), "--rows", "1,2", "--tokens", "1,4,16", "--contexts", "64,256",
                  "--max-context", "256", "--repeats", "2", "--out", str(out)]) == 0
     profile = VerifyCostProfile.load(default_cost_profile_path(model))
+    # Progress (tqdm from the worker: points done of the grid, time left).
+    err = capfd.readouterr().err
+    assert "profile-verify: 100%" in err and "12/12" in err, err[-2000:]
     assert json.loads(out.read_text())["coef"] == profile.coef
     masks = {m.mask for m in profile.measurements}
     assert masks == {"tree", "chain"}

@@ -24,9 +24,16 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("--tokens", default="1,2,4,8,16,32,64", help="query tokens per request")
     p.add_argument("--contexts", default="256,1024,4096,16384", help="context lengths")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true",
+                   help=f"a small grid (rows {QUICK['rows']}, tokens {QUICK['tokens']}, contexts {QUICK['contexts']}, "
+                        f"repeats {QUICK['repeats']}): a few minutes at most; EVICT scales it to the steps it measures")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.set_defaults(func=cmd_profile_verify)
     return p
+
+
+# --quick: enough points for the fit's terms (tokens with knees, rows, context) on 2 cores.
+QUICK = {"rows": "1,4", "tokens": "1,2,4,8", "contexts": "256,2048", "repeats": 2}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -51,6 +58,9 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
     from vllm_sparsever.cli import resolve_model
 
     model = resolve_model(args.model)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
     contexts = tuple(c for c in _ints(args.contexts) if c <= args.max_context)
     max_len = args.max_context + max(_ints(args.tokens)) + 16
     grid = measurement_grid(max_len, _ints(args.rows), _ints(args.tokens), contexts)
@@ -70,6 +80,8 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
                                 measurements=[Measurement(**m) for m in rows],
                                 moe=list(moe) if moe else None).fit()
     path = profile.save(default_cost_profile_path(model))
+    for warning in profile.warnings:
+        print(f"profile-verify: warning: {warning}", flush=True)
     print(f"wrote {path}")
     if args.out:
         print(f"wrote {profile.save(args.out)}")

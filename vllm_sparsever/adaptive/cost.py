@@ -83,8 +83,10 @@ class VerifyCostProfile:
     coef: dict[str, list[float]] = field(default_factory=dict)  # mask -> coefficients
     fit_error: dict[str, float] = field(default_factory=dict)  # mask -> mean relative error
     moe: list[int] | None = None  # MoE targets: [routed experts per layer, top-k]
+    warnings: list[str] = field(default_factory=list)  # fit-time flags (non-monotone points)
 
     def fit(self) -> "VerifyCostProfile":
+        self.warnings = non_monotone_points(self.measurements)
         for mask in MASKS:
             rows = [m for m in self.measurements if m.mask == mask]
             if not rows:
@@ -130,6 +132,30 @@ class VerifyCostProfile:
         if not profile.coef or any(len(c) != NUM_FEATURES for c in profile.coef.values()):
             profile.fit()  # none saved, or saved by a version with other features
         return profile
+
+
+MONOTONE_TOLERANCE = 0.05  # timing noise allowed before more tokens counts as faster
+
+
+def non_monotone_points(measurements: list[Measurement]) -> list[str]:
+    """Points measured faster than a point with fewer query tokens at the same mask, rows, context
+    and tokens kind, by more than MONOTONE_TOLERANCE: a noisy measurement (the machine was busy),
+    which the fit then averages over. One line per point."""
+    out = []
+    series: dict[tuple, list[Measurement]] = {}
+    for m in measurements:
+        series.setdefault((m.mask, m.rows, m.context, m.tokens), []).append(m)
+    for points in series.values():
+        points.sort(key=lambda m: m.query_tokens)
+        slowest = None
+        for m in points:
+            if slowest is not None and m.seconds < slowest.seconds * (1 - MONOTONE_TOLERANCE):
+                out.append(f"{m.mask} rows={m.rows} context={m.context}: {m.query_tokens} tokens took "
+                           f"{1e3 * m.seconds:.1f} ms, {slowest.query_tokens} tokens {1e3 * slowest.seconds:.1f} ms "
+                           f"(non-monotone: a noisy point; measure again on a quiet machine)")
+            if slowest is None or m.seconds > slowest.seconds:
+                slowest = m
+    return out
 
 
 def resolve_cost_profile(field_value: str | None, model: str) -> VerifyCostProfile:

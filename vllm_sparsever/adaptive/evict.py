@@ -79,9 +79,12 @@ class AcceptanceCalibration:
         x = math.log10(max(score, 1e-12))
         return min(BINS - 1, max(0, int((x + 5.0) / 5.0 * BINS)))
 
-    def estimate(self, score: float) -> float:
+    def estimate(self, score: float, prior: float | None = None) -> float:
+        """Observed acceptance in the score's bin, behind PRIOR pseudo-observations at `prior` (the
+        score itself by default)."""
         b = self._bin(score)
-        return float((self.accepted[b] + PRIOR * score) / (self.verified[b] + PRIOR))
+        prior = score if prior is None else prior
+        return float((self.accepted[b] + PRIOR * prior) / (self.verified[b] + PRIOR))
 
     def observe(self, tree: DraftTree, verified: int, accepted_nodes: list[int]) -> None:
         """The first `verified` nodes of `tree` were verified; `accepted_nodes` were accepted."""
@@ -178,6 +181,11 @@ class StepClock:
                 key = min(table, key=lambda k: (abs(k[0] - rows), abs(k[1] - band), k))
                 return table[key]
         return 1.0
+
+    @property
+    def measured(self) -> bool:
+        """A draft pass and a decode step (plain or verify) were measured."""
+        return bool(self.pass_s) and bool(self.ratio["plain"] or self.ratio["verify"])
 
     def draft_s(self, rows: int, passes: int) -> float | None:
         """Drafting time of `passes` passes at `rows` rows (nearest measured batch size; the draft's
@@ -305,8 +313,11 @@ class Evict:
         """(expected emitted tokens, expected seconds) of the step if drafting went e = 0, 1, ... more
         levels (up to the cap), after `passes` levels drafted with `tokens[i]` query tokens (1 +
         nodes), an expected `gains[i]` accepted drafts and a probability `reach[i]` of reaching the
-        newest level; None when no draft pass was measured yet."""
+        newest level; None before a draft pass and a decode step were measured (the profile's
+        level is then unknown on this engine)."""
         rows = len(contexts)
+        if not self.clock.measured:
+            return None
         alphas = self.depths.conditional(shape.cap)
         reach, tokens = list(reach), list(tokens)
         gain = sum(gains)
@@ -339,7 +350,7 @@ class Evict:
         if not rows or shape.cap <= 0:
             return 0
         outlook = self._outlook(contexts, shape, 0, [1.0] * rows, [0.0] * rows, [1] * rows)
-        if outlook is None:  # the first drafting step: nothing measured yet
+        if outlook is None:  # the first drafting steps: nothing measured yet
             return self._planned(shape.cap)
         floor = 1 if (not self.guard or self.min_draft_tokens) else 0
         if self.depth_mode == "cap":
@@ -397,9 +408,16 @@ class Evict:
     # ---- truncation: before verification -----------------------------------------------------
 
     def benefits(self, tree: DraftTree) -> list[float]:
+        """Each node's estimated probability of being accepted: its score's calibrated acceptance, behind
+        a prior that is the larger of the score and the measured chance of reaching its depth (an
+        optimistic prior gets a bin verified and so measured; a pessimistic one would keep a drafter
+        whose probabilities say little, e.g. an overconfident or flat one, from ever being tried)."""
+        depths = tree.node_depths()
+        reach = np.cumprod(self.depths.conditional(max(depths, default=0))).tolist()
         out: list[float] = []
         for n, p in enumerate(tree.parents):
-            a = self.calibration.estimate(tree.scores[n])
+            score = tree.scores[n]
+            a = self.calibration.estimate(score, max(score, reach[depths[n] - 1]))
             out.append(min(a, out[p]) if p >= 0 else a)
         return out
 

@@ -1,0 +1,87 @@
+"""EVICT decides how far to draft (adaptive.depth "auto"), from times it measures on the engine.
+
+Drafters that are always right (their next-token distributions equal the target's exactly, fp32),
+cheap or costly next to the target: the tiny target and the same model padded with 46 zero-output
+layers (tiny_models.make_padded_llama). A drafter whose pass costs a fraction of the target's step
+drafts deep chains and keeps drafting after its first step's catch-up; one whose pass costs several
+target steps stops drafting (the guard: depth 0 wins), probing now and then. Both stay lossless:
+greedy output equals non-speculative greedy, token for token, while the depth changes mid-request.
+
+The cost profile is synthetic (one shape for both): EVICT scales it to the step times it measures,
+so the decisions follow the engine, not the profile's level.
+"""
+
+import gc
+import json
+
+import pytest
+
+from conftest import GREEDY_MAX_TOKENS as MAX_TOKENS
+from conftest import GREEDY_PROMPTS as NUM_PROMPTS
+from tiny_models import prompts
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+CAP = 6  # num_speculative_tokens: the deepest chain EVICT may choose
+
+
+@pytest.fixture(scope="module")
+def heavy(tiny_dir, tiny_target):
+    from tiny_models import make_padded_llama
+
+    return make_padded_llama(tiny_dir / "heavy", tiny_target, extra_layers=46)
+
+
+def _evict_chains(target, draft, profile: str) -> tuple[list[list[int]], dict]:
+    from vllm import LLM, SamplingParams
+
+    from vllm_sparsever.metrics import get_metrics
+
+    spec = {"method": "sparsever", "model": str(draft), "num_speculative_tokens": CAP,
+            "adaptive": {"enabled": True, "cost_profile": profile}}
+    llm = LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
+              speculative_config=spec, async_scheduling=False)
+    try:
+        outs = llm.generate(prompts(NUM_PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                            use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], get_metrics(llm)
+    finally:
+        del llm
+        gc.collect()
+
+
+def _depths(evict: dict, kind: str) -> dict[int, int]:
+    prefix = f"evict_{kind}_depth_"
+    return {int(k[len(prefix):]): int(v) for k, v in evict.items() if k.startswith(prefix)}
+
+
+def _mean(hist: dict[int, int]) -> float:
+    return sum(d * n for d, n in hist.items()) / max(sum(hist.values()), 1)
+
+
+@pytest.fixture(scope="module")
+def runs(heavy, tiny_target, tmp_path_factory):
+    from e2e.test_trees import _cost_profile
+
+    profile = _cost_profile(tmp_path_factory.mktemp("cost") / "cost.json", per_token_s=1e-4)
+    return {"cheap": _evict_chains(heavy, tiny_target, profile), "costly": _evict_chains(tiny_target, heavy, profile)}
+
+
+def test_depth_follows_the_drafters_cost_and_stays_lossless(plain_greedy, runs):
+    want = [tokens for tokens, _ in plain_greedy]
+    (cheap_out, cheap), (costly_out, costly) = runs["cheap"], runs["costly"]
+    # Lossless while the depth changes (the padded model decodes exactly as the tiny one).
+    assert cheap_out == want and costly_out == want
+    e_cheap, e_costly = cheap["evict"], costly["evict"]
+    info = json.dumps({"cheap": e_cheap, "costly": e_costly}, default=str)
+    # A cheap drafter that is always right: deep chains, drafting on every step after the first.
+    planned = _depths(e_cheap, "planned")
+    assert e_cheap["evict_skipped_drafting_steps"] == 0, info
+    assert _mean(planned) >= CAP - 1.5 and _mean(_depths(e_cheap, "drafted")) >= CAP - 2, info
+    assert cheap["num_accepted_tokens"] > 0.9 * cheap["num_draft_tokens"] > 0, info
+    # A costly one: plain decoding wins, so most steps skip drafting (probes aside), and the chains
+    # it does draft are shorter.
+    planned_costly = _depths(e_costly, "planned")
+    assert planned_costly.get(0, 0) > 0.5 * sum(planned_costly.values()), info
+    assert e_costly["evict_skipped_drafting_steps"] == planned_costly.get(0, 0), info
+    assert _mean(_depths(e_costly, "drafted")) < _mean(_depths(e_cheap, "drafted")), info
