@@ -79,9 +79,10 @@ def test_depth_follows_the_drafters_cost_and_stays_lossless(plain_greedy, runs):
     assert e_cheap["evict_skipped_drafting_steps"] == 0, info
     assert _mean(planned) >= CAP - 1.5 and _mean(_depths(e_cheap, "drafted")) >= CAP - 2, info
     assert cheap["num_accepted_tokens"] > 0.9 * cheap["num_draft_tokens"] > 0, info
-    # A costly one: plain decoding wins, so most steps skip drafting (probes aside), and the chains
-    # it does draft are shorter.
+    # A costly one: once its pass and the target's steps are measured (the first drafting steps go to
+    # the cap blind), plain decoding wins: most steps skip drafting (probes aside), and it drafts far
+    # fewer tokens for the same output.
     planned_costly = _depths(e_costly, "planned")
     assert planned_costly.get(0, 0) > 0.5 * sum(planned_costly.values()), info
     assert e_costly["evict_skipped_drafting_steps"] == planned_costly.get(0, 0), info
-    assert _mean(_depths(e_costly, "drafted")) < _mean(_depths(e_cheap, "drafted")), info
+    assert e_costly["evict_nodes_drafted"] < 0.5 * e_cheap["evict_nodes_drafted"], info
