@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 from pathlib import Path
 
 
@@ -19,7 +20,9 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("model", help="target: built model name or folder")
     p.add_argument("--out", default=None, help="also write the profile here")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
-    p.add_argument("--max-context", type=int, default=16384, help="largest context length measured")
+    p.add_argument("--max-context", type=int, default=None,
+                   help=f"largest context length measured (default {DEFAULT_MAX_CONTEXT}, or what the model's "
+                        f"maximum length leaves room for)")
     p.add_argument("--rows", default="1,4,8", help="requests per step (comma-separated)")
     p.add_argument("--tokens", default="1,2,4,8,16,32,64", help="query tokens per request")
     p.add_argument("--contexts", default="256,1024,4096,16384", help="context lengths")
@@ -30,6 +33,19 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.set_defaults(func=cmd_profile_verify)
     return p
+
+
+DEFAULT_MAX_CONTEXT = 16384
+
+
+def model_max_len(model: str) -> int | None:
+    """The model's own maximum length (config.json: max_position_embeddings), if it says."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return int(value) if value else None
 
 
 # --quick: enough points for the fit's terms (tokens with knees, rows, context) on 2 cores.
@@ -61,8 +77,20 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
+    headroom = max(_ints(args.tokens)) + 16  # the query tokens after the context, and a margin
+    limit = model_max_len(model)
+    if args.max_context is None:
+        args.max_context = DEFAULT_MAX_CONTEXT
+        if limit is not None and args.max_context + headroom > limit:
+            args.max_context = limit - headroom
+            print(f"profile-verify: --max-context {args.max_context} (the model's maximum length {limit} less "
+                  f"{headroom} tokens of headroom)", flush=True)
+    elif limit is not None and args.max_context + headroom > limit:
+        print(f"error: --max-context {args.max_context}: the model's maximum length is {limit}; the largest "
+              f"--max-context allowed is {limit - headroom}", file=sys.stderr)
+        return 2
     contexts = tuple(c for c in _ints(args.contexts) if c <= args.max_context)
-    max_len = args.max_context + max(_ints(args.tokens)) + 16
+    max_len = args.max_context + headroom
     grid = measurement_grid(max_len, _ints(args.rows), _ints(args.tokens), contexts)
     kv_tokens = max(r * (c + q) for r, q, c in grid)
     print(f"profile-verify: {model}, {len(grid)} grid points x 2 masks, up to {kv_tokens} KV tokens", flush=True)

@@ -187,6 +187,23 @@ class StepClock:
         """A draft pass and a decode step (plain or verify) were measured."""
         return bool(self.pass_s) and bool(self.ratio["plain"] or self.ratio["verify"])
 
+    def summary(self) -> dict[str, float]:
+        """What the clock measured (the latest values; ratios: measured / the profile's prediction, at
+        one row where measured, else the mean)."""
+        out: dict[str, float] = {}
+        for kind, table in self.ratio.items():
+            ones = [v for (rows, _), v in table.items() if rows == 1] or list(table.values())
+            if ones:
+                out[f"evict_clock_{kind}_ratio"] = sum(ones) / len(ones)
+        if self.gap_s is not None:
+            out["evict_clock_gap_s"] = self.gap_s
+        if 1 in self.pass_s:
+            out["evict_clock_pass_s_batch1"] = self.pass_s[1]
+            out["evict_clock_fixed_s_batch1"] = self.fixed_s.get(1, 0.0)
+        for rows, v in self.pass_s.items():
+            out[f"evict_clock_pass_s_rows{rows}"] = v
+        return out
+
     def draft_s(self, rows: int, passes: int) -> float | None:
         """Drafting time of `passes` passes at `rows` rows (nearest measured batch size; the draft's
         passes are weight-bound at small batches); None before any drafting step was measured."""

@@ -86,7 +86,7 @@ class TreeDrafting:
             return levels
         levels["tree_drafting"] = self.tree_stats.summary()
         if self.evict is not None:
-            levels["evict"] = self.evict.stats.summary()
+            levels["evict"] = {**self.evict.stats.summary(), **self.evict.clock.summary()}
             if self.evict.experts is not None:  # MoE target: how alike a request's tokens route
                 levels["evict"]["evict_moe_expert_sharing"] = self.evict.experts.sharing
         return levels
