@@ -57,6 +57,18 @@ def moe_methods(args) -> list[Method]:
     return out
 
 
+def drafting_path_methods(args) -> list[Method]:
+    """The same k drafts per step from vLLM's draft_model proposer (sparsever's runner times it) and
+    from sparsever's draft-model drafter (EVICT to the cap, no truncation that pays, no guard)."""
+    k = args.drafting_path_k
+    return [Method("vllm-proposer", True, True,
+                   lambda a, d: {"method": "sparsever", "model": d, "num_speculative_tokens": k}),
+            Method("sparsever-drafter", True, True,
+                   lambda a, d: {"method": "sparsever", "model": d, "num_speculative_tokens": k,
+                                 "adaptive": {"enabled": True, "depth": "cap", "guard": False,
+                                              "min_draft_tokens": k}})]
+
+
 def aggregate(result: dict) -> dict:
     """One method's run over every category: tok/s (sum of tokens / sum of seconds), acceptance, and
     EVICT's decisions."""
@@ -65,7 +77,9 @@ def aggregate(result: dict) -> dict:
     seconds = sum(c["seconds"] for c in cats)
     drafts = sum(c["num_drafts"] for c in cats)
     accepted = sum(c["num_accepted_tokens"] for c in cats)
+    steps = sum(c.get("num_steps", 0) for c in cats)
     out = {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds if seconds else None,
+           "draft_time_s": sum(c.get("draft_time_s") or 0.0 for c in cats), "steps": steps,
            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
            "draft_tokens_verified": sum(c["num_draft_tokens"] for c in cats), "accepted_tokens": accepted}
     evict, clock = {}, {}
@@ -121,11 +135,12 @@ def run_section(name: str, methods: list[Method], args, target: str, draft: str 
         merged[method.name] = entry
         if method.name == "autoregressive":
             base = runs
+    first = merged[methods[0].name]
     for name_, entry in merged.items():  # greedy agreement with autoregressive (bf16: near-ties flip)
         outs = entry["rounds"][-1]["outputs"]
-        ref = base[-1]["outputs"] if base else {}
+        ref = base[-1]["outputs"] if base else first["rounds"][-1]["outputs"]
         entry["greedy_match"] = f"{sum(outs[k] == ref.get(k) for k in outs)}/{len(outs)}"
-        entry["speedup_vs_autoregressive"] = entry["tok_s"] / merged["autoregressive"]["tok_s"]
+        entry["speedup_vs_autoregressive"] = entry["tok_s"] / (merged["autoregressive"] if base else first)["tok_s"]
     return merged
 
 
@@ -136,9 +151,10 @@ def best(entries: dict, prefix: str) -> tuple[str, float]:
 
 def markdown(section: str, batch: int, entries: dict) -> str:
     lines = [f"### {section}, batch {batch}", "",
-             "| method | tok/s (rounds) | x autoregressive | mean acceptance length | greedy = AR | EVICT: planned depth "
-             "(0 = skipped) | drafted levels | drafted / verified nodes | skipped share |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| method | tok/s (rounds) | x autoregressive | mean acceptance length | greedy = AR | drafting ms per step "
+             "(sparsever's runner) | EVICT: planned depth (0 = skipped) | drafted levels | drafted / verified nodes "
+             "| skipped share |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in entries.items():
         ev = e.get("evict")
         rounds = ", ".join(f"{x:.2f}" for x in e["per_round_tok_s"])
@@ -148,8 +164,10 @@ def markdown(section: str, batch: int, entries: dict) -> str:
             extra = [json.dumps(ev["planned_depth_histogram"]), json.dumps(ev["drafted_depth_histogram"]),
                      f"{ev['nodes_drafted']} / {ev['nodes_verified']}",
                      f"{ev['skipped_drafting_share']:.2f}" if ev["skipped_drafting_share"] is not None else "-"]
+        last = e["rounds"][-1]
+        draft_ms = f"{1e3 * last['draft_time_s'] / last['steps']:.1f}" if last.get("steps") else "-"
         lines.append(f"| {name} | {e['tok_s']:.2f} ({rounds}) | {e['speedup_vs_autoregressive']:.2f} | {mal} | "
-                     f"{e['greedy_match']} | " + " | ".join(extra) + " |")
+                     f"{e['greedy_match']} | {draft_ms} | " + " | ".join(extra) + " |")
     return "\n".join(lines)
 
 
@@ -172,6 +190,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-expand", type=int, default=3)
     p.add_argument("--tree-depth", type=int, default=5)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--drafting-path", action="store_true",
+                   help="also time the same k drafts per step through vLLM's proposer and sparsever's drafter")
+    p.add_argument("--drafting-path-k", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--compile", action="store_true")
@@ -193,6 +214,9 @@ def main(argv=None) -> int:
         sections += [("qwen", target, draft, qwen_methods(args), b) for b in args.batch_sizes]
     if not args.no_moe:
         sections.append(("moe", resolve_model(args.moe_target), None, moe_methods(args), 1))
+    if args.drafting_path:
+        sections.append(("drafting_path", resolve_model(args.target), resolve_model(args.draft),
+                         drafting_path_methods(args), 1))
     rows = {}
     total = 0
     for name, target, _, methods, batch in sections:

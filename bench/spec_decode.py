@@ -297,6 +297,8 @@ def run_method(method: Method, args, target: str, draft: str | None, rows: list[
                 entry["sparsever_mean_acceptance_length"] = m["mean_acceptance_length"]
                 entry["verify_time_s"] = m["verify_time_s"]
                 entry["draft_time_s"] = m["draft_time_s"]
+                entry["num_steps"] = m.get("num_steps", 0)
+                entry["num_verify_steps"] = m.get("num_verify_steps", 0)
                 if m.get("drafting"):
                     entry["drafting"] = m["drafting"]
                 entry.update(_experts_per_step(m.get("sparsity") or {}))

@@ -84,6 +84,8 @@ def test_adaptive_config(tmp_path):
     base = {"method": "sparsever", "model": "d", "num_speculative_tokens": 6}
     cfg = SparseverConfig.from_dict({**base, "adaptive": True})
     assert cfg.adaptive.enabled and cfg.adaptive.min_draft_tokens == 0 and cfg.adaptive.guard
+    assert cfg.adaptive.depth == "auto"
+    assert SparseverConfig.from_dict({**base, "adaptive": {"enabled": True, "depth": "cap"}}).adaptive.depth == "cap"
     profile = tmp_path / "cost.json"
     profile.write_text("{}")
     assert SparseverConfig.from_dict({**base, "adaptive": {"enabled": True, "cost_profile": str(profile)},
@@ -92,6 +94,7 @@ def test_adaptive_config(tmp_path):
         ({**base, "adaptive": {"enabled": True, "cost_profile": "/nope.json"}},
          ["adaptive.cost_profile", "profile-verify"]),
         ({**base, "adaptive": {"enabled": True, "min_draft_tokens": -1}}, ["adaptive.min_draft_tokens", ">= 0"]),
+        ({**base, "adaptive": {"enabled": True, "depth": "deep"}}, ["adaptive.depth", "'auto'", "'cap'"]),
         ({"method": "sparsever", "num_speculative_tokens": 6, "adaptive": True, "tree": True},
          ["tree.enabled", "'draft_model'", "draft_source='ngram'"]),
         ({**base, "adaptive": True, "early_exit": {"enabled": True}}, ["adaptive.enabled", "hierarchical"]),
