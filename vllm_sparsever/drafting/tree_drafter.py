@@ -120,10 +120,10 @@ class TreeDrafting:
         # before it is `position` tokens.
         contexts = list(reqs.positions)
         shape = self._draft_shape(reqs)
-        catch_up = self._catch_up_tokens(reqs)
+        catch_up = self._catch_up_tokens(reqs) if self.evict is not None else 0
         levels = shape.cap
         if self.evict is not None:
-            levels = self.evict.plan_depth(contexts, shape, catch_up)
+            levels = _agreed(self.evict.plan_depth(contexts, shape, catch_up))
             if levels == 0:
                 return drafts
         batch = self.runner.input_batch
@@ -136,15 +136,18 @@ class TreeDrafting:
             from vllm_sparsever.adaptive.evict import CATCH_UP_MIN_TOKENS
 
             rows = len(reqs.rows)
-            steady_passes = [t for t in passes[1:]] if catch_up >= CATCH_UP_MIN_TOKENS else list(passes)
-            self.evict.observe_drafting(rows, steady_passes, time.perf_counter() - start)
-            if catch_up >= CATCH_UP_MIN_TOKENS and passes:
-                self.evict.observe_catch_up(catch_up, passes[0])
-            self.evict.stats.drafted_depths[len(passes)] = self.evict.stats.drafted_depths.get(len(passes), 0) + 1
+            # A roots' pass that caught up on many tokens is a one-off: neither a pass nor fixed cost.
+            one_off = passes[0] if catch_up >= CATCH_UP_MIN_TOKENS and passes else 0.0
+            if one_off:
+                self.evict.observe_catch_up(catch_up, one_off)
+            steady = passes[1:] if one_off else passes
+            self.evict.observe_drafting(rows, steady, time.perf_counter() - start - one_off)
+            depth = max((t.depth() for t in trees), default=0)
+            self.evict.stats.drafted_depths[depth] = self.evict.stats.drafted_depths.get(depth, 0) + 1
             draft_s = self.evict.clock.draft_s(rows, len(passes)) or 0.0
             # A step of chains only is verified without a tree mask (vLLM's attention path).
             mask = "chain" if all(t.is_chain() for t in trees) else "tree"
-            trees = self.evict.truncate(trees, contexts, draft_time_s=draft_s, mask=mask)
+            trees = _agreed(self.evict.truncate(trees, contexts, draft_time_s=draft_s, mask=mask))
         for row, tree in zip(reqs.rows, trees, strict=True):
             if len(tree):
                 self._trees[batch.req_ids[row]] = tree
@@ -223,9 +226,9 @@ class TreeDrafting:
             live = [i for i in idx if not growths[i].done]
             if not live:
                 break
-            if self.evict is not None and not self.evict.keep_drafting(
+            if self.evict is not None and not _agreed(self.evict.keep_drafting(
                     [reqs.positions[i] for i in idx], _shape_of(shape, idx), len(passes),
-                    [growths[i].tree for i in idx], [list(growths[i].frontier) for i in idx]):
+                    [growths[i].tree for i in idx], [list(growths[i].frontier) for i in idx])):
                 self.evict.stats.stopped_early_steps += 1
                 for i in live:
                     growths[i].stop()
@@ -285,3 +288,12 @@ def _shape_of(shape: Any, idx: list[int]) -> Any:
     from dataclasses import replace
 
     return replace(shape, budgets=tuple(shape.budgets[i] for i in idx))
+
+
+def _agreed(decision: Any) -> Any:
+    """EVICT's `decision` as tensor-parallel rank 0 took it, on every rank: its times are measured on
+    each rank, and ranks that drafted different depths would run different passes (the draft's
+    collectives would hang) and verify different trees."""
+    from vllm_sparsever.integration.compat.sampling import same_on_every_tp_rank
+
+    return same_on_every_tp_rank(decision)
