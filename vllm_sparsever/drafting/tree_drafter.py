@@ -248,9 +248,11 @@ class TreeDrafting:
                 wanted.extend(range(offset + len(nodes) - len(g.frontier), offset + len(nodes)))
                 offset += len(nodes)
             as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+            # Chains: the ancestor mask is the causal one, so the drafter's plain causal attention runs.
+            mask = None if all(t.is_chain for t in topologies) else stacked_tree_mask(topologies).to(device)
             top_p, top_t = self._tree_level_top(
                 [reqs.rows[i] for i in live], as_long(tokens), as_long(positions), as_long(kv_positions), lens,
-                stacked_tree_mask(topologies).to(device), as_long(wanted), cfg.branching)
+                mask, as_long(wanted), cfg.branching)
             self.tree_stats.levels += 1
             offset = 0
             for i in live:
