@@ -49,7 +49,8 @@ def model_max_len(model: str) -> int | None:
 
 
 # --quick: enough points for the fit's terms (tokens with knees, rows, context) on 2 cores.
-QUICK = {"rows": "1,4", "tokens": "1,2,4,8", "contexts": "256,2048", "repeats": 2}
+# Steps up to 8 x 16 tokens: batched verify steps pass both knees of the fit (16 and 64 tokens).
+QUICK = {"rows": "1,8", "tokens": "1,4,16", "contexts": "256,2048", "repeats": 2}
 
 
 def _ints(text: str) -> tuple[int, ...]:
