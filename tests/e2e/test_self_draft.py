@@ -434,7 +434,7 @@ def self_draft_tree_run(target, heads, tmp_path_factory):
     """Draft trees from the layer-1 exit (layers 0..0 under the tree mask), cut by EVICT."""
     from e2e.test_trees import _cost_profile
 
-    profile = _cost_profile(tmp_path_factory.mktemp("cost") / "cost.json", per_token_s=1e-5)  # near-uniform head
+    profile = _cost_profile(tmp_path_factory.mktemp("cost") / "cost.json", per_token_s=1e-3)  # a token: 5% of a step
     spec = _spec(heads, draft_layer=DRAFT_LAYER)
     spec |= {"num_speculative_tokens": 8, "tree": {"enabled": True, "branching": 2, "expand": 2, "depth": 4},
              "adaptive": {"enabled": True, "cost_profile": profile, "guard": False}}  # the guard would skip: random head
