@@ -257,8 +257,14 @@ def main(argv=None) -> int:
 
 def write_summary(record: dict, results: dict, base: Path) -> dict:
     """bench/results/summary/evict.json with the keys issue 24 names (sections not run are left out)."""
+    path = RESULTS / "summary" / "evict.json"
+    previous = json.loads(path.read_text()) if path.is_file() else {}
     summary = {"machine": record["hardware"].get("Model name", "?") + f" ({record['hardware'].get('nproc')} cores)",
                "date": record["started_utc"][:10], "command": record["command"], "results_file": base.name}
+    for section in ("qwen", "moe"):  # a section this run did not measure stays as its last run wrote it
+        if section in previous and section not in results:
+            summary[section] = previous[section]
+    where = {"command": record["command"], "results_file": base.name}
     if "qwen" in results:
         summary["qwen"] = {}
         for key, entries in results["qwen"].items():
@@ -266,7 +272,7 @@ def write_summary(record: dict, results: dict, base: Path) -> dict:
                 continue
             dm, dm_tok_s = best(entries, "draft_model-k")
             ev, ev_tok_s = best(entries, "sparsever-evict")
-            summary["qwen"][key] = {"autoregressive_tok_s": entries["autoregressive"]["tok_s"],
+            summary["qwen"][key] = {**where, "autoregressive_tok_s": entries["autoregressive"]["tok_s"],
                                     "draft_model_best": {"k": int(dm.rsplit("k", 1)[1]), "tok_s": dm_tok_s},
                                     "evict_best": {"mode": ev, "tok_s": ev_tok_s},
                                     "evict_vs_draft_model_best": ev_tok_s / dm_tok_s}
@@ -274,13 +280,12 @@ def write_summary(record: dict, results: dict, base: Path) -> dict:
         entries = results["moe"]["batch_1"]
         fx, fx_tok_s = best(entries, "ngram-k")
         ev, ev_tok_s = best(entries, "sparsever-ngram-evict")
-        summary["moe"] = {"batch_1": {"autoregressive_tok_s": entries["autoregressive"]["tok_s"],
+        summary["moe"] = {"batch_1": {**where, "autoregressive_tok_s": entries["autoregressive"]["tok_s"],
                                       "fixed_chain_best": {"mode": fx, "tok_s": fx_tok_s},
                                       "evict_best": {"mode": ev, "tok_s": ev_tok_s},
                                       "evict_vs_fixed_chain_best": ev_tok_s / fx_tok_s}}
-    if "qwen" not in summary and "moe" not in summary:
-        return summary  # e.g. the drafting-path section alone: the summary stays as the last full run wrote it
-    path = RESULTS / "summary" / "evict.json"
+    if "qwen" not in results and "moe" not in results:
+        return summary  # e.g. the drafting-path section alone: the summary stays as the last run wrote it
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1) + "\n")
     return summary
