@@ -261,12 +261,12 @@ def write_summary(record: dict, results: dict, base: Path) -> dict:
     previous = json.loads(path.read_text()) if path.is_file() else {}
     summary = {"machine": record["hardware"].get("Model name", "?") + f" ({record['hardware'].get('nproc')} cores)",
                "date": record["started_utc"][:10], "command": record["command"], "results_file": base.name}
-    for section in ("qwen", "moe"):  # a section this run did not measure stays as its last run wrote it
-        if section in previous and section not in results:
-            summary[section] = previous[section]
+    for section in ("qwen", "moe"):  # what this run did not measure stays as its last run wrote it
+        if section in previous:
+            summary[section] = dict(previous[section])
     where = {"command": record["command"], "results_file": base.name}
     if "qwen" in results:
-        summary["qwen"] = {}
+        summary.setdefault("qwen", {})
         for key, entries in results["qwen"].items():
             if not key.startswith("batch_"):
                 continue
