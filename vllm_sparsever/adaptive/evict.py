@@ -197,11 +197,9 @@ class StepClock:
                 out[f"evict_clock_{kind}_ratio"] = sum(ones) / len(ones)
         if self.gap_s is not None:
             out["evict_clock_gap_s"] = self.gap_s
-        if 1 in self.pass_s:
-            out["evict_clock_pass_s_batch1"] = self.pass_s[1]
-            out["evict_clock_fixed_s_batch1"] = self.fixed_s.get(1, 0.0)
         for rows, v in self.pass_s.items():
             out[f"evict_clock_pass_s_rows{rows}"] = v
+            out[f"evict_clock_fixed_s_rows{rows}"] = self.fixed_s.get(rows, 0.0)
         return out
 
     def draft_s(self, rows: int, passes: int) -> float | None:
