@@ -45,9 +45,7 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
     gen = torch.Generator().manual_seed(0)
     out = []
     moe = runner.sparsever_runtime.moe_routing is not None
-    progress = _progress(len(grid))
-    for point, (rows, q, ctx) in enumerate(grid, start=1):
-        progress.update(1)
+    for point, (rows, q, ctx) in enumerate(_progress(grid), start=1):
         per_row = -(-(ctx + q) // bs)
         if rows * per_row > num_blocks:
             continue  # does not fit this KV cache
@@ -77,14 +75,14 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
             logger.info("profile-verify: %d/%d rows=%d tokens=%d context=%d %s: tree %.1f ms, chain %.1f ms%s",
                         point, len(grid), rows, q, ctx, kind, 1e3 * out[-2]["seconds"],
                         1e3 * out[-1]["seconds"], f", experts {out[-1]['experts']:.2f}" if moe else "")
-    progress.close()
     return out
 
 
-def _progress(total: int) -> Any:
-    """Points done and time left (tqdm, on stderr), on the first tensor-parallel rank only."""
+def _progress(grid: list[tuple[int, int, int]]) -> Any:
+    """The grid's points, with points done and time left (tqdm, on stderr) on the first
+    tensor-parallel rank only."""
     from tqdm import tqdm
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    return tqdm(total=total, desc="profile-verify", unit="point", mininterval=1.0,
+    return tqdm(grid, desc="profile-verify", unit="point", mininterval=1.0,
                 disable=get_tensor_model_parallel_rank() != 0)

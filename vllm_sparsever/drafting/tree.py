@@ -98,11 +98,8 @@ class TreeGrowth:
 
     def node_depths(self, nodes: list[int]) -> list[int]:
         """Depth below the root of each of `nodes` (the root's children: 1)."""
-        depth: dict[int, int] = {}
-        for n in range(max(nodes, default=-1) + 1):
-            p = self.tree.parents[n]
-            depth[n] = 1 if p < 0 else depth[p] + 1
-        return [depth[n] for n in nodes]
+        depths = self.tree.node_depths()
+        return [depths[n] for n in nodes]
 
     def grow(self, probs: torch.Tensor) -> None:
         """Children for this level's frontier from the drafter's distributions after each frontier
