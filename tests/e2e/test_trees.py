@@ -157,7 +157,8 @@ def test_ngram_evict_chains_greedy_equal_plain_greedy(plain_greedy, tiny_target,
     e = m["evict"]
     assert m["prompt_lookup"]["prompt_lookup_tokens"] >= e["evict_nodes_drafted"] > 0, json.dumps(m, default=str)
     assert 0 < m["num_draft_tokens"] <= e["evict_nodes_kept"] < e["evict_nodes_drafted"], json.dumps(m, default=str)
-    assert m["num_accepted_tokens"] > 0
+    # Whether any kept n-gram token is accepted depends on the measured step times (they price the
+    # cut), so acceptance is not asserted here; losslessness is.
 
 
 def test_serve_tp2_evict_trees_give_plain_greedy_text(plain_greedy, tiny_target, tiny_draft, tmp_path):
