@@ -3,7 +3,8 @@
 Verification cost on an MoE target grows with the union of experts its tokens route to (every
 routed expert's weights are read once per step), so draft trees and EVICT report and use it.
 Installed on MoE targets without MoE pruning (whose wrapper counts its own experts): each MoE
-runner's forward is shadowed on the target's own instances; on full-level verify steps it takes
+runner's forward is shadowed on the target's own instances; on sampled full-level verify steps
+(`runtime.should_sample`, one in STATS_SAMPLE_EVERY) it takes
 the top-k of the router logits of the verifying requests' tokens and records
 - per layer and request: the distinct routed experts and the tokens (`moe_verify_distinct_experts`
   / `moe_verify_request_layers` / `moe_verify_tokens` counters),
@@ -50,7 +51,9 @@ def install_expert_counter(model: nn.Module, runtime: Any) -> int:
 
         def forward(hidden_states, router_logits=None, *args, _stock=stock, _k=top_k, _gate=gate, **kwargs):
             plan = current_plan()
-            counting = plan is not None and plan.is_verify_step and plan.level is VerifyLevel.FULL
+            # A second routing per layer is a few percent of a small MoE's step: sampled steps only.
+            counting = (plan is not None and plan.is_verify_step and plan.level is VerifyLevel.FULL
+                        and runtime.should_sample(plan.step))
             if counting or _probe is not None:
                 logits = router_logits
                 if logits is None and _gate is not None:
