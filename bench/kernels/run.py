@@ -146,8 +146,26 @@ def measure_bandwidth() -> dict:
     }
 
 
+def measure_roof(dtype: torch.dtype, n: int = 2048) -> dict:
+    """The compute roof these threads reach: a large n x n x n GEMM through torch (oneDNN: AMX tiles on
+    CPUs that have them, else AVX512-BF16 / AVX-512 FMAs), operands resident in cache-friendly tiles."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    c = torch.empty(n, n, dtype=dtype)
+    t = bench(lambda: torch.matmul(a, b, out=c), min_reps=5, min_time=1.0)
+    return {"gemm_GFLOPs": 2 * n**3 / t[STAT] / 1e9, "gemm": t, "shape": [n, n, n], "dtype": str(dtype).split(".")[-1],
+            "amx": bool(torch.cpu._is_amx_tile_supported()),
+            "method": "torch.matmul, best of reps (the attention columns' 'roof %' divide by this)"}
+
+
+def attention_flops(q_len: int, ctx: int, hq: int, d: int) -> int:
+    """QK^T and PV multiply-adds (2 flops each) of one causal verify query over ctx + q_len keys."""
+    keys = q_len * ctx + q_len * (q_len + 1) // 2
+    return 4 * hq * d * keys
+
+
 # ---------------------------------------------------------------------------------------------------
-def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_frac: float, bw: float) -> dict:
+def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_frac: float, bw: float,
+                    roof_gflops: float | None = None) -> dict:
     hidden, _, hq, hkv, d = MODELS[model]
     bs = 128  # vLLM-CPU default block size
     seq_len = ctx + q_len
@@ -226,12 +244,15 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
             seq_lens=lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
             softcap=0, scheduler_metadata=sched, s_aux=None)
 
-    def vllm_sched(lens):
+    def vllm_sched(lens, isa="vec"):
         return vllm_ops.cpu_attn_get_scheduler_metadata(
             num_reqs=1, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=lens, dtype=dtype, query_start_loc=qsl,
-            causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=True)
+            causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
 
     dense_sched = vllm_sched(seq_lens)
+    # What vLLM-CPU picks for bf16 where AMX exists (its own packed K/V layout; random bytes time alike).
+    amx = dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() and bs % 32 == 0
+    amx_sched = vllm_sched(seq_lens, "amx") if amx else None
     compacted = {}
 
     def vllm_select(l):
@@ -246,6 +267,9 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
 
     def vllm_dense():
         vllm_attend(rot.next(), block_table, seq_lens, dense_sched)
+
+    def vllm_dense_amx():
+        vllm_attend(rot.next(), block_table, seq_lens, amx_sched)
 
     def vllm_sparse_select_and_attend():
         l = rot.next()
@@ -270,8 +294,16 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
             "summary_update": summary_update,
             "vllm_dense": vllm_dense, "vllm_sparse_with_select": vllm_sparse_select_and_attend,
             "vllm_sparse_attend_only": vllm_sparse_attend_only,
+            **({"vllm_dense_amx": vllm_dense_amx} if amx else {}),
         }),
     }
+    flops = attention_flops(q_len, ctx, hq, d)
+    res["flops"] = flops
+    for name in ("dense_ours", "vllm_dense", "vllm_dense_amx"):
+        if name in res:
+            res[f"GFLOPs_{name}"] = flops / res[name][STAT] / 1e9
+            if roof_gflops:
+                res[f"roof_fraction_{name}"] = res[f"GFLOPs_{name}"] / roof_gflops
     t_dt = res["dense_torch_sdpa"][STAT]
     t_sp = res["sparse_with_select"][STAT]
     res["speedup_vllm_sparse_vs_vllm_dense"] = res["vllm_dense"][STAT] / res["vllm_sparse_with_select"][STAT]
@@ -547,6 +579,20 @@ def markdown(results: dict) -> str:
             f"| {r['model']} | {r['dtype']} | {r['ctx']} | {r['q_len']} | {r['dense_torch_sdpa'][STAT]*1e3:.3f} | "
             f"{r['dense_ours'][STAT]*1e3:.3f} ({r['GBps_dense_ours']:.1f}) | {r['sparse_with_select'][STAT]*1e3:.3f} | "
             f"{r['speedup_sparse_vs_torch_dense']:.2f}x | {r['speedup_sparse_vs_our_dense']:.2f}x " + vllm_cols)
+    if results.get("roof") and results["attention"]:
+        roof = results["roof"]
+        lines += ["", f"## Dense verify attention against the compute roof ({roof['gemm_GFLOPs']:.0f} GFLOP/s: a "
+                  f"{roof['shape'][0]}^3 {roof['dtype']} GEMM through torch{', AMX' if roof['amx'] else ''}, this run)", "",
+                  "FLOPs: QK^T and PV of every query row over its causal keys. 'vllm amx' = vLLM's kernel with the ISA "
+                  "it picks for bf16 on CPUs with AMX (its own K/V layout).", "",
+                  "| model | ctx | q | ours ms, GFLOP/s, roof % | vllm vec ms, GFLOP/s, roof % | vllm amx ms, GFLOP/s, roof % |",
+                  "|---|---|---|---|---|---|"]
+        for r in results["attention"]:
+            cells = []
+            for name in ("dense_ours", "vllm_dense", "vllm_dense_amx"):
+                cells.append(f"{r[name][STAT]*1e3:.3f}, {r[f'GFLOPs_{name}']:.0f}, {100*r[f'roof_fraction_{name}']:.0f}%"
+                             if name in r and f"roof_fraction_{name}" in r else "-")
+            lines.append(f"| {r['model']} | {r['ctx']} | {r['q_len']} | " + " | ".join(cells) + " |")
     lines += ["", "## Top-k SwiGLU FFN (one neuron set for all q tokens)", "",
               "'ours' = what the served path runs with `ffn.weights: copy`: the dense gate on vLLM's own packed "
               "linear for the gate rows, then topk_swiglu_ffn_gated over the kept up/down rows. 'gate streamed' = "
@@ -646,7 +692,12 @@ def main() -> None:
     results["bandwidth"] = measure_bandwidth()
     bw = results["bandwidth"]["read_GBps"]
     print(f"read {bw:.1f} GB/s", flush=True)
-    results["attention"] = [bench_attention(m, c, q, dtype, 1 / 8, bw) for m, c, q in tqdm(attn_shapes, desc="attention")]
+    if attn_shapes:
+        results["roof"] = measure_roof(dtype)
+        print(f"roof: {results['roof']['gemm_GFLOPs']:.0f} GFLOP/s ({args.dtype} GEMM)", flush=True)
+    roof = results.get("roof", {}).get("gemm_GFLOPs")
+    results["attention"] = [bench_attention(m, c, q, dtype, 1 / 8, bw, roof)
+                            for m, c, q in tqdm(attn_shapes, desc="attention")]
     results["ffn"] = [bench_ffn(m, q, dtype, keep_fracs, bw) for m, q in tqdm(ffn_shapes, desc="ffn")]
     results["moe"] = [bench_moe(q, dtype, budgets, bw) for q in tqdm(moe_tokens, desc="moe")]
     results["loadavg_end"] = os.getloadavg()
