@@ -22,52 +22,85 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def running_server(model: Path, spec: dict, log: Path, *extra_args: str, env: dict | None = None):
-    """Yield the server's base URL once /health answers; fail the test with the log otherwise."""
-    args = [
+def _server_args(model: Path, spec: dict | None, *extra_args: str) -> list[str]:
+    return [
         str(model), "--dtype", "float32", "--enforce-eager", "--seed", "0",
         "--served-model-name", "tiny", *(["--speculative-config", json.dumps(spec)] if spec else []),
         *extra_args,
     ]
-    with running_vllm_serve(args, log, env=env) as (base, _):
+
+
+@contextlib.contextmanager
+def running_server(model: Path, spec: dict, log: Path, *extra_args: str, env: dict | None = None):
+    """Yield the server's base URL once /health answers; fail the test with the log otherwise."""
+    with running_vllm_serve(_server_args(model, spec, *extra_args), log, env=env) as (base, _):
         yield base
+
+
+@contextlib.contextmanager
+def running_servers(model: Path, specs: dict[str, dict | None], logs: Path, *extra_args: str,
+                    env: dict | None = None):
+    """`running_server` for each of `specs` ({name: speculative config or None}), started together
+    so their start-ups overlap: yield {name: base URL} once every /health answers (logs/<name>.log)."""
+    servers = [_Server(_server_args(model, spec, *extra_args), logs / f"{name}.log", env) for name, spec in specs.items()]
+    try:
+        deadline = time.time() + START_TIMEOUT_S * len(servers)  # their start-ups share the cores
+        for server in servers:
+            server.wait_healthy(deadline)
+        yield {name: server.base for name, server in zip(specs, servers, strict=True)}
+    finally:
+        for server in servers:
+            server.stop()
+
+
+class _Server:
+    """One `vllm serve <args> --host 127.0.0.1 --port <free>` process (its own process group)."""
+
+    def __init__(self, args: list[str], log: Path, env: dict | None) -> None:
+        port = _free_port()
+        vllm_bin = Path(sys.executable).with_name("vllm")
+        cmd = [str(vllm_bin), "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+        proc_env = {k: v for k, v in os.environ.items() if k != "VLLM_SPARSEVER_METRICS_DIR"}
+        proc_env.update(env or {})
+        self.log = log
+        with open(log, "w") as log_file:
+            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env,
+                                         start_new_session=True)
+        self.base = f"http://127.0.0.1:{port}"
+
+    def wait_healthy(self, deadline: float) -> None:
+        """Return once /health answers; fail the test with the log if the server exits or the deadline passes."""
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
+            try:
+                if requests.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"vllm serve did not start in time:\n{self.log.read_text()[-4000:]}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
 def running_vllm_serve(args: list[str], log: Path, env: dict | None = None, start_timeout_s: float = START_TIMEOUT_S):
     """`vllm serve <args> --host 127.0.0.1 --port <free>`: yield (base URL, process) once /health
     answers; fail the test with the log otherwise. The process group is stopped afterwards."""
-    port = _free_port()
-    vllm_bin = Path(sys.executable).with_name("vllm")
-    cmd = [str(vllm_bin), "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
-    proc_env = {k: v for k, v in os.environ.items() if k != "VLLM_SPARSEVER_METRICS_DIR"}
-    proc_env.update(env or {})
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + start_timeout_s
+    server = _Server(args, log, env)
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"vllm serve did not start in {start_timeout_s} s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield base, proc
+        server.wait_healthy(time.time() + start_timeout_s)
+        yield server.base, server.proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        server.stop()
 
 
 def sparsever_metrics(base: str) -> dict[str, float]:

@@ -5,13 +5,12 @@ Greedy fp32, tiny models; JSON-schema structured output on Qwen2.5-Coder-0.5B (t
 word-level vocabulary has no JSON characters).
 """
 
-import contextlib
 import json
 
 import pytest
 import requests
 
-from serve_utils import running_server
+from serve_utils import running_server, running_servers
 from tiny_models import prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -35,9 +34,8 @@ def servers(tiny_target, tiny_draft, tmp_path_factory):
                         "tree": {"enabled": True, "branching": 2, "expand": 2, "depth": 4},
                         "adaptive": {"enabled": True, "guard": False, "cost_profile": profile}},
     }
-    with contextlib.ExitStack() as stack:
-        yield {name: stack.enter_context(running_server(tiny_target, spec, logs / f"{name}.log", *ARGS))
-               for name, spec in specs.items()}
+    with running_servers(tiny_target, specs, logs, *ARGS) as bases:
+        yield bases
 
 
 def _complete(base: str, **body) -> requests.Response:
@@ -181,6 +179,7 @@ def test_json_schema_structured_output_on_a_real_model(tmp_path_factory):
     texts = {}
     logs = tmp_path_factory.mktemp("serve_json")
     for name, s in (("plain", None), ("sparsever", spec)):
+        # One at a time: two fp32 Qwen servers next to the module's tiny ones would not fit in memory.
         with running_server(model, s, logs / f"{name}.log", "--max-model-len", "1024") as base:
             r = requests.post(f"{base}/v1/chat/completions", json=body, timeout=600)
             assert r.status_code == 200, r.text[:500]
