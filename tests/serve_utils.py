@@ -42,8 +42,10 @@ def running_servers(model: Path, specs: dict[str, dict | None], logs: Path, *ext
                     env: dict | None = None):
     """`running_server` for each of `specs` ({name: speculative config or None}), started together
     so their start-ups overlap: yield {name: base URL} once every /health answers (logs/<name>.log)."""
-    servers = [_Server(_server_args(model, spec, *extra_args), logs / f"{name}.log", env) for name, spec in specs.items()]
+    servers: list[_Server] = []
     try:
+        for name, spec in specs.items():  # appended one by one: a failed start still stops the earlier ones
+            servers.append(_Server(_server_args(model, spec, *extra_args), logs / f"{name}.log", env))
         deadline = time.time() + START_TIMEOUT_S * len(servers)  # their start-ups share the cores
         for server in servers:
             server.wait_healthy(deadline)
