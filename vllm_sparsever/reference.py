@@ -32,6 +32,7 @@ __all__ = [
     "quest_block_scores",
     "select_kv_blocks",
     "block_sparse_tree_attention",
+    "logical_kv",
     "topk_swiglu_ffn",
     "topk_swiglu_ffn_gated",
     "input_sparse_gate",
@@ -175,6 +176,17 @@ def select_kv_blocks(
             num_selected[r, h] = keep[h].numel()
 
 
+def logical_kv(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nb, Hkv, bs, D] copies of caches in vLLM-CPU's AMX layout, given as the 6-D views that name it:
+    K [nb, Hkv, bs/16, D/2, 16, 2] (element [g, j, t, e] = K[16g + t, 2j + e]) and
+    V [nb, Hkv, D/16, bs/2, 16, 2] (element [i, s, c, o] = V[2s + o, 16i + c])."""
+    nb, hkv, groups, pairs = key_cache.shape[:4]
+    bs, d = groups * 16, pairs * 2
+    key = key_cache.permute(0, 1, 2, 4, 3, 5).reshape(nb, hkv, bs, d)
+    value = value_cache.permute(0, 1, 3, 5, 2, 4).reshape(nb, hkv, bs, d)
+    return key, value
+
+
 def block_sparse_tree_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -191,7 +203,7 @@ def block_sparse_tree_attention(
     """Attention of each request's query tokens over selected context blocks plus its own query tokens.
 
     out, query: [T, Hq, D] (fp32/bf16/fp16, same dtype as the caches). key_cache/value_cache: strided
-    [nb, Hkv, bs, D]. block_table [R, max_blocks] int32; seq_lens [R] int32; query_start_loc [R+1] int32.
+    [nb, Hkv, bs, D], or vLLM-CPU's AMX layout as 6-D views (`logical_kv`). block_table [R, max_blocks] int32; seq_lens [R] int32; query_start_loc [R+1] int32.
     selected/num_selected: from select_kv_blocks ([R, Hkv, S] logical block ids, [R, Hkv]); None = all
         context blocks (dense). Only the first num_selected[r, h] entries are read.
     tree_mask: [T, max_q_len] bool/uint8 or None. Row t (global token index) of request r: column j
@@ -205,6 +217,8 @@ def block_sparse_tree_attention(
     softmax(scale * q.k) over those keys, times v. A row with no allowed key gets zeros.
     """
     num_tokens, hq, d = query.shape
+    if key_cache.dim() == 6:
+        key_cache, value_cache = logical_kv(key_cache, value_cache)
     hkv = key_cache.shape[1]
     bs = key_cache.shape[2]
     group = hq // hkv

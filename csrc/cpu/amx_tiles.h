@@ -1,0 +1,71 @@
+// AMX (Advanced Matrix Extensions) tile helpers for the AVX-512 module: a tile configuration, the
+// process's permission to use tile data, and bf16 tile GEMM steps. Callers check `amx_usable()` first;
+// the functions carry their own target attribute, so the rest of the module needs no AMX flags.
+#pragma once
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <ATen/cpu/Utils.h>
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#define SPARSEVER_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+
+namespace sparsever::cpu::amx {
+
+constexpr int kTileRows = 16;      // rows of an A or C tile (query rows)
+constexpr int kTileBytes = 64;     // bytes per tile row
+constexpr int kBf16PerRow = 32;    // bf16 values per tile row: the K depth of one tile product
+constexpr int kF32PerRow = 16;     // fp32 values per C tile row: the N width of one tile product
+
+// True when the CPU has AMX-TILE and AMX-BF16 (CPUID.(7,0):EDX bits 24 and 22) and the kernel granted
+// this process tile data (at::cpu::init_amx, once per process).
+inline bool amx_usable() {
+  static const bool ok = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool has = (edx >> 24 & 1u) && (edx >> 22 & 1u);
+    return has && at::cpu::init_amx();
+  }();
+  return ok;
+}
+
+// The 2x2 register pattern every kernel here uses: A tiles 0 and 1 (row groups a and b, m0 and m1
+// rows), B tiles 2 and 3 (16 rows of 64 bytes), C tiles 4/5 (row group a x B 2/3) and 6/7 (row
+// group b). m1 == 0 leaves tiles 1, 6 and 7 unconfigured (single row group).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+class TileState {
+ public:
+  // Loads the configuration for row groups of m0 and m1 rows unless it is already in place.
+  // Construct one per parallel chunk: other code on the thread (oneDNN) may load its own.
+  SPARSEVER_AMX void configure(int m0, int m1) {
+    if (m0 == m0_ && m1 == m1_) return;
+    TileConfig cfg;
+    const int rows[8] = {m0, m1, kTileRows, kTileRows, m0, m0, m1, m1};
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+      cfg.colsb[t] = rows[t] > 0 ? kTileBytes : 0;
+    }
+    _tile_loadconfig(&cfg);
+    m0_ = m0;
+    m1_ = m1;
+  }
+  SPARSEVER_AMX ~TileState() {
+    if (m0_ >= 0) _tile_release();
+  }
+
+ private:
+  int m0_ = -1, m1_ = -1;
+};
+
+}  // namespace sparsever::cpu::amx
+#endif
