@@ -248,6 +248,9 @@ class VerificationPlan:
     attention: AttentionStepPlan | None  # None when sparse attention is not active this step
     selections: AnchorSelections = field(compare=False)
     tree: TreeStep | None = None  # None when every request verifies a chain
+    # A row of the step is a prefill chunk (several tokens, not a verify row): the step attends
+    # with vLLM's kernel, which schedules prefill work.
+    has_prefill_rows: bool = False
 
     @property
     def is_verify_step(self) -> bool:
@@ -338,6 +341,8 @@ def build_verification_plan(
             )
         )
 
+    verify_rows = {req.batch_index for req in requests}
+    has_prefill_rows = any(num_scheduled[i] > 1 and i not in verify_rows for i in range(num_reqs))
     groups = _token_groups(requests, num_tokens, device) if requests and sparsify else None
     attention = None
     if requests and sparsify and attention_planner is not None:
@@ -353,6 +358,7 @@ def build_verification_plan(
         attention=attention,
         selections=AnchorSelections(anchor_layers),
         tree=_tree_step(requests, num_scheduled, computed, query_start_loc, device),
+        has_prefill_rows=has_prefill_rows,
     )
 
 

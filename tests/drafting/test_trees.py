@@ -157,6 +157,8 @@ def test_accept_sampled_second_token_given_first_follows_the_child_distribution(
 
 
 class _Layer:
+    isa = "vec"  # the KV layout vLLM's builder set on the layer
+
     class impl:  # noqa: N801 - stands in for the attention impl (no summaries)
         pass
 

@@ -100,6 +100,9 @@ def test_draft_model_metrics(draft_model_run):
     assert m["accepted_per_position"] == sorted(m["accepted_per_position"], reverse=True)
     assert 0.0 < m["verification_time_share"] < 1.0
     assert m["num_verify_steps"] <= m["num_steps"]
+    # attention.dense_kernel "auto": verify steps without a prefill chunk attended with sparsever's
+    # kernel (fp32: vLLM's vec layout), and the output above stayed identical to plain greedy.
+    assert m["sparsity"]["attn_layers_dense_kernel"] > 0, m["sparsity"]
 
 
 def test_ngram_greedy_equals_plain_greedy(baseline, ngram_run):

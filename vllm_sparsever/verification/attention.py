@@ -83,10 +83,41 @@ def paged_kv_views(kv_cache: torch.Tensor, isa: str = "vec") -> tuple[torch.Tens
     return key, value
 
 
+def move_kv_tokens(kv_cache: torch.Tensor, isa: str, src_blocks: torch.Tensor, src_offsets: torch.Tensor,
+                   dst_blocks: torch.Tensor, dst_offsets: torch.Tensor) -> None:
+    """Copy the K/V of tokens (block, offset in block) to other slots, every KV head, in the layout
+    of `isa` (all sources are read before any destination is written)."""
+    key, value = paged_kv_views(kv_cache, isa)
+    if isa == "amx":  # token t: K [t // 16, :, t % 16, :], V [:, t // 2, :, t % 2] of its block
+        k = key[src_blocks, :, src_offsets // 16, :, src_offsets % 16]
+        v = value[src_blocks, :, :, src_offsets // 2, :, src_offsets % 2]
+        key[dst_blocks, :, dst_offsets // 16, :, dst_offsets % 16] = k
+        value[dst_blocks, :, :, dst_offsets // 2, :, dst_offsets % 2] = v
+        return
+    k, v = key[src_blocks, :, src_offsets], value[src_blocks, :, src_offsets]
+    key[dst_blocks, :, dst_offsets] = k
+    value[dst_blocks, :, dst_offsets] = v
+
+
 def resolve_attention_kernel(choice: str, stock_isa: str) -> str:
     """`attention.kernel` in force for layers whose stock ISA is `stock_isa`."""
     if choice == "auto":
         return "sparsever" if stock_isa in _PLAIN_LAYOUT_ISAS else "vllm"
+    return choice
+
+
+def resolve_dense_kernel(choice: str, isa: str) -> str:
+    """`attention.dense_kernel` in force for layers of KV layout `isa` (after the builder's choice).
+
+    "auto" takes sparsever's kernel wherever it reads the layout: it beat vLLM's at 1-16 query
+    tokens on vec and AMX layouts (bench/results/kernels_*_attention_*roof*)."""
+    readable = isa in _KERNEL_LAYOUT_ISAS
+    if choice == "sparsever" and not readable:
+        raise RuntimeError(
+            f"attention.dense_kernel: 'sparsever' cannot read vLLM's {isa!r} KV layout (it reads "
+            f"{', '.join(_KERNEL_LAYOUT_ISAS)}); use 'auto' or 'vllm'")
+    if choice == "auto":
+        return "sparsever" if readable else "vllm"
     return choice
 
 
@@ -220,10 +251,15 @@ class SparseverCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if rt is not None and rt.config.tree.enabled and choice == "auto":
             choice = "sparsever"  # the only kernel with a tree mask
         self.sparse_kernel = resolve_attention_kernel(choice, isa)
-        if self.sparse_kernel == "sparsever" and isa not in _PLAIN_LAYOUT_ISAS:
-            # AMX packs K/V into tiles sparsever's kernels cannot read; the vec kernels handle
-            # the same shapes (verification at small batch is memory-bound either way).
+        summaries = rt is not None and rt.started_with["attention"]
+        if self.sparse_kernel == "sparsever" and (
+                isa not in _KERNEL_LAYOUT_ISAS or (summaries and isa not in _PLAIN_LAYOUT_ISAS)):
+            # The attention kernel reads AMX's packed tiles, but the key summaries of sparse
+            # attention read the plain layout: there (and on layouts neither reads) the worker
+            # runs vLLM's vec ISA.
             vllm_attn.set_builder_isa(self, "vec" if self.block_size % 32 == 0 else "vec16")
+        self.dense_kernel = resolve_dense_kernel(rt.attention.dense_kernel if rt else "vllm",
+                                                 vllm_attn.builder_isa(self))
         self._set_isa_to_layers(layer_names)
         if rt is not None and rt.target_attention_layers.intersection(vllm_attn.builder_layer_names(self)):
             rt.attention_planner = AttentionPlanner(self)
@@ -232,6 +268,7 @@ class SparseverCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         super()._set_isa_to_layers(layer_names)
         for layer in vllm_attn.attention_layers(self.vllm_config, layer_names).values():
             layer.sparsever_attention_kernel = getattr(self, "sparse_kernel", None)
+            layer.sparsever_dense_kernel = getattr(self, "dense_kernel", None)
 
 
 class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -297,25 +334,46 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
                 return output
         if tree_mask is not None:
             return self._tree_forward(layer, query, kv_cache, attn_metadata, output, tree_mask)
+        if (
+            attn_metadata is not None
+            and plan is not None
+            and plan.is_verify_step
+            and not plan.has_prefill_rows
+            and output_scale is None
+            and output_block_scale is None
+            and self._supported
+            and rt is not None
+            and getattr(layer, "sparsever_dense_kernel", None) == "sparsever"
+        ):
+            rt.record(attn_layers_dense_kernel=1)
+            return self._dense_forward(layer, query, kv_cache, attn_metadata, output)
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
+
+    def _dense_forward(self, layer, query, kv_cache, md, output, tree_mask: torch.Tensor | None = None):
+        """Exact attention of a verify step over every context block with sparsever's kernel, in the
+        layer's KV layout (tree-masked for draft trees, else causal)."""
+        num_tokens = md.num_actual_tokens
+        key_cache, value_cache = paged_kv_views(kv_cache, vllm_attn.layer_isa(layer))
+        ops.block_sparse_tree_attention(
+            query[:num_tokens], key_cache, value_cache, md.block_table, md.seq_lens,
+            md.query_start_loc, self.scale, tree_mask=None if tree_mask is None else tree_mask[:num_tokens],
+            out=output[:num_tokens],
+        )
+        return output
 
     def _tree_forward(self, layer, query, kv_cache, md, output, tree_mask: torch.Tensor):
         """Dense attention under a draft tree's ancestor mask: vLLM's kernel only masks causally,
         so every layer of a tree forward runs sparsever's kernel over all context blocks. Not a
         fallback case: a causal kernel here would verify the wrong tokens."""
-        if not self._supported or _layer_kernel(layer) != "sparsever":
+        isa = vllm_attn.layer_isa(layer)
+        if not self._supported or getattr(layer, "sparsever_attention_kernel", None) != "sparsever" \
+                or isa not in _KERNEL_LAYOUT_ISAS:
             raise RuntimeError(
-                f"draft trees: layer {layer.layer_name} cannot attend with a tree mask (ISA "
-                f"{vllm_attn.layer_isa(layer)!r}, kernel {_layer_kernel(layer)!r}); tree verification "
-                "needs sparsever's attention kernel on the vec/vec16 KV layout")
-        num_tokens = md.num_actual_tokens
-        key_cache, value_cache = paged_kv_views(kv_cache)
-        ops.block_sparse_tree_attention(
-            query[:num_tokens], key_cache, value_cache, md.block_table, md.seq_lens,
-            md.query_start_loc, self.scale, tree_mask=tree_mask[:num_tokens], out=output[:num_tokens],
-        )
-        return output
+                f"draft trees: layer {layer.layer_name} cannot attend with a tree mask (ISA {isa!r}, "
+                f"kernel {getattr(layer, 'sparsever_attention_kernel', None)!r}); tree verification "
+                f"needs sparsever's attention kernel on a KV layout it reads ({', '.join(_KERNEL_LAYOUT_ISAS)})")
+        return self._dense_forward(layer, query, kv_cache, md, output, tree_mask)
 
     def _sparse_forward(self, layer, query, kv_cache, md, output, plan: VerificationPlan, rt,
                         tree_mask: torch.Tensor | None = None) -> bool:

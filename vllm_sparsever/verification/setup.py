@@ -42,7 +42,8 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
         )
     runtime = SparseVerificationRuntime(config, profile, source, num_layers)
     install_runtime(runtime)
-    if config.attention.enabled or config.tree.enabled:  # trees: the tree-mask kernel
+    # Trees need the tree-mask kernel; dense verify steps may run sparsever's kernel (dense_kernel).
+    if config.attention.enabled or config.tree.enabled or config.attention.dense_kernel != "vllm":
         from vllm_sparsever.verification.attention import register_sparse_attention_backend
 
         register_sparse_attention_backend()

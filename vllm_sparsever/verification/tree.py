@@ -97,7 +97,8 @@ def compact_accepted_kv(layer_kvs: list[Any], moves: list[tuple[int, int, list[i
     """Copy the K/V of accepted tree nodes into place in every layer: `moves` lists (batch row,
     context length, accepted node indices) per tree request; node i_j goes from position ctx+i_j
     to ctx+j. Returns the number of tokens moved (per layer)."""
-    from vllm_sparsever.verification.attention import paged_kv_views
+    from vllm_sparsever.integration.compat.cpu_attention import layer_isa
+    from vllm_sparsever.verification.attention import move_kv_tokens
 
     src_pos: list[tuple[int, int]] = []
     dst_pos: list[tuple[int, int]] = []
@@ -115,12 +116,10 @@ def compact_accepted_kv(layer_kvs: list[Any], moves: list[tuple[int, int, list[i
         bs = lkv.block_size
         src_blk = lkv.block_table[rows, src // bs].long()
         dst_blk = lkv.block_table[rows, dst // bs].long()
-        key, value = paged_kv_views(lkv.kv_cache)
-        device = key.device
+        device = lkv.kv_cache.device
         sb, so = src_blk.to(device), (src % bs).to(device)
         db, do = dst_blk.to(device), (dst % bs).to(device)
-        key[db, :, do] = key[sb, :, so]
-        value[db, :, do] = value[sb, :, so]
+        move_kv_tokens(lkv.kv_cache, layer_isa(lkv.layer), sb, so, db, do)
         refresh = getattr(lkv.layer.impl, "refresh_summaries", None)
         if refresh is not None:
             refresh(lkv.layer, lkv.kv_cache, (db * bs + do).to(torch.long))
