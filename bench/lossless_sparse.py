@@ -7,8 +7,11 @@ each long prompt is prefilled once) runs every mode on the same prompts, interle
 - `sparse-hier`: hierarchical verification, intermediate level = the sparse target (block-sparse
   attention), full level dense: the lossless sparse hierarchy;
 - `sparse-approx`: the same sparse attention verifying the drafter's drafts at the full level
-  (approximate; changes the text), to show what losslessness costs.
-A second engine without speculative decoding then runs the same prompts (`autoregressive`).
+  (approximate; changes the text), to show what losslessness costs;
+- `dense-vllm-kernel`: `dense` with `attention.dense_kernel` "vllm" (vLLM's attention kernel on the
+  verify steps instead of sparsever's), for the kernel's end-to-end share.
+A second engine without speculative decoding then runs the same prompts (`autoregressive`), and with
+`--vllm-draft-model K` a third, vLLM's own `draft_model` method with K drafts (`vllm-draft_model`).
 
 Per mode and context: decode tokens/s (first to last output token, from vLLM's request stats, so
 prefill is out of it), ratio to dense, tokens per full verification, intermediate acceptance,
@@ -36,7 +39,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
 
-MODES = ("dense", "sparse-hier", "sparse-approx")
+MODES = ("dense", "sparse-hier", "sparse-approx", "dense-vllm-kernel")
+LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", choices=["ngram", "draft_model"], default="ngram")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="--drafter draft_model: the draft model")
     p.add_argument("--no-autoregressive", action="store_true", help="skip the engine without speculative decoding")
+    p.add_argument("--vllm-draft-model", type=int, default=0, metavar="K",
+                   help="also run vLLM's own draft_model method with K drafts (needs --draft)")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32000])
     p.add_argument("--num-prompts", type=int, default=3, help="long documents per context")
     p.add_argument("--task", choices=["summarize", "qa"], default="summarize")
@@ -62,13 +68,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def start_engine(args, target: str, max_len: int, speculative: bool = True):
+def start_engine(args, target: str, max_len: int, speculative: bool = True, vllm_draft_model: int = 0):
     from vllm import LLM
 
     from vllm_sparsever.cli import resolve_model
 
     spec = None
-    if speculative:
+    if vllm_draft_model:
+        spec = {"method": "draft_model", "model": resolve_model(args.draft),
+                "num_speculative_tokens": vllm_draft_model}
+    elif speculative:
         spec = {
             "method": "sparsever", "num_speculative_tokens": args.cap,
             "attention": {"enabled": True, "top_k_blocks": args.top_k_blocks, "min_context_len": args.min_context_len},
@@ -87,8 +96,9 @@ def start_engine(args, target: str, max_len: int, speculative: bool = True):
 def set_mode(llm, args, mode: str) -> None:
     from vllm_sparsever.metrics import set_hierarchy, set_sparsity
 
-    attention = {"enabled": mode != "dense", "top_k_blocks": args.top_k_blocks,
-                 "min_context_len": args.min_context_len}
+    attention = {"enabled": mode not in ("dense", "dense-vllm-kernel"), "top_k_blocks": args.top_k_blocks,
+                 "min_context_len": args.min_context_len,
+                 "dense_kernel": "vllm" if mode == "dense-vllm-kernel" else "auto"}
     set_sparsity(llm, attention=attention)
     set_hierarchy(llm, mode == "sparse-hier")
 
@@ -98,7 +108,7 @@ def run_one(llm, args, mode: str, prompt: list[dict]) -> dict[str, Any]:
 
     from vllm_sparsever.metrics import get_metrics, reset_metrics
 
-    speculative = mode != "autoregressive"
+    speculative = mode not in ("autoregressive", "vllm-draft_model")
     if speculative:
         set_mode(llm, args, mode)
         reset_metrics(llm)
@@ -117,6 +127,10 @@ def run_one(llm, args, mode: str, prompt: list[dict]) -> dict[str, Any]:
         "tokens": tokens, "text": out.outputs[0].text,
     }
     m = get_metrics(llm) if speculative else {}
+    if mode == "vllm-draft_model":  # cumulative counters: the caller subtracts those before the run
+        spec = _vllm_spec_metrics(llm)
+        m = {"num_verify_steps": spec["num_drafts"], "num_draft_tokens": spec["num_draft_tokens"],
+             "num_accepted_tokens": spec["num_accepted_tokens"]}
     return run | {
         "verify_steps": m.get("num_verify_steps", 0), "verify_time_s": m.get("verify_time_s", 0.0),
         "draft_time_s": m.get("draft_time_s", 0.0), "num_draft_tokens": m.get("num_draft_tokens", 0),
@@ -125,6 +139,22 @@ def run_one(llm, args, mode: str, prompt: list[dict]) -> dict[str, Any]:
         "hierarchical": m.get("hierarchical") or {}, "drafter": m.get("prompt_lookup") or m.get("draft_model") or {},
         "sparsity": m.get("sparsity") or {},
     }
+
+
+def _vllm_spec_metrics(llm) -> dict[str, Any]:
+    """Drafts and accepted tokens from vLLM's own spec-decode counters (cumulative; the caller
+    differences them per run)."""
+    out = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_drafts": 0}
+    for metric in llm.get_metrics():
+        name = getattr(metric, "name", "")
+        value = getattr(metric, "value", None)
+        if name == "vllm:spec_decode_num_draft_tokens" and value is not None:
+            out["num_draft_tokens"] = int(value)
+        elif name == "vllm:spec_decode_num_accepted_tokens" and value is not None:
+            out["num_accepted_tokens"] = int(value)
+        elif name == "vllm:spec_decode_num_drafts" and value is not None:
+            out["num_drafts"] = int(value)
+    return out
 
 
 def summarize(runs: list[dict], modes: list[str]) -> list[dict[str, Any]]:
@@ -179,7 +209,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def write_report(record: dict, base: Path) -> str:
-    record["summary"] = summarize(record["runs"], record["args"]["modes"] + ["autoregressive"])
+    record["summary"] = summarize(record["runs"], record["args"]["modes"] + ["autoregressive", "vllm-draft_model"])
     base.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
     table = markdown(record["summary"])
     base.with_suffix(".md").write_text(
@@ -256,6 +286,25 @@ def main(argv=None) -> int:
                 for p, row in enumerate(tqdm(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts),
                                              desc=f"autoregressive {ctx}")):
                     run = run_one(llm, args, "autoregressive", [{"role": "user", "content": row["prompt"]}])
+                    run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
+                    record["runs"].append(run)
+                    base.with_suffix(".partial.json").write_text(json.dumps(record, default=str))
+        finally:
+            del llm
+    if args.vllm_draft_model:
+        import gc
+
+        gc.collect()
+        llm, record["vllm_spec"] = start_engine(args, target, max_len, vllm_draft_model=args.vllm_draft_model)
+        try:
+            for ctx in args.contexts:
+                for p, row in enumerate(tqdm(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts),
+                                             desc=f"vllm draft_model {ctx}")):
+                    before = _vllm_spec_metrics(llm)
+                    run = run_one(llm, args, "vllm-draft_model", [{"role": "user", "content": row["prompt"]}])
+                    run["verify_steps"] -= before["num_drafts"]
+                    run["num_draft_tokens"] -= before["num_draft_tokens"]
+                    run["num_accepted_tokens"] -= before["num_accepted_tokens"]
                     run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
                     record["runs"].append(run)
                     base.with_suffix(".partial.json").write_text(json.dumps(record, default=str))

@@ -64,6 +64,18 @@ def test_all_verify_step_needs_no_gather():
         block_table=torch.zeros(2, 4, dtype=torch.int32), block_size=16,
     )
     assert plan.groups.all_tokens_verify and plan.groups.other_index.numel() == 0
+    assert not plan.has_prefill_rows  # the dense verify kernel may take this step
+
+
+def test_a_prefill_chunk_beside_verify_rows_is_flagged():
+    plan = _known_plan()  # row "b" is a 10-token prefill chunk
+    assert plan.is_verify_step and plan.has_prefill_rows
+    decode_beside = build_verification_plan(
+        step=1, req_ids=["a", "c"], num_scheduled_tokens=np.array([3, 1]),
+        num_computed_tokens=np.array([5, 6]), scheduled_spec_decode_tokens={"a": [1, 2]},
+        block_table=torch.zeros(2, 4, dtype=torch.int32), block_size=16,
+    )
+    assert decode_beside.is_verify_step and not decode_beside.has_prefill_rows
 
 
 def test_prefill_row_with_drafts_is_not_a_verify_row():

@@ -127,3 +127,15 @@ def test_folded_summaries_bound_the_keys_and_restart_with_a_block():
     fold_block_key_summaries(again, torch.tensor([4, 5]), bs, key_min, key_max)
     torch.testing.assert_close(key_min[1], again.amin(0))
     torch.testing.assert_close(key_max[1], again.amax(0))
+
+
+def test_dense_kernel_resolves_per_layout():
+    from vllm_sparsever.verification.attention import resolve_dense_kernel
+
+    for isa in ("vec", "vec16", "amx"):
+        assert resolve_dense_kernel("auto", isa) == "sparsever"
+        assert resolve_dense_kernel("sparsever", isa) == "sparsever"
+        assert resolve_dense_kernel("vllm", isa) == "vllm"
+    assert resolve_dense_kernel("auto", "neon") == "vllm"
+    with pytest.raises(RuntimeError, match="attention.dense_kernel.*'neon'"):
+        resolve_dense_kernel("sparsever", "neon")

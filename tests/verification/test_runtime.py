@@ -85,3 +85,15 @@ def test_weights_mode_is_fixed_at_start():
     assert rt.ffn.gate == "stock"
     with pytest.raises(SparseverConfigError, match="ffn.gate"):
         rt.set_sections({"ffn": {"enabled": True, "gate": "kernel"}})
+
+
+def test_dense_kernel_switches_off_and_back_but_not_on_from_vllm():
+    rt = SparseVerificationRuntime(_config())
+    assert rt.attention.dense_kernel == "auto"
+    rt.set_sections({"attention": {"dense_kernel": "vllm"}})
+    assert rt.attention.dense_kernel == "vllm"
+    rt.set_sections({"attention": {"dense_kernel": "auto"}})
+    assert rt.attention.dense_kernel == "auto"
+    rt = SparseVerificationRuntime(_config(attention={"dense_kernel": "vllm"}))
+    with pytest.raises(SparseverConfigError, match="attention.dense_kernel"):
+        rt.set_sections({"attention": {"dense_kernel": "sparsever"}})

@@ -95,10 +95,10 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
     grid = measurement_grid(max_len, _ints(args.rows), _ints(args.tokens), contexts)
     kv_tokens = max(r * (c + q) for r, q, c in grid)
     print(f"profile-verify: {model}, {len(grid)} grid points x 2 masks, up to {kv_tokens} KV tokens", flush=True)
-    # Any sparsever config puts sparsever's runner in the worker; attention with kernel 'sparsever'
-    # registers the tree-capable backend on the KV layout tree verification uses. No request runs.
-    spec = {"method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": 1,
-            "attention": {"enabled": True, "kernel": "sparsever"}, "profile": "none"}
+    # Any sparsever config puts sparsever's runner in the worker and, with attention.dense_kernel
+    # "auto", its attention backend: verify steps (chains, trees) attend as served, in the KV layout
+    # vLLM picks (no sparsity set-up to change it). No request runs.
+    spec = {"method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": 1, "profile": "none"}
     llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
               max_num_batched_tokens=max(max_len, 2048), tensor_parallel_size=args.tensor_parallel_size,
               speculative_config=spec, seed=0)

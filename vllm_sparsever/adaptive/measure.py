@@ -4,7 +4,8 @@ Each grid point is one synthetic verify step: `rows` requests of `context` token
 sit in the first blocks of the KV cache (whatever those hold: the time does not depend on the
 values), plus `query_tokens` new tokens per row, run through every layer with their logits, as a
 verify step runs them. "tree": under a tree mask (a binary tree; sparsever's kernel), "chain":
-causally (vLLM's kernel). On MoE targets every point runs twice, with random tokens and with one
+causally, as a verify step (the kernel `attention.dense_kernel` gives verify steps; one query token:
+a decode step, vLLM's kernel). On MoE targets every point runs twice, with random tokens and with one
 token repeated, and records the share of routed expert weights the routers picked (the profile
 tells the experts' cost from the tokens' that way; adaptive/cost.py). Only a dedicated engine with
 no requests may run it: it writes K/V into blocks it does not own.
@@ -29,7 +30,7 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
     from vllm_sparsever.drafting.queries import final_hidden
     from vllm_sparsever.integration.compat.model import decoder_stack
     from vllm_sparsever.integration.compat.runner import kv_cache_blocks
-    from vllm_sparsever.plan import DraftTopology, stacked_tree_mask
+    from vllm_sparsever.plan import DraftTopology, active_plan, stacked_tree_mask
 
     from vllm_sparsever.integration.compat.cpu_attention import attention_layers
     from vllm_sparsever.verification.attention import SparseverCPUAttentionImpl
@@ -61,9 +62,10 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
             for mask in ("tree", "chain"):
                 positions = ctx + depths if mask == "tree" else kv_positions
                 tree_mask = stacked_tree_mask([binary] * rows).to(device) if mask == "tree" else None
+                plan = _verify_step_plan(rows, q, ctx, table, bs) if mask == "chain" else None
                 times = []
                 for rep in range(repeats + 1):  # the first run warms up
-                    with probe_step_experts() as routed:
+                    with probe_step_experts() as routed, active_plan(plan):
                         start = time.perf_counter()
                         normed = final_hidden(runner, stack, list(range(rows)), tokens, positions, [q] * rows,
                                               kv_positions=kv_positions, tree_mask=tree_mask, block_table=table)
@@ -86,3 +88,17 @@ def _progress(grid: list[tuple[int, int, int]]) -> Any:
 
     return tqdm(grid, desc="profile-verify", unit="point", mininterval=1.0,
                 disable=get_tensor_model_parallel_rank() != 0)
+
+
+def _verify_step_plan(rows: int, q: int, ctx: int, table: torch.Tensor, block_size: int):
+    """The plan of a dense verify step of `rows` requests with q - 1 drafts each after `ctx` tokens
+    (no verify request for q = 1: a decode step), so attention picks the kernel real steps get."""
+    import numpy as np
+
+    from vllm_sparsever.plan import build_verification_plan
+
+    ids = [f"profile-verify-{i}" for i in range(rows)]
+    return build_verification_plan(
+        step=0, req_ids=ids, num_scheduled_tokens=np.full(rows, q), num_computed_tokens=np.full(rows, ctx),
+        scheduled_spec_decode_tokens={i: [0] * (q - 1) for i in ids}, block_table=table,
+        block_size=block_size, sparsify=False)

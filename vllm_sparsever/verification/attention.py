@@ -343,6 +343,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
             and output_block_scale is None
             and self._supported
             and rt is not None
+            and rt.attention.dense_kernel != "vllm"
             and getattr(layer, "sparsever_dense_kernel", None) == "sparsever"
         ):
             rt.record(attn_layers_dense_kernel=1)
@@ -367,12 +368,11 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         so every layer of a tree forward runs sparsever's kernel over all context blocks. Not a
         fallback case: a causal kernel here would verify the wrong tokens."""
         isa = vllm_attn.layer_isa(layer)
-        if not self._supported or getattr(layer, "sparsever_attention_kernel", None) != "sparsever" \
-                or isa not in _KERNEL_LAYOUT_ISAS:
+        if not self._supported or isa not in _KERNEL_LAYOUT_ISAS:
             raise RuntimeError(
                 f"draft trees: layer {layer.layer_name} cannot attend with a tree mask (ISA {isa!r}, "
-                f"kernel {getattr(layer, 'sparsever_attention_kernel', None)!r}); tree verification "
-                f"needs sparsever's attention kernel on a KV layout it reads ({', '.join(_KERNEL_LAYOUT_ISAS)})")
+                f"plain causal decoder attention: {self._supported}); tree verification needs "
+                f"sparsever's attention kernel on a KV layout it reads ({', '.join(_KERNEL_LAYOUT_ISAS)})")
         return self._dense_forward(layer, query, kv_cache, md, output, tree_mask)
 
     def _sparse_forward(self, layer, query, kv_cache, md, output, plan: VerificationPlan, rt,

@@ -60,11 +60,11 @@ def install_expert_counter(model: nn.Module, runtime: Any) -> int:
                     out = _gate(hidden_states)
                     logits = out[0] if isinstance(out, tuple) else out
                 if logits is not None:
-                    if counting:
-                        count_experts(plan, logits, _k, runtime)
-                    else:
+                    if _probe is not None:  # a measurement (profile-verify): not a served step
                         ids = logits.topk(_k, dim=-1).indices
                         _probe.append((int(ids.shape[0]), int(ids.unique().numel()), int(logits.shape[-1])))
+                    else:
+                        count_experts(plan, logits, _k, runtime)
             return _stock(hidden_states, router_logits, *args, **kwargs)
 
         vllm_moe.shadow_runner_forward(runner, forward)

@@ -98,6 +98,8 @@ class SparseVerificationRuntime:
             "ffn": config.ffn.enabled,
             "moe": config.moe.enabled,
         }
+        # Dense verify steps on sparsever's kernel may be switched off at run time and back on.
+        self.dense_kernel_at_start = config.attention.dense_kernel
         self.stats: Counter[str] = Counter()
         self.stats_sample_every = max(1, int(os.environ.get(STATS_SAMPLE_ENV, STATS_SAMPLE_EVERY)))
         # Set by the sparse attention backend once it knows the KV layout and kernel (at KV cache
@@ -156,6 +158,10 @@ class SparseVerificationRuntime:
                     f"{name}.enabled: {name} sparsity was off at start, so its start-up work "
                     f"(backend, summaries, module swap) was not done; allowed at run time: false"
                 )
+        if new.attention.dense_kernel != "vllm" and self.dense_kernel_at_start == "vllm":
+            raise SparseverConfigError(
+                "attention.dense_kernel: 'vllm' at start, so sparsever's attention backend may not be "
+                "in place; allowed at run time: 'vllm'")
         for name, knobs in _START_UP_KNOBS.items():
             for knob in knobs:
                 chosen = getattr(getattr(self.config, name), knob)

@@ -1,0 +1,98 @@
+"""bench/results/summary/long_context.json from a long-context end-to-end run and a kernel run.
+
+    python bench/long_context_summary.py \
+        --e2e bench/results/lossless_sparse_<tag>_<time>.json \
+        --kernels bench/results/kernels_<date>_attention_bf16_t2_<tag>.json
+
+- `contexts`: decode tokens/s per mode from `bench/lossless_sparse.py` (one engine per method family,
+  the speculative modes interleaved per prompt); contexts are keyed by the nominal length asked for
+  (the run clamps 32768 to what leaves room for the output);
+- `verify_step_ms["32768"]`: `decode_1` = the autoregressive engine's time per output token; the
+  verify columns = the sparsever runner's verification time per dense verify step (target forward
+  with logits + rejection sampling) with vLLM's and with sparsever's attention kernel;
+- `roof_fraction["32768"]`: dense attention FLOP/s of the kernel dense verify steps run (sparsever's,
+  in the KV layout vLLM picks on the machine) over the bf16 GEMM roof measured in the kernel run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOMINAL = (8192, 32768)
+LOSSLESS = ("dense", "sparse-hier", "dense-vllm-kernel")
+APPROXIMATE = ("sparse-approx",)
+
+
+def nominal(ctx: int) -> str:
+    return str(min((n for n in NOMINAL if n >= ctx), default=ctx))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--e2e", required=True, type=Path)
+    ap.add_argument("--kernels", required=True, type=Path)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "summary" / "long_context.json")
+    args = ap.parse_args()
+    e2e, kernels = json.loads(args.e2e.read_text()), json.loads(args.kernels.read_text())
+    rows = e2e["summary"]
+
+    contexts, ms = {}, {}
+    for ctx in sorted({r["context"] for r in rows}):
+        at = {r["mode"]: r for r in rows if r["context"] == ctx}
+        lossless = max((at[m] for m in LOSSLESS if m in at), key=lambda r: r["tokens_per_s"])
+        approx = max((at[m] for m in APPROXIMATE if m in at), key=lambda r: r["tokens_per_s"])
+        key = nominal(ctx)
+        contexts[key] = {
+            "autoregressive_tok_s": at["autoregressive"]["tokens_per_s"],
+            "draft_model_tok_s": at["vllm-draft_model"]["tokens_per_s"],
+            "best_lossless": {"mode": lossless["mode"], "tok_s": lossless["tokens_per_s"]},
+            "best_approximate": {"mode": approx["mode"], "tok_s": approx["tokens_per_s"]},
+            "prompt_context_tokens": ctx,
+            "tok_s_by_mode": {m: r["tokens_per_s"] for m, r in at.items()},
+            "best_lossless_vs_autoregressive": lossless["tokens_per_s"] / at["autoregressive"]["tokens_per_s"],
+            "best_lossless_vs_draft_model": lossless["tokens_per_s"] / at["vllm-draft_model"]["tokens_per_s"],
+        }
+        ms[key] = {
+            "decode_1": 1e3 / at["autoregressive"]["tokens_per_s"],
+            "verify_4_vllm_kernel": at["dense-vllm-kernel"]["verify_ms_per_step"],
+            "verify_4_sparsever_kernel": at["dense"]["verify_ms_per_step"],
+        }
+    amx = kernels["roof"].get("amx", False)
+    variant = "dense_ours_amx" if amx else "dense_ours"
+    roof = {}
+    for r in kernels["attention"]:
+        if r["ctx"] == 32768 and r["q_len"] in (4, 8, 16) and f"roof_fraction_{variant}" in r:
+            roof[str(r["q_len"])] = r[f"roof_fraction_{variant}"]
+    verify_32k = ms.get("32768", {})
+    summary = {
+        "machine": e2e["hardware"].get("Model name", "?") + f", {e2e['hardware'].get('nproc', '?')} cores",
+        "date": e2e["started"][:10],
+        "command": f"{e2e['command']}  +  {kernels['command']}  +  " + " ".join(["python", *sys.argv]),
+        "contexts": contexts,
+        "verify_step_ms": {"32768": verify_32k},
+        "roof_fraction": {"32768": roof},
+        "roof_kernel": f"{variant} ({'vLLM AMX layout, AMX tiles' if amx else 'vec layout'}); roof "
+                       f"{kernels['roof']['gemm_GFLOPs']:.0f} GFLOP/s ({kernels['roof']['method']})",
+        "attainable_fraction": {"32768": {str(r["q_len"]): r.get(f"attainable_fraction_{variant}")
+                                          for r in kernels["attention"]
+                                          if r["ctx"] == 32768 and r["q_len"] in (4, 8, 16)}},
+        "sources": {"e2e": str(args.e2e.relative_to(ROOT)), "kernels": str(args.kernels.relative_to(ROOT))},
+    }
+    aims = {
+        "roof_fraction_ge_0.6": bool(roof) and all(v >= 0.6 for v in roof.values()),
+        "verify_4_le_1.5x_decode": bool(verify_32k) and verify_32k["verify_4_sparsever_kernel"] <= 1.5 * verify_32k["decode_1"],
+        "best_lossless_ge_1.3x_autoregressive": {k: v["best_lossless_vs_autoregressive"] >= 1.3 for k, v in contexts.items()},
+    }
+    summary["aims_met"] = aims
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
