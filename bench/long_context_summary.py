@@ -33,12 +33,22 @@ def nominal(ctx: int) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--e2e", required=True, type=Path)
+    ap.add_argument("--e2e", required=True, type=Path, action="append",
+                    help="lossless_sparse.py JSON; repeat it to merge runs: a later file's (context, mode) "
+                         "rows replace an earlier file's (e.g. a rerun of modes measured on a busy machine)")
     ap.add_argument("--kernels", required=True, type=Path)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "summary" / "long_context.json")
     args = ap.parse_args()
-    e2e, kernels = json.loads(args.e2e.read_text()), json.loads(args.kernels.read_text())
-    rows = e2e["summary"]
+    args.e2e = [p.resolve() for p in args.e2e]
+    args.kernels = args.kernels.resolve()
+    kernels = json.loads(args.kernels.read_text())
+    runs = [json.loads(p.read_text()) for p in args.e2e]
+    e2e = runs[0]
+    merged: dict[tuple[int, str], dict] = {}
+    for path, run in zip(args.e2e, runs):
+        for row in run["summary"]:
+            merged[(row["context"], row["mode"])] = row | {"source": str(path.relative_to(ROOT))}
+    rows = list(merged.values())
 
     contexts, ms = {}, {}
     for ctx in sorted({r["context"] for r in rows}):
@@ -53,6 +63,7 @@ def main() -> int:
             "best_approximate": {"mode": approx["mode"], "tok_s": approx["tokens_per_s"]},
             "prompt_context_tokens": ctx,
             "tok_s_by_mode": {m: r["tokens_per_s"] for m, r in at.items()},
+            "source_by_mode": {m: r["source"] for m, r in at.items()},
             "best_lossless_vs_autoregressive": lossless["tokens_per_s"] / at["autoregressive"]["tokens_per_s"],
             "best_lossless_vs_draft_model": lossless["tokens_per_s"] / at["vllm-draft_model"]["tokens_per_s"],
         }
@@ -71,7 +82,7 @@ def main() -> int:
     summary = {
         "machine": e2e["hardware"].get("Model name", "?") + f", {e2e['hardware'].get('nproc', '?')} cores",
         "date": e2e["started"][:10],
-        "command": f"{e2e['command']}  +  {kernels['command']}  +  " + " ".join(["python", *sys.argv]),
+        "command": "  +  ".join([*(r["command"] for r in runs), kernels["command"], " ".join(["python", *sys.argv])]),
         "contexts": contexts,
         "verify_step_ms": {"32768": verify_32k},
         "roof_fraction": {"32768": roof},
@@ -80,7 +91,7 @@ def main() -> int:
         "attainable_fraction": {"32768": {str(r["q_len"]): r.get(f"attainable_fraction_{variant}")
                                           for r in kernels["attention"]
                                           if r["ctx"] == 32768 and r["q_len"] in (4, 8, 16)}},
-        "sources": {"e2e": str(args.e2e.relative_to(ROOT)), "kernels": str(args.kernels.relative_to(ROOT))},
+        "sources": {"e2e": [str(p.relative_to(ROOT)) for p in args.e2e], "kernels": str(args.kernels.relative_to(ROOT))},
     }
     aims = {
         "roof_fraction_ge_0.6": bool(roof) and all(v >= 0.6 for v in roof.values()),
