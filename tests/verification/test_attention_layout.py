@@ -27,6 +27,29 @@ def test_paged_kv_views_match_vllm_cpu_writes(dtype):
     torch.testing.assert_close(value_view[blocks, :, offsets], value, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM-CPU writes the AMX layout only with AMX")
+def test_amx_views_match_vllm_cpu_writes():
+    """The 6-D views of the AMX layout, unpacked by `reference.logical_kv`, hold what vLLM's own
+    cache op wrote (the layout contract the AMX path of the kernel reads)."""
+    from vllm import _custom_ops as vllm_ops
+
+    from vllm_sparsever.reference import logical_kv
+
+    nb, hkv, bs, d = 4, 2, 32, 64
+    kv_cache = torch.zeros(nb, hkv, bs, 2 * d, dtype=torch.bfloat16)
+    key_stock, value_stock = kv_cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
+    n = 70
+    key = torch.randn(n, hkv, d).to(torch.bfloat16)
+    value = torch.randn(n, hkv, d).to(torch.bfloat16)
+    slots = torch.randperm(nb * bs)[:n].to(torch.int64)
+    vllm_ops.cpu_attn_reshape_and_cache(key, value, key_stock, value_stock, slots, "amx",
+                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    key_view, value_view = logical_kv(*paged_kv_views(kv_cache, "amx"))
+    blocks, offsets = slots // bs, slots % bs
+    torch.testing.assert_close(key_view[blocks, :, offsets], key, rtol=0, atol=0)
+    torch.testing.assert_close(value_view[blocks, :, offsets], value, rtol=0, atol=0)
+
+
 # ---- attention.kernel = "vllm": vLLM's kernel over a compacted block table -------------------------
 
 # KV layouts vLLM-CPU writes on this machine (AMX tiles, bf16 only, where the CPU has AMX).
