@@ -164,7 +164,6 @@ inline int64_t sdpa_min_rows() {
   return value;
 }
 
-
 #if defined(CPU_CAPABILITY_AVX512)
 using bf16 = c10::BFloat16;
 
@@ -329,8 +328,8 @@ SPARSEVER_AMX void amx_segment(const AmxSegment& sg, const bf16* q, int rows, fl
       for (int t = 0; t < ntp; ++t) {  // token t: pair t/2, element t%2 of each of the 16 dims
         const bool valid = a_lo + t >= sg.t_lo && a_lo + t < sg.t_hi;
         for (int dd = 0; dd < 16; ++dd) {
-          const int64_t at = (t / 2) * 32 + dd * 2 + (t % 2);
-          dst[at] = valid ? src[at] : bf16(0.f);
+          const int64_t i = (t / 2) * 32 + dd * 2 + (t % 2);
+          dst[i] = valid ? src[i] : bf16(0.f);
         }
       }
     }
