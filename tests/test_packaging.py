@@ -203,3 +203,29 @@ def test_installed_wheel_serves_from_its_own_files(built, tmp_path):
     proc = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc.stdout + proc.stderr
+
+
+def test_setup_honours_cuda_archs_and_cmake_args():
+    import runpy
+
+    helpers = runpy.run_path(str(Path(__file__).resolve().parents[1] / "setup.py"), run_name="setup_helpers")
+    args = helpers["cmake_args_from_env"]({"SPARSEVER_CUDA_ARCHS": "90", "CMAKE_ARGS": "-DFOO='a b' -G Ninja"})
+    assert args == ["-DSPARSEVER_CUDA_ARCHS=90", "-DFOO=a b", "-G", "Ninja"]
+    assert helpers["cmake_args_from_env"]({}) == []
+
+
+def test_cuda_build_without_nvcc_fails_loudly(tmp_path):
+    """CMake asked for CUDA kernels (SPARSEVER_TARGET_DEVICE=cuda) stops when there is no CUDA compiler,
+    instead of building CPU-only modules that fail on the first CUDA tensor."""
+    import subprocess
+
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        ["cmake", "-S", str(root), "-B", str(tmp_path), f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+         f"-DPython_EXECUTABLE={sys.executable}", "-DSPARSEVER_TARGET_DEVICE=cuda",
+         "-DCMAKE_CUDA_COMPILER=/nonexistent/nvcc"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "no CUDA compiler" in proc.stdout + proc.stderr or "CMAKE_CUDA_COMPILER" in proc.stdout + proc.stderr

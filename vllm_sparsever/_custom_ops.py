@@ -14,6 +14,22 @@ load_extension()
 
 _ops = torch.ops.sparsever
 
+OP_NAMES = ("update_block_key_summaries", "select_kv_blocks", "block_sparse_tree_attention", "topk_swiglu_ffn",
+            "topk_swiglu_ffn_gated", "input_sparse_gate", "moe_route_and_prune", "moe_grouped_dispatch")
+
+
+def loaded_module() -> str:
+    """The extension module this process loaded (vllm_sparsever._C_avx512 or vllm_sparsever._C)."""
+    return load_extension()
+
+
+def registered_kernels() -> dict[str, list[str]]:
+    """For every op, the devices it has a kernel for ("CPU", "CUDA"): a CUDA build that registered no
+    CUDA kernels shows here (`vllm-sparsever ext-info` prints it)."""
+    return {op: [key for key in ("CPU", "CUDA")
+                 if torch._C._dispatch_has_kernel_for_dispatch_key(f"sparsever::{op}", key)]
+            for op in OP_NAMES}
+
 
 # ---- fake impls: outputs are mutated arguments, so there is nothing to compute or allocate -----------
 

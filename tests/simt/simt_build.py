@@ -54,6 +54,12 @@ KERNEL_SOURCES = ["attention_ops.cpp", "ffn_moe_ops.cpp"]
 
 @functools.cache
 def kernel_ops():
-    """torch.ops.sparsever_simt: the product's CUDA kernel bodies run by the SIMT executor."""
+    """torch.ops.sparsever_simt: the product's CUDA kernel bodies run by the SIMT executor; with
+    SPARSEVER_SIMT_DEVICE=cuda|cpu, the same cases on the product's own ops on that device instead."""
+    device = os.environ.get("SPARSEVER_SIMT_DEVICE")
+    if device:
+        from device_ops import DeviceOps
+
+        return DeviceOps(device)
     _build("sparsever_simt_kernels", KERNEL_SOURCES)
     return torch.ops.sparsever_simt

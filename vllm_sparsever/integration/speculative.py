@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_sparsever.config import METHOD_NAME, SparseverConfig, SparseverConfigError
-from vllm_sparsever.verification.support import check_sparsity_supported
+from vllm_sparsever.verification.support import check_cuda_graphs, check_sparsity_supported
 
 ADDITIONAL_CONFIG_KEY = "sparsever"
 WORKER_CLS = "vllm_sparsever.integration.worker.SparseverWorker"
@@ -70,6 +70,11 @@ def _create_speculative_config(engine_args, call_vllm, target_model_config, targ
     config = SparseverConfig.from_dict(raw)
     _check_target_supported(target_model_config, target_parallel_config)
     check_sparsity_supported(config, target_model_config)
+    from vllm.platforms import current_platform
+
+    from vllm_sparsever.integration.compat.engine_args import uses_cuda_graphs
+
+    check_cuda_graphs(config, current_platform.is_cpu(), uses_cuda_graphs(engine_args))
     if config.draft_source == "early_exit" or config.early_exit.uses_heads:
         from vllm_sparsever.drafting.self_draft import resolve_self_draft
 

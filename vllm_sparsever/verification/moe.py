@@ -216,14 +216,16 @@ class SparseMoEBlock:
                 out[other] = self.stock_forward(x[other], logits[other])
             else:
                 skip_moe_layer_slot()  # the stock forward (which counts MoE layers) did not run
-        used = int(used)  # the dispatch's own count of the experts it read
-        rt.record(moe_layers=1, moe_experts_read=used)
+        # Expert counts stay on the device (no host sync per MoE layer); read when metrics are scraped.
+        rt.record(moe_layers=1)
+        rt.record_device(moe_experts_read=used)  # the dispatch's own count of the experts it read
         if rt.should_sample(plan.step):
             # Dense reference on sampled steps only (a second routing): distinct experts of the
             # unpruned top-k routing of the same tokens, by the same op so ties break the same way.
             _, dense_ids = ops.moe_route_and_prune(lv, self.top_k, 0.0, None, 0, self.renormalize)
-            rt.record(moe_layers_sampled=1, moe_experts_read_sampled=used,
-                      moe_experts_dense_sampled=int(dense_ids.unique().numel()))
+            rt.record(moe_layers_sampled=1)
+            rt.record_device(moe_experts_read_sampled=used,
+                             moe_experts_dense_sampled=distinct_experts(dense_ids, w13.shape[0]))
         return out
 
     def _check_reference(self, xv, lv, threshold, budget_groups, budget, out_v, rt) -> None:
@@ -238,6 +240,14 @@ class SparseMoEBlock:
         expected = torch.empty_like(xv)
         reference.moe_grouped_dispatch(expected, xv, tw, ti, w13, w2, torch.empty(1, dtype=torch.int32))
         rt.record_reference_error("moe", float((out_v.float() - expected.float()).abs().max()))
+
+
+def distinct_experts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many distinct experts `ids` names (-1 = none), as a one-element tensor on ids' device: a
+    scatter, not `unique()`, which would wait for the device."""
+    hit = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+    hit.index_fill_(0, ids.reshape(-1).long() + 1, 1)
+    return hit[1:].sum()
 
 
 # ---- install -------------------------------------------------------------------------------------------

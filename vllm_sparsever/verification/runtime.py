@@ -34,6 +34,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from vllm_sparsever.config import (
     DEFAULT_FFN_KEEP_RATIO,
     DEFAULT_MOE_RATIO_THRESHOLD,
@@ -101,6 +103,9 @@ class SparseVerificationRuntime:
         # Dense verify steps on sparsever's kernel may be switched off at run time and back on.
         self.dense_kernel_at_start = config.attention.dense_kernel
         self.stats: Counter[str] = Counter()
+        # Counters the kernels write on the device (e.g. experts read): added there, read when the
+        # stats are summarised, so the verify path never waits for the GPU.
+        self.device_stats: dict[str, torch.Tensor] = {}
         self.stats_sample_every = max(1, int(os.environ.get(STATS_SAMPLE_ENV, STATS_SAMPLE_EVERY)))
         # Set by the sparse attention backend once it knows the KV layout and kernel (at KV cache
         # set-up): computes a verify step's AttentionStepPlan (see plan.build_verification_plan).
@@ -205,6 +210,15 @@ class SparseVerificationRuntime:
             if value:
                 stats[key] += value
 
+    def record_device(self, **counts: torch.Tensor) -> None:
+        """Add device-side counts (one-element tensors the kernels wrote) without a device-to-host
+        copy: they accumulate on their device and are read by `stats_summary`."""
+        for key, value in counts.items():
+            acc = self.device_stats.get(key)
+            if acc is None or acc.device != value.device:
+                acc = self.device_stats[key] = torch.zeros((), dtype=torch.int64, device=value.device)
+            acc.add_(value.reshape(()))
+
     def record_reference_error(self, component: str, error: float) -> None:
         """Keep the largest |sparse - reference| seen per component (with `check_reference`)."""
         with self._lock:
@@ -246,11 +260,15 @@ class SparseVerificationRuntime:
 
     def stats_summary(self) -> dict[str, float]:
         with self._lock:
-            return {**self.stats, **self.reference_errors}
+            stats = Counter(self.stats)
+            for key, acc in list(self.device_stats.items()):
+                stats[key] += int(acc)  # the one device-to-host read, at scrape time
+            return {**stats, **self.reference_errors}
 
     def reset_stats(self) -> None:
         with self._lock:
             self.stats.clear()
+            self.device_stats.clear()
             self.reference_errors.clear()
 
     def describe(self) -> dict[str, Any]:

@@ -47,3 +47,17 @@ def check_sparsity_supported(config: SparseverConfig, model_config: Any) -> None
                 f"{section}.enabled: {section} sparsity needs unquantized weights, the target uses "
                 f"quantization={quantization!r} (allowed for this model: false)"
             )
+
+
+def check_cuda_graphs(config: SparseverConfig, platform_is_cpu: bool, cuda_graphs: bool) -> None:
+    """Refuse sparse FFN/MoE verification under CUDA graphs. The wrappers decide per step in Python
+    (the step's plan, run-time switches, fallbacks) around opaque ops; a captured graph would replay
+    the choices and the tensors of the capture step. vLLM-CPU captures no graphs."""
+    if platform_is_cpu or not cuda_graphs:
+        return
+    for section in ("ffn", "moe"):
+        if getattr(config, section).enabled:
+            raise SparseverConfigError(
+                f"{section}.enabled: {section} sparsity decides per verify step in Python, which CUDA graphs "
+                f"would freeze at capture; run with enforce_eager=True (`--enforce-eager`) or "
+                f"compilation_config cudagraph_mode 'NONE' (allowed with CUDA graphs: false)")

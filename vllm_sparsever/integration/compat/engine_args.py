@@ -38,6 +38,19 @@ def engine_args_cls() -> type:
     return EngineArgs
 
 
+def uses_cuda_graphs(engine_args: Any) -> bool:
+    """Whether the engine will capture CUDA graphs on a GPU: not `enforce_eager`, and the compilation
+    config's cudagraph_mode unset (vLLM's default turns graphs on) or other than NONE."""
+    if getattr(engine_args, "enforce_eager", False):
+        return False
+    compilation = getattr(engine_args, "compilation_config", None)
+    mode = (compilation.get("cudagraph_mode") if isinstance(compilation, dict)
+            else getattr(compilation, "cudagraph_mode", None))
+    if mode is None:
+        return True
+    return str(getattr(mode, "name", mode)).upper() != "NONE"
+
+
 def spec_method_flag(engine_args: Any) -> str | None:
     """The `--spec-method` value, if any."""
     return getattr(engine_args, "spec_method", None)
