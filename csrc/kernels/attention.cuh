@@ -16,10 +16,11 @@
 namespace sparsever {
 namespace kernels {
 
+// A CTA has 4 warps, or 8 when a request may have more than 32 query rows (tokens x GQA group): every row
+// pass re-reads the request's keys, so 64 rows in one pass halve the KV reads of 16-token verify steps.
 constexpr int kAttnWarps = 4;
-constexpr int kAttnThreads = kAttnWarps * kWarpSize;
+constexpr int kAttnWarpsWide = 8;
 constexpr int kAttnRowsPerWarp = 8;                            // query rows per warp (registers: 8 * kDPerLane)
-constexpr int kAttnRows = kAttnWarps * kAttnRowsPerWarp;       // query rows per CTA pass
 constexpr int kAttnTile = kWarpSize;                           // keys per tile: one key per lane for QK^T
 constexpr int kKeyInvalid = -2;                                // tile slot past the end / outside the context
 constexpr int kKeyContext = -1;                                // context key: every row may attend
@@ -52,17 +53,20 @@ struct AttentionParams {
   int num_tokens;
 };
 
-// Shared memory (floats): q[kAttnRows][D] | k[kAttnTile][D + 1] | v[kAttnTile][D] | p[kAttnRows][kAttnTile],
-// then per-key ints: code[kAttnTile] and int64 offsets k_off/v_off[kAttnTile].
-inline size_t attention_smem_bytes(int head_dim) {
-  size_t floats = size_t(kAttnRows) * head_dim + size_t(kAttnTile) * (head_dim + 1) + size_t(kAttnTile) * head_dim +
-                  size_t(kAttnRows) * kAttnTile;
+// Shared memory (floats): q[rows][D] | k[kAttnTile][D + 1] | v[kAttnTile][D] | p[rows][kAttnTile], then
+// per-key ints: code[kAttnTile] and int64 offsets k_off/v_off[kAttnTile]; rows = warps * kAttnRowsPerWarp.
+inline size_t attention_smem_bytes(int head_dim, int warps) {
+  const size_t rows = size_t(warps) * kAttnRowsPerWarp;
+  size_t floats = rows * head_dim + size_t(kAttnTile) * (head_dim + 1) + size_t(kAttnTile) * head_dim +
+                  rows * kAttnTile;
   floats = (floats + 1) & ~size_t(1);  // 8-byte alignment for the offsets
   return floats * sizeof(float) + kAttnTile * (sizeof(int) + 2 * sizeof(int64_t));
 }
 
-template <typename T, int kDPerLane, int kVec>
-__global__ void __launch_bounds__(kAttnThreads) block_sparse_tree_attention_kernel(const AttentionParams p) {
+template <typename T, int kDPerLane, int kVec, int kWarps>
+__global__ void __launch_bounds__(kWarps * kWarpSize) block_sparse_tree_attention_kernel(const AttentionParams p) {
+  constexpr int kAttnThreads = kWarps * kWarpSize;
+  constexpr int kAttnRows = kWarps * kAttnRowsPerWarp;  // query rows per CTA pass
   const int split = blockIdx.x;
   const int h = blockIdx.y;
   const int r = blockIdx.z;
@@ -309,22 +313,29 @@ __global__ void combine_attention_splits_kernel(const AttentionParams p) {
   }
 }
 
-// Split-K factor: enough CTAs to fill the machine twice over, at least 4 tiles (128 keys) per split.
+// Split-K factor from shapes only (no device read), capped at 64 splits.
 inline int attention_num_splits(int64_t num_ctas, int64_t max_keys, int num_sms, int forced) {
   if (forced > 0) return forced;
   const int64_t max_tiles = div_up<int64_t>(max_keys, kAttnTile);
-  const int64_t want = div_up<int64_t>(2 * int64_t(num_sms), std::max<int64_t>(num_ctas, 1));
-  const int64_t cap = std::max<int64_t>(1, max_tiles / 4);
+  // Enough CTAs for 4 per SM (each CTA loads a tile, then computes: others hide its load latency), at
+  // least 2 tiles per split so the partials' write and merge stay small next to the keys read.
+  const int64_t want = div_up<int64_t>(4 * int64_t(num_sms), std::max<int64_t>(num_ctas, 1));
+  const int64_t cap = std::max<int64_t>(1, max_tiles / 2);
   return int(std::max<int64_t>(1, std::min<int64_t>({want, cap, 64})));
 }
 
 // kVec > 1: head_dim contiguous and 16-byte aligned rows (GPU cache layouts), specialised per head-dim
 // width; kVec == 1: any strides (e.g. vLLM-CPU's transposed K), one generic instantiation.
 template <typename T, int kDPerLane, int kVec, class Launcher>
-void launch_attention(const AttentionParams& p, int num_req, const Launcher& launch) {
+void launch_attention(const AttentionParams& p, int num_req, bool wide, const Launcher& launch) {
   const dim3 grid(unsigned(p.num_splits), unsigned(p.num_kv_heads), unsigned(num_req));
-  launch(grid, dim3(kAttnThreads), attention_smem_bytes(p.head_dim),
-         block_sparse_tree_attention_kernel<T, kDPerLane, kVec>, p);
+  if (wide) {
+    launch(grid, dim3(kAttnWarpsWide * kWarpSize), attention_smem_bytes(p.head_dim, kAttnWarpsWide),
+           block_sparse_tree_attention_kernel<T, kDPerLane, kVec, kAttnWarpsWide>, p);
+  } else {
+    launch(grid, dim3(kAttnWarps * kWarpSize), attention_smem_bytes(p.head_dim, kAttnWarps),
+           block_sparse_tree_attention_kernel<T, kDPerLane, kVec, kAttnWarps>, p);
+  }
   if (p.num_splits > 1) {
     launch(dim3(unsigned(p.num_heads), unsigned(num_req)), dim3(std::min(256, std::max(32, p.head_dim))), 0,
            combine_attention_splits_kernel<T>, p);
@@ -444,18 +455,22 @@ void block_sparse_tree_attention_impl(at::Tensor& out, const at::Tensor& query, 
       can_vectorize(value_cache.data_ptr(), elem, head_dim,
                     {value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)});
   const int d_per_lane = int(div_up<int64_t>(head_dim, kWarpSize));
+  // The most query rows one request can have, from shapes alone (no device read): its tokens are at most
+  // the tree mask's width, or all tokens of the step.
+  const int64_t group = num_heads / num_kv_heads;
+  const bool wide = std::min<int64_t>(max_query_keys, num_tokens) * group > int64_t(kAttnWarps) * kAttnRowsPerWarp;
   SV_DISPATCH_FLOAT_TYPES(query.scalar_type(), "block_sparse_tree_attention", [&] {
     constexpr int kVec = 16 / sizeof(scalar_t);
-    if (!vectorize) return launch_attention<scalar_t, 8, 1>(p, int(num_req), launch);
+    if (!vectorize) return launch_attention<scalar_t, 8, 1>(p, int(num_req), wide, launch);
     switch (d_per_lane) {
-      case 1: return launch_attention<scalar_t, 1, kVec>(p, int(num_req), launch);
-      case 2: return launch_attention<scalar_t, 2, kVec>(p, int(num_req), launch);
-      case 3: return launch_attention<scalar_t, 3, kVec>(p, int(num_req), launch);
-      case 4: return launch_attention<scalar_t, 4, kVec>(p, int(num_req), launch);
-      case 5: return launch_attention<scalar_t, 5, kVec>(p, int(num_req), launch);
-      case 6: return launch_attention<scalar_t, 6, kVec>(p, int(num_req), launch);
-      case 7: return launch_attention<scalar_t, 7, kVec>(p, int(num_req), launch);
-      default: return launch_attention<scalar_t, 8, kVec>(p, int(num_req), launch);
+      case 1: return launch_attention<scalar_t, 1, kVec>(p, int(num_req), wide, launch);
+      case 2: return launch_attention<scalar_t, 2, kVec>(p, int(num_req), wide, launch);
+      case 3: return launch_attention<scalar_t, 3, kVec>(p, int(num_req), wide, launch);
+      case 4: return launch_attention<scalar_t, 4, kVec>(p, int(num_req), wide, launch);
+      case 5: return launch_attention<scalar_t, 5, kVec>(p, int(num_req), wide, launch);
+      case 6: return launch_attention<scalar_t, 6, kVec>(p, int(num_req), wide, launch);
+      case 7: return launch_attention<scalar_t, 7, kVec>(p, int(num_req), wide, launch);
+      default: return launch_attention<scalar_t, 8, kVec>(p, int(num_req), wide, launch);
     }
   });
 }

@@ -72,6 +72,9 @@ SV_DEVICE void block_topk_ascending(ScoreFn score, int n, int k, int* out, Block
         if (lane + offset < kWarpSize) suffix += v;
       }
       const unsigned above = suffix - local;
+      // Every lane's reads of s.remaining and s.hist complete before the crossing lane writes s.remaining:
+      // lanes are not in lockstep (independent thread scheduling), so the shuffles alone do not order them.
+      __syncwarp();
       if (above < remaining && remaining <= suffix) {
         unsigned acc = above;
         for (int b = 7; b >= 0; --b) {

@@ -93,3 +93,14 @@ def test_attention_head_dim_256_and_heuristic_splits(ops):
     case = dict(seqs=[(300, 4)], block_size=32, head_dim=256, hkv=1, group=2, dtype=torch.bfloat16, layout="gpu",
                 top_k=4, sink=1, local=1, seed=5)
     run_attention(ops, case, use_selection=True, use_tree=True, forced_splits=0, num_sms=8)
+
+
+@pytest.mark.parametrize("use_tree", [False, True])
+def test_attention_wide_ctas_and_row_passes(ops, use_tree):
+    # 10 tokens x GQA 8 = 80 rows: the 8-warp CTA (64 rows per pass) and a second row pass; the 1-token
+    # request beside it runs in the same wide launch with one row chunk.
+    case = dict(seqs=[(200, 10), (45, 1)], block_size=16, head_dim=64, hkv=1, group=8, dtype=torch.bfloat16,
+                layout="gpu", top_k=2, sink=1, local=1, seed=9)
+    for use_selection in (False, True):
+        for splits in (0, 3):
+            run_attention(ops, case, use_selection, use_tree, splits)
