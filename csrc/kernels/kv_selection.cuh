@@ -100,43 +100,48 @@ void update_block_key_summaries_impl(const at::Tensor& key_cache, const at::Tens
 // blocks are added around it. The selection is shared by all of the request's query tokens.
 
 constexpr int kSelectThreads = 256;
+// Quest scores are computed by many CTAs (kScoreBlocksPerCta middle blocks each), then one CTA per
+// (KV head, request) picks the top-k: one CTA scoring a long context alone would take milliseconds.
+constexpr int kScoreBlocksPerCta = 64;
 
+// The selection's shape for one request: n context blocks, and whether the budget keeps them all.
+SV_DEVICE int selection_context_blocks(const int* seq_lens, const int* query_lens, int r, int block_size,
+                                       int max_blocks) {
+  const int ctx_len = max_of(seq_lens[r] - query_lens[r], 0);
+  return min_of(div_up(ctx_len, block_size), max_blocks);
+}
+
+// scores[(r, h)][i] = sum_g sum_d max(q_g[d] * min[d], q_g[d] * max[d]) over the middle blocks i of
+// chunk blockIdx.x (one warp per block); requests whose budget keeps every block are skipped.
 template <typename TQ>
 __global__ void __launch_bounds__(kSelectThreads)
-    select_kv_blocks_kernel(const TQ* __restrict__ query_pooled, int64_t q_stride_r, int64_t q_stride_h,
-                            int64_t q_stride_d, const float* __restrict__ key_min,
-                            const float* __restrict__ key_max, const int* __restrict__ block_table,
-                            int64_t bt_stride, int max_blocks, const int* __restrict__ seq_lens,
-                            const int* __restrict__ query_lens, int block_size, int top_k, int num_sink,
-                            int num_local, int num_heads, int num_kv_heads, int head_dim,
-                            float* __restrict__ scores, int* __restrict__ selected, int64_t sel_stride_r,
-                            int64_t sel_stride_h, int slots, int* __restrict__ num_selected,
-                            int64_t ns_stride_r, int64_t ns_stride_h) {
-  __shared__ BlockTopkScratch topk_scratch;
+    quest_block_scores_kernel(const TQ* __restrict__ query_pooled, int64_t q_stride_r, int64_t q_stride_h,
+                              int64_t q_stride_d, const float* __restrict__ key_min,
+                              const float* __restrict__ key_max, const int* __restrict__ block_table,
+                              int64_t bt_stride, int max_blocks, const int* __restrict__ seq_lens,
+                              const int* __restrict__ query_lens, int block_size, int budget, int num_sink,
+                              int num_local, int num_heads, int num_kv_heads, int head_dim,
+                              float* __restrict__ scores) {
   SV_DYNAMIC_SHARED(float, q);  // [group, head_dim] pooled queries of this KV head's query heads
-  const int h = blockIdx.x;
-  const int r = blockIdx.y;
+  const int chunk = blockIdx.x;
+  const int h = blockIdx.y;
+  const int r = blockIdx.z;
   const int tid = threadIdx.x;
-  int* sel = selected + r * sel_stride_r + h * sel_stride_h;
-  const int ctx_len = max_of(seq_lens[r] - query_lens[r], 0);
-  const int n = min_of(div_up(ctx_len, block_size), max_blocks);
-  const int budget = top_k + num_sink + num_local;
-  if (n <= budget) {  // short context: every context block, i.e. dense
-    for (int i = tid; i < slots; i += blockDim.x) sel[i] = i < n ? i : -1;
-    if (tid == 0) num_selected[r * ns_stride_r + h * ns_stride_h] = min_of(n, slots);
-    return;
-  }
+  const int n = selection_context_blocks(seq_lens, query_lens, r, block_size, max_blocks);
+  const int middle = n - num_sink - num_local;
+  const int first = chunk * kScoreBlocksPerCta;
+  if (n <= budget || first >= middle) return;  // dense request, or past its middle blocks
   const int group = num_heads / num_kv_heads;
   for (int i = tid; i < group * head_dim; i += blockDim.x) {
     const int g = i / head_dim, d = i % head_dim;
     q[i] = to_float(query_pooled[r * q_stride_r + (h * group + g) * q_stride_h + d * q_stride_d]);
   }
   __syncthreads();
-  const int middle = n - num_sink - num_local;
   float* row_scores = scores + (int64_t(r) * num_kv_heads + h) * max_blocks;
   const int lane = tid % kWarpSize, warp = tid / kWarpSize, num_warps = blockDim.x / kWarpSize;
   const int* table = block_table + r * bt_stride;
-  for (int i = warp; i < middle; i += num_warps) {
+  const int last = min_of(middle, first + kScoreBlocksPerCta);
+  for (int i = first + warp; i < last; i += num_warps) {
     const int64_t phys = table[num_sink + i];
     const float* lo = key_min + (phys * num_kv_heads + h) * head_dim;
     const float* hi = key_max + (phys * num_kv_heads + h) * head_dim;
@@ -151,7 +156,31 @@ __global__ void __launch_bounds__(kSelectThreads)
     s = warp_reduce_sum(s);
     if (lane == 0) row_scores[i] = s;
   }
-  __syncthreads();  // scores written by this block are visible to all of its threads
+}
+
+// One CTA per (KV head, request): sinks, the top-k middle blocks by the scores above, local blocks.
+// (A template only so that the header may be included by several translation units.)
+template <int kThreads = kSelectThreads>
+__global__ void __launch_bounds__(kThreads)
+    select_kv_blocks_kernel(const int* __restrict__ seq_lens, const int* __restrict__ query_lens, int max_blocks,
+                            int block_size, int top_k, int num_sink, int num_local, int num_kv_heads,
+                            const float* __restrict__ scores, int* __restrict__ selected, int64_t sel_stride_r,
+                            int64_t sel_stride_h, int slots, int* __restrict__ num_selected,
+                            int64_t ns_stride_r, int64_t ns_stride_h) {
+  __shared__ BlockTopkScratch topk_scratch;
+  const int h = blockIdx.x;
+  const int r = blockIdx.y;
+  const int tid = threadIdx.x;
+  int* sel = selected + r * sel_stride_r + h * sel_stride_h;
+  const int n = selection_context_blocks(seq_lens, query_lens, r, block_size, max_blocks);
+  const int budget = top_k + num_sink + num_local;
+  if (n <= budget) {  // short context: every context block, i.e. dense
+    for (int i = tid; i < slots; i += blockDim.x) sel[i] = i < n ? i : -1;
+    if (tid == 0) num_selected[r * ns_stride_r + h * ns_stride_h] = min_of(n, slots);
+    return;
+  }
+  const int middle = n - num_sink - num_local;
+  const float* row_scores = scores + (int64_t(r) * num_kv_heads + h) * max_blocks;
   // Layout of the row: sinks [0, num_sink), top-k middle blocks (ascending), local blocks, then -1.
   int* middle_out = sel + num_sink;
   if (budget <= slots) {
@@ -215,16 +244,21 @@ void select_kv_blocks_impl(const at::Tensor& query_pooled, const at::Tensor& key
   at::Tensor scores = at::empty({num_req * num_kv_heads, std::max<int64_t>(max_blocks, 1)},
                                 query_pooled.options().dtype(at::kFloat));
   const size_t smem = size_t(num_heads / num_kv_heads) * head_dim * sizeof(float);
+  const int budget = int(top_k + num_sink + num_local);
+  const unsigned chunks = unsigned(std::max<int64_t>(1, div_up<int64_t>(max_blocks, kScoreBlocksPerCta)));
   SV_DISPATCH_FLOAT_TYPES(query_pooled.scalar_type(), "select_kv_blocks", [&] {
-    launch(dim3(unsigned(num_kv_heads), unsigned(num_req)), dim3(kSelectThreads), smem,
-           select_kv_blocks_kernel<scalar_t>, query_pooled.data_ptr<scalar_t>(), query_pooled.stride(0),
+    launch(dim3(chunks, unsigned(num_kv_heads), unsigned(num_req)), dim3(kSelectThreads), smem,
+           quest_block_scores_kernel<scalar_t>, query_pooled.data_ptr<scalar_t>(), query_pooled.stride(0),
            query_pooled.stride(1), query_pooled.stride(2), key_min.data_ptr<float>(), key_max.data_ptr<float>(),
            block_table.data_ptr<int>(), block_table.stride(0), int(max_blocks), seq_lens.data_ptr<int>(),
-           query_lens.data_ptr<int>(), int(block_size), int(top_k), int(num_sink), int(num_local),
-           int(num_heads), int(num_kv_heads), int(head_dim), scores.data_ptr<float>(), selected.data_ptr<int>(),
-           selected.stride(0), selected.stride(1), int(slots), num_selected.data_ptr<int>(),
-           num_selected.stride(0), num_selected.stride(1));
+           query_lens.data_ptr<int>(), int(block_size), budget, int(num_sink), int(num_local), int(num_heads),
+           int(num_kv_heads), int(head_dim), scores.data_ptr<float>());
   });
+  launch(dim3(unsigned(num_kv_heads), unsigned(num_req)), dim3(kSelectThreads), 0, select_kv_blocks_kernel<>,
+         seq_lens.data_ptr<int>(), query_lens.data_ptr<int>(), int(max_blocks), int(block_size), int(top_k),
+         int(num_sink), int(num_local), int(num_kv_heads), scores.data_ptr<float>(), selected.data_ptr<int>(),
+         selected.stride(0), selected.stride(1), int(slots), num_selected.data_ptr<int>(), num_selected.stride(0),
+         num_selected.stride(1));
 }
 
 }  // namespace kernels

@@ -11,7 +11,7 @@ namespace kernels {
 // CTA shape of the GEMV kernels built on warp_dot_rows_tokens (FFN and MoE).
 constexpr int kGemvWarps = 4;
 constexpr int kGemvThreads = kGemvWarps * kWarpSize;
-constexpr int kGemvRowsPerWarp = 4;  // each activation load feeds 4 weight rows (x is re-read per row group)
+constexpr int kGemvRowsPerWarp = 2;
 constexpr int kGemvRowsPerCta = kGemvWarps * kGemvRowsPerWarp;
 constexpr int kGemvTokens = 8;  // tokens per weight pass (register accumulators: rows * tokens per lane)
 static_assert(kGemvRowsPerWarp * kGemvTokens <= kWarpSize, "one lane writes each (row, token) result");

@@ -113,3 +113,22 @@ def test_select_edge_cases(ops):
         reference.select_kv_blocks(pooled, kmin, kmax, table, seq_lens, query_lens, bs, top_k, 1, 1, rsel, rnsel)
         assert torch.equal(sel, rsel) and torch.equal(nsel, rnsel)
     assert k_cache.shape[0] == nb
+
+
+def test_select_long_context_scores_in_many_ctas(ops):
+    # 16 * 300 + 7 context tokens = 301 blocks: the scores come from 5 CTAs of 64 blocks each (one short),
+    # beside a request short enough to keep every block.
+    gen = torch.Generator().manual_seed(12)
+    bs, d, hkv = 16, 32, 2
+    seqs = [(16 * 300 + 7, 3), (50, 2)]
+    table, seq_lens, query_lens, qsl, nb = make_requests(seqs, bs, gen)
+    k_cache, _ = make_kv_cache(nb, hkv, bs, d, torch.float32, "gpu", gen)
+    query, kmin, kmax = pooled_and_summaries(k_cache, nb, bs, int(qsl[-1]), hkv * 3, d, gen)
+    pooled = reference.pool_queries(query, qsl)
+    sel = torch.full((2, hkv, 40), 77, dtype=torch.int32)
+    nsel = torch.full((2, hkv), 77, dtype=torch.int32)
+    ops.select_kv_blocks(pooled, kmin, kmax, table, seq_lens, query_lens, bs, 37, 1, 2, sel, nsel)
+    rsel, rnsel = torch.empty_like(sel), torch.empty_like(nsel)
+    reference.select_kv_blocks(pooled, kmin, kmax, table, seq_lens, query_lens, bs, 37, 1, 2, rsel, rnsel)
+    assert torch.equal(nsel, rnsel) and nsel[0].tolist() == [40, 40]
+    assert torch.equal(sel, rsel)
