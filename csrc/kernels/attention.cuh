@@ -20,7 +20,8 @@ namespace kernels {
 // pass re-reads the request's keys, so 64 rows in one pass halve the KV reads of 16-token verify steps.
 constexpr int kAttnWarps = 4;
 constexpr int kAttnWarpsWide = 8;
-constexpr int kAttnRowsPerWarp = 8;                            // query rows per warp (registers: 8 * kDPerLane)
+constexpr int kAttnRowsPerWarp = 8;  // query rows per warp (registers: rows * kDPerLane accumulators)
+constexpr int kAttnRowsPerWarpNarrow = 4;  // up to 16 rows: 4 per warp, so every warp computes
 constexpr int kAttnTile = kWarpSize;                           // keys per tile: one key per lane for QK^T
 constexpr int kKeyInvalid = -2;                                // tile slot past the end / outside the context
 constexpr int kKeyContext = -1;                                // context key: every row may attend
@@ -54,19 +55,19 @@ struct AttentionParams {
 };
 
 // Shared memory (floats): q[rows][D] | k[kAttnTile][D + 1] | v[kAttnTile][D] | p[rows][kAttnTile], then
-// per-key ints: code[kAttnTile] and int64 offsets k_off/v_off[kAttnTile]; rows = warps * kAttnRowsPerWarp.
-inline size_t attention_smem_bytes(int head_dim, int warps) {
-  const size_t rows = size_t(warps) * kAttnRowsPerWarp;
+// per-key ints: code[kAttnTile] and int64 offsets k_off/v_off[kAttnTile]; rows = warps * rows per warp.
+inline size_t attention_smem_bytes(int head_dim, int warps, int rows_per_warp) {
+  const size_t rows = size_t(warps) * rows_per_warp;
   size_t floats = rows * head_dim + size_t(kAttnTile) * (head_dim + 1) + size_t(kAttnTile) * head_dim +
                   rows * kAttnTile;
   floats = (floats + 1) & ~size_t(1);  // 8-byte alignment for the offsets
   return floats * sizeof(float) + kAttnTile * (sizeof(int) + 2 * sizeof(int64_t));
 }
 
-template <typename T, int kDPerLane, int kVec, int kWarps>
+template <typename T, int kDPerLane, int kVec, int kWarps, int kRowsPerWarp>
 __global__ void __launch_bounds__(kWarps * kWarpSize) block_sparse_tree_attention_kernel(const AttentionParams p) {
   constexpr int kAttnThreads = kWarps * kWarpSize;
-  constexpr int kAttnRows = kWarps * kAttnRowsPerWarp;  // query rows per CTA pass
+  constexpr int kAttnRows = kWarps * kRowsPerWarp;  // query rows per CTA pass
   const int split = blockIdx.x;
   const int h = blockIdx.y;
   const int r = blockIdx.z;
@@ -126,15 +127,15 @@ __global__ void __launch_bounds__(kWarps * kWarpSize) block_sparse_tree_attentio
       }
       q_s[i] = v;
     }
-    float row_max[kAttnRowsPerWarp], row_sum[kAttnRowsPerWarp], acc[kAttnRowsPerWarp][kDPerLane];
+    float row_max[kRowsPerWarp], row_sum[kRowsPerWarp], acc[kRowsPerWarp][kDPerLane];
 #pragma unroll
-    for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+    for (int i = 0; i < kRowsPerWarp; ++i) {
       row_max[i] = -INFINITY;
       row_sum[i] = 0.0f;
 #pragma unroll
       for (int c = 0; c < kDPerLane; ++c) acc[i][c] = 0.0f;
     }
-    const int warp_row0 = row0 + warp * kAttnRowsPerWarp;
+    const int warp_row0 = row0 + warp * kRowsPerWarp;
     const bool warp_active = warp_row0 < num_rows;  // warp-uniform
 
     for (int tile = tile_begin; tile < tile_end; ++tile) {
@@ -195,20 +196,20 @@ __global__ void __launch_bounds__(kWarps * kWarpSize) block_sparse_tree_attentio
       __syncthreads();
       if (warp_active) {
         // Logits: lane j scores key j of the tile against each of the warp's rows.
-        float s[kAttnRowsPerWarp];
+        float s[kRowsPerWarp];
 #pragma unroll
-        for (int i = 0; i < kAttnRowsPerWarp; ++i) s[i] = 0.0f;
+        for (int i = 0; i < kRowsPerWarp; ++i) s[i] = 0.0f;
         const float* k_row = k_s + lane * (D + 1);
-        const float* q_rows = q_s + (warp * kAttnRowsPerWarp) * D;
+        const float* q_rows = q_s + (warp * kRowsPerWarp) * D;
         for (int d = 0; d < D; ++d) {
           const float kd = k_row[d];
 #pragma unroll
-          for (int i = 0; i < kAttnRowsPerWarp; ++i) s[i] = fmaf(q_rows[i * D + d], kd, s[i]);
+          for (int i = 0; i < kRowsPerWarp; ++i) s[i] = fmaf(q_rows[i * D + d], kd, s[i]);
         }
         const int key_code = code[lane];
-        float* p_rows = p_s + (warp * kAttnRowsPerWarp) * kAttnTile;
+        float* p_rows = p_s + (warp * kRowsPerWarp) * kAttnTile;
 #pragma unroll
-        for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+        for (int i = 0; i < kRowsPerWarp; ++i) {
           const int row = warp_row0 + i;
           bool allowed = false;
           if (row < num_rows && key_code != kKeyInvalid) {
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize) block_sparse_tree_attentio
             vj[c] = d < D ? v_s[j * D + d] : 0.0f;
           }
 #pragma unroll
-          for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+          for (int i = 0; i < kRowsPerWarp; ++i) {
             const float pij = p_rows[i * kAttnTile + j];
 #pragma unroll
             for (int c = 0; c < kDPerLane; ++c) acc[i][c] = fmaf(pij, vj[c], acc[i][c]);
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize) block_sparse_tree_attentio
 
     if (warp_active) {
 #pragma unroll
-      for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+      for (int i = 0; i < kRowsPerWarp; ++i) {
         const int row = warp_row0 + i;
         if (row >= num_rows) continue;
         const int tok = t0 + row / group, head = h * group + row % group;
@@ -326,15 +327,26 @@ inline int attention_num_splits(int64_t num_ctas, int64_t max_keys, int num_sms,
 
 // kVec > 1: head_dim contiguous and 16-byte aligned rows (GPU cache layouts), specialised per head-dim
 // width; kVec == 1: any strides (e.g. vLLM-CPU's transposed K), one generic instantiation.
+// CTA shapes by the most query rows a request may have: up to 16 (4 warps x 4 rows), up to 32 (4 x 8),
+// more (8 x 8, then row passes).
+enum class AttnShape { kNarrow, kRegular, kWide };
+
 template <typename T, int kDPerLane, int kVec, class Launcher>
-void launch_attention(const AttentionParams& p, int num_req, bool wide, const Launcher& launch) {
+void launch_attention(const AttentionParams& p, int num_req, AttnShape shape, const Launcher& launch) {
   const dim3 grid(unsigned(p.num_splits), unsigned(p.num_kv_heads), unsigned(num_req));
-  if (wide) {
-    launch(grid, dim3(kAttnWarpsWide * kWarpSize), attention_smem_bytes(p.head_dim, kAttnWarpsWide),
-           block_sparse_tree_attention_kernel<T, kDPerLane, kVec, kAttnWarpsWide>, p);
-  } else {
-    launch(grid, dim3(kAttnWarps * kWarpSize), attention_smem_bytes(p.head_dim, kAttnWarps),
-           block_sparse_tree_attention_kernel<T, kDPerLane, kVec, kAttnWarps>, p);
+  switch (shape) {
+    case AttnShape::kNarrow:
+      launch(grid, dim3(kAttnWarps * kWarpSize), attention_smem_bytes(p.head_dim, kAttnWarps, kAttnRowsPerWarpNarrow),
+             block_sparse_tree_attention_kernel<T, kDPerLane, kVec, kAttnWarps, kAttnRowsPerWarpNarrow>, p);
+      break;
+    case AttnShape::kRegular:
+      launch(grid, dim3(kAttnWarps * kWarpSize), attention_smem_bytes(p.head_dim, kAttnWarps, kAttnRowsPerWarp),
+             block_sparse_tree_attention_kernel<T, kDPerLane, kVec, kAttnWarps, kAttnRowsPerWarp>, p);
+      break;
+    case AttnShape::kWide:
+      launch(grid, dim3(kAttnWarpsWide * kWarpSize), attention_smem_bytes(p.head_dim, kAttnWarpsWide, kAttnRowsPerWarp),
+             block_sparse_tree_attention_kernel<T, kDPerLane, kVec, kAttnWarpsWide, kAttnRowsPerWarp>, p);
+      break;
   }
   if (p.num_splits > 1) {
     launch(dim3(unsigned(p.num_heads), unsigned(num_req)), dim3(std::min(256, std::max(32, p.head_dim))), 0,
@@ -458,19 +470,22 @@ void block_sparse_tree_attention_impl(at::Tensor& out, const at::Tensor& query, 
   // The most query rows one request can have, from shapes alone (no device read): its tokens are at most
   // the tree mask's width, or all tokens of the step.
   const int64_t group = num_heads / num_kv_heads;
-  const bool wide = std::min<int64_t>(max_query_keys, num_tokens) * group > int64_t(kAttnWarps) * kAttnRowsPerWarp;
+  const int64_t max_rows = std::min<int64_t>(max_query_keys, num_tokens) * group;
+  const AttnShape shape = max_rows <= kAttnWarps * kAttnRowsPerWarpNarrow ? AttnShape::kNarrow
+                          : max_rows <= kAttnWarps * kAttnRowsPerWarp    ? AttnShape::kRegular
+                                                                         : AttnShape::kWide;
   SV_DISPATCH_FLOAT_TYPES(query.scalar_type(), "block_sparse_tree_attention", [&] {
     constexpr int kVec = 16 / sizeof(scalar_t);
-    if (!vectorize) return launch_attention<scalar_t, 8, 1>(p, int(num_req), wide, launch);
+    if (!vectorize) return launch_attention<scalar_t, 8, 1>(p, int(num_req), shape, launch);
     switch (d_per_lane) {
-      case 1: return launch_attention<scalar_t, 1, kVec>(p, int(num_req), wide, launch);
-      case 2: return launch_attention<scalar_t, 2, kVec>(p, int(num_req), wide, launch);
-      case 3: return launch_attention<scalar_t, 3, kVec>(p, int(num_req), wide, launch);
-      case 4: return launch_attention<scalar_t, 4, kVec>(p, int(num_req), wide, launch);
-      case 5: return launch_attention<scalar_t, 5, kVec>(p, int(num_req), wide, launch);
-      case 6: return launch_attention<scalar_t, 6, kVec>(p, int(num_req), wide, launch);
-      case 7: return launch_attention<scalar_t, 7, kVec>(p, int(num_req), wide, launch);
-      default: return launch_attention<scalar_t, 8, kVec>(p, int(num_req), wide, launch);
+      case 1: return launch_attention<scalar_t, 1, kVec>(p, int(num_req), shape, launch);
+      case 2: return launch_attention<scalar_t, 2, kVec>(p, int(num_req), shape, launch);
+      case 3: return launch_attention<scalar_t, 3, kVec>(p, int(num_req), shape, launch);
+      case 4: return launch_attention<scalar_t, 4, kVec>(p, int(num_req), shape, launch);
+      case 5: return launch_attention<scalar_t, 5, kVec>(p, int(num_req), shape, launch);
+      case 6: return launch_attention<scalar_t, 6, kVec>(p, int(num_req), shape, launch);
+      case 7: return launch_attention<scalar_t, 7, kVec>(p, int(num_req), shape, launch);
+      default: return launch_attention<scalar_t, 8, kVec>(p, int(num_req), shape, launch);
     }
   });
 }
