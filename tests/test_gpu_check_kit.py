@@ -37,3 +37,17 @@ def test_gpu_check_kit_rejects_unknown_phase(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench/gpu/check.py"), str(tmp_path), "--phases", "probe,bogus"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--phases: unknown ['bogus']" in proc.stderr
+
+
+def test_ext_info_reports_each_ops_kernels(capsys, monkeypatch):
+    import torch
+
+    from vllm_sparsever.cli import main
+
+    assert main(["ext-info"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info["kernels"]) == OPS and all("CPU" in keys for keys in info["kernels"].values())
+    # A GPU machine with this CPU-only build: every op lacks its CUDA kernel, and the command says so.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["ext-info"]) == 1
+    assert "no CUDA kernel for: update_block_key_summaries" in capsys.readouterr().err

@@ -6,6 +6,7 @@
     vllm-sparsever calibrate NAME|PATH      (per-model sparse-verification profile)
     vllm-sparsever train-exits NAME|PATH    (early-exit heads by self-distillation)
     vllm-sparsever profile-verify NAME|PATH (verification cost profile for adaptive/EVICT)
+    vllm-sparsever ext-info                 (the extension module loaded, each op's CPU/CUDA kernels)
 """
 
 from __future__ import annotations
@@ -96,6 +97,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ext_info(args: argparse.Namespace) -> int:
+    """Print the extension module loaded and, per op, the devices it has a kernel for; exit 1 when this
+    machine has a GPU and an op lacks a CUDA kernel (a CPU-only build on a GPU machine)."""
+    import torch
+
+    from vllm_sparsever import _custom_ops
+
+    kernels = _custom_ops.registered_kernels()
+    print(json.dumps({"module": _custom_ops.loaded_module(), "cuda_available": torch.cuda.is_available(),
+                      "kernels": kernels}, indent=1))
+    missing = [op for op, keys in kernels.items() if "CUDA" not in keys]
+    if torch.cuda.is_available() and missing:
+        print(f"no CUDA kernel for: {', '.join(missing)}; rebuild with SPARSEVER_TARGET_DEVICE=cuda",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-sparsever", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true")
     gen.add_argument("--metrics-json", default=None, help="also write the metrics here")
     gen.set_defaults(func=cmd_generate)
+    info = sub.add_parser("ext-info", help="the extension module loaded and each op's CPU/CUDA kernels")
+    info.set_defaults(func=cmd_ext_info)
 
     for module in ("vllm_sparsever.models.cli", "vllm_sparsever.data.cli",
                    "vllm_sparsever.calibration.cli", "vllm_sparsever.drafting.cli",
