@@ -52,8 +52,6 @@ def _speculative_config(args: argparse.Namespace) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
-    from vllm_sparsever.metrics import get_metrics
-
     model = resolve_model(args.model)
     spec = _speculative_config(args)
     print(f"model: {model}\nspeculative_config: {json.dumps(spec)}", flush=True)
@@ -65,6 +63,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         speculative_config=spec,
         seed=0,
     )
+    try:
+        return _generate_and_report(llm, args, SamplingParams)
+    finally:
+        from vllm_sparsever.integration.compat.engine import shutdown_llm
+
+        shutdown_llm(llm)  # before exit: otherwise vLLM warns that the engine core exited unexpectedly
+
+
+def _generate_and_report(llm, args: argparse.Namespace, SamplingParams) -> int:  # noqa: N803
+    from vllm_sparsever.metrics import get_metrics
+
     prompts = args.prompt or DEFAULT_PROMPTS
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     messages = [[{"role": "user", "content": p}] for p in prompts]

@@ -345,7 +345,8 @@ def build_verification_plan(
     has_prefill_rows = any(num_scheduled[i] > 1 and i not in verify_rows for i in range(num_reqs))
     groups = _token_groups(requests, num_tokens, device) if requests and sparsify else None
     attention = None
-    if requests and sparsify and attention_planner is not None:
+    # A prefill chunk in the step: vLLM's kernel runs it all (it schedules prefill work), so no plan.
+    if requests and sparsify and attention_planner is not None and not has_prefill_rows:
         attention = attention_planner(batch, requests, query_start_loc)
     return VerificationPlan(
         step=step,

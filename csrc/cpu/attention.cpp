@@ -25,8 +25,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 
 namespace sparsever::cpu {
 namespace {
@@ -46,6 +48,55 @@ struct WorkItem {
   int32_t seg_begin, seg_end;  // range in the (req, head)'s segment list
   int64_t partial_offset;      // where this item's [rows] m, [rows] l, [rows, Dp] acc live
 };
+
+// Query-token columns [c_lo, c_hi) of one score row: column c holds the request's query token j0 + c,
+// which the row's token i may attend by its tree-mask row (or causally, without a mask).
+inline void mask_query_columns(float* srow, int c_lo, int c_hi, int j0, int i, const uint8_t* mask_row) {
+  for (int c = c_lo; c < c_hi; ++c) {
+    const int j = j0 + c;
+    if (!(mask_row != nullptr ? mask_row[j] != 0 : j <= i)) srow[c] = kNegInf;
+  }
+}
+
+// One row's online-softmax step over ntp scores (taken times `scale`): updates the running max m and
+// sum l, rescales the row's accumulator acc[0, d), and writes P = exp(scale * s - m) to prow (fp32, or
+// bf16 for the AMX tile products; bf16 needs ntp to be a multiple of 2 * kVecLen). A row with nothing
+// allowed so far keeps m = -inf and gets P = 0.
+template <typename PT>
+inline void online_softmax_row(const float* srow, int ntp, float scale, float& m, float& l, float* acc, int d,
+                               PT* prow) {
+  Vec vmax(kNegInf);
+  for (int t = 0; t < ntp; t += kVecLen) vmax = at::vec::maximum(vmax, Vec::loadu(srow + t));
+  const float seg_max =
+      at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  const float m_new = std::max(m, seg_max * scale);  // scale > 0 keeps the max's place
+  if (m_new == kNegInf) {
+    std::memset(static_cast<void*>(prow), 0, static_cast<size_t>(ntp) * sizeof(PT));
+    return;
+  }
+  const float alpha = std::exp(m - m_new);  // exp(-inf) = 0 on the first segment
+  Vec vsum(0.f), vneg_m(-m_new), vscale(scale);
+  if constexpr (std::is_same_v<PT, float>) {
+    for (int t = 0; t < ntp; t += kVecLen) {
+      Vec e = at::vec::fmadd(Vec::loadu(srow + t), vscale, vneg_m).exp_u20();
+      e.store(prow + t);
+      vsum = vsum + e;
+    }
+  } else {
+    for (int t = 0; t < ntp; t += 2 * kVecLen) {
+      Vec e0 = at::vec::fmadd(Vec::loadu(srow + t), vscale, vneg_m).exp_u20();
+      Vec e1 = at::vec::fmadd(Vec::loadu(srow + t + kVecLen), vscale, vneg_m).exp_u20();
+      vsum = vsum + e0 + e1;
+      at::vec::convert_from_float<PT>(e0, e1).store(prow + t);
+    }
+  }
+  l = l * alpha + hsum(vsum);
+  m = m_new;
+  if (alpha != 1.f) {
+    Vec va(alpha);
+    for (int c = 0; c < d; c += kVecLen) (Vec::loadu(acc + c) * va).store(acc + c);
+  }
+}
 
 // S[r, t] = sum_d Q[r, d] * K[d, t] for ROWS rows and ntp tokens (multiple of kVecLen).
 template <int ROWS, typename KT>
@@ -277,42 +328,16 @@ SPARSEVER_AMX void amx_segment(const AmxSegment& sg, const bf16* q, int rows, fl
   }
   // Masks and the online softmax update; P (bf16) for the tile products.
   for (int row = 0; row < rows; ++row) {
-    float* srow = s + static_cast<int64_t>(row) * ntp;  // unscaled: scale > 0 keeps the max's place
+    float* srow = s + static_cast<int64_t>(row) * ntp;  // unscaled
     for (int t = 0; t < sg.t_lo - a_lo; ++t) srow[t] = kNegInf;
     for (int t = sg.t_hi - a_lo; t < ntp; ++t) srow[t] = kNegInf;
     if (sg.is_query) {
       const int i = row / sg.group;
-      for (int t = sg.t_lo - a_lo; t < sg.t_hi - a_lo; ++t) {
-        const int j = sg.block * sg.bs + a_lo + t - sg.ctx_len;
-        const bool ok = sg.mask ? sg.mask[(sg.t0 + i) * sg.mask_stride + j] != 0 : j <= i;
-        if (!ok) srow[t] = kNegInf;
-      }
+      mask_query_columns(srow, sg.t_lo - a_lo, sg.t_hi - a_lo, sg.block * sg.bs + a_lo - sg.ctx_len, i,
+                         sg.mask ? sg.mask + (sg.t0 + i) * sg.mask_stride : nullptr);
     }
-    Vec vmax(kNegInf);
-    for (int t = 0; t < ntp; t += kVecLen) vmax = at::vec::maximum(vmax, Vec::loadu(srow + t));
-    const float seg_max =
-        at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-    const float m_new = std::max(m[row], seg_max * scale);
-    bf16* prow = p + static_cast<int64_t>(row) * ntp;
-    if (m_new == kNegInf) {  // nothing allowed yet in this row
-      std::memset(static_cast<void*>(prow), 0, ntp * sizeof(bf16));
-      continue;
-    }
-    const float alpha = std::exp(m[row] - m_new);
-    Vec vsum(0.f), vneg_m(-m_new), vscale(scale);
-    for (int t = 0; t < ntp; t += 2 * kVecLen) {
-      Vec e0 = at::vec::fmadd(Vec::loadu(srow + t), vscale, vneg_m).exp_u20();
-      Vec e1 = at::vec::fmadd(Vec::loadu(srow + t + kVecLen), vscale, vneg_m).exp_u20();
-      vsum = vsum + e0 + e1;
-      at::vec::convert_from_float<bf16>(e0, e1).store(prow + t);
-    }
-    l[row] = l[row] * alpha + hsum(vsum);
-    m[row] = m_new;
-    if (alpha != 1.f) {
-      float* arow = acc + static_cast<int64_t>(row) * d;
-      Vec va(alpha);
-      for (int c = 0; c < d; c += kVecLen) (Vec::loadu(arow + c) * va).store(arow + c);
-    }
+    online_softmax_row(srow, ntp, scale, m[row], l[row], acc + static_cast<int64_t>(row) * d, d,
+                       p + static_cast<int64_t>(row) * ntp);
   }
   // V rows outside [t_lo, t_hi) may hold anything (unwritten slots): P is 0 there, but 0 x NaN is not,
   // so a partial range reads a copy with those tokens zeroed.
@@ -620,45 +645,17 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
               kp[c * ntp + t] = (c < d && t < ntok) ? static_cast<float>(kb[(seg.t_lo + t) * ks_t + c * ks_d]) : 0.f;
           qk_rows<float>(qs, rows, dp, kp, ntp, ntp, s, bsp);
         }
-        // Masks: padded columns always; query columns by the tree (or causal) mask.
+        // Masks: padded columns always; query columns by the tree (or causal) mask. Then the online
+        // softmax update (q was scaled); s becomes P.
         for (int row = 0; row < rows; ++row) {
           float* srow = s + row * bsp;
           for (int t = ntok; t < ntp; ++t) srow[t] = kNegInf;
           if (seg.is_query) {
             const int i = row / group;
-            for (int t = 0; t < ntok; ++t) {
-              const int j = seg.block * bs + seg.t_lo + t - ctx_len;
-              const bool ok = mask ? mask[(t0 + i) * mask_stride + j] != 0 : j <= i;
-              if (!ok) srow[t] = kNegInf;
-            }
+            mask_query_columns(srow, 0, ntok, seg.block * bs + seg.t_lo - ctx_len, i,
+                               mask ? mask + (t0 + i) * mask_stride : nullptr);
           }
-        }
-        // Online softmax update; s becomes P.
-        for (int row = 0; row < rows; ++row) {
-          float* srow = s + row * bsp;
-          Vec vmax(kNegInf);
-          for (int t = 0; t < ntp; t += kVecLen) vmax = at::vec::maximum(vmax, Vec::loadu(srow + t));
-          const float seg_max = at::vec::vec_reduce_all<float>(
-              [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-          const float m_new = std::max(m[row], seg_max);
-          if (m_new == kNegInf) {  // nothing allowed yet in this row
-            std::fill(srow, srow + ntp, 0.f);
-            continue;
-          }
-          const float alpha = std::exp(m[row] - m_new);  // exp(-inf) = 0 on the first segment
-          Vec vsum(0.f), vm(m_new);
-          for (int t = 0; t < ntp; t += kVecLen) {
-            Vec p = (Vec::loadu(srow + t) - vm).exp_u20();
-            p.store(srow + t);
-            vsum = vsum + p;
-          }
-          l[row] = l[row] * alpha + hsum(vsum);
-          m[row] = m_new;
-          if (alpha != 1.f) {
-            float* arow = acc + row * dp;
-            Vec va(alpha);
-            for (int c = 0; c < dp; c += kVecLen) (Vec::loadu(arow + c) * va).store(arow + c);
-          }
+          online_softmax_row(srow, ntp, 1.f, m[row], l[row], acc + row * dp, dp, srow);
         }
         // acc += P V.
         if (v_direct) {

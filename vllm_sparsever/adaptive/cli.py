@@ -102,9 +102,14 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
     llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
               max_num_batched_tokens=max(max_len, 2048), tensor_parallel_size=args.tensor_parallel_size,
               speculative_config=spec, seed=0)
-    per_rank = llm.collective_rpc("sparsever_profile_verify", args=(grid, args.repeats))
-    rows = per_rank[0]  # ranks run in lockstep (TP all-reduces): rank 0's times are the step's
-    moe = llm.collective_rpc("sparsever_moe_routing")[0]
+    try:
+        per_rank = llm.collective_rpc("sparsever_profile_verify", args=(grid, args.repeats))
+        rows = per_rank[0]  # ranks run in lockstep (TP all-reduces): rank 0's times are the step's
+        moe = llm.collective_rpc("sparsever_moe_routing")[0]
+    finally:
+        from vllm_sparsever.integration.compat.engine import shutdown_llm
+
+        shutdown_llm(llm)
     profile = VerifyCostProfile(model=str(model), hardware=hardware(), dtype=args.dtype,
                                 measurements=[Measurement(**m) for m in rows],
                                 moe=list(moe) if moe else None).fit()

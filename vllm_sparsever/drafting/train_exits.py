@@ -271,10 +271,9 @@ def _generate_vllm(model_dir: str, prompts: list[list[int]], options: TrainExits
                             use_tqdm=options.show_progress)
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
-        engine = getattr(llm, "llm_engine", None)
-        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        from vllm_sparsever.integration.compat.engine import shutdown_llm
+
+        shutdown_llm(llm)
         del llm
         gc.collect()
 

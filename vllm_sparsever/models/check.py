@@ -47,12 +47,17 @@ def run_check(path: Path, max_tokens: int = 48, chat: bool | None = None) -> dic
     load_seconds = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
-    if chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in CHAT_PROMPTS], params)
-        prompts = CHAT_PROMPTS
-    else:
-        outputs = llm.generate(BASE_PROMPTS, params)
-        prompts = BASE_PROMPTS
+    try:
+        if chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in CHAT_PROMPTS], params)
+            prompts = CHAT_PROMPTS
+        else:
+            outputs = llm.generate(BASE_PROMPTS, params)
+            prompts = BASE_PROMPTS
+    finally:
+        from vllm_sparsever.integration.compat.engine import shutdown_llm
+
+        shutdown_llm(llm)
     gen_seconds = time.perf_counter() - start
     texts = [o.outputs[0].text for o in outputs]
     return {

@@ -206,14 +206,12 @@ class AttentionPlanner:
         num_reqs, bs = batch.num_reqs, self.block_size
         query_lens = np.diff(query_start_loc)
         seq_lens = np.asarray(batch.num_computed_tokens[:num_reqs], dtype=np.int64) + query_lens
-        verify_rows = np.zeros(num_reqs, dtype=np.bool_)
         sparse_rows = np.zeros(num_reqs, dtype=np.bool_)
         for req in requests:
-            verify_rows[req.batch_index] = True
             sparse_rows[req.batch_index] = req.context_len >= cfg.min_context_len
-        # Dense when every verify request is short (nothing to save) or a prefill chunk shares the
-        # step (the stock kernel runs it all).
-        if not sparse_rows.any() or ((query_lens > 1) & ~verify_rows).any():
+        # Dense when every verify request is short: nothing to save. (Steps holding a prefill chunk
+        # never get here: build_verification_plan plans none for them.)
+        if not sparse_rows.any():
             return None
         ctx_blocks = np.maximum(seq_lens - query_lens + bs - 1, 0) // bs
         budget = cfg.top_k_blocks + cfg.num_sink_blocks + cfg.num_local_blocks

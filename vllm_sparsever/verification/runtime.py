@@ -215,9 +215,9 @@ class SparseVerificationRuntime:
         copy: they accumulate on their device and are read by `stats_summary`."""
         for key, value in counts.items():
             acc = self.device_stats.get(key)
-            if acc is None or acc.device != value.device:
+            if acc is None:
                 acc = self.device_stats[key] = torch.zeros((), dtype=torch.int64, device=value.device)
-            acc.add_(value.reshape(()))
+            acc.add_(value.reshape(()).to(acc.device, non_blocking=True))
 
     def record_reference_error(self, component: str, error: float) -> None:
         """Keep the largest |sparse - reference| seen per component (with `check_reference`)."""
