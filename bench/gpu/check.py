@@ -340,7 +340,7 @@ def attention_case(device: str, dtype, layout: str, head_dim: int, hkv: int, gro
     return figures
 
 
-def attention_grid(quick: bool, device: str) -> list[dict]:
+def attention_grid(quick: bool) -> list[dict]:
     """The kit's attention cases: per dtype x layout x head_dim, a batch mixing short (one split) and
     long (split along the context) requests, chains and trees, dense and selected."""
     layouts = ["gpu", "cpu"]
@@ -449,8 +449,9 @@ def moe_case(device: str, dtype, h: int, inter: int, num_experts: int, top_k: in
 # ---- correctness: CUDA graphs and streams ------------------------------------------------------------------
 
 def graph_problem(device: str, seed: int):
-    """Static device inputs of one verify step's ops (attention with selection, FFN, MoE) and a function
-    that runs them into fresh outputs; `refill` draws new inputs into the same buffers."""
+    """Static device inputs of one verify step's ops (attention with selection, FFN, MoE): returns
+    (refill, step, buffers); `step()` runs the ops into fresh outputs, `refill(seed)` draws new inputs
+    into the same buffers."""
     from kv_inputs import make_kv_cache, make_requests, make_tree_mask
     from op_inputs import start_loc
 
@@ -499,11 +500,11 @@ def graph_problem(device: str, seed: int):
         moe, used = ops.moe_grouped_dispatch(s["x"], w, ids, s["w13"], s["w2"])
         return [s["kmin"].clone(), sel, nsel, attn, dense, ffn, fsel, w, ids, moe, used]
 
-    return refill, step
+    return refill, step, s
 
 
 def check_graph_replay(device: str) -> dict:
-    refill, step = graph_problem(device, 11)
+    refill, step, _ = graph_problem(device, 11)
     refill(1)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -531,11 +532,10 @@ def check_graph_replay(device: str) -> dict:
 def check_side_stream(device: str) -> dict:
     """The ops launch on the caller's current stream: inputs written on a side stream after a long sleep
     are what the ops read there; an op launched on another stream would read the NaN poison."""
-    refill, step = graph_problem(device, 12)
+    refill, step, buffers = graph_problem(device, 12)
     refill(5)
     torch.cuda.synchronize()
     expected = step()
-    buffers = step_buffers(step)
     saved = {k: buffers[k].clone() for k in ("query", "x", "logits", "k")}
     for k in saved:
         buffers[k].fill_(float("nan"))
@@ -552,14 +552,6 @@ def check_side_stream(device: str) -> dict:
     if bad:
         raise AssertionError(f"outputs {bad} computed on a side stream differ from the default stream's")
     return {"outputs_compared": len(expected)}
-
-
-def step_buffers(step) -> dict:
-    """The buffer dict a graph_problem step closes over."""
-    for cell in step.__closure__ or ():
-        if isinstance(cell.cell_contents, dict) and "query" in cell.cell_contents:
-            return cell.cell_contents
-    raise RuntimeError("graph_problem's buffers not found")
 
 
 # ---- phase: correctness --------------------------------------------------------------------------------
@@ -579,7 +571,7 @@ def correctness(args, out: Path) -> dict:
 
     # 2. The kit's own grid.
     cases = Cases()
-    for c in attention_grid(args.quick, device):
+    for c in attention_grid(args.quick):
         name = (f"attention {str(c['dtype'])[6:]} {c['layout']} D{c['head_dim']} Hkv{c['hkv']}x{c['group']} "
                 f"seqs{c['seqs']} {'tree' if c['use_tree'] else 'chain'} "
                 f"{'top' + str(c['top_k']) if c['top_k'] is not None else 'dense'} bs{c['block_size']}")
