@@ -1,4 +1,4 @@
-"""Ray on vLLM-CPU end to end: the README's recipe (two Ray nodes on this machine, `vllm serve` with
+"""Ray on vLLM-CPU end to end: the documented recipe (docs/serving.md) (two Ray nodes on this machine, `vllm serve` with
 tensor parallelism over them), `LLM()` over the same cluster, lossless output, CPU binding per
 node, and a killed worker.
 
@@ -25,7 +25,7 @@ from tiny_models import prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "serving.md"  # the recipe's page
 RECIPE_MARK = "<!-- recipe: ray-on-cpu"
 RAY = Path(sys.executable).with_name("ray")
 

@@ -118,7 +118,7 @@ def _check_target_supported(model_config: Any, parallel_config: Any) -> None:
             raise SparseverConfigError(
                 "distributed_executor_backend: vLLM-CPU does not support Ray by itself (allowed "
                 "on CPU: 'mp', 'uni'; or set VLLM_SPARSEVER_RAY_CPU=1 in every process and Ray "
-                "node to run on Ray, README: Ray on CPU)"
+                "node to run on Ray, docs/serving.md: Ray on CPU)"
             )
     runner = getattr(model_config, "runner_type", "generate")
     if runner != "generate":

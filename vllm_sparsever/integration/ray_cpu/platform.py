@@ -35,7 +35,7 @@ class SparseverRayCpuPlatform(_CpuPlatform):
 
     @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
-        # vLLM flags every unknown VLLM_* variable; ours are documented (README) and expected.
+        # vLLM flags every unknown VLLM_* variable; ours are documented (docs/serving.md) and expected.
         saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("VLLM_SPARSEVER_")}
         try:
             super().validate_environ(hard_fail)

@@ -45,7 +45,7 @@ def install() -> None:
             raise RuntimeError(
                 f"this Ray worker holds no {key!r} resource; start every Ray node with "
                 f"`ray start --resources='{{\"{key}\": <workers on the node>}}'` "
-                f"(README: Ray on CPU)")
+                f"(docs/serving.md: Ray on CPU)")
         # vLLM groups workers per node by these ids; a CPU worker never reads them otherwise.
         return context.get_node_id(), [os.getpid()]
 
