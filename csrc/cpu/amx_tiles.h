@@ -11,7 +11,9 @@
 #include <cstdint>
 #include <cstring>
 
-#define SPARSEVER_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+// Every CPU with AMX-BF16 also has AVX512-BF16 (amx_usable checks both): its vcvtne2ps2bf16 rounds the
+// softmax's probabilities to bf16 in one instruction.
+#define SPARSEVER_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 namespace sparsever::cpu::amx {
 
@@ -26,8 +28,10 @@ inline bool amx_usable() {
   static const bool ok = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool has = (edx >> 24 & 1u) && (edx >> 22 & 1u);
-    return has && at::cpu::init_amx();
+    const bool has = (edx >> 24 & 1u) && (edx >> 22 & 1u);  // AMX-TILE, AMX-BF16
+    unsigned eax1 = 0, ebx1 = 0, ecx1 = 0, edx1 = 0;
+    const bool bf16 = __get_cpuid_count(7, 1, &eax1, &ebx1, &ecx1, &edx1) && (eax1 >> 5 & 1u);  // AVX512-BF16
+    return has && bf16 && at::cpu::init_amx();
   }();
   return ok;
 }

@@ -28,7 +28,6 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <type_traits>
 
 namespace sparsever::cpu {
 namespace {
@@ -58,44 +57,42 @@ inline void mask_query_columns(float* srow, int c_lo, int c_hi, int j0, int i, c
   }
 }
 
-// One row's online-softmax step over ntp scores (taken times `scale`): updates the running max m and
-// sum l, rescales the row's accumulator acc[0, d), and writes P = exp(scale * s - m) to prow (fp32, or
-// bf16 for the AMX tile products; bf16 needs ntp to be a multiple of 2 * kVecLen). A row with nothing
-// allowed so far keeps m = -inf and gets P = 0.
-template <typename PT>
-inline void online_softmax_row(const float* srow, int ntp, float scale, float& m, float& l, float* acc, int d,
-                               PT* prow) {
+// The online softmax of one row, in three steps shared by the vec and AMX paths: the new running max,
+// P = exp(scale * s - m) (each path stores P its own way: fp32 in place, or bf16 for the tile products),
+// then the running sum and the accumulator's rescale. A row with nothing allowed so far keeps m = -inf
+// and gets P = 0.
+inline float softmax_row_max(const float* srow, int ntp, float scale, float m) {
   Vec vmax(kNegInf);
   for (int t = 0; t < ntp; t += kVecLen) vmax = at::vec::maximum(vmax, Vec::loadu(srow + t));
   const float seg_max =
       at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-  const float m_new = std::max(m, seg_max * scale);  // scale > 0 keeps the max's place
-  if (m_new == kNegInf) {
-    std::memset(static_cast<void*>(prow), 0, static_cast<size_t>(ntp) * sizeof(PT));
-    return;
-  }
+  return std::max(m, seg_max * scale);  // scale > 0 keeps the max's place
+}
+
+inline void softmax_row_update(float& m, float& l, float m_new, const Vec& vsum, float* acc, int d) {
   const float alpha = std::exp(m - m_new);  // exp(-inf) = 0 on the first segment
-  Vec vsum(0.f), vneg_m(-m_new), vscale(scale);
-  if constexpr (std::is_same_v<PT, float>) {
-    for (int t = 0; t < ntp; t += kVecLen) {
-      Vec e = at::vec::fmadd(Vec::loadu(srow + t), vscale, vneg_m).exp_u20();
-      e.store(prow + t);
-      vsum = vsum + e;
-    }
-  } else {
-    for (int t = 0; t < ntp; t += 2 * kVecLen) {
-      Vec e0 = at::vec::fmadd(Vec::loadu(srow + t), vscale, vneg_m).exp_u20();
-      Vec e1 = at::vec::fmadd(Vec::loadu(srow + t + kVecLen), vscale, vneg_m).exp_u20();
-      vsum = vsum + e0 + e1;
-      at::vec::convert_from_float<PT>(e0, e1).store(prow + t);
-    }
-  }
   l = l * alpha + hsum(vsum);
   m = m_new;
   if (alpha != 1.f) {
     Vec va(alpha);
     for (int c = 0; c < d; c += kVecLen) (Vec::loadu(acc + c) * va).store(acc + c);
   }
+}
+
+// The vec path's row: scores already scaled (q was), P written over them in fp32.
+inline void online_softmax_row(float* srow, int ntp, float& m, float& l, float* acc, int d) {
+  const float m_new = softmax_row_max(srow, ntp, 1.f, m);
+  if (m_new == kNegInf) {
+    std::fill(srow, srow + ntp, 0.f);
+    return;
+  }
+  Vec vsum(0.f), vm(m_new);
+  for (int t = 0; t < ntp; t += kVecLen) {
+    Vec e = (Vec::loadu(srow + t) - vm).exp_u20();
+    e.store(srow + t);
+    vsum = vsum + e;
+  }
+  softmax_row_update(m, l, m_new, vsum, acc, d);
 }
 
 // S[r, t] = sum_d Q[r, d] * K[d, t] for ROWS rows and ntp tokens (multiple of kVecLen).
@@ -336,8 +333,22 @@ SPARSEVER_AMX void amx_segment(const AmxSegment& sg, const bf16* q, int rows, fl
       mask_query_columns(srow, sg.t_lo - a_lo, sg.t_hi - a_lo, sg.block * sg.bs + a_lo - sg.ctx_len, i,
                          sg.mask ? sg.mask + (sg.t0 + i) * sg.mask_stride : nullptr);
     }
-    online_softmax_row(srow, ntp, scale, m[row], l[row], acc + static_cast<int64_t>(row) * d, d,
-                       p + static_cast<int64_t>(row) * ntp);
+    // The row's softmax step with P rounded to bf16 by vcvtne2ps2bf16 (ntp is a multiple of 32).
+    bf16* prow = p + static_cast<int64_t>(row) * ntp;
+    const float m_new = softmax_row_max(srow, ntp, scale, m[row]);
+    if (m_new == kNegInf) {
+      std::memset(static_cast<void*>(prow), 0, static_cast<size_t>(ntp) * sizeof(bf16));
+      continue;
+    }
+    const __m512 vscale = _mm512_set1_ps(scale), vneg_m = _mm512_set1_ps(-m_new);
+    Vec vsum(0.f);
+    for (int t = 0; t < ntp; t += 2 * kVecLen) {
+      Vec e0 = Vec(_mm512_fmadd_ps(_mm512_loadu_ps(srow + t), vscale, vneg_m)).exp_u20();
+      Vec e1 = Vec(_mm512_fmadd_ps(_mm512_loadu_ps(srow + t + kVecLen), vscale, vneg_m)).exp_u20();
+      vsum = vsum + e0 + e1;
+      _mm512_storeu_si512(prow + t, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // e0 -> low half
+    }
+    softmax_row_update(m[row], l[row], m_new, vsum, acc + static_cast<int64_t>(row) * d, d);
   }
   // V rows outside [t_lo, t_hi) may hold anything (unwritten slots): P is 0 there, but 0 x NaN is not,
   // so a partial range reads a copy with those tokens zeroed.
@@ -646,7 +657,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
           qk_rows<float>(qs, rows, dp, kp, ntp, ntp, s, bsp);
         }
         // Masks: padded columns always; query columns by the tree (or causal) mask. Then the online
-        // softmax update (q was scaled); s becomes P.
+        // softmax step; s becomes P.
         for (int row = 0; row < rows; ++row) {
           float* srow = s + row * bsp;
           for (int t = ntok; t < ntp; ++t) srow[t] = kNegInf;
@@ -655,7 +666,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
             mask_query_columns(srow, 0, ntok, seg.block * bs + seg.t_lo - ctx_len, i,
                                mask ? mask + (t0 + i) * mask_stride : nullptr);
           }
-          online_softmax_row(srow, ntp, 1.f, m[row], l[row], acc + row * dp, dp, srow);
+          online_softmax_row(srow, ntp, m[row], l[row], acc + row * dp, dp);
         }
         // acc += P V.
         if (v_direct) {
