@@ -28,8 +28,10 @@ def load_extension() -> str:
             raise ImportError(
                 "vllm_sparsever's extension is not built; run `pip install --no-build-isolation .` (`-e .` in a development checkout)"
             ) from last_error
-        if torch.cuda.is_available() and not torch._C._dispatch_has_kernel_for_dispatch_key(
+        # A CUDA torch with a CPU-only build of this extension (no device query here: querying CUDA
+        # before vLLM forks its workers can break them).
+        if torch.version.cuda and not torch._C._dispatch_has_kernel_for_dispatch_key(
                 "sparsever::block_sparse_tree_attention", "CUDA"):
-            logger.warning("%s has no CUDA kernels but this machine has a GPU: the sparse paths will fail on CUDA "
+            logger.warning("%s has no CUDA kernels but torch is a CUDA build: the sparse paths will fail on CUDA "
                            "tensors; rebuild with SPARSEVER_TARGET_DEVICE=cuda and nvcc on PATH", _loaded)
     return _loaded
