@@ -99,9 +99,16 @@ def test_attention_planner_is_called_once_per_verify_step_with_the_batch():
         calls.append((list(batch.req_ids), [r.req_id for r in requests], query_start_loc.tolist()))
         return "attention-plan"
 
+    # The known batch holds a prefill chunk (row b): vLLM's kernel runs that step, so no attention plan.
     plan = _known_plan(attention_planner=planner)
-    assert plan.attention == "attention-plan"
-    assert calls == [(["a", "b", "c", "d"], ["a", "d"], [0, 4, 14, 15, 17])]
+    assert plan.has_prefill_rows and plan.attention is None and calls == []
+    # Without it (a verify row, a decode row, a verify row): one call with the batch.
+    plan = build_verification_plan(
+        step=3, req_ids=["a", "c", "d"], num_scheduled_tokens=np.array([4, 1, 2]),
+        num_computed_tokens=np.array([9, 5, 13]), scheduled_spec_decode_tokens={"a": [11, 12, 13], "d": [44]},
+        block_table=torch.arange(3 * 6, dtype=torch.int32).reshape(3, 6), block_size=4, attention_planner=planner)
+    assert not plan.has_prefill_rows and plan.attention == "attention-plan"
+    assert calls == [(["a", "c", "d"], ["a", "d"], [0, 4, 5, 7])]
 
 
 def test_active_plan_is_scoped():
