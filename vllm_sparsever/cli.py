@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,19 +26,26 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def resolve_model(name_or_path: str) -> str:
-    """A local folder as it is; otherwise a model built by `vllm-sparsever models build NAME`."""
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    from vllm_sparsever.models import model_path
+def resolve_model(name_or_path: str, flag: str = "--model") -> str:
+    """A local folder as it is; otherwise a model built by `vllm-sparsever models build NAME`. An
+    unknown name or an unbuilt model is a one-line error naming `flag` (ModelArgumentError)."""
+    from vllm_sparsever.models import resolve_model_arg
 
-    return str(model_path(name_or_path))
+    return resolve_model_arg(name_or_path, flag)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag and exits 2 otherwise)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
 
 
 def _speculative_config(args: argparse.Namespace) -> dict:
     config: dict = {"method": "sparsever", "num_speculative_tokens": args.num_speculative_tokens}
     if args.draft_model:
-        config["model"] = resolve_model(args.draft_model)
+        config["model"] = resolve_model(args.draft_model, "--draft-model")
     else:
         config["draft_source"] = "ngram"
         config["prompt_lookup_max"] = args.prompt_lookup_max
@@ -133,16 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=DEFAULT_MODEL, help="target: built model name or folder")
     gen.add_argument("--draft-model", default=None,
                      help="draft model name or folder (default: n-gram prompt lookup)")
-    gen.add_argument("--num-speculative-tokens", type=int, default=3)
+    gen.add_argument("--num-speculative-tokens", type=positive_int, default=3)
     gen.add_argument("--prompt-lookup-max", type=int, default=4)
     gen.add_argument("--prompt-lookup-min", type=int, default=2)
     gen.add_argument("--sparsever-config", default=None,
                      help="extra sparsever fields as JSON, merged into the speculative config")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=96)
+    gen.add_argument("--max-tokens", type=positive_int, default=96)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "auto"])
-    gen.add_argument("--max-model-len", type=int, default=2048)
+    gen.add_argument("--max-model-len", type=positive_int, default=2048)
     gen.add_argument("--compile", action="store_true", help="use torch.compile (slower start)")
     gen.add_argument("--no-chat-template", action="store_true")
     gen.add_argument("--metrics-json", default=None, help="also write the metrics here")
@@ -163,7 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    from vllm_sparsever.config import SparseverConfigError
+    from vllm_sparsever.models import ModelArgumentError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ModelArgumentError, SparseverConfigError) as exc:  # before any engine starts: one line, no traceback
+        print(f"vllm-sparsever {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
         measurement_grid, summarize
     from vllm_sparsever.cli import resolve_model
 
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, "MODEL")
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)

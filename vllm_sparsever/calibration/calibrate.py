@@ -55,12 +55,11 @@ class CalibrationResult:
 
 
 def resolve_model_dir(name_or_path: str) -> str:
-    """A local folder as it is; otherwise a model built by `vllm-sparsever models build NAME`."""
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    from vllm_sparsever.models import model_path
+    """A local folder as it is; otherwise a model built by `vllm-sparsever models build NAME` (an unknown
+    or unbuilt one: the CLI's one-line error naming MODEL)."""
+    from vllm_sparsever.models import resolve_model_arg
 
-    return str(model_path(name_or_path))
+    return resolve_model_arg(name_or_path, "MODEL")
 
 
 def _row_text(row: dict[str, Any]) -> str:

@@ -7,7 +7,8 @@
 Heavy imports (torch, transformers, gguf) happen only inside the build functions.
 """
 
-from vllm_sparsever.models.builder import ModelNotBuiltError, build_model, list_models, model_path
+from vllm_sparsever.models.builder import (ModelArgumentError, ModelNotBuiltError, build_model, list_models,
+                                           model_path, resolve_model_arg)
 from vllm_sparsever.models.manifest import verify_folder
 from vllm_sparsever.models.packages import MissingPackageError
 from vllm_sparsever.models.paths import sparsever_home
@@ -16,12 +17,14 @@ from vllm_sparsever.models.registry import MODELS, get_spec, required_packages
 __all__ = [
     "MODELS",
     "MissingPackageError",
+    "ModelArgumentError",
     "ModelNotBuiltError",
     "build_model",
     "get_spec",
     "list_models",
     "model_path",
     "required_packages",
+    "resolve_model_arg",
     "sparsever_home",
     "verify_folder",
 ]

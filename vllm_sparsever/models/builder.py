@@ -192,3 +192,23 @@ def _registry_items():
     from vllm_sparsever.models.registry import MODELS
 
     return MODELS.items()
+
+
+class ModelArgumentError(ValueError):
+    """A command's model argument names neither a folder nor a built model (the message names the flag)."""
+
+
+def resolve_model_arg(name_or_path: str, flag: str) -> str:
+    """A local folder as it is; otherwise a model built by `vllm-sparsever models build NAME`. An unknown
+    name or an unbuilt model raises ModelArgumentError naming `flag`, before any heavy work."""
+    from vllm_sparsever.models.registry import MODELS
+
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if name_or_path not in MODELS:
+        raise ModelArgumentError(f"{flag}: {name_or_path!r} is neither a folder nor a known model "
+                                 f"(known: {', '.join(MODELS)})")
+    try:
+        return str(model_path(name_or_path))
+    except ModelNotBuiltError as exc:
+        raise ModelArgumentError(f"{flag}: {exc}") from None
