@@ -36,3 +36,13 @@ def test_skip_moe_layer_slot_advances_the_counter_only_when_counting(monkeypatch
         monkeypatch.setattr(torch_utils, "_USE_LAYERNAME", True)
         compat_fc.skip_moe_layer_slot()
         assert ctx.moe_layer_index == 1
+
+
+def test_set_forward_context_takes_num_tokens_and_slot_mapping():
+    import inspect
+
+    from vllm.forward_context import set_forward_context
+
+    params = inspect.signature(set_forward_context).parameters
+    assert list(params)[:2] == ["attn_metadata", "vllm_config"]
+    assert "num_tokens" in params and "slot_mapping" in params

@@ -116,8 +116,7 @@ class EarlyExitModel:
         """The residual stream after the first `exit_layer` layers for `query_lens[i]` consecutive
         tokens of batch row `rows[i]` (tokens/positions flattened request after request), writing
         those layers' K/V at the tokens' positions (or at `kv_positions`, under `tree_mask`)."""
-        from vllm.forward_context import set_forward_context
-
+        from vllm_sparsever.integration.compat.forward_context import query_forward_context
         from vllm_sparsever.integration.compat.runner import query_attention_context
         from vllm_sparsever.plan import tree_attention
 
@@ -125,6 +124,6 @@ class EarlyExitModel:
         names = self._stack.attention_layer_names[:exit_layer]
         metadata, slots = query_attention_context(self._runner, names, rows, positions, query_lens,
                                                   kv_positions=kv_positions)
-        with set_forward_context(metadata, self._runner.vllm_config, num_tokens=int(tokens.numel()),
-                                 slot_mapping=slots), tree_attention(tree_mask):
+        with query_forward_context(metadata, self._runner.vllm_config, int(tokens.numel()), slots), \
+                tree_attention(tree_mask):
             return self._stack.run_layers(exit_layer, tokens, positions)

@@ -37,14 +37,13 @@ def final_hidden(runner: Any, stack: Any, rows: list[int], tokens: torch.Tensor,
     """Every layer of `stack` (a compat.model.DecoderStack) and its final norm over the query tokens
     of batch rows `rows`, attending to and writing the runner's KV cache. Tree queries (draft
     trees) give the slots' positions (`kv_positions`) and their ancestor mask (`tree_mask`)."""
-    from vllm.forward_context import set_forward_context
-
+    from vllm_sparsever.integration.compat.forward_context import query_forward_context
     from vllm_sparsever.integration.compat.runner import query_attention_context
     from vllm_sparsever.plan import tree_attention
 
     metadata, slots = query_attention_context(runner, stack.attention_layer_names,
                                               torch.tensor(rows, dtype=torch.long), positions, lens,
                                               kv_positions=kv_positions, block_table=block_table)
-    with set_forward_context(metadata, runner.vllm_config, num_tokens=int(tokens.numel()), slot_mapping=slots), \
+    with query_forward_context(metadata, runner.vllm_config, int(tokens.numel()), slots), \
             tree_attention(tree_mask):
         return stack.run_all(tokens, positions)

@@ -5,6 +5,8 @@ Private symbols touched:
   opaque object) or find it by counting calls;
 - `ForwardContext.all_moe_layers` / `.moe_layer_index`: the counter `_moe_forward` advances per MoE
   layer when names are not passed;
+- `set_forward_context(attn_metadata, vllm_config, num_tokens=, slot_mapping=)`: the per-layer
+  slot-mapping keyword is recent and vLLM-internal in use (the runner's own call passes it);
 - public: `vllm.forward_context.get_forward_context`, `is_forward_context_available`.
 """
 
@@ -28,3 +30,11 @@ def skip_moe_layer_slot() -> None:
     ctx = get_forward_context()
     if ctx.all_moe_layers is not None:
         ctx.moe_layer_index += 1
+
+
+def query_forward_context(attn_metadata, vllm_config, num_tokens: int, slot_mapping):
+    """The forward context sparsever's own passes (self-drafting, early exits, tree queries) run the
+    target's layers under: per-layer attention metadata and per-layer slot mapping."""
+    from vllm.forward_context import set_forward_context
+
+    return set_forward_context(attn_metadata, vllm_config, num_tokens=num_tokens, slot_mapping=slot_mapping)
