@@ -43,8 +43,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "simt")]
 
-OPS = ["update_block_key_summaries", "select_kv_blocks", "block_sparse_tree_attention", "topk_swiglu_ffn",
-       "topk_swiglu_ffn_gated", "input_sparse_gate", "moe_route_and_prune", "moe_grouped_dispatch"]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 T0 = time.monotonic()
 
@@ -235,7 +233,7 @@ def build(args, out: Path) -> dict:
     info["loaded"] = _custom_ops.loaded_module()
     info["kernels"] = _custom_ops.registered_kernels()
     key = "CUDA" if args.device == "cuda" else "CPU"
-    missing = [op for op in OPS if key not in info["kernels"].get(op, [])]
+    missing = [op for op in _custom_ops.OP_NAMES if key not in info["kernels"].get(op, [])]
     if missing:
         raise CaseFailures(f"no {key} kernel registered for: {', '.join(missing)}", info)
     return info
@@ -610,7 +608,9 @@ def correctness(args, out: Path) -> dict:
     for r in cases.results:
         if r["status"] == "ok":
             covered.update(r.get("op", "").split(","))
-    result["ops_checked"] = sorted(op for op in OPS if op in covered or "all" in covered and device == "cuda")
+    from vllm_sparsever._custom_ops import OP_NAMES
+
+    result["ops_checked"] = sorted(op for op in OP_NAMES if op in covered or "all" in covered and device == "cuda")
     if result["failed"] or result["simt_suite"]["status"] != "ok":
         raise CaseFailures(f"{result['failed']} of {result['cases']} cases failed; SIMT suite "
                            f"{result['simt_suite']['status']}", result)

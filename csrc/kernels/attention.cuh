@@ -325,27 +325,30 @@ inline int attention_num_splits(int64_t num_ctas, int64_t max_keys, int num_sms,
   return int(std::max<int64_t>(1, std::min<int64_t>({want, cap, 64})));
 }
 
-// kVec > 1: head_dim contiguous and 16-byte aligned rows (GPU cache layouts), specialised per head-dim
-// width; kVec == 1: any strides (e.g. vLLM-CPU's transposed K), one generic instantiation.
 // CTA shapes by the most query rows a request may have: up to 16 (4 warps x 4 rows), up to 32 (4 x 8),
 // more (8 x 8, then row passes).
 enum class AttnShape { kNarrow, kRegular, kWide };
 
+template <typename T, int kDPerLane, int kVec, int kWarps, int kRowsPerWarp, class Launcher>
+void launch_attention_kernel(const dim3& grid, const AttentionParams& p, const Launcher& launch) {
+  launch(grid, dim3(kWarps * kWarpSize), attention_smem_bytes(p.head_dim, kWarps, kRowsPerWarp),
+         block_sparse_tree_attention_kernel<T, kDPerLane, kVec, kWarps, kRowsPerWarp>, p);
+}
+
+// kVec > 1: head_dim contiguous and 16-byte aligned rows (GPU cache layouts), specialised per head-dim
+// width; kVec == 1: any strides (e.g. vLLM-CPU's transposed K), one generic instantiation.
 template <typename T, int kDPerLane, int kVec, class Launcher>
 void launch_attention(const AttentionParams& p, int num_req, AttnShape shape, const Launcher& launch) {
   const dim3 grid(unsigned(p.num_splits), unsigned(p.num_kv_heads), unsigned(num_req));
   switch (shape) {
     case AttnShape::kNarrow:
-      launch(grid, dim3(kAttnWarps * kWarpSize), attention_smem_bytes(p.head_dim, kAttnWarps, kAttnRowsPerWarpNarrow),
-             block_sparse_tree_attention_kernel<T, kDPerLane, kVec, kAttnWarps, kAttnRowsPerWarpNarrow>, p);
+      launch_attention_kernel<T, kDPerLane, kVec, kAttnWarps, kAttnRowsPerWarpNarrow>(grid, p, launch);
       break;
     case AttnShape::kRegular:
-      launch(grid, dim3(kAttnWarps * kWarpSize), attention_smem_bytes(p.head_dim, kAttnWarps, kAttnRowsPerWarp),
-             block_sparse_tree_attention_kernel<T, kDPerLane, kVec, kAttnWarps, kAttnRowsPerWarp>, p);
+      launch_attention_kernel<T, kDPerLane, kVec, kAttnWarps, kAttnRowsPerWarp>(grid, p, launch);
       break;
     case AttnShape::kWide:
-      launch(grid, dim3(kAttnWarpsWide * kWarpSize), attention_smem_bytes(p.head_dim, kAttnWarpsWide, kAttnRowsPerWarp),
-             block_sparse_tree_attention_kernel<T, kDPerLane, kVec, kAttnWarpsWide, kAttnRowsPerWarp>, p);
+      launch_attention_kernel<T, kDPerLane, kVec, kAttnWarpsWide, kAttnRowsPerWarp>(grid, p, launch);
       break;
   }
   if (p.num_splits > 1) {

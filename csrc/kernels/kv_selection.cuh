@@ -104,7 +104,7 @@ constexpr int kSelectThreads = 256;
 // (KV head, request) picks the top-k: one CTA scoring a long context alone would take milliseconds.
 constexpr int kScoreBlocksPerCta = 64;
 
-// The selection's shape for one request: n context blocks, and whether the budget keeps them all.
+// How many context blocks request r has (capped at the block table's width).
 SV_DEVICE int selection_context_blocks(const int* seq_lens, const int* query_lens, int r, int block_size,
                                        int max_blocks) {
   const int ctx_len = max_of(seq_lens[r] - query_lens[r], 0);

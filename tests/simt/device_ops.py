@@ -29,7 +29,6 @@ class DeviceOps:
         import vllm_sparsever._custom_ops  # noqa: F401 (loads the extension)
 
         self.device = torch.device(device)
-        self.calls = 0
 
     def __getattr__(self, name: str):
         op = getattr(torch.ops.sparsever, name).default
@@ -43,6 +42,5 @@ class DeviceOps:
             for i in written:
                 if moved[i] is not args[i]:
                     args[i].copy_(moved[i].cpu())
-            self.calls += 1
 
         return call

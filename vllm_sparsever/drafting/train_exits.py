@@ -108,18 +108,12 @@ class TrainExitsResult:
 
 def resolve_model_dir(name_or_path: str) -> str:
     """A local folder as it is; else a built model name (unknown or unbuilt: a clear error)."""
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    from vllm_sparsever.models import MODELS, ModelNotBuiltError, model_path
+    from vllm_sparsever.models import ModelArgumentError, resolve_model_arg
 
-    if name_or_path not in MODELS:
-        raise TrainExitsError(
-            f"MODEL: {name_or_path!r} is neither a folder nor a known model (known: {', '.join(MODELS)})"
-        )
     try:
-        return str(model_path(name_or_path))
-    except ModelNotBuiltError as exc:
-        raise TrainExitsError(f"MODEL: {exc}") from None
+        return resolve_model_arg(name_or_path, "MODEL")
+    except ModelArgumentError as exc:
+        raise TrainExitsError(str(exc)) from None
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
