@@ -4,7 +4,7 @@
     python3 bench/gpu/check.py OUTDIR --device cpu --quick   # the same phases with the CPU kernels (a test)
 
 Needs PyTorch (with CUDA for --device cuda), CMake and a C++ compiler; nvcc for CUDA; ninja if present;
-pytest + hypothesis for the reused SIMT cases. Not vLLM, not the network, not `pip install`: the build
+pytest + hypothesis for the reused SIMT cases, tqdm for progress. Not vLLM, not the network, not `pip install`: the build
 phase calls CMake directly and puts the modules next to the package, as `setup.py build_ext --inplace`.
 
 Phases, each timed, each written to OUTDIR/check.json and OUTDIR/check.md as soon as it ends (a run cut
@@ -257,8 +257,11 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 class Cases:
     """Named checks; each records ok / failed (with the message) and optional figures."""
 
-    def __init__(self) -> None:
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
         self.results: list[dict] = []
+        self.progress = tqdm(total=total, desc="correctness cases", unit="case", mininterval=2)  # done, time left
 
     def run(self, name: str, fn, **meta) -> None:
         start = time.monotonic()
@@ -274,8 +277,10 @@ class Cases:
             log(f"  FAILED {name}: {rec['error'][:300]}")
         rec["ms"] = round(1e3 * (time.monotonic() - start), 1)
         self.results.append(rec)
+        self.progress.update(1)
 
     def summary(self) -> dict:
+        self.progress.close()
         failed = [r["case"] for r in self.results if r["status"] != "ok"]
         return {"cases": len(self.results), "failed": len(failed), "failed_cases": failed[:50],
                 "results": self.results}
@@ -568,8 +573,11 @@ def correctness(args, out: Path) -> dict:
     log(f"  SIMT suite on {device}: {tail[0]}")
 
     # 2. The kit's own grid.
-    cases = Cases()
-    for c in attention_grid(args.quick):
+    dnames = ["fp32", "bf16"] if args.quick else ["fp32", "fp16", "bf16"]
+    grid = attention_grid(args.quick)
+    # per dtype: 8 FFN cases, the gated pair, 4 MoE cases; on CUDA the graph and stream checks
+    cases = Cases(len(grid) + 13 * len(dnames) + (2 if device == "cuda" else 0))
+    for c in grid:
         name = (f"attention {str(c['dtype'])[6:]} {c['layout']} D{c['head_dim']} Hkv{c['hkv']}x{c['group']} "
                 f"seqs{c['seqs']} {'tree' if c['use_tree'] else 'chain'} "
                 f"{'top' + str(c['top_k']) if c['top_k'] is not None else 'dense'} bs{c['block_size']}")
@@ -577,7 +585,7 @@ def correctness(args, out: Path) -> dict:
                                                    if c["top_k"] is not None else "")
         cases.run(name, lambda c=c: attention_case(device, **c), op=ops_run)
     h, inter = (256, 512) if args.quick else (4096, 14336)
-    for dname in (["fp32", "bf16"] if args.quick else ["fp32", "fp16", "bf16"]):
+    for dname in dnames:
         dtype = DTYPES[dname]
         gen = torch.Generator().manual_seed(21)
         w_gate_up = (torch.randn(2 * inter, h, generator=gen) / h**0.5).to(dtype)
