@@ -4,8 +4,9 @@
     python3 bench/gpu/check.py OUTDIR --device cpu --quick   # the same phases with the CPU kernels (a test)
 
 Needs PyTorch (with CUDA for --device cuda), CMake and a C++ compiler; nvcc for CUDA; ninja if present;
-pytest + hypothesis for the reused SIMT cases, tqdm for progress. Not vLLM, not the network, not `pip install`: the build
-phase calls CMake directly and puts the modules next to the package, as `setup.py build_ext --inplace`.
+pytest + hypothesis for the reused SIMT cases, tqdm for progress. Not vLLM, not the network, not
+`pip install`: the build phase calls CMake directly and puts the modules next to the package, as
+`setup.py build_ext --inplace`.
 
 Phases, each timed, each written to OUTDIR/check.json and OUTDIR/check.md as soon as it ends (a run cut
 short still leaves what it did):
