@@ -11,8 +11,9 @@
 // Which ISA build of the extension is loaded ("avx512" or "avx2"); used for diagnostics.
 std::string ext_info();
 
-// Whether this build and CPU run topk_swiglu_ffn's bf16 projections with AVX512-BF16 (vdpbf16ps).
-bool ffn_bf16_dot_available();
+// Whether this build and CPU have AVX512-BF16 (vdpbf16ps), which topk_swiglu_ffn's bf16 projections and
+// block_sparse_tree_attention's bf16 path on the plain KV layout use.
+bool bf16_dot_available();
 
 // ---- CPU implementations (csrc/cpu) ------------------------------------------------------------
 

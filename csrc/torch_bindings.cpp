@@ -19,7 +19,7 @@ TORCH_LIBRARY(sparsever, m) {
   // No tensor arguments, so a catch-all kernel rather than a per-device one.
   m.def("ext_info() -> str", &ext_info);
   // Whether topk_swiglu_ffn's bf16 path uses AVX512-BF16 dot instructions on this CPU.
-  m.def("ffn_bf16_dot_available() -> bool", &ffn_bf16_dot_available);
+  m.def("bf16_dot_available() -> bool", &bf16_dot_available);
 
   // key_cache [nb, Hkv, bs, D] strided view; slot_mapping [N] int32/int64 (negative = skip);
   // key_min/key_max [nb, Hkv, D] fp32: exact recompute of every touched block over offsets 0..last.

@@ -156,10 +156,12 @@ def input_sparse_gate(x: torch.Tensor, w_gate_t: torch.Tensor, group_start_loc: 
     return gate, channels
 
 
-def ffn_bf16_dot_available() -> bool:
-    """Whether topk_swiglu_ffn streams bf16 weights with AVX512-BF16 dot instructions on this CPU
-    (else it widens them to fp32; SPARSEVER_CPU_FFN_BF16_DOT=0 forces that)."""
-    return bool(_ops.ffn_bf16_dot_available())
+def bf16_dot_available() -> bool:
+    """Whether this build and CPU have AVX512-BF16 dot instructions (vdpbf16ps): topk_swiglu_ffn then
+    streams bf16 weights with them (SPARSEVER_CPU_FFN_BF16_DOT=0 widens to fp32 instead), and
+    block_sparse_tree_attention computes bf16 on vLLM's plain KV layout with them
+    (SPARSEVER_CPU_ATTN_BF16_DOT=0 keeps fp32 FMAs)."""
+    return bool(_ops.bf16_dot_available())
 
 
 def moe_route_and_prune(router_logits: torch.Tensor, top_k: int, prune_ratio: float = 0.0,

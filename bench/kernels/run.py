@@ -159,7 +159,10 @@ def measure_roof(dtype: torch.dtype, n: int = 2048) -> dict:
 
 # Dense attention variants reported against the roof: sparsever's kernel on the vec layout and on
 # vLLM's AMX layout, vLLM's kernel with the vec and AMX ISAs.
-DENSE_ATTENTION_VARIANTS = ("dense_ours", "dense_ours_amx", "vllm_dense", "vllm_dense_amx")
+# dense_ours_bf16dot / _fp32fma: the vec layout's two bf16 paths forced (SPARSEVER_CPU_ATTN_BF16_DOT),
+# on CPUs with AVX512-BF16; dense_ours is whichever the kernel picks by default.
+DENSE_ATTENTION_VARIANTS = ("dense_ours", "dense_ours_bf16dot", "dense_ours_fp32fma", "dense_ours_amx", "vllm_dense",
+                            "vllm_dense_amx")
 
 
 def attention_flops(q_len: int, ctx: int, hq: int, d: int) -> int:
@@ -213,6 +216,10 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
     def dense_ours():
         l = rot.next()
         ops.block_sparse_tree_attention(query, kcs[l], vcs[l], block_table, seq_lens, qsl, scale, out=out)
+
+    bf16_paths = dtype == torch.bfloat16 and ops.bf16_dot_available()
+    dense_ours_bf16dot = EnvSwitch(dense_ours, SPARSEVER_CPU_ATTN_BF16_DOT="1")
+    dense_ours_fp32fma = EnvSwitch(dense_ours, SPARSEVER_CPU_ATTN_BF16_DOT="0")
 
     sel_cache = {}
 
@@ -307,6 +314,8 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
             "vllm_dense": vllm_dense, "vllm_sparse_with_select": vllm_sparse_select_and_attend,
             "vllm_sparse_attend_only": vllm_sparse_attend_only,
             **({"vllm_dense_amx": vllm_dense_amx, "dense_ours_amx": dense_ours_amx} if amx else {}),
+            **({"dense_ours_bf16dot": dense_ours_bf16dot, "dense_ours_fp32fma": dense_ours_fp32fma}
+               if bf16_paths else {}),
         }),
     }
     flops = attention_flops(q_len, ctx, hq, d)
@@ -326,6 +335,8 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
     res["sparsever_sparse_vs_vllm_sparse"] = res["vllm_sparse_with_select"][STAT] / t_sp
     res["speedup_sparse_vs_torch_dense"] = t_dt / t_sp
     res["speedup_sparse_vs_our_dense"] = res["dense_ours"][STAT] / t_sp
+    if bf16_paths:
+        res["speedup_bf16dot_vs_fp32fma"] = res["dense_ours_fp32fma"][STAT] / res["dense_ours_bf16dot"][STAT]
     res["GBps_dense_ours"] = bytes_dense / res["dense_ours"][STAT] / 1e9
     res["GBps_sparse_attend"] = bytes_sparse / res["sparse_attend_only"][STAT] / 1e9
     res["GBps_dense_torch"] = bytes_dense / t_dt / 1e9
@@ -377,7 +388,7 @@ def shared_weights_mlp(w_gate_up: torch.Tensor, w_down: torch.Tensor, name: str)
 def has_widening_path(dtype: torch.dtype) -> bool:
     """True where this CPU takes the bf16 dot path, so the fp32-widening path (what CPUs without
     AVX512-BF16 run; SPARSEVER_CPU_FFN_BF16_DOT=0) is a second path to time."""
-    return dtype == torch.bfloat16 and ops.ffn_bf16_dot_available()
+    return dtype == torch.bfloat16 and ops.bf16_dot_available()
 
 
 def bench_ffn(model: str, num_tokens: int, dtype: torch.dtype, keep_fracs: list[float], bw: float) -> dict:
@@ -604,8 +615,12 @@ def markdown(results: dict) -> str:
                   "'ours amx' = sparsever's kernel reading that AMX layout in place (AMX tile products). "
                   "'attainable' = min(roof, DRAM read bandwidth x FLOPs per K/V byte): below it, a kernel "
                   "is bound by memory, not compute; each cell's second % is of it.", "",
-                  "| model | ctx | q | attainable GFLOP/s | ours vec: ms, GFLOP/s, roof %, attainable % | ours amx | vllm vec | vllm amx |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "'ours vec bf16 dot' / 'ours vec fp32 FMA': the vec layout's two bf16 paths forced "
+                  "(SPARSEVER_CPU_ATTN_BF16_DOT=1 / 0; 'ours vec' is the default: the dot path only on CPUs "
+                  "without AMX).", "",
+                  "| model | ctx | q | attainable GFLOP/s | ours vec: ms, GFLOP/s, roof %, attainable % | "
+                  "ours vec bf16 dot | ours vec fp32 FMA | ours amx | vllm vec | vllm amx |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["attention"]:
             cells = []
             for name in DENSE_ATTENTION_VARIANTS:

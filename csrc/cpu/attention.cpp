@@ -17,8 +17,17 @@
 //   V [D/16 dim groups][bs/2 token pairs][16 dims][2]      each dim group: an AMX B operand of P V
 // There the scores and P V run as AMX tile products (bf16 in, fp32 out) for up to 32 rows per pass,
 // and the online softmax stays in fp32 vectors.
+//
+// bf16 on the plain layout, on a CPU with AVX512-BF16 (no AMX needed): each segment's K and V are first
+// interleaved into pairs along the reduction axis (K by dim pairs, V by token pairs), once for all the
+// item's rows, and both products run as vdpbf16ps (32 bf16 multiply-adds per instruction) from
+// register tiles of 4 rows; P is rounded to bf16 as on the AMX path. By default only on CPUs without
+// AMX (AMD Zen 4/5), where one vdpbf16ps does twice the multiply-adds of an fp32 FMA; on Intel CPUs it
+// does the same number and measured slower than the FMA path (bench/results/README.md, "attention
+// bf16 dot"). SPARSEVER_CPU_ATTN_BF16_DOT=1 / =0 forces it on / off.
 #include "amx_tiles.h"
 #include "cpu_utils.h"
+#include "gemv_rows_bf16.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -289,17 +298,18 @@ SPARSEVER_AMX inline void amx_pv(const bf16* p, int64_t p_stride, bool two, cons
   }
 }
 
-// Buffers of one thread for the AMX path.
-struct AmxScratch {
-  std::vector<bf16> q, p, v;
+// Buffers of one thread for the bf16 paths (AMX tiles, vdpbf16ps).
+struct Bf16Scratch {
+  std::vector<bf16> q, p, k, v;
   std::vector<float> s;
 };
 
-// Runs rows [0, rows) of one (request, KV head) over one segment of tokens [t_lo, t_hi) of a block,
-// updating the online softmax state m/l and acc [rows, d]. q: bf16 [rows, d] (unscaled).
-struct AmxSegment {
-  const bf16* k_block;  // the block's K (AMX layout) for this head
-  const bf16* v_block;  // the block's V (AMX layout)
+// Rows [0, rows) of one (request, KV head) over one segment of tokens [t_lo, t_hi) of a block: the
+// segment functions update the online softmax state m/l and acc [rows, d]. q: bf16 [rows, d] (unscaled).
+struct BlockSegment {
+  const bf16* k_block;  // the block's K for this head (AMX layout, or K^T rows k_stride_d apart)
+  const bf16* v_block;  // the block's V (AMX layout, or rows v_stride_t apart)
+  int64_t k_stride_d, v_stride_t;  // plain layout only
   int bs, d, t_lo, t_hi;
   bool is_query;
   int block, ctx_len, t0, group;  // for the query tokens' mask
@@ -307,23 +317,14 @@ struct AmxSegment {
   int64_t mask_stride;
 };
 
-SPARSEVER_AMX void amx_segment(const AmxSegment& sg, const bf16* q, int rows, float scale, float* m, float* l,
-                               float* acc, amx::TileState& tiles, AmxScratch& buf) {
+#define SPARSEVER_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// Scores s [rows, ntp] (unscaled; tokens a_lo .. a_lo + ntp of the block, ntp a multiple of 32) ->
+// masks, the online softmax step, and P rounded to bf16 (vcvtne2ps2bf16) into p [rows, ntp].
+SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, int a_lo, int ntp, int rows,
+                                                       float scale, float* s, bf16* p, float* m, float* l,
+                                                       float* acc) {
   const int d = sg.d;
-  const int a_lo = sg.t_lo / 32 * 32, a_hi = (sg.t_hi + 31) / 32 * 32;
-  const int ntp = a_hi - a_lo;  // a multiple of 32
-  if (buf.s.size() < static_cast<size_t>(rows + 16) * ntp) buf.s.resize(static_cast<size_t>(rows + 16) * ntp);
-  if (buf.p.size() < static_cast<size_t>(rows + 16) * ntp) buf.p.resize(static_cast<size_t>(rows + 16) * ntp);
-  float* s = buf.s.data();
-  bf16* p = buf.p.data();
-  // Scores for row pairs of tile groups.
-  for (int r = 0; r < rows; r += 32) {
-    const int m0 = std::min(16, rows - r), m1 = std::max(0, std::min(16, rows - r - 16));
-    tiles.configure(m0, m1);
-    amx_scores(q + static_cast<int64_t>(r) * d, d, m1 > 0, sg.k_block + static_cast<int64_t>(a_lo) * d, ntp / 16,
-               s + static_cast<int64_t>(r) * ntp, ntp);
-  }
-  // Masks and the online softmax update; P (bf16) for the tile products.
   for (int row = 0; row < rows; ++row) {
     float* srow = s + static_cast<int64_t>(row) * ntp;  // unscaled
     for (int t = 0; t < sg.t_lo - a_lo; ++t) srow[t] = kNegInf;
@@ -350,6 +351,25 @@ SPARSEVER_AMX void amx_segment(const AmxSegment& sg, const bf16* q, int rows, fl
     }
     softmax_row_update(m[row], l[row], m_new, vsum, acc + static_cast<int64_t>(row) * d, d);
   }
+}
+
+SPARSEVER_AMX void amx_segment(const BlockSegment& sg, const bf16* q, int rows, float scale, float* m, float* l,
+                               float* acc, amx::TileState& tiles, Bf16Scratch& buf) {
+  const int d = sg.d;
+  const int a_lo = sg.t_lo / 32 * 32, a_hi = (sg.t_hi + 31) / 32 * 32;
+  const int ntp = a_hi - a_lo;  // a multiple of 32
+  if (buf.s.size() < static_cast<size_t>(rows + 16) * ntp) buf.s.resize(static_cast<size_t>(rows + 16) * ntp);
+  if (buf.p.size() < static_cast<size_t>(rows + 16) * ntp) buf.p.resize(static_cast<size_t>(rows + 16) * ntp);
+  float* s = buf.s.data();
+  bf16* p = buf.p.data();
+  // Scores for row pairs of tile groups.
+  for (int r = 0; r < rows; r += 32) {
+    const int m0 = std::min(16, rows - r), m1 = std::max(0, std::min(16, rows - r - 16));
+    tiles.configure(m0, m1);
+    amx_scores(q + static_cast<int64_t>(r) * d, d, m1 > 0, sg.k_block + static_cast<int64_t>(a_lo) * d, ntp / 16,
+               s + static_cast<int64_t>(r) * ntp, ntp);
+  }
+  softmax_rows_to_bf16(sg, a_lo, ntp, rows, scale, s, p, m, l, acc);
   // V rows outside [t_lo, t_hi) may hold anything (unwritten slots): P is 0 there, but 0 x NaN is not,
   // so a partial range reads a copy with those tokens zeroed.
   const bf16* v = sg.v_block + static_cast<int64_t>(a_lo) * 16;
@@ -377,6 +397,173 @@ SPARSEVER_AMX void amx_segment(const AmxSegment& sg, const bf16* q, int rows, fl
     tiles.configure(m0, m1);
     amx_pv(p + static_cast<int64_t>(r) * ntp, ntp, m1 > 0, v, v_group, ntp / 32, d, acc + static_cast<int64_t>(r) * d,
            d);
+  }
+}
+
+// ---- vdpbf16ps on the plain layout ----
+
+// Read once per call (see the top of the file for the default).
+inline bool use_attention_bf16_dot() {
+  if (!rows_bf16_available()) return false;
+  const char* env = std::getenv("SPARSEVER_CPU_ATTN_BF16_DOT");
+  if (env != nullptr && *env != '\0') return std::strcmp(env, "0") != 0;
+  return !amx::amx_usable();
+}
+
+SPARSEVER_AVX512_BF16 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+// permutex2var indices that interleave two 32-element bf16 vectors a, b into pairs (a[j], b[j]):
+// kPairsLo for j in [0, 16), kPairsHi for j in [16, 32) (index 32 + j selects b[j]).
+alignas(64) constexpr uint16_t kPairsLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr uint16_t kPairsHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+// Bits of the 32 tokens [base, base + 32) that lie in [lo, hi).
+inline __mmask32 token_mask(int base, int lo, int hi) {
+  const int a = std::clamp(lo - base, 0, 32), b = std::clamp(hi - base, 0, 32);
+  if (b <= a) return 0;
+  const uint64_t bits = ((uint64_t{1} << (b - a)) - 1) << a;
+  return static_cast<__mmask32>(bits);
+}
+
+// S[r, t .. t + 16 TN) = Q[r] . K[:, t ..] for R rows: q as bf16 pairs [rows][npairs], kp the segment's
+// K as [npairs][ntp tokens][2].
+template <int R, int TN>
+SPARSEVER_AVX512_BF16 inline void dot_scores_tile(const uint32_t* q, int npairs, const bf16* kp, int ntp, int t,
+                                                  float* s, int64_t s_stride) {
+  __m512 acc[R][TN];
+  SPARSEVER_UNROLL
+  for (int r = 0; r < R; ++r)
+    SPARSEVER_UNROLL
+    for (int j = 0; j < TN; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int i = 0; i < npairs; ++i) {
+    const bf16* ki = kp + (static_cast<int64_t>(i) * ntp + t) * 2;
+    __m512bh kv[TN];
+    SPARSEVER_UNROLL
+    for (int j = 0; j < TN; ++j) kv[j] = as_bh(_mm512_loadu_si512(ki + 32 * j));
+    SPARSEVER_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(q[static_cast<int64_t>(r) * npairs + i])));
+      SPARSEVER_UNROLL
+      for (int j = 0; j < TN; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qv, kv[j]);
+    }
+  }
+  SPARSEVER_UNROLL
+  for (int r = 0; r < R; ++r)
+    SPARSEVER_UNROLL
+    for (int j = 0; j < TN; ++j) _mm512_storeu_ps(s + r * s_stride + t + 16 * j, acc[r][j]);
+}
+
+template <int R>
+SPARSEVER_AVX512_BF16 inline void dot_scores_rows(const uint32_t* q, int npairs, const bf16* kp, int ntp, float* s,
+                                                  int64_t s_stride) {
+  int t = 0;
+  for (; t + 64 <= ntp; t += 64) dot_scores_tile<R, 4>(q, npairs, kp, ntp, t, s, s_stride);
+  if (t < ntp) dot_scores_tile<R, 2>(q, npairs, kp, ntp, t, s, s_stride);  // ntp is a multiple of 32
+}
+
+// acc[r, c .. c + 16 CN) += sum_t P[r, t] V[t, c ..] for R rows: p bf16 [rows][p_stride], vp the
+// segment's V as [ntp/2 token pairs][d][2].
+template <int R, int CN>
+SPARSEVER_AVX512_BF16 inline void dot_pv_tile(const bf16* p, int64_t p_stride, const bf16* vp, int npairs, int d,
+                                              int c, float* acc, int64_t acc_stride) {
+  __m512 a[R][CN];
+  SPARSEVER_UNROLL
+  for (int r = 0; r < R; ++r)
+    SPARSEVER_UNROLL
+    for (int j = 0; j < CN; ++j) a[r][j] = _mm512_loadu_ps(acc + r * acc_stride + c + 16 * j);
+  for (int tp = 0; tp < npairs; ++tp) {
+    const bf16* vt = vp + (static_cast<int64_t>(tp) * d + c) * 2;
+    __m512bh vv[CN];
+    SPARSEVER_UNROLL
+    for (int j = 0; j < CN; ++j) vv[j] = as_bh(_mm512_loadu_si512(vt + 32 * j));
+    SPARSEVER_UNROLL
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, p + r * p_stride + 2 * tp, sizeof(pair));
+      const __m512bh pv = as_bh(_mm512_set1_epi32(static_cast<int>(pair)));
+      SPARSEVER_UNROLL
+      for (int j = 0; j < CN; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], pv, vv[j]);
+    }
+  }
+  SPARSEVER_UNROLL
+  for (int r = 0; r < R; ++r)
+    SPARSEVER_UNROLL
+    for (int j = 0; j < CN; ++j) _mm512_storeu_ps(acc + r * acc_stride + c + 16 * j, a[r][j]);
+}
+
+template <int R>
+SPARSEVER_AVX512_BF16 inline void dot_pv_rows(const bf16* p, int64_t p_stride, const bf16* vp, int npairs, int d,
+                                              float* acc, int64_t acc_stride) {
+  int c = 0;
+  for (; c + 64 <= d; c += 64) dot_pv_tile<R, 4>(p, p_stride, vp, npairs, d, c, acc, acc_stride);
+  if (c < d) dot_pv_tile<R, 2>(p, p_stride, vp, npairs, d, c, acc, acc_stride);  // d is a multiple of 32
+}
+
+// One segment on the plain layout with vdpbf16ps (d a multiple of 32). Tokens are taken in the
+// 32-aligned range around [t_lo, t_hi); those outside it are loaded as zeros (masked loads: nothing past
+// the segment is read) and masked out of the softmax.
+SPARSEVER_AVX512_BF16 void dot_bf16_segment(const BlockSegment& sg, const bf16* q, int rows, float scale, float* m,
+                                            float* l, float* acc, Bf16Scratch& buf) {
+  const int d = sg.d;
+  const int a_lo = sg.t_lo / 32 * 32, a_hi = (sg.t_hi + 31) / 32 * 32;
+  const int ntp = a_hi - a_lo;
+  const size_t kv_elems = static_cast<size_t>(ntp) * d;
+  if (buf.k.size() < kv_elems) buf.k.resize(kv_elems);
+  if (buf.v.size() < kv_elems) buf.v.resize(kv_elems);
+  if (buf.s.size() < static_cast<size_t>(rows) * ntp) buf.s.resize(static_cast<size_t>(rows) * ntp);
+  if (buf.p.size() < static_cast<size_t>(rows) * ntp) buf.p.resize(static_cast<size_t>(rows) * ntp);
+  bf16* kp = buf.k.data();
+  bf16* vp = buf.v.data();
+  float* s = buf.s.data();
+  bf16* p = buf.p.data();
+  const __m512i lo_idx = _mm512_load_si512(kPairsLo), hi_idx = _mm512_load_si512(kPairsHi);
+  // K^T rows (dims 2i, 2i + 1) -> kp [i][token][2].
+  for (int i = 0; i < d / 2; ++i) {
+    const bf16* k0 = sg.k_block + 2 * i * sg.k_stride_d + a_lo;
+    const bf16* k1 = k0 + sg.k_stride_d;
+    bf16* dst = kp + static_cast<int64_t>(i) * ntp * 2;
+    for (int c = 0; c < ntp; c += 32) {
+      const __mmask32 mk = token_mask(a_lo + c, sg.t_lo, sg.t_hi);
+      const __m512i x = _mm512_maskz_loadu_epi16(mk, k0 + c), y = _mm512_maskz_loadu_epi16(mk, k1 + c);
+      _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(x, lo_idx, y));
+      _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(x, hi_idx, y));
+    }
+  }
+  // V rows (tokens 2tp, 2tp + 1) -> vp [tp][dim][2]; tokens outside the segment are zeros (P is 0 there,
+  // and 0 x NaN from an unwritten slot would not be).
+  for (int tp = 0; tp < ntp / 2; ++tp) {
+    const int t = a_lo + 2 * tp;
+    const bool ok0 = t >= sg.t_lo && t < sg.t_hi, ok1 = t + 1 >= sg.t_lo && t + 1 < sg.t_hi;
+    const bf16* v0 = sg.v_block + t * sg.v_stride_t;
+    const bf16* v1 = v0 + sg.v_stride_t;
+    bf16* dst = vp + static_cast<int64_t>(tp) * d * 2;
+    for (int c = 0; c < d; c += 32) {
+      const __m512i x = ok0 ? _mm512_loadu_si512(v0 + c) : _mm512_setzero_si512();
+      const __m512i y = ok1 ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(x, lo_idx, y));
+      _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(x, hi_idx, y));
+    }
+  }
+  const uint32_t* qpairs = reinterpret_cast<const uint32_t*>(q);
+  const int npairs = d / 2;
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) dot_scores_rows<4>(qpairs + r * npairs, npairs, kp, ntp, s + r * ntp, ntp);
+  switch (rows - r) {
+    case 3: dot_scores_rows<3>(qpairs + r * npairs, npairs, kp, ntp, s + r * ntp, ntp); break;
+    case 2: dot_scores_rows<2>(qpairs + r * npairs, npairs, kp, ntp, s + r * ntp, ntp); break;
+    case 1: dot_scores_rows<1>(qpairs + r * npairs, npairs, kp, ntp, s + r * ntp, ntp); break;
+    default: break;
+  }
+  softmax_rows_to_bf16(sg, a_lo, ntp, rows, scale, s, p, m, l, acc);
+  r = 0;
+  for (; r + 4 <= rows; r += 4) dot_pv_rows<4>(p + r * ntp, ntp, vp, ntp / 2, d, acc + r * d, d);
+  switch (rows - r) {
+    case 3: dot_pv_rows<3>(p + r * ntp, ntp, vp, ntp / 2, d, acc + r * d, d); break;
+    case 2: dot_pv_rows<2>(p + r * ntp, ntp, vp, ntp / 2, d, acc + r * d, d); break;
+    case 1: dot_pv_rows<1>(p + r * ntp, ntp, vp, ntp / 2, d, acc + r * d, d); break;
+    default: break;
   }
 }
 #endif  // CPU_CAPABILITY_AVX512
@@ -426,6 +613,11 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
   // Direct (copy-free) paths: vLLM-CPU's transposed K, row-major V, head_dim a multiple of the vector.
   const bool k_direct = !amx_layout && ks_t == 1 && d == dp;
   const bool v_direct = !amx_layout && vs_d == 1 && d == dp;
+  // bf16 on the plain layout with vdpbf16ps (see the top of the file).
+  bool dot_bf16 = false;
+#if defined(CPU_CAPABILITY_AVX512)
+  dot_bf16 = std::is_same_v<scalar_t, bf16> && k_direct && v_direct && d % 32 == 0 && use_attention_bf16_dot();
+#endif
 
   const scalar_t* qp = query.data_ptr<scalar_t>();
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
@@ -577,7 +769,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> q_buf, s_buf, k_buf, v_buf, merge_buf;
 #if defined(CPU_CAPABILITY_AVX512)
-    thread_local AmxScratch amx_buf;
+    thread_local Bf16Scratch bf16_buf;
     amx::TileState tiles;  // released when the chunk ends
 #endif
     for (int64_t it = begin; it < end; ++it) {
@@ -596,10 +788,10 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
       const int64_t rh = static_cast<int64_t>(r) * hkv + h;
 #if defined(CPU_CAPABILITY_AVX512)
       if constexpr (std::is_same_v<scalar_t, bf16>) {
-        if (amx_layout) {
+        if (amx_layout || dot_bf16) {
           // Q rows (token i, head g) -> row i*group+g, bf16 as given (the scale goes on the scores).
-          if (amx_buf.q.size() < static_cast<size_t>(rows) * d) amx_buf.q.resize(static_cast<size_t>(rows) * d);
-          bf16* qb = amx_buf.q.data();
+          if (bf16_buf.q.size() < static_cast<size_t>(rows) * d) bf16_buf.q.resize(static_cast<size_t>(rows) * d);
+          bf16* qb = bf16_buf.q.data();
           for (int i = 0; i < q_len; ++i)
             for (int g = 0; g < group; ++g)
               std::memcpy(static_cast<void*>(qb + static_cast<int64_t>(i * group + g) * d),
@@ -610,12 +802,21 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
             const int64_t phys = bt[r * bt_stride + seg.block];
             if (si + 1 < item.seg_end) {  // blocks are scattered: fetch the next one's K and V meanwhile
               const int64_t next = bt[r * bt_stride + list[si + 1].block];
-              prefetch_2d(kc + next * ks0 + h * ks1, 1, 0, static_cast<int64_t>(bs) * d);
-              prefetch_2d(vc + next * vs0 + h * vs1, 1, 0, static_cast<int64_t>(bs) * d);
+              if (amx_layout) {
+                prefetch_2d(kc + next * ks0 + h * ks1, 1, 0, static_cast<int64_t>(bs) * d);
+                prefetch_2d(vc + next * vs0 + h * vs1, 1, 0, static_cast<int64_t>(bs) * d);
+              } else {
+                prefetch_2d(kc + next * ks0 + h * ks1, d, ks_d, bs);  // K^T: D rows of bs tokens
+                prefetch_2d(vc + next * vs0 + h * vs1, bs, vs_t, d);  // V: bs rows of D
+              }
             }
-            const AmxSegment sg{kc + phys * ks0 + h * ks1, vc + phys * vs0 + h * vs1, bs, d, seg.t_lo, seg.t_hi,
-                                seg.is_query, seg.block, ctx_len, t0, group, mask, mask_stride};
-            amx_segment(sg, qb, rows, scale, m, l, acc, tiles, amx_buf);
+            const BlockSegment sg{kc + phys * ks0 + h * ks1, vc + phys * vs0 + h * vs1, ks_d, vs_t, bs, d, seg.t_lo,
+                                  seg.t_hi, seg.is_query, seg.block, ctx_len, t0, group, mask, mask_stride};
+            if (amx_layout) {
+              amx_segment(sg, qb, rows, scale, m, l, acc, tiles, bf16_buf);
+            } else {
+              dot_bf16_segment(sg, qb, rows, scale, m, l, acc, bf16_buf);
+            }
           }
           if (pending[rh].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(rh, merge_buf);
           continue;

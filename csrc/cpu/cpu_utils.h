@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #include <torch/all.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -85,6 +86,14 @@ inline void store_from_f32(const float* src, T* dst, int64_t n) {
 
 inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// A kernel switch that is on unless the environment variable is "0". Read once per op call (a getenv
+// is nothing next to a layer's work, but not per parallel task), so a benchmark can time both ways in
+// one process.
+inline bool env_switch_on(const char* name) {
+  const char* env = std::getenv(name);
+  return !(env && std::strcmp(env, "0") == 0);
 }
 
 // Per-thread growable fp32 scratch (kernels run under at::parallel_for, one buffer per call site+thread).

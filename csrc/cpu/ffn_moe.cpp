@@ -82,14 +82,6 @@ inline int64_t ffn_gemm_min_tokens(bool fp32_weights, bool bf16_dot) {
   return gemm_min_tokens(bf16_dot && !cpu_has_amx_bf16() ? 64 : 16);
 }
 
-// A kernel switch that is on unless the environment variable is "0". Read once per op call (a getenv
-// is nothing next to a layer's MLP, but not per parallel task), so a benchmark can time both ways in
-// one process.
-inline bool env_switch_on(const char* name) {
-  const char* env = std::getenv(name);
-  return !(env && std::string(env) == "0");
-}
-
 // bf16 weights on a CPU with AVX512-BF16: stream them with vdpbf16ps (gemv_rows_bf16.h) instead of
 // widening to fp32. SPARSEVER_CPU_FFN_BF16_DOT=0 turns it off.
 inline bool use_bf16_dot() { return rows_bf16_available() && env_switch_on("SPARSEVER_CPU_FFN_BF16_DOT"); }

@@ -253,4 +253,4 @@ void rows_axpy_bf16(const float* a, int64_t num_tokens, int64_t k, const c10::BF
 
 }  // namespace sparsever::cpu
 
-bool ffn_bf16_dot_available() { return sparsever::cpu::rows_bf16_available(); }
+bool bf16_dot_available() { return sparsever::cpu::rows_bf16_available(); }

@@ -185,3 +185,40 @@ def test_invalid_selected_block_raises():
     with pytest.raises(RuntimeError, match="not a context block"):
         ops.block_sparse_tree_attention(query, kc, vc, bt, torch.tensor([100], dtype=torch.int32), start_loc([2]),
                                         0.25, sel, torch.tensor([[2]], dtype=torch.int32))
+
+
+@pytest.mark.skipif(not ops.bf16_dot_available(), reason="needs a CPU with AVX512-BF16 and the AVX-512 build")
+@pytest.mark.parametrize("block_size", [16, 48, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_bf16_dot_path_on_plain_layout(monkeypatch, block_size, head_dim):
+    # bf16 on vLLM-CPU's plain layout runs vdpbf16ps on pair-interleaved K/V. Unwritten slots hold NaN
+    # (the path's masked loads and zeroed V pairs must keep them out); query tokens start mid-block, so
+    # segments are unaligned; 1-16 tokens x GQA 6 cover every row-tile remainder; trees and causal.
+    gen = torch.Generator().manual_seed(block_size + head_dim)
+    hkv, group = 2, 6
+    reqs = [(1000, 16), (37, 5), (300, 1), (block_size * 3, 3)]
+    q_lens = [q for _, q in reqs]
+    seq_lens = [c + q for c, q in reqs]
+    kc, vc, bt, raw = make_paged_kv(seq_lens, hkv, head_dim, block_size, torch.bfloat16, "cpu", gen,
+                                    spare_blocks=1)
+    written = torch.zeros(raw.shape[0], block_size, dtype=torch.bool)
+    for r, s in enumerate(seq_lens):
+        for p in range(s):
+            written[int(bt[r, p // block_size]), p % block_size] = True
+    kc.masked_fill_(~written[:, None, :, None], float("nan"))
+    vc.masked_fill_(~written[:, None, :, None], float("nan"))
+    query = torch.randn(sum(q_lens), hkv * group, head_dim, generator=gen).to(torch.bfloat16)
+    sl, qsl = torch.tensor(seq_lens, dtype=torch.int32), start_loc(q_lens)
+    clean_k, clean_v = kc.nan_to_num(0.0), vc.nan_to_num(0.0)  # the reference multiplies 0 x NaN
+    for mask in (None, _random_tree_mask(q_lens, gen)):
+        monkeypatch.setenv("SPARSEVER_CPU_ATTN_BF16_DOT", "1")  # on by default only without AMX
+        out = ops.block_sparse_tree_attention(query, kc, vc, bt, sl, qsl, 0.1, None, None, mask)
+        expected = torch.empty_like(query)
+        ref.block_sparse_tree_attention(expected, query, clean_k, clean_v, bt, sl, qsl, None, None, mask, 0.1)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+        monkeypatch.setenv("SPARSEVER_CPU_ATTN_BF16_DOT", "0")
+        fp32_fma = ops.block_sparse_tree_attention(query, kc, vc, bt, sl, qsl, 0.1, None, None, mask)
+        torch.testing.assert_close(out.float(), fp32_fma.float(), rtol=2e-2, atol=2e-2)
+        # The path under test ran: it rounds P to bf16, the fp32 FMA path does not.
+        assert not torch.equal(out, fp32_fma)

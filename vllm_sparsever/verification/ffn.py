@@ -245,7 +245,7 @@ def shared_dense_op_max_tokens(dtype: torch.dtype) -> int:
     than torch's linear (bench/kernels/run.py, "Dense steps with `ffn.weights: shared`")."""
     if dtype == torch.float32:
         return 64
-    if dtype == torch.bfloat16 and ops.ffn_bf16_dot_available():
+    if dtype == torch.bfloat16 and ops.bf16_dot_available():
         return 16
     return 4
 
