@@ -43,7 +43,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vllm_sparsever.calibration.calibrate import resolve_model_dir  # noqa: E402
+from vllm_sparsever.offline.calibration.calibrate import resolve_model_dir  # noqa: E402
 from vllm_sparsever.models.moefication import (balanced_kmeans, calibration_texts,  # noqa: E402
                                                heldout_texts, pack_sequences)
 

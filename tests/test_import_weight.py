@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 # Never imported by a serving process, whatever vLLM imports.
-FORBIDDEN_OWN = ("vllm_sparsever.models", "vllm_sparsever.data", "vllm_sparsever.calibration",
-                 "vllm_sparsever.drafting.train_exits", "bench")
+FORBIDDEN_OWN = ("vllm_sparsever.models", "vllm_sparsever.data", "vllm_sparsever.offline.calibration",
+                 "vllm_sparsever.offline.train_exits", "bench")
 # Not imported by the plugin beyond what vLLM's own modules already imported.
 FORBIDDEN_THIRD_PARTY = ("hypothesis", "tqdm", "matplotlib", "transformers")
 
@@ -135,7 +135,7 @@ def test_front_end_config_build_imports_only_the_serving_path(tiny_target, tiny_
 
 def test_the_check_flags_a_forbidden_import(tmp_path):
     """Negative control: the same script with calibration and hypothesis imported reports both."""
-    report = _run(_WORKER, json.dumps([*WORKER_MODULES, "vllm_sparsever.calibration", "hypothesis"]),
+    report = _run(_WORKER, json.dumps([*WORKER_MODULES, "vllm_sparsever.offline.calibration", "hypothesis"]),
                   tmp_path=tmp_path)
-    assert "vllm_sparsever.calibration" in report["own"]
+    assert "vllm_sparsever.offline.calibration" in report["own"]
     assert "hypothesis" in report["third_party_added"]

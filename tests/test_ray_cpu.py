@@ -19,7 +19,7 @@ def test_platform_plugin_is_inactive_unless_opted_in(monkeypatch):
 
 
 def test_platform_plugin_ignores_opt_in_on_other_builds(monkeypatch, caplog):
-    from vllm_sparsever.integration.compat import ray_executor
+    from vllm_sparsever.compat import ray_executor
 
     monkeypatch.setenv(ray_cpu.OPT_IN_ENV, "1")
     monkeypatch.setattr(ray_executor, "builtin_cpu_platform_qualname", lambda: None)

@@ -72,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         return _generate_and_report(llm, args, SamplingParams)
     finally:
-        from vllm_sparsever.integration.compat.engine import shutdown_llm
+        from vllm_sparsever.compat.engine import shutdown_llm
 
         shutdown_llm(llm)  # before exit: otherwise vLLM warns that the engine core exited unexpectedly
 
@@ -157,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_ext_info)
 
     for module in ("vllm_sparsever.models.cli", "vllm_sparsever.data.cli",
-                   "vllm_sparsever.calibration.cli", "vllm_sparsever.drafting.cli",
-                   "vllm_sparsever.adaptive.cli"):
+                   "vllm_sparsever.offline.calibration.cli", "vllm_sparsever.offline.train_exits_cli",
+                   "vllm_sparsever.offline.profile_verify_cli"):
         try:
             mod = __import__(module, fromlist=["add_subparser"])
         except ImportError:

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import vllm_sparsever._custom_ops as ops  # noqa: E402
-from vllm_sparsever.integration.compat.linear import stock_cpu_linear  # noqa: E402
+from vllm_sparsever.compat.linear import stock_cpu_linear  # noqa: E402
 
 MODELS = {
     # name: hidden, intermediate, q heads, kv heads, head_dim

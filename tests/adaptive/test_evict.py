@@ -6,7 +6,7 @@ import pytest
 
 from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile
 from vllm_sparsever.adaptive.evict import AcceptanceCalibration, Evict
-from vllm_sparsever.drafting.tree import DraftTree
+from vllm_sparsever.plan import DraftTree
 
 
 def _profile(per_token_s: float, base_s: float = 0.05, per_ctx_s: float = 0.0) -> VerifyCostProfile:

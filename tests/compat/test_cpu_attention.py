@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from vllm_sparsever import reference
-from vllm_sparsever.integration.compat import check_signature
-from vllm_sparsever.integration.compat import cpu_attention as vllm_attn
+from vllm_sparsever.compat import check_signature
+from vllm_sparsever.compat import cpu_attention as vllm_attn
 from vllm_sparsever.verification.attention import paged_kv_views
 
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_sparsever.integration.compat import check_signature
-from vllm_sparsever.integration.compat import engine_args as compat_args
+from vllm_sparsever.compat import check_signature
+from vllm_sparsever.compat import engine_args as compat_args
 
 
 def _vllm_create_speculative_config():

@@ -2,7 +2,7 @@
 
 import inspect
 
-from vllm_sparsever.integration.compat.engine import shutdown_llm
+from vllm_sparsever.compat.engine import shutdown_llm
 
 
 def test_llm_engine_holds_an_engine_core_client_with_shutdown():

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from vllm_sparsever.integration.compat import forward_context as compat_fc
+from vllm_sparsever.compat import forward_context as compat_fc
 
 
 def test_forward_context_has_the_moe_counter():

@@ -5,8 +5,8 @@ import inspect
 import pytest
 import torch
 
-from vllm_sparsever.integration.compat import check_signature
-from vllm_sparsever.integration.compat import fused_moe as vllm_moe
+from vllm_sparsever.compat import check_signature
+from vllm_sparsever.compat import fused_moe as vllm_moe
 
 E, TOP_K, H, I = 4, 2, 64, 32
 

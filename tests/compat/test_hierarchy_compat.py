@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_sparsever.integration.compat import ngram as compat_ngram
-from vllm_sparsever.integration.compat import runner as compat_runner
+from vllm_sparsever.compat import ngram as compat_ngram
+from vllm_sparsever.compat import runner as compat_runner
 
 
 def test_ngram_matcher_proposes_what_followed_the_longest_match():
@@ -21,7 +21,7 @@ def test_ngram_matcher_proposes_what_followed_the_longest_match():
     # (vllm/triton_utils/dispatcher.py) that test_self_draft_compat runs in this process.
     code = """
 import numpy as np
-from vllm_sparsever.integration.compat.ngram import match_ngram
+from vllm_sparsever.compat.ngram import match_ngram
 tokens = np.array([5, 1, 2, 3, 9, 8, 4, 2, 3, 7, 6, 1, 2, 3], dtype=np.int32)
 # Suffix [1, 2, 3] matched at the start (longest); what followed it: 9, 8.
 assert match_ngram(tokens, 1, 3, 1024, 2) == [9, 8]

@@ -4,7 +4,7 @@ import inspect
 
 import torch
 
-from vllm_sparsever.integration.compat import linear as compat_linear
+from vllm_sparsever.compat import linear as compat_linear
 
 
 def _layer(prefix):

@@ -3,8 +3,8 @@
 import dataclasses
 import inspect
 
-from vllm_sparsever.integration.compat import check_signature
-from vllm_sparsever.integration.compat import ray_executor as compat
+from vllm_sparsever.compat import check_signature
+from vllm_sparsever.compat import ray_executor as compat
 
 
 def test_cpu_platform_plugin_picks_cpu_platform_here():

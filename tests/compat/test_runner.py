@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_sparsever.integration.compat import runner as compat_runner
-from vllm_sparsever.integration.compat import worker as compat_worker
+from vllm_sparsever.compat import runner as compat_runner
+from vllm_sparsever.compat import worker as compat_worker
 
 
 @pytest.fixture(scope="module")

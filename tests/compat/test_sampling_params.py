@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_sparsever.integration.compat import sampling
+from vllm_sparsever.compat import sampling
+from vllm_sparsever.verification.logits_params import apply_logit_bias, apply_min_p, needs_logits_params
 
 
 def _speculative_config():
@@ -64,8 +65,9 @@ def test_wrapper_biases_before_vllms_processors_and_masks_after():
 
     fake = FakeSampler()
     params = [SimpleNamespace(temperature=1.0, min_p=1.0, logit_bias={0: 100.0})]
-    sampling.honour_min_p_and_logit_bias(fake, lambda: params)
-    sampling.honour_min_p_and_logit_bias(fake, lambda: params)  # idempotent: one wrapper
+    wrap = (lambda: params, needs_logits_params, apply_logit_bias, apply_min_p)
+    sampling.wrap_draft_row_logits(fake, *wrap)
+    sampling.wrap_draft_row_logits(fake, *wrap)  # idempotent: one wrapper
     out = fake.apply_logits_processors(torch.zeros(2, 8), None, SimpleNamespace(num_draft_tokens=[2]))
     assert len(calls) == 1 and torch.all(calls[0][:, 0] == 100.0)  # vLLM's processors saw the bias
     assert torch.all(torch.isfinite(out).sum(-1) == 1) and torch.all(out.argmax(-1) == 0)

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_sparsever.integration.compat import model as compat_model
-from vllm_sparsever.integration.compat import runner as compat_runner
-from vllm_sparsever.integration.compat import sampling as compat_sampling
-from vllm_sparsever.integration.compat import vllm_config as compat_vllm_config
+from vllm_sparsever.compat import model as compat_model
+from vllm_sparsever.compat import runner as compat_runner
+from vllm_sparsever.compat import sampling as compat_sampling
+from vllm_sparsever.compat import vllm_config as compat_vllm_config
 
 
 @pytest.mark.parametrize("module, layer_cls, model_cls", [

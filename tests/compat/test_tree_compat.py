@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_sparsever.integration.compat import runner as compat_runner
-from vllm_sparsever.integration.compat import worker as compat_worker
+from vllm_sparsever.compat import runner as compat_runner
+from vllm_sparsever.compat import worker as compat_worker
 
 
 def test_sample_hook_takes_logits_and_spec_decode_metadata():

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from vllm_sparsever.integration import compat
+from vllm_sparsever import compat
 
 
 def test_installed_vllm_is_a_checked_version():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from vllm_sparsever.integration.compat import check_signature
-from vllm_sparsever.integration.compat import worker as compat_worker
+from vllm_sparsever.compat import check_signature
+from vllm_sparsever.compat import worker as compat_worker
 
 
 def test_cpu_worker_builds_its_runner_by_module_global_name():

@@ -14,7 +14,7 @@ import pytest
 from vllm_sparsever.data import build as data_build
 from vllm_sparsever.data import builders, sources
 from vllm_sparsever.data.long_context import count_tokens, cut_to_tokens
-from vllm_sparsever.models.packages import PackageFile
+from vllm_sparsever.store.packages import PackageFile
 
 REQUIRED = {"id", "category", "prompt", "source", "license"}
 

@@ -6,7 +6,7 @@ import pytest
 
 from vllm_sparsever.data import build as data_build
 from vllm_sparsever.data import sources
-from vllm_sparsever.models.packages import missing_packages
+from vllm_sparsever.store.packages import missing_packages
 
 pytestmark = pytest.mark.slow
 

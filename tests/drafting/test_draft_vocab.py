@@ -27,7 +27,7 @@ def test_save_and_load(tmp_path):
 
 
 def test_lm_head_rows_single_rank(vllm_env):
-    from vllm_sparsever.integration.compat.model import lm_head_rows
+    from vllm_sparsever.compat.model import lm_head_rows
 
     weight = torch.randn(10, 4)
     model = SimpleNamespace(lm_head=SimpleNamespace(weight=weight))

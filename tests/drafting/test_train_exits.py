@@ -15,7 +15,7 @@ import torch
 from tiny_models import make_tiny_exit_llama, prompts
 
 from vllm_sparsever.drafting.exit_head import ExitHead, ExitHeadManifest
-from vllm_sparsever.drafting.train_exits import (
+from vllm_sparsever.offline.train_exits import (
     GENERATED_NAME,
     TrainExitsError,
     TrainExitsOptions,
@@ -198,7 +198,7 @@ def test_same_seed_same_heads_and_time_budget_stops_cleanly(result, model_dir, w
 
 
 def test_bad_inputs_raise_before_any_work(model_dir, workdir, monkeypatch):
-    import vllm_sparsever.drafting.train_exits as te
+    import vllm_sparsever.offline.train_exits as te
 
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the inputs were checked")
@@ -256,7 +256,7 @@ def test_cli_reports_bad_flag_and_help_defaults_match_options(model_dir, capsys)
     import re
 
     from vllm_sparsever.cli import build_parser, main
-    from vllm_sparsever.drafting.cli import _KNOBS
+    from vllm_sparsever.offline.train_exits_cli import _KNOBS
 
     assert main(["train-exits", str(model_dir), "--exit-layers", "9"]) == 2
     assert "--exit-layers" in capsys.readouterr().err
@@ -269,7 +269,7 @@ def test_cli_reports_bad_flag_and_help_defaults_match_options(model_dir, capsys)
 
 
 def test_evaluation_articles_are_excluded_from_training_prompts():
-    from vllm_sparsever.drafting.train_exits import exclude_evaluation_articles
+    from vllm_sparsever.offline.train_exits import exclude_evaluation_articles
 
     rows = [{"id": "wikipedia/657", "prompt": "a"}, {"id": "wikipedia/659", "prompt": "b"},
             {"id": "wikipedia/7", "prompt": "c"}]

@@ -154,7 +154,7 @@ def _qwen_model(tmp_path_factory):
     import os
 
     from vllm_sparsever.models import build_model, registry
-    from vllm_sparsever.models.packages import missing_packages
+    from vllm_sparsever.store.packages import missing_packages
 
     name = "qwen2.5-coder-0.5b"  # the set-up's default model
     missing = missing_packages(registry.required_packages(name))

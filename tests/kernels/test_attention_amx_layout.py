@@ -6,7 +6,7 @@ import torch
 
 import vllm_sparsever._custom_ops as ops
 import vllm_sparsever.reference as ref
-from vllm_sparsever.integration.compat.cpu_attention import write_kv_cache
+from vllm_sparsever.compat.cpu_attention import write_kv_cache
 from vllm_sparsever.verification.attention import move_kv_tokens, paged_kv_views
 
 pytestmark = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),

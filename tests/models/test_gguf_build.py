@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from gguf_fixtures import make_tiny_qwen2, write_gguf
-from vllm_sparsever.models import build_model, manifest, model_path, registry
+from vllm_sparsever.models import build_model, model_path, registry
+from vllm_sparsever.store import manifest
 from vllm_sparsever.models.builder import ModelNotBuiltError
 from vllm_sparsever.models.gguf_hf import ChecksumError, assemble_gguf
-from vllm_sparsever.models.packages import PackageFile, PinnedPackage
+from vllm_sparsever.store.packages import PackageFile, PinnedPackage
 
 
 @pytest.fixture(scope="module")

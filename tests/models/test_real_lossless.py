@@ -11,7 +11,7 @@ import os
 import pytest
 
 from vllm_sparsever.models import build_model, registry
-from vllm_sparsever.models.packages import missing_packages
+from vllm_sparsever.store.packages import missing_packages
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

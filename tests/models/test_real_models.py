@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from vllm_sparsever.models import build_model, manifest, registry
-from vllm_sparsever.models.packages import missing_packages
+from vllm_sparsever.models import build_model, registry
+from vllm_sparsever.store import manifest
+from vllm_sparsever.store.packages import missing_packages
 
 pytestmark = pytest.mark.slow
 

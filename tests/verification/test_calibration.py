@@ -12,13 +12,13 @@ import torch
 from tiny_models import _VOCAB_WORDS, make_tiny_llama
 
 from vllm_sparsever import reference
-from vllm_sparsever.calibration import CalibrationError, CalibrationOptions
-from vllm_sparsever.calibration.calibrate import (
+from vllm_sparsever.offline.calibration import CalibrationError, CalibrationOptions
+from vllm_sparsever.offline.calibration.calibrate import (
     build_profile,
     calibrate,
     round_keep_ratio,
 )
-from vllm_sparsever.calibration.capture import (
+from vllm_sparsever.offline.calibration.capture import (
     ffn_group_keep_shares,
     greedy_anchors,
     plan_windows,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllm_sparsever.config import SparseverConfig, SparseverConfigError
-from vllm_sparsever.integration.compat.engine_args import engine_args_cls, uses_cuda_graphs
+from vllm_sparsever.compat.engine_args import engine_args_cls, uses_cuda_graphs
 from vllm_sparsever.verification.moe import distinct_experts
 from vllm_sparsever.verification.runtime import SparseVerificationRuntime
 from vllm_sparsever.verification.support import check_cuda_graphs

@@ -108,7 +108,7 @@ def _x(n, seed=0):
 
 @pytest.fixture(scope="module")
 def blocks(vllm_env):
-    from vllm_sparsever.integration.compat import fused_moe as vllm_moe
+    from vllm_sparsever.compat import fused_moe as vllm_moe
     from vllm_sparsever.verification import moe
 
     stock, weights = _make_block(vllm_env)

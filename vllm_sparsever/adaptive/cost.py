@@ -1,6 +1,6 @@
 """Verification cost: measured offline per target model, predicted per step by EVICT.
 
-`vllm-sparsever profile-verify MODEL` (adaptive/cli.py) starts the target in vLLM and times the
+`vllm-sparsever profile-verify MODEL` (offline/profile_verify_cli.py) starts the target in vLLM and times the
 target's verify forward (every layer, the logits of every token) on the worker, over a grid of
 rows x query tokens per row x context length, with the tree mask (sparsever's kernel) and
 causally (chains). `VerifyCostProfile` fits, per mask, one linear model of the step time

@@ -14,9 +14,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vllm_sparsever.data import builders, sources
-from vllm_sparsever.models.manifest import sha256_file
-from vllm_sparsever.models.packages import MissingPackageError, PinnedPackage, pip_install, require_packages
-from vllm_sparsever.models.paths import data_root, sparsever_home
+from vllm_sparsever.store.manifest import sha256_file
+from vllm_sparsever.store.packages import MissingPackageError, PinnedPackage, pip_install, require_packages
+from vllm_sparsever.store.paths import data_root, sparsever_home
 
 BUILD_COMMAND = "vllm-sparsever data build"
 MANIFEST_NAME = "sparsever_data_manifest.json"

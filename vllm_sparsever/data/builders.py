@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_sparsever.data import sources
 from vllm_sparsever.data.text import leading_paragraphs, read_lines, read_wikipedia_dump, split_sentences
-from vllm_sparsever.models.packages import PackageFile, locate
+from vllm_sparsever.store.packages import PackageFile, locate
 
 Row = dict[str, Any]
 

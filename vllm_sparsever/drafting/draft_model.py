@@ -87,8 +87,8 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self.init_trees(tree, adaptive, num_speculative_tokens)
 
     def load(self, runner: Any) -> None:
-        from vllm_sparsever.integration.compat.model import decoder_stack
-        from vllm_sparsever.integration.compat.runner import draft_model
+        from vllm_sparsever.compat.model import decoder_stack
+        from vllm_sparsever.compat.runner import draft_model
 
         super().load(runner)
         self._stack = decoder_stack(draft_model(runner))
@@ -121,7 +121,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
 
     def _catch_up_start(self, row: int) -> tuple[Any, int]:
         """(the request's committed tokens, the first position whose draft K/V is stale)."""
-        from vllm_sparsever.integration.compat.runner import token_history
+        from vllm_sparsever.compat.runner import token_history
 
         history = token_history(self._runner, row)
         kv = self._kv.get(self._runner.input_batch.req_ids[row])
@@ -165,7 +165,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
     def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
         """Up to min(num_speculative_tokens, budget) greedy drafts per request, after its committed
         tokens and `pending[i]` (which end with `reqs.tokens[i]`)."""
-        from vllm_sparsever.integration.compat.runner import token_history
+        from vllm_sparsever.compat.runner import token_history
 
         start = time.perf_counter()
         pending = pending or [[] for _ in reqs.rows]

@@ -28,7 +28,7 @@ def collect_draft_requests(
     from their sampled token on (limited by max_model_len and the allocated KV slots); and how many
     rows the allocated slots limited (should stay 0: the scheduler reserves lookahead slots for
     sparsever's drafters, see `integration.speculative.self_draft_lookahead`)."""
-    from vllm_sparsever.integration.compat.runner import allocated_slots, tokens_no_spec
+    from vllm_sparsever.compat.runner import allocated_slots, tokens_no_spec
 
     num_tokens = tokens_no_spec(runner)
     allocated = allocated_slots(runner)  # never write K/V past a request's allocated slots

@@ -33,7 +33,7 @@ class EarlyExitModel:
     def load(self, runner: Any) -> None:
         """Bind to the runner's loaded target and load the heads of `layers` (ExitHeadError if the
         heads do not fit this model). Once per runner: the drafter and the verifier share it."""
-        from vllm_sparsever.integration.compat.model import decoder_stack
+        from vllm_sparsever.compat.model import decoder_stack
 
         if self._runner is runner:
             return
@@ -53,7 +53,7 @@ class EarlyExitModel:
         self._runner = runner
         if self.trimmed_vocab:
             from vllm_sparsever.drafting.draft_vocab import load_draft_vocab
-            from vllm_sparsever.integration.compat.model import lm_head_rows
+            from vllm_sparsever.compat.model import lm_head_rows
 
             for layer, size in self.trimmed_vocab.items():
                 ids = load_draft_vocab(self.heads_dir, size).to(param.device)
@@ -116,8 +116,8 @@ class EarlyExitModel:
         """The residual stream after the first `exit_layer` layers for `query_lens[i]` consecutive
         tokens of batch row `rows[i]` (tokens/positions flattened request after request), writing
         those layers' K/V at the tokens' positions (or at `kv_positions`, under `tree_mask`)."""
-        from vllm_sparsever.integration.compat.forward_context import query_forward_context
-        from vllm_sparsever.integration.compat.runner import query_attention_context
+        from vllm_sparsever.compat.forward_context import query_forward_context
+        from vllm_sparsever.compat.runner import query_attention_context
         from vllm_sparsever.plan import tree_attention
 
         assert self._stack is not None, "EarlyExitModel.load() was not called"

@@ -116,7 +116,7 @@ class HierarchicalProposer:
         scheduled token, in step order) when every row of the step runs exactly tokens whose streams
         the last proposal saved (its sampled token, then a prefix of its pending tokens); else None.
         The saved streams are consumed either way (they describe this step only)."""
-        from vllm_sparsever.integration.compat.runner import input_batch_view, scheduled_token_ids
+        from vllm_sparsever.compat.runner import input_batch_view, scheduled_token_ids
 
         saved, self._reusable = self._reusable, {}
         if not saved:
@@ -159,7 +159,7 @@ class HierarchicalProposer:
 
     def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Pending tokens per batch row, to be verified by the full target as this step's drafts."""
-        from vllm_sparsever.integration.compat.runner import request_limits
+        from vllm_sparsever.compat.runner import request_limits
 
         reqs = self.drafter.requests(sampled_token_ids, reserve=self.cap + self.round_tokens)
         n = len(reqs.rows)

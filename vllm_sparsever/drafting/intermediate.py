@@ -58,14 +58,14 @@ class SparseTargetVerifier:
         self._passes = 0
 
     def load(self, runner: Any) -> None:
-        from vllm_sparsever.integration.compat.model import decoder_stack
+        from vllm_sparsever.compat.model import decoder_stack
 
         self._runner = runner
         self._stack = decoder_stack(runner.model)
 
     @torch.inference_mode()
     def predict(self, rows: list[int], seqs: list[list[int]], first_positions: list[int]) -> list[list[int]]:
-        from vllm_sparsever.integration.compat.runner import input_batch_view
+        from vllm_sparsever.compat.runner import input_batch_view
         from vllm_sparsever.plan import VerifyLevel, active_plan, build_verification_plan
         from vllm_sparsever.verification.runtime import get_runtime
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
-from vllm_sparsever.drafting.tree import DraftTree
+from vllm_sparsever.plan import DraftTree
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
 
 # Prior score of an n-gram draft per depth (calibrated online): half the drafts at each depth accepted.
@@ -60,7 +60,7 @@ class PromptLookupDrafter(TreeDrafting, RoundDrafter):
         self.init_trees(None, adaptive, num_speculative_tokens)
 
     def load(self, runner: Any) -> None:
-        from vllm_sparsever.integration.compat.ngram import match_ngram, ngram_bounds
+        from vllm_sparsever.compat.ngram import match_ngram, ngram_bounds
 
         super().load(runner)
         self._bounds = ngram_bounds(runner)
@@ -71,8 +71,8 @@ class PromptLookupDrafter(TreeDrafting, RoundDrafter):
               limit: int | None = None) -> list[list[int]]:
         """Up to min(num_speculative_tokens, `limit`, budget) drafts per request: what followed the
         longest earlier match of its committed tokens + `pending[i]` (which end with `reqs.tokens[i]`)."""
-        from vllm_sparsever.integration.compat.ngram import match_ngram
-        from vllm_sparsever.integration.compat.runner import token_history
+        from vllm_sparsever.compat.ngram import match_ngram
+        from vllm_sparsever.compat.runner import token_history
 
         start = time.perf_counter()
         min_n, max_n = self._bounds

@@ -37,8 +37,8 @@ def final_hidden(runner: Any, stack: Any, rows: list[int], tokens: torch.Tensor,
     """Every layer of `stack` (a compat.model.DecoderStack) and its final norm over the query tokens
     of batch rows `rows`, attending to and writing the runner's KV cache. Tree queries (draft
     trees) give the slots' positions (`kv_positions`) and their ancestor mask (`tree_mask`)."""
-    from vllm_sparsever.integration.compat.forward_context import query_forward_context
-    from vllm_sparsever.integration.compat.runner import query_attention_context
+    from vllm_sparsever.compat.forward_context import query_forward_context
+    from vllm_sparsever.compat.runner import query_attention_context
     from vllm_sparsever.plan import tree_attention
 
     metadata, slots = query_attention_context(runner, stack.attention_layer_names,

@@ -12,66 +12,16 @@ them) under the tree's ancestor mask (`plan.tree_attention`), after the root: th
 K/V go to slot ctx + 1 + k and are rewritten identically on later levels, so no draft K/V past the
 root has to be kept between levels or after drafting.
 
-`DraftTree` is what a drafter hands to verification: the nodes' tokens, their parents (-1 = the
-root) and path probabilities (EVICT's benefit estimate), parents before children.
+`DraftTree` (in `plan`, where verification and EVICT read it) is what a drafter hands to
+verification: the nodes' tokens, their parents (-1 = the root) and path probabilities (EVICT's
+benefit estimate), parents before children.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from vllm_sparsever.plan import DraftTopology
-
-
-@dataclass
-class DraftTree:
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)  # index into tokens; -1 = the root
-    scores: list[float] = field(default_factory=list)  # path probability under the drafter
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def topology(self) -> DraftTopology:
-        """The verify step's topology: query token 0 is the root, node j is query token j + 1."""
-        return DraftTopology((-1, *(p + 1 for p in self.parents)))
-
-    def node_depths(self) -> list[int]:
-        """Each node's depth below the root (the root's children: 1)."""
-        depths: list[int] = []
-        for p in self.parents:
-            depths.append(1 if p < 0 else depths[p] + 1)
-        return depths
-
-    def depth(self) -> int:
-        return max(self.node_depths(), default=0)
-
-    def subtree(self, keep: list[int]) -> "DraftTree":
-        """The nodes `keep` (ascending, prefix-closed), re-indexed."""
-        index = {old: new for new, old in enumerate(keep)}
-        parents = []
-        for old in keep:
-            p = self.parents[old]
-            if p >= 0 and p not in index:
-                raise ValueError(f"node {old} kept without its parent {p}")
-            parents.append(index[p] if p >= 0 else -1)
-        return DraftTree([self.tokens[i] for i in keep], parents, [self.scores[i] for i in keep])
-
-    def is_chain(self) -> bool:
-        return all(p == j - 1 for j, p in enumerate(self.parents))
-
-    def best_path(self) -> list[int]:
-        """Node indices of the greedy path: the most probable child from the root down."""
-        children: dict[int, list[int]] = {}
-        for n, p in enumerate(self.parents):
-            children.setdefault(p, []).append(n)
-        path, node = [], -1
-        while children.get(node):
-            node = max(children[node], key=lambda c: self.scores[c])
-            path.append(node)
-        return path
+from vllm_sparsever.plan import DraftTopology, DraftTree
 
 
 class TreeGrowth:

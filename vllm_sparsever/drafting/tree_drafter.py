@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from vllm_sparsever.drafting.drafter import DraftRequests
-from vllm_sparsever.drafting.tree import DraftTree, TreeGrowth
+from vllm_sparsever.drafting.tree import TreeGrowth
+from vllm_sparsever.plan import DraftTree
 
 
 @dataclass
@@ -108,7 +109,7 @@ class TreeDrafting:
     # ---- proposing ------------------------------------------------------------------------
 
     def propose_trees(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        from vllm_sparsever.integration.compat.runner import tree_sampling_supported
+        from vllm_sparsever.compat.runner import tree_sampling_supported
 
         start = time.perf_counter()
         self._trees.clear()
@@ -296,6 +297,6 @@ def _agreed(decision: Any) -> Any:
     """EVICT's `decision` as tensor-parallel rank 0 took it, on every rank: its times are measured on
     each rank, and ranks that drafted different depths would run different passes (the draft's
     collectives would hang) and verify different trees."""
-    from vllm_sparsever.integration.compat.sampling import same_on_every_tp_rank
+    from vllm_sparsever.compat.sampling import same_on_every_tp_rank
 
     return same_on_every_tp_rank(decision)

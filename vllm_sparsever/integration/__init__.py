@@ -1,4 +1,5 @@
-"""Everything that touches vLLM: speculative-config mapping, worker and model runner, metrics export."""
+"""The top floor of serving: vLLM plugin registration, speculative-config mapping, the worker and model
+runner. vLLM internals are reached through `vllm_sparsever.compat`."""
 
 # The plugin modules a vLLM worker imports at start (worker class, runner, sparse verification,
 # metrics): what the import-weight test and benchmark load. Kept import-free here on purpose.

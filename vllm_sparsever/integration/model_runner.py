@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from vllm_sparsever.config import SparseverConfig
-from vllm_sparsever.integration.compat.runner import (
+from vllm_sparsever.compat.runner import (
     finished_request_ids,
     input_batch_view,
     sampled_tokens,
@@ -76,13 +76,12 @@ class SparseverRunnerMixin:
         # With speculative decoding vLLM applies min_p and logit_bias nowhere (no processors, and
         # its rejection sampler skips them on draft rows); sparsever applies them everywhere.
         if getattr(self, "rejection_sampler", None) is not None:
-            from vllm_sparsever.integration.compat.runner import batch_sampling_params
-            from vllm_sparsever.integration.compat.sampling import (
-                add_min_p_and_logit_bias_processors,
-                honour_min_p_and_logit_bias,
-            )
+            from vllm_sparsever.compat.runner import batch_sampling_params
+            from vllm_sparsever.compat.sampling import add_min_p_and_logit_bias_processors, wrap_draft_row_logits
+            from vllm_sparsever.verification.logits_params import apply_logit_bias, apply_min_p, needs_logits_params
 
-            honour_min_p_and_logit_bias(self.rejection_sampler, lambda: batch_sampling_params(self))
+            wrap_draft_row_logits(self.rejection_sampler, lambda: batch_sampling_params(self), needs_logits_params,
+                                  apply_logit_bias, apply_min_p)
             add_min_p_and_logit_bias_processors(self.input_batch, self.vllm_config, self.device,
                                                 bool(getattr(self, "pin_memory", False)))
 
@@ -138,7 +137,7 @@ class SparseverRunnerMixin:
         output = super()._sample(*args, **kwargs)
         plan = self.sparsever_plan
         if plan is not None and plan.tree is not None:
-            from vllm_sparsever.integration.compat.runner import sample_call_args
+            from vllm_sparsever.compat.runner import sample_call_args
 
             self._accept_trees(plan, *sample_call_args(args, kwargs), output)
         if plan is not None and plan.is_verify_step:
@@ -150,9 +149,9 @@ class SparseverRunnerMixin:
         """Tree acceptance for the step's tree requests (verification/tree.py), written over what
         vLLM's rejection sampler made of their rows (it reads them as chains), then the accepted
         paths' K/V moved into place. Tree requests have plain sampling (the drafter checks)."""
-        from vllm_sparsever.integration.compat import runner as vllm_runner
-        from vllm_sparsever.integration.compat.cpu_attention import attention_layer_names
-        from vllm_sparsever.integration.compat.sampling import same_on_every_tp_rank
+        from vllm_sparsever.compat import runner as vllm_runner
+        from vllm_sparsever.compat.cpu_attention import attention_layer_names
+        from vllm_sparsever.compat.sampling import same_on_every_tp_rank
         from vllm_sparsever.verification.tree import accept_greedy, accept_sampled, compact_accepted_kv
 
         ends = vllm_runner.logits_row_ends(metadata)
@@ -264,7 +263,7 @@ class SparseverRunnerMixin:
     def _observe_acceptance(self, plan: VerificationPlan, sampler_output: Any) -> None:
         """Tell a drafter that calibrates on it (EVICT) which of its drafts were accepted: a tree's
         accepted path (tree acceptance), a chain's accepted prefix (vLLM's rejection sampler)."""
-        from vllm_sparsever.integration.compat.runner import emitted_count
+        from vllm_sparsever.compat.runner import emitted_count
 
         paths, self._sparsever_paths = self._sparsever_paths, {}
         observe = getattr(self.sparsever_proposer, "observe_acceptance", None)
@@ -281,7 +280,7 @@ class SparseverRunnerMixin:
     def _propose_after_bookkeeping(self, output: Any) -> float:
         """Draft-model drafting for the next step, from this step's committed tokens (see
         `_sparsever_propose_late`); returns the time it took."""
-        from vllm_sparsever.integration.compat.runner import set_draft_token_ids
+        from vllm_sparsever.compat.runner import set_draft_token_ids
 
         sampled = sampled_tokens(output)
         if sampled is None:
@@ -326,7 +325,7 @@ class SparseverRunnerMixin:
     def _forward_from_streams(self, reuse: tuple[int, Any], positions: Any) -> Any:
         """The target's forward for this step from the saved streams: layers L_v..N-1, final norm
         (inside vLLM's forward context for the step; padded rows, if any, get zeros)."""
-        from vllm_sparsever.integration.compat.model import decoder_stack
+        from vllm_sparsever.compat.model import decoder_stack
 
         layer, streams = reuse
         padded = positions.shape[0]

@@ -22,18 +22,18 @@ def register_all() -> None:
     global _done
     if _done:
         return
-    from vllm_sparsever.integration.compat import check_vllm_version
+    from vllm_sparsever.compat import check_vllm_version
     from vllm_sparsever.integration.speculative import install_speculative_config_hook
 
     # Before any hook: on a vLLM version the compat contracts were not checked against, every
     # process stops here with one clear message instead of failing somewhere inside vLLM.
     check_vllm_version()
     install_speculative_config_hook()
-    from vllm_sparsever.integration.compat.sampling import allow_min_p_and_logit_bias
+    from vllm_sparsever.compat.sampling import allow_min_p_and_logit_bias
 
     allow_min_p_and_logit_bias()  # only for SpeculativeConfigs sparsever made (compat/sampling.py)
     # Engine core (scheduler) and workers (warm-up) read the KV lookahead from VllmConfig.
-    from vllm_sparsever.integration.compat.vllm_config import reserve_extra_lookahead
+    from vllm_sparsever.compat.vllm_config import reserve_extra_lookahead
     from vllm_sparsever.integration.speculative import self_draft_lookahead
 
     reserve_extra_lookahead(self_draft_lookahead)

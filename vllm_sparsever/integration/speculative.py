@@ -2,7 +2,7 @@
 
 vLLM's SpeculativeConfig is a pydantic dataclass with `extra="forbid"` and a Literal of methods,
 so it rejects "sparsever" and our fields. We wrap `EngineArgs.create_speculative_config`
-(through `integration.compat.engine_args`; runs in the front end, before the engine starts): the
+(through `compat.engine_args`; runs in the front end, before the engine starts): the
 sparsever fields are validated into `SparseverConfig`, drafting is mapped onto a method the runner
 already drives (`draft_model` or `ngram`), the validated config travels to every worker in
 `VllmConfig.additional_config`, and the worker class is set to ours.
@@ -52,13 +52,13 @@ def sparsever_config_from_vllm(vllm_config: Any) -> SparseverConfig | None:
 def install_speculative_config_hook() -> None:
     """Route EngineArgs.create_speculative_config through `_create_speculative_config` (once per
     process, idempotent)."""
-    from vllm_sparsever.integration.compat.engine_args import wrap_create_speculative_config
+    from vllm_sparsever.compat.engine_args import wrap_create_speculative_config
 
     wrap_create_speculative_config(_create_speculative_config)
 
 
 def _create_speculative_config(engine_args, call_vllm, target_model_config, target_parallel_config):
-    from vllm_sparsever.integration.compat.engine_args import merge_spec_cli_aliases, spec_method_flag
+    from vllm_sparsever.compat.engine_args import merge_spec_cli_aliases, spec_method_flag
 
     requested = is_sparsever_request(engine_args.speculative_config)
     if not requested and spec_method_flag(engine_args) != METHOD_NAME:
@@ -72,7 +72,7 @@ def _create_speculative_config(engine_args, call_vllm, target_model_config, targ
     check_sparsity_supported(config, target_model_config)
     from vllm.platforms import current_platform
 
-    from vllm_sparsever.integration.compat.engine_args import uses_cuda_graphs
+    from vllm_sparsever.compat.engine_args import uses_cuda_graphs
 
     check_cuda_graphs(config, current_platform.is_cpu(), uses_cuda_graphs(engine_args))
     if config.draft_source == "early_exit" or config.early_exit.uses_heads:
@@ -93,7 +93,7 @@ def _create_speculative_config(engine_args, call_vllm, target_model_config, targ
     engine_args.additional_config = dict(engine_args.additional_config or {})
     engine_args.additional_config[ADDITIONAL_CONFIG_KEY] = config.to_dict()
     engine_args.speculative_config = config.to_vllm_speculative_kwargs()
-    from vllm_sparsever.integration.compat.sampling import mark_sparsever_speculative_config
+    from vllm_sparsever.compat.sampling import mark_sparsever_speculative_config
 
     speculative_config = call_vllm()
     # The front end then lets min_p and logit_bias through: sparsever's verification applies them.

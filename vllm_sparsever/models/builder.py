@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_sparsever.models import manifest as _manifest
-from vllm_sparsever.models.packages import locate, pip_install, require_packages
-from vllm_sparsever.models.paths import models_root
+from vllm_sparsever.store import manifest as _manifest
+from vllm_sparsever.store.packages import locate, pip_install, require_packages
+from vllm_sparsever.store.paths import models_root
 from vllm_sparsever.models.registry import GgufModelSpec, MoEModelSpec, get_spec, required_packages
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")

@@ -31,7 +31,7 @@ BASE_PROMPTS = [
 
 
 def _is_chat_model(path: Path) -> bool:
-    from vllm_sparsever.models.manifest import read_manifest
+    from vllm_sparsever.store.manifest import read_manifest
 
     manifest = read_manifest(path) or {}
     return bool(manifest.get("chat", True))
@@ -55,7 +55,7 @@ def run_check(path: Path, max_tokens: int = 48, chat: bool | None = None) -> dic
             outputs = llm.generate(BASE_PROMPTS, params)
             prompts = BASE_PROMPTS
     finally:
-        from vllm_sparsever.integration.compat.engine import shutdown_llm
+        from vllm_sparsever.compat.engine import shutdown_llm
 
         shutdown_llm(llm)
     gen_seconds = time.perf_counter() - start

@@ -89,7 +89,7 @@ def _cmd_path(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from vllm_sparsever.models.builder import model_path
-    from vllm_sparsever.models.manifest import verify_folder
+    from vllm_sparsever.store.manifest import verify_folder
 
     folder = model_path(args.name, args.root)
     problems = verify_folder(folder)

@@ -335,7 +335,7 @@ def calibration_texts() -> list[str]:
     corpus and the first half of its Wikipedia dump (the data categories use the other halves)."""
     from vllm_sparsever.data import builders, sources
     from vllm_sparsever.data.text import read_lines
-    from vllm_sparsever.models.packages import locate
+    from vllm_sparsever.store.packages import locate
 
     texts = read_lines(locate(sources.LEE_BACKGROUND))
     texts += [a.text for a in builders.wikipedia_articles(split="train")]
@@ -346,7 +346,7 @@ def heldout_texts() -> list[str]:
     """Evaluation text disjoint from calibration: Lee test documents and the second half of the dump."""
     from vllm_sparsever.data import builders, sources
     from vllm_sparsever.data.text import read_lines
-    from vllm_sparsever.models.packages import locate
+    from vllm_sparsever.store.packages import locate
 
     texts = read_lines(locate(sources.LEE_TEST))
     texts += [a.text for a in builders.wikipedia_articles(split="test")]

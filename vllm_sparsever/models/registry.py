@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_sparsever.models.packages import PackageFile, PinnedPackage
+from vllm_sparsever.store.packages import PackageFile, PinnedPackage
 
 
 @dataclass(frozen=True)

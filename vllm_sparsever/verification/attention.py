@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from vllm_sparsever import _custom_ops as ops
-from vllm_sparsever.integration.compat import cpu_attention as vllm_attn
-from vllm_sparsever.integration.compat.cpu_attention import (
+from vllm_sparsever.compat import cpu_attention as vllm_attn
+from vllm_sparsever.compat.cpu_attention import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,

@@ -14,7 +14,7 @@ the top-k of the router logits of the verifying requests' tokens and records
 and hands each request's (tokens, distinct experts) per layer to `runtime.experts_observer` when one
 is set (EVICT's expert-union model, adaptive/experts.py),
 then runs the stock forward unchanged. `probe_step_experts()` collects the per-layer step unions of
-every forward, plan or not (profile-verify, adaptive/measure.py).
+every forward, plan or not (profile-verify, offline/profile_verify.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_sparsever.integration.compat import fused_moe as vllm_moe
+from vllm_sparsever.compat import fused_moe as vllm_moe
 from vllm_sparsever.plan import VerifyLevel, current_plan
 
 _probe: list[tuple[int, int, int]] | None = None  # (tokens, distinct experts, experts) per MoE layer run

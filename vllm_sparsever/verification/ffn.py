@@ -44,13 +44,13 @@ from torch import nn
 
 from vllm_sparsever import _custom_ops as ops
 from vllm_sparsever.config import FFN_STOCK_GATE_MIN_BYTES
-from vllm_sparsever.integration.compat.linear import (
+from vllm_sparsever.compat.linear import (
     cpu_gemm_dispatch_override,
     layer_prefix,
     stock_cpu_linear,
     use_plain_cpu_linear,
 )
-from vllm_sparsever.integration.compat.worker import is_cpu_platform
+from vllm_sparsever.compat.worker import is_cpu_platform
 from vllm_sparsever.plan import TokenGroups, current_plan
 from vllm_sparsever.verification.op_modules import OpModuleRegistry
 from vllm_sparsever.verification.runtime import (

@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from vllm_sparsever import _custom_ops as ops
-from vllm_sparsever.integration.compat import fused_moe as vllm_moe
-from vllm_sparsever.integration.compat.forward_context import skip_moe_layer_slot
-from vllm_sparsever.integration.compat.worker import is_cpu_platform
+from vllm_sparsever.compat import fused_moe as vllm_moe
+from vllm_sparsever.compat.forward_context import skip_moe_layer_slot
+from vllm_sparsever.compat.worker import is_cpu_platform
 from vllm_sparsever.verification.op_modules import OpModuleRegistry
 from vllm_sparsever.plan import VerificationPlan, current_plan
 from vllm_sparsever.verification.runtime import (

@@ -1,6 +1,6 @@
 """Calibration profile: the per-model values sparse verification uses by default.
 
-Written by `vllm-sparsever calibrate` (vllm_sparsever/calibration), read by the worker at start.
+Written by `vllm-sparsever calibrate` (vllm_sparsever/offline/calibration), read by the worker at start.
 One json file per target model; `default_profile_path(model)` is where the calibrate command writes
 and where the worker looks when the config names no profile.
 """

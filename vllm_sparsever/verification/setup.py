@@ -64,7 +64,7 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
             from vllm_sparsever.verification import moe
 
             stack.enter_context(moe.preserve_expert_weights(runtime.moe.weights))
-        from vllm_sparsever.integration.compat.runner import intercept_drafter_load
+        from vllm_sparsever.compat.runner import intercept_drafter_load
 
         # The draft model loads as stock vLLM would load it: close the hooks right before.
         stack.callback(intercept_drafter_load(runner, before_load=stack.close))
@@ -75,7 +75,7 @@ def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, archit
     """Wrap the target's FFN / MoE blocks for the sparsities enabled at start."""
     installed: dict[str, int] = {}
     if runtime.started_with["attention"]:
-        from vllm_sparsever.integration.compat.cpu_attention import attention_layer_names
+        from vllm_sparsever.compat.cpu_attention import attention_layer_names
 
         runtime.target_attention_layers = frozenset(attention_layer_names(model))
     if runtime.started_with["ffn"]:

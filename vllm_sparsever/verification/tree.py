@@ -97,7 +97,7 @@ def compact_accepted_kv(layer_kvs: list[Any], moves: list[tuple[int, int, list[i
     """Copy the K/V of accepted tree nodes into place in every layer: `moves` lists (batch row,
     context length, accepted node indices) per tree request; node i_j goes from position ctx+i_j
     to ctx+j. Returns the number of tokens moved (per layer)."""
-    from vllm_sparsever.integration.compat.cpu_attention import layer_isa
+    from vllm_sparsever.compat.cpu_attention import layer_isa
     from vllm_sparsever.verification.attention import move_kv_tokens
 
     src_pos: list[tuple[int, int]] = []

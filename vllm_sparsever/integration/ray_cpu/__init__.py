@@ -46,7 +46,7 @@ def platform_plugin() -> str | None:
     if not opted_in():
         return None
     try:
-        from vllm_sparsever.integration.compat.ray_executor import builtin_cpu_platform_qualname
+        from vllm_sparsever.compat.ray_executor import builtin_cpu_platform_qualname
 
         builtin = builtin_cpu_platform_qualname()
     except Exception:  # noqa: BLE001 - vLLM would hide it; say it loudly instead

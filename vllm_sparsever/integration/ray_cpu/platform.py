@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm_sparsever.integration.compat.ray_executor import cpu_platform_cls, uses_ray_v2_executor
+from vllm_sparsever.compat.ray_executor import cpu_platform_cls, uses_ray_v2_executor
 from vllm_sparsever.integration.ray_cpu import (
     OPT_IN_ENV,
     RESOURCE_ENV,

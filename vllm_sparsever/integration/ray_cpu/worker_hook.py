@@ -24,7 +24,7 @@ def install() -> None:
     global _installed, _user_omp_threads
     if _installed:
         return
-    from vllm_sparsever.integration.compat import ray_executor as compat
+    from vllm_sparsever.compat import ray_executor as compat
     from vllm_sparsever.integration.ray_cpu import binding
 
     _user_omp_threads = binding.env_int("OMP_NUM_THREADS")
@@ -80,7 +80,7 @@ def _suffix_dist_ident() -> None:
     """Give the CPU shared-memory group name this Ray node's id (see compat.ray_executor)."""
     import ray
 
-    from vllm_sparsever.integration.compat import ray_executor as compat
+    from vllm_sparsever.compat import ray_executor as compat
 
     module = compat.cpu_worker_module()
     original = module.init_worker_distributed_environment

@@ -1,7 +1,7 @@
 """`vllm-sparsever calibrate`: per-model anchor layers, FFN keep ratios and MoE thresholds.
 
-    from vllm_sparsever.calibration import CalibrationOptions
-    from vllm_sparsever.calibration.calibrate import calibrate, summary
+    from vllm_sparsever.offline.calibration import CalibrationOptions
+    from vllm_sparsever.offline.calibration.calibrate import calibrate, summary
     result = calibrate("smollm2-135m", CalibrationOptions(max_tokens=4096))
     print(summary(result))           # anchors, keep ratios, thresholds; result.path = the profile
 
@@ -10,6 +10,6 @@ Modules: `options` (knobs, no torch import), `capture` (the forward pass and per
 reductions), `calibrate` (text, model loading, the profile), `cli` (the sub-command).
 """
 
-from vllm_sparsever.calibration.options import CalibrationError, CalibrationOptions
+from vllm_sparsever.offline.calibration.options import CalibrationError, CalibrationOptions
 
 __all__ = ["CalibrationError", "CalibrationOptions"]

@@ -6,7 +6,7 @@ import argparse
 
 
 def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from vllm_sparsever.calibration.options import (
+    from vllm_sparsever.offline.calibration.options import (
         DEFAULT_DATA,
         DTYPE_NAMES,
         CalibrationOptions,
@@ -47,8 +47,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from vllm_sparsever.calibration.calibrate import calibrate, summary
-    from vllm_sparsever.calibration.options import CalibrationOptions
+    from vllm_sparsever.offline.calibration.calibrate import calibrate, summary
+    from vllm_sparsever.offline.calibration.options import CalibrationOptions
 
     options = CalibrationOptions(
         max_tokens=args.max_tokens,

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_sparsever.integration.compat import check_signature
+from vllm_sparsever.compat import check_signature
 
 # Hooks the mixin overrides -> the parameters (after self) it passes positionally and so relies on;
 # () = the mixin forwards *args/**kwargs unchanged, so the hook only has to exist.
@@ -231,7 +231,7 @@ def query_attention_context(
     `kv_positions`: where the tokens' K/V go when that differs from their rotary positions (tree
     tokens: context length + query index, their positions being context length + depth).
     `block_table` [rows, blocks] (CPU int32): rows index it instead of the batch's block tables
-    (synthetic requests: the verify-cost profiler, adaptive/measure.py).
+    (synthetic requests: the verify-cost profiler, offline/profile_verify.py).
     """
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -301,7 +301,7 @@ class LayerKV:
 def layer_kv_caches(runner: Any, layer_names: list[str]) -> list[LayerKV]:
     """The KV caches of `layer_names` (`Attention.kv_cache`, bound at KV cache set-up) with their
     group's block table."""
-    from vllm_sparsever.integration.compat.cpu_attention import attention_layers
+    from vllm_sparsever.compat.cpu_attention import attention_layers
 
     layers = attention_layers(runner.vllm_config, layer_names)
     out = []

@@ -265,7 +265,7 @@ def _generate_vllm(model_dir: str, prompts: list[list[int]], options: TrainExits
                             use_tqdm=options.show_progress)
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
-        from vllm_sparsever.integration.compat.engine import shutdown_llm
+        from vllm_sparsever.compat.engine import shutdown_llm
 
         shutdown_llm(llm)
         del llm

@@ -25,14 +25,24 @@ from vllm_sparsever.adaptive.cost import Measurement
 logger = logging.getLogger("vllm_sparsever")
 
 
+def measure_on_worker(worker: Any, grid: list, repeats: int) -> list[dict[str, Any]]:
+    """`collective_rpc("sparsever_call", args=(MEASURE_ON_WORKER, grid, repeats))` runs this in every
+    worker: synthetic verify steps timed on a dedicated engine with no requests (it writes K/V into
+    blocks no request owns)."""
+    return measure_verify_cost(worker.model_runner, [tuple(p) for p in grid], repeats)
+
+
+MEASURE_ON_WORKER = f"{__name__}:measure_on_worker"
+
+
 @torch.inference_mode()
 def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: int = 3) -> list[dict[str, Any]]:
     from vllm_sparsever.drafting.queries import final_hidden
-    from vllm_sparsever.integration.compat.model import decoder_stack
-    from vllm_sparsever.integration.compat.runner import kv_cache_blocks
+    from vllm_sparsever.compat.model import decoder_stack
+    from vllm_sparsever.compat.runner import kv_cache_blocks
     from vllm_sparsever.plan import DraftTopology, active_plan, stacked_tree_mask
 
-    from vllm_sparsever.integration.compat.cpu_attention import attention_layers
+    from vllm_sparsever.compat.cpu_attention import attention_layers
     from vllm_sparsever.verification.attention import SparseverCPUAttentionImpl
     from vllm_sparsever.verification.expert_counter import probe_step_experts
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_sparsever import reference
-from vllm_sparsever.calibration.options import CalibrationError
+from vllm_sparsever.offline.calibration.options import CalibrationError
 
 ATTN_IMPLEMENTATION = "sparsever_calibrate"
 

@@ -110,7 +110,7 @@ def allow_min_p_and_logit_bias() -> bool:
 
     def _validate_spec_decode(self, speculative_config):
         if getattr(speculative_config, _SPARSEVER_MARK, False):
-            return None  # sparsever applies both to the verification logits (honour_min_p_and_logit_bias)
+            return None  # sparsever applies both to the verification logits (wrap_draft_row_logits)
         return original(self, speculative_config)
 
     _validate_spec_decode._sparsever_wrapped = True  # type: ignore[attr-defined]
@@ -118,13 +118,13 @@ def allow_min_p_and_logit_bias() -> bool:
     return True
 
 
-def honour_min_p_and_logit_bias(rejection_sampler, batch_params) -> None:
-    """Wrap `rejection_sampler.apply_logits_processors` (this instance only) so the draft rows'
-    target logits get each request's logit bias before vLLM's processors (penalties included) and
-    its min_p mask after them, as vLLM's sampler orders them without speculation.
-    `batch_params()` returns the batch's SamplingParams in batch order."""
-    from vllm_sparsever.verification.logits_params import apply_logit_bias, apply_min_p, needs_logits_params
-
+def wrap_draft_row_logits(rejection_sampler, batch_params, needed, before, after) -> None:
+    """Wrap `rejection_sampler.apply_logits_processors` (this instance only; idempotent) so that, when
+    `needed(params)` holds for a request of the batch, the draft rows' target logits go through
+    `before(logits, counts, params)`, then vLLM's processors (penalties included), then
+    `after(logits, counts, params)`: where vLLM's sampler puts logit bias and min_p without
+    speculation. `batch_params()` returns the batch's SamplingParams in batch order; `counts` are the
+    requests' draft-row counts (rows are back to back in batch order)."""
     original = rejection_sampler.apply_logits_processors
     if getattr(original, "_sparsever_wrapped", False):
         return
@@ -132,11 +132,11 @@ def honour_min_p_and_logit_bias(rejection_sampler, batch_params) -> None:
     def apply_logits_processors(logits, sampling_metadata, metadata):
         counts = list(metadata.num_draft_tokens)
         params = batch_params()[: len(counts)]
-        if not any(needs_logits_params(p) for p in params):
+        if not any(needed(p) for p in params):
             return original(logits, sampling_metadata, metadata)
-        logits = apply_logit_bias(logits, counts, params)
+        logits = before(logits, counts, params)
         logits = original(logits, sampling_metadata, metadata)
-        return apply_min_p(logits, counts, params)
+        return after(logits, counts, params)
 
     apply_logits_processors._sparsever_wrapped = True  # type: ignore[attr-defined]
     rejection_sampler.apply_logits_processors = apply_logits_processors

@@ -72,9 +72,10 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
 
     from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile, default_cost_profile_path, \
         measurement_grid, summarize
-    from vllm_sparsever.cli import resolve_model
+    from vllm_sparsever.models import resolve_model_arg
+    from vllm_sparsever.offline.profile_verify import MEASURE_ON_WORKER
 
-    model = resolve_model(args.model, "MODEL")
+    model = resolve_model_arg(args.model, "MODEL")
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
@@ -103,11 +104,11 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
               max_num_batched_tokens=max(max_len, 2048), tensor_parallel_size=args.tensor_parallel_size,
               speculative_config=spec, seed=0)
     try:
-        per_rank = llm.collective_rpc("sparsever_profile_verify", args=(grid, args.repeats))
+        per_rank = llm.collective_rpc("sparsever_call", args=(MEASURE_ON_WORKER, grid, args.repeats))
         rows = per_rank[0]  # ranks run in lockstep (TP all-reduces): rank 0's times are the step's
         moe = llm.collective_rpc("sparsever_moe_routing")[0]
     finally:
-        from vllm_sparsever.integration.compat.engine import shutdown_llm
+        from vllm_sparsever.compat.engine import shutdown_llm
 
         shutdown_llm(llm)
     profile = VerifyCostProfile(model=str(model), hardware=hardware(), dtype=args.dtype,

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from vllm_sparsever.calibration.capture import (
+from vllm_sparsever.offline.calibration.capture import (
     ATTN_IMPLEMENTATION,
     CaptureResult,
     capture,
@@ -36,7 +36,7 @@ from vllm_sparsever.calibration.capture import (
     plan_windows,
     register_attention,
 )
-from vllm_sparsever.calibration.options import CalibrationError, CalibrationOptions
+from vllm_sparsever.offline.calibration.options import CalibrationError, CalibrationOptions
 from vllm_sparsever.verification.profile import CalibrationProfile, default_profile_path
 
 KEEP_RATIO_GRID = 64

@@ -55,7 +55,7 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
 def _cmd_train_exits(args: argparse.Namespace) -> int:
     import sys
 
-    from vllm_sparsever.drafting.train_exits import TrainExitsError, TrainExitsOptions, summary, train_exits
+    from vllm_sparsever.offline.train_exits import TrainExitsError, TrainExitsOptions, summary, train_exits
 
     given = {dest: getattr(args, dest) for dest, _, _ in _KNOBS.values() if getattr(args, dest) is not None}
     if args.exit_layers:
