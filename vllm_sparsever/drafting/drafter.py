@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_sparsever.drafting.proposer import Proposer
+
 
 @dataclass(frozen=True)
 class DraftRequests:
@@ -51,7 +53,7 @@ def collect_draft_requests(
     return out, slot_limited
 
 
-class RoundDrafter:
+class RoundDrafter(Proposer):
     """Base of a drafter the hierarchy calls once per round: `draft(reqs, pending)` (subclasses),
     `requests()`, `propose()` on its own, `load()`, and per-level stats (`stats`: a dataclass with
     `slot_limited` and `summary()`, reported under `level`)."""
@@ -76,13 +78,6 @@ class RoundDrafter:
 
     def reset_stats(self) -> None:
         self.stats = type(self.stats)()
-
-    def forget(self, req_ids: set[str]) -> None:
-        """Drop what is kept for these (finished) requests; subclasses with per-request state add theirs."""
-
-    def request_state(self) -> dict[str, int]:
-        """Entries kept per request, by kind (0 once every request has finished)."""
-        return {}
 
     def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
         reqs, slot_limited = collect_draft_requests(self._runner, sampled_token_ids, reserve, self.max_model_len)

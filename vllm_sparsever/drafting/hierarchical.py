@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from vllm_sparsever.drafting.drafter import DraftRequests
+from vllm_sparsever.drafting.proposer import Proposer
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class HierarchicalStats:
         }
 
 
-class HierarchicalProposer:
+class HierarchicalProposer(Proposer):
     def __init__(self, drafter: Any, verifier: Any, *, cap: int, rounds: int, reuse: bool = False) -> None:
         """`drafter`: `requests()`/`draft()` (SelfDraftProposer, PromptLookupDrafter,
         DraftModelDrafter); `verifier`: `predict()` (EarlyExitVerifier, SparseTargetVerifier)."""

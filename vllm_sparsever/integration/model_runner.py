@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from vllm_sparsever.config import SparseverConfig
+from vllm_sparsever.drafting.factory import make_proposer
 from vllm_sparsever.compat.runner import (
     finished_request_ids,
     input_batch_view,
@@ -33,7 +34,7 @@ from vllm_sparsever.compat.runner import (
 )
 from vllm_sparsever.metrics import SnapshotWriter, SparseverMetrics
 from vllm_sparsever.plan import VerificationPlan, active_plan, build_verification_plan
-from vllm_sparsever.verification.tree import TreeVerifyStats
+from vllm_sparsever.verification.tree import TreeAcceptance
 from vllm_sparsever.verification.setup import (
     install_modules,
     start_sparse_verification,
@@ -59,7 +60,7 @@ class SparseverRunnerMixin:
         self._sparsever_decode_shape: tuple[list[int], list[int]] | None = None  # see _decode_shape
         self._sparsever_gap_s: float | None = None
         self.sparsever_runtime = start_sparse_verification(config, self.vllm_config)
-        self.sparsever_proposer = _make_proposer(config, self.model_config.max_model_len)
+        self.sparsever_proposer = make_proposer(config, self.model_config.max_model_len)
         self._sparsever_hierarchy = self.sparsever_proposer if config.early_exit.enabled else None
         # vLLM's draft_model method proposes before the step's bookkeeping, from device tensors;
         # sparsever's draft-model drafter needs the committed tokens: it proposes after sample_tokens.
@@ -68,9 +69,8 @@ class SparseverRunnerMixin:
             which = "tree.enabled" if config.tree.enabled else "early_exit.enabled"
             raise ValueError(f"{which} with draft_source='draft_model' needs synchronous scheduling "
                              "(allowed: async_scheduling=False, e.g. --no-async-scheduling)")
-        self._sparsever_tree_stats = TreeVerifyStats()
+        self._sparsever_trees = TreeAcceptance()
         self._sparsever_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (query indices)
-        self._sparsever_layer_kvs: list[Any] | None = None
         # The full level of a hierarchy over the sparse target verifies densely.
         self._sparsever_dense_full = config.early_exit.enabled and config.early_exit.intermediate == "sparse"
         # With speculative decoding vLLM applies min_p and logit_bias nowhere (no processors, and
@@ -139,52 +139,11 @@ class SparseverRunnerMixin:
         if plan is not None and plan.tree is not None:
             from vllm_sparsever.compat.runner import sample_call_args
 
-            self._accept_trees(plan, *sample_call_args(args, kwargs), output)
+            self._sparsever_paths = self._sparsever_trees.accept(self, plan, *sample_call_args(args, kwargs), output)
         if plan is not None and plan.is_verify_step:
             self._observe_acceptance(plan, output)  # here: vLLM proposes the next drafts later in the step
         self._sparsever_timing["sample"] = time.perf_counter() - start
         return output
-
-    def _accept_trees(self, plan: VerificationPlan, logits: Any, metadata: Any, output: Any) -> None:
-        """Tree acceptance for the step's tree requests (verification/tree.py), written over what
-        vLLM's rejection sampler made of their rows (it reads them as chains), then the accepted
-        paths' K/V moved into place. Tree requests have plain sampling (the drafter checks)."""
-        from vllm_sparsever.compat import runner as vllm_runner
-        from vllm_sparsever.compat.cpu_attention import attention_layer_names
-        from vllm_sparsever.compat.sampling import same_on_every_tp_rank
-        from vllm_sparsever.verification.tree import accept_greedy, accept_sampled, compact_accepted_kv
-
-        ends = vllm_runner.logits_row_ends(metadata)
-        moves = []
-        stats = self._sparsever_tree_stats
-        stats.steps += 1
-        decisions, any_sampled = [], False
-        for k in plan.tree.tree_requests:
-            req = plan.requests[k]
-            r = req.batch_index
-            rows = logits[ends[r] - req.num_query_tokens: ends[r]]
-            tokens = [-1, *req.draft_token_ids]
-            how = vllm_runner.row_sampling(self, r)
-            if how.temperature is None:
-                decisions.append(accept_greedy(req.topology, tokens, rows))  # same on every rank
-            else:
-                any_sampled = True
-                probs = vllm_runner.processed_target_probs(rows, how.temperature, how.top_k, how.top_p)
-                decisions.append(accept_sampled(req.topology, tokens, probs, how.generator))
-        if any_sampled:
-            decisions = same_on_every_tp_rank(decisions)
-        for k, (path, final) in zip(plan.tree.tree_requests, decisions, strict=True):
-            req = plan.requests[k]
-            tokens = [-1, *req.draft_token_ids]
-            vllm_runner.write_sampled_tokens(output, req.batch_index, [tokens[j] for j in path] + [final])
-            moves.append((req.batch_index, req.context_len, path))
-            self._sparsever_paths[req.req_id] = path
-            stats.trees += 1
-            stats.nodes_verified += req.num_draft_tokens
-            stats.accepted_tokens += len(path)
-        if self._sparsever_layer_kvs is None:
-            self._sparsever_layer_kvs = vllm_runner.layer_kv_caches(self, attention_layer_names(self.model))
-        stats.kv_moved_tokens += compact_accepted_kv(self._sparsever_layer_kvs, moves)
 
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -239,7 +198,7 @@ class SparseverRunnerMixin:
                       ) -> tuple[list[int], list[int]] | None:
         """(query tokens, context) per row when every row of the step decodes (1 + its drafts; no
         prefill chunk), for a drafter that times such steps (EVICT); else None."""
-        if getattr(self.sparsever_proposer, "observe_step_time", None) is None:
+        if self.sparsever_proposer is None or not self.sparsever_proposer.wants_step_times:
             return None
         batch = input_batch_view(self)
         drafts = scheduled_drafts(scheduler_output)
@@ -266,9 +225,9 @@ class SparseverRunnerMixin:
         from vllm_sparsever.compat.runner import emitted_count
 
         paths, self._sparsever_paths = self._sparsever_paths, {}
-        observe = getattr(self.sparsever_proposer, "observe_acceptance", None)
-        if observe is None:
+        if self.sparsever_proposer is None:
             return
+        observe = self.sparsever_proposer.observe_acceptance
         for req in plan.requests:
             path = paths.get(req.req_id)
             if path is not None:
@@ -297,7 +256,7 @@ class SparseverRunnerMixin:
             return {}
         levels = self.sparsever_proposer.stats_by_level()
         if self.sparsever_config.tree.enabled:
-            levels["tree_verify"] = self._sparsever_tree_stats.summary()
+            levels["tree_verify"] = self._sparsever_trees.stats.summary()
         if split:
             return levels
         return {k: v for level in levels.values() for k, v in level.items()}
@@ -319,8 +278,8 @@ class SparseverRunnerMixin:
     def _reusable_streams(self, num_scheduled_tokens: np.ndarray) -> tuple[int, Any] | None:
         """(layer, the residual stream there of every token of this step) when the hierarchy saved
         them for every scheduled token (drafting/hierarchical.py); else None: the whole model runs."""
-        streams_for_step = getattr(self.sparsever_proposer, "streams_for_step", None)
-        return streams_for_step(self, num_scheduled_tokens) if streams_for_step is not None else None
+        proposer = self.sparsever_proposer
+        return proposer.streams_for_step(self, num_scheduled_tokens) if proposer is not None else None
 
     def _forward_from_streams(self, reuse: tuple[int, Any], positions: Any) -> Any:
         """The target's forward for this step from the saved streams: layers L_v..N-1, final norm
@@ -341,14 +300,14 @@ class SparseverRunnerMixin:
         self._sparsever_step += 1
         batch = input_batch_view(self)
         drafts = scheduled_drafts(scheduler_output)
-        topologies = getattr(self.sparsever_proposer, "topologies", None)
+        proposer = self.sparsever_proposer
         return build_verification_plan(
             step=self._sparsever_step,
             req_ids=batch.req_ids,
             num_scheduled_tokens=num_scheduled_tokens,
             num_computed_tokens=batch.num_computed_tokens,
             scheduled_spec_decode_tokens=drafts,
-            topologies=topologies(drafts) if topologies is not None else None,
+            topologies=proposer.topologies(drafts) if proposer is not None else None,
             block_table=batch.block_table_cpu,
             block_size=batch.block_size,
             device=self.device,
@@ -368,66 +327,6 @@ class SparseverRunnerMixin:
                 continue
             # Emitted tokens = accepted drafts + one target token (correction or bonus).
             self.sparsever_metrics.observe_request(req.num_draft_tokens, len(tokens) - 1)
-
-
-def _make_proposer(config: SparseverConfig, max_model_len: int) -> Any:
-    """sparsever's proposer, or None when vLLM's drafter proposes as it is (draft model, n-gram):
-    the self-drafter for draft_source='early_exit'; with early_exit.enabled, the hierarchy over the
-    drafter (self-drafter or prompt lookup) and the intermediate verifier (layers resolved in the
-    front end, see resolve_self_draft)."""
-    from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
-
-    ee = config.early_exit
-    trees = {"tree": config.tree if config.tree.enabled else None,
-             "adaptive": config.adaptive if config.adaptive.enabled else None}
-    if config.draft_source == "draft_model" and (config.tree.enabled or config.adaptive.enabled):
-        from vllm_sparsever.drafting.draft_model import DraftModelDrafter
-
-        # (checked at start: no hierarchy with trees)
-        return DraftModelDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
-                                 **trees)
-    if config.draft_source == "ngram" and config.adaptive.enabled:
-        from vllm_sparsever.drafting.prompt_lookup import PromptLookupDrafter
-
-        return PromptLookupDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
-                                   adaptive=config.adaptive)
-    if config.draft_source != "early_exit" and not ee.enabled:
-        return None
-    round_tokens = ee.round_tokens if ee.enabled else config.num_speculative_tokens
-    heads = []
-    if config.draft_source == "early_exit":
-        heads.append(ee.draft_layer)
-    if ee.enabled and ee.intermediate == "early_exit":
-        heads.append(ee.verify_layer)
-    model = None
-    if heads:
-        from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
-
-        trimmed = {ee.draft_layer: ee.draft_vocab} if ee.draft_vocab else None
-        model = EarlyExitModel(ee.heads, tuple(heads), trimmed_vocab=trimmed)
-    if config.draft_source == "early_exit":
-        from vllm_sparsever.drafting.self_draft import SelfDraftProposer
-
-        drafter = SelfDraftProposer(model, exit_layer=ee.draft_layer, num_speculative_tokens=round_tokens,
-                                    confidence=ee.draft_confidence, max_model_len=max_model_len, **trees)
-    elif config.draft_source == "draft_model":
-        from vllm_sparsever.drafting.draft_model import DraftModelDrafter
-
-        drafter = DraftModelDrafter(num_speculative_tokens=round_tokens, max_model_len=max_model_len)
-    else:
-        from vllm_sparsever.drafting.prompt_lookup import PromptLookupDrafter
-
-        drafter = PromptLookupDrafter(num_speculative_tokens=round_tokens, max_model_len=max_model_len)
-    if not ee.enabled:
-        return drafter
-    from vllm_sparsever.drafting.intermediate import EarlyExitVerifier, SparseTargetVerifier
-
-    if ee.intermediate == "sparse":
-        verifier = SparseTargetVerifier()
-    else:
-        verifier = EarlyExitVerifier(model, ee.verify_layer)
-    return HierarchicalProposer(drafter, verifier, cap=config.num_speculative_tokens, rounds=ee.full_verify_every,
-                                reuse=ee.reuse_hidden_states)
 
 
 def make_runner_class(base: type) -> type:

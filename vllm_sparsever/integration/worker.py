@@ -82,7 +82,7 @@ class _SparseverWorkerMixin:
         metrics = self.model_runner.sparsever_metrics
         self.model_runner.sparsever_metrics = type(metrics)(num_spec_tokens=metrics.num_spec_tokens)
         self.model_runner.sparsever_runtime.reset_stats()
-        self.model_runner._sparsever_tree_stats = type(self.model_runner._sparsever_tree_stats)()
+        self.model_runner._sparsever_trees.reset_stats()
         for proposer in {id(p): p for p in (self.model_runner.sparsever_proposer,
                                              self.model_runner._sparsever_hierarchy) if p is not None}.values():
             proposer.reset_stats()

@@ -124,3 +124,58 @@ def compact_accepted_kv(layer_kvs: list[Any], moves: list[tuple[int, int, list[i
         if refresh is not None:
             refresh(lkv.layer, lkv.kv_cache, (db * bs + do).to(torch.long))
     return len(src_pos)
+
+
+class TreeAcceptance:
+    """Tree acceptance on verify steps, for the runner: counters, and the layers' KV caches (looked up
+    once) that accepted paths are compacted in."""
+
+    def __init__(self) -> None:
+        self.stats = TreeVerifyStats()
+        self._layer_kvs: list[Any] | None = None
+
+    def reset_stats(self) -> None:
+        self.stats = TreeVerifyStats()
+
+    def accept(self, runner: Any, plan: Any, logits: torch.Tensor, metadata: Any, output: Any) -> dict[str, list[int]]:
+        """Tree acceptance for the step's tree requests (`plan.tree.tree_requests`), written over what
+        vLLM's rejection sampler made of their rows (it reads them as chains), then the accepted
+        paths' K/V moved into place. Returns each tree request's accepted path (query indices). Tree
+        requests have plain sampling (the drafter checks); a sampled decision is made once for every
+        TP rank."""
+        from vllm_sparsever.compat import runner as vllm_runner
+        from vllm_sparsever.compat.cpu_attention import attention_layer_names
+        from vllm_sparsever.compat.sampling import same_on_every_tp_rank
+
+        stats = self.stats
+        ends = vllm_runner.logits_row_ends(metadata)
+        stats.steps += 1
+        decisions, any_sampled = [], False
+        for k in plan.tree.tree_requests:
+            req = plan.requests[k]
+            r = req.batch_index
+            rows = logits[ends[r] - req.num_query_tokens: ends[r]]
+            tokens = [-1, *req.draft_token_ids]
+            how = vllm_runner.row_sampling(runner, r)
+            if how.temperature is None:
+                decisions.append(accept_greedy(req.topology, tokens, rows))  # same on every rank
+            else:
+                any_sampled = True
+                probs = vllm_runner.processed_target_probs(rows, how.temperature, how.top_k, how.top_p)
+                decisions.append(accept_sampled(req.topology, tokens, probs, how.generator))
+        if any_sampled:
+            decisions = same_on_every_tp_rank(decisions)
+        paths, moves = {}, []
+        for k, (path, final) in zip(plan.tree.tree_requests, decisions, strict=True):
+            req = plan.requests[k]
+            tokens = [-1, *req.draft_token_ids]
+            vllm_runner.write_sampled_tokens(output, req.batch_index, [tokens[j] for j in path] + [final])
+            moves.append((req.batch_index, req.context_len, path))
+            paths[req.req_id] = path
+            stats.trees += 1
+            stats.nodes_verified += req.num_draft_tokens
+            stats.accepted_tokens += len(path)
+        if self._layer_kvs is None:
+            self._layer_kvs = vllm_runner.layer_kv_caches(runner, attention_layer_names(runner.model))
+        stats.kv_moved_tokens += compact_accepted_kv(self._layer_kvs, moves)
+        return paths

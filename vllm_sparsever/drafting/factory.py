@@ -1,0 +1,66 @@
+"""The proposer a config asks for (drafting/proposer.py has the protocol)."""
+
+from __future__ import annotations
+
+from vllm_sparsever.config import SparseverConfig
+from vllm_sparsever.drafting.proposer import Proposer
+
+
+def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | None:
+    """sparsever's proposer, or None when vLLM's drafter proposes as it is (draft model, n-gram):
+    the self-drafter for draft_source='early_exit'; with early_exit.enabled, the hierarchy over the
+    drafter (self-drafter or prompt lookup) and the intermediate verifier (layers resolved in the
+    front end, see resolve_self_draft)."""
+    from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
+
+    ee = config.early_exit
+    trees = {"tree": config.tree if config.tree.enabled else None,
+             "adaptive": config.adaptive if config.adaptive.enabled else None}
+    if config.draft_source == "draft_model" and (config.tree.enabled or config.adaptive.enabled):
+        from vllm_sparsever.drafting.draft_model import DraftModelDrafter
+
+        # (checked at start: no hierarchy with trees)
+        return DraftModelDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
+                                 **trees)
+    if config.draft_source == "ngram" and config.adaptive.enabled:
+        from vllm_sparsever.drafting.prompt_lookup import PromptLookupDrafter
+
+        return PromptLookupDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
+                                   adaptive=config.adaptive)
+    if config.draft_source != "early_exit" and not ee.enabled:
+        return None
+    round_tokens = ee.round_tokens if ee.enabled else config.num_speculative_tokens
+    heads = []
+    if config.draft_source == "early_exit":
+        heads.append(ee.draft_layer)
+    if ee.enabled and ee.intermediate == "early_exit":
+        heads.append(ee.verify_layer)
+    model = None
+    if heads:
+        from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
+
+        trimmed = {ee.draft_layer: ee.draft_vocab} if ee.draft_vocab else None
+        model = EarlyExitModel(ee.heads, tuple(heads), trimmed_vocab=trimmed)
+    if config.draft_source == "early_exit":
+        from vllm_sparsever.drafting.self_draft import SelfDraftProposer
+
+        drafter = SelfDraftProposer(model, exit_layer=ee.draft_layer, num_speculative_tokens=round_tokens,
+                                    confidence=ee.draft_confidence, max_model_len=max_model_len, **trees)
+    elif config.draft_source == "draft_model":
+        from vllm_sparsever.drafting.draft_model import DraftModelDrafter
+
+        drafter = DraftModelDrafter(num_speculative_tokens=round_tokens, max_model_len=max_model_len)
+    else:
+        from vllm_sparsever.drafting.prompt_lookup import PromptLookupDrafter
+
+        drafter = PromptLookupDrafter(num_speculative_tokens=round_tokens, max_model_len=max_model_len)
+    if not ee.enabled:
+        return drafter
+    from vllm_sparsever.drafting.intermediate import EarlyExitVerifier, SparseTargetVerifier
+
+    if ee.intermediate == "sparse":
+        verifier = SparseTargetVerifier()
+    else:
+        verifier = EarlyExitVerifier(model, ee.verify_layer)
+    return HierarchicalProposer(drafter, verifier, cap=config.num_speculative_tokens, rounds=ee.full_verify_every,
+                                reuse=ee.reuse_hidden_states)

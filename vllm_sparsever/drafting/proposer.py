@@ -1,0 +1,62 @@
+"""The proposer protocol: what the runner calls on sparsever's proposer, declared once.
+
+One proposer class per method, as vLLM's `v1/spec_decode`: the draft model (draft_model.py), n-gram
+prompt lookup (prompt_lookup.py), the target's own early exit (self_draft.py), and hierarchical
+verification over one of them (hierarchical.py). `factory.make_proposer` builds the one a config asks
+for. Proposers are driven by the runner once per step; the defaults here are those of a proposer
+that drafts chains and learns nothing from verification.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_sparsever.plan import DraftTopology
+
+
+class Proposer:
+    # True for a proposer that prices steps (EVICT): the runner then hands it each decode step's
+    # measured time (observe_step_time), computing the step's shape only then.
+    wants_step_times = False
+
+    def load(self, runner: Any) -> None:
+        """After the target loaded: take what drafting needs from the runner."""
+        raise NotImplementedError
+
+    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """The next step's drafts per batch row (row order of `sampled_token_ids`)."""
+        raise NotImplementedError
+
+    def forget(self, req_ids: set[str]) -> None:
+        """Drop what is kept for these (finished) requests."""
+
+    def stats_by_level(self) -> dict[str, dict[str, Any]]:
+        """Counters per drafting level (the metrics' drafting section)."""
+        return {}
+
+    def reset_stats(self) -> None:
+        """Zero the counters."""
+
+    def request_state(self) -> dict[str, int]:
+        """Entries kept per request, by kind (0 once every request has finished)."""
+        return {}
+
+    # ---- what verification and the proposer tell each other, per step ----------------------
+
+    def topologies(self, scheduled: dict[str, list[int]]) -> dict[str, DraftTopology]:
+        """req id -> the topology of its scheduled drafts where they are a tree (chains: absent)."""
+        return {}
+
+    def observe_acceptance(self, req_id: str, verified: int, accepted_nodes: list[int]) -> None:
+        """Verification's verdict on the drafts proposed for `req_id`: the first `verified` nodes were
+        verified, `accepted_nodes` (node indices) accepted."""
+
+    def observe_step_time(self, query_tokens: list[int], contexts: list[int], seconds: float, mask: str,
+                          gap_s: float | None) -> None:
+        """A decode step's measured time (drafting excluded), its shape, and the engine's time before
+        it (only where `wants_step_times`)."""
+
+    def streams_for_step(self, runner: Any, num_scheduled_tokens: Any) -> tuple[int, Any] | None:
+        """(layer, residual streams of every scheduled token) when the full pass about to run may
+        start from saved hidden states (hierarchical verification); else None."""
+        return None
