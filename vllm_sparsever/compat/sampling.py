@@ -34,6 +34,8 @@ result, registers a torch implementation with the same semantics.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
@@ -157,3 +159,10 @@ def add_min_p_and_logit_bias_processors(input_batch, vllm_config, device, pin_me
             (procs.argmax_invariant if proc.is_argmax_invariant() else procs.non_argmax_invariant).append(proc)
             added += 1
     return added
+
+
+def add_min_p_and_logit_bias_processors_for(runner: Any) -> int:
+    """`add_min_p_and_logit_bias_processors` on a model runner's batch (`input_batch`, `vllm_config`,
+    `device`, `pin_memory`)."""
+    return add_min_p_and_logit_bias_processors(runner.input_batch, runner.vllm_config, runner.device,
+                                               bool(getattr(runner, "pin_memory", False)))

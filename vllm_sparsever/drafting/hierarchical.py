@@ -110,6 +110,7 @@ class HierarchicalProposer(Proposer):
         self.verify_without_drafts = verifier.name == "sparse"
         self.reuse = reuse
         self._reusable: dict[str, ReusableStates] = {}
+        self._stack: Any = None  # the target's decoder stack (forward_from_streams), looked up once
         self.stats = HierarchicalStats()
 
     def streams_for_step(self, runner: Any, num_scheduled_tokens: Any) -> tuple[int, torch.Tensor] | None:
@@ -138,6 +139,20 @@ class HierarchicalProposer(Proposer):
         self.stats.reuse_layers_skipped += layer
         self.stats.reuse_tokens += sum(p.shape[0] for p in parts)
         return layer, torch.cat(parts)
+
+    def forward_from_streams(self, runner: Any, reuse: tuple[int, torch.Tensor], positions: torch.Tensor) -> Any:
+        """The target's forward for the step from `streams_for_step`'s saved streams: layers
+        L_v..N-1, final norm (inside vLLM's forward context for the step; padded rows, if any, get
+        zeros)."""
+        from vllm_sparsever.compat.model import decoder_stack
+
+        layer, streams = reuse
+        padded = positions.shape[0]
+        if padded > streams.shape[0]:
+            streams = torch.cat([streams, streams.new_zeros(padded - streams.shape[0], streams.shape[1])])
+        if self._stack is None:
+            self._stack = decoder_stack(runner.model)
+        return self._stack.run_from(layer, streams, positions)
 
     def load(self, runner: Any) -> None:
         self.drafter.load(runner)

@@ -71,7 +71,7 @@ class _SparseverWorkerMixin:
         return state
 
     def sparsever_metrics(self) -> dict[str, Any]:
-        summary = self.model_runner.sparsever_metrics.summary()
+        summary = self.model_runner.sparsever_steps.metrics.summary()
         summary["sparsity"] = self.model_runner.sparsever_runtime.stats_summary()  # up to now
         # Up to now, per level: "self_draft" and, with hierarchical verification, "hierarchical".
         summary.update(self.model_runner.sparsever_drafting_stats(split=True))
@@ -79,8 +79,7 @@ class _SparseverWorkerMixin:
         return summary
 
     def reset_sparsever_metrics(self) -> None:
-        metrics = self.model_runner.sparsever_metrics
-        self.model_runner.sparsever_metrics = type(metrics)(num_spec_tokens=metrics.num_spec_tokens)
+        self.model_runner.sparsever_steps.reset_metrics()
         self.model_runner.sparsever_runtime.reset_stats()
         self.model_runner._sparsever_trees.reset_stats()
         for proposer in {id(p): p for p in (self.model_runner.sparsever_proposer,
