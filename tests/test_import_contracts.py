@@ -55,3 +55,12 @@ def test_the_check_sees_a_private_import(tmp_path):
     sample = tmp_path / "m.py"
     sample.write_text("def f():\n    from vllm.v1.worker import gpu_model_runner\n    from vllm import LLM\n")
     assert vllm_imports(sample) == [(2, "vllm.v1.worker", "gpu_model_runner"), (3, "vllm", "LLM")]
+
+
+def test_runner_batch_internals_only_through_compat():
+    # vLLM's InputBatch is runner-private: drafters and the runner read it through compat.runner.
+    outside = [p for p in PACKAGE.rglob("*.py") if "compat" not in p.relative_to(PACKAGE).parts]
+    uses = [f"{p.relative_to(ROOT)}:{node.lineno}" for p in outside
+            for node in ast.walk(ast.parse(p.read_text(), str(p)))
+            if isinstance(node, ast.Attribute) and node.attr == "input_batch"]
+    assert not uses, "runner.input_batch read outside compat/:\n" + "\n".join(uses)

@@ -94,6 +94,16 @@ def input_batch_view(runner: Any) -> BatchView:
     )
 
 
+def batch_req_ids(runner: Any) -> list[str]:
+    """The request id of each batch row (`runner.input_batch.req_ids`)."""
+    return runner.input_batch.req_ids
+
+
+def batch_num_rows(runner: Any) -> int:
+    """Rows of the runner's batch (`runner.input_batch.num_reqs`)."""
+    return runner.input_batch.num_reqs
+
+
 def finished_request_ids(scheduler_output: Any) -> set[str]:
     """Requests that finished (or were aborted) since the last step: workers drop their state.
     The scheduler sends them once more after the last request ends, in a step with no work."""

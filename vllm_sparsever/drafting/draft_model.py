@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vllm_sparsever.compat.runner import batch_req_ids
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.queries import final_hidden, flatten_queries
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
@@ -103,7 +104,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
 
     def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
         reqs = super().requests(sampled_token_ids, reserve)
-        live = set(self._runner.input_batch.req_ids)
+        live = set(batch_req_ids(self._runner))
         for req_id in [r for r in self._kv if r not in live]:  # finished or preempted
             del self._kv[req_id]
         return reqs
@@ -124,7 +125,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         from vllm_sparsever.compat.runner import token_history
 
         history = token_history(self._runner, row)
-        kv = self._kv.get(self._runner.input_batch.req_ids[row])
+        kv = self._kv.get(batch_req_ids(self._runner)[row])
         return history, min(kv.valid_for(history, []) if kv is not None else 0, len(history) - 1)
 
     def _catch_up_tokens(self, reqs: DraftRequests) -> int:
@@ -136,7 +137,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
 
     def _tree_root_top(self, reqs: DraftRequests, idx: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The catch-up pass of each request (its stale draft K/V, ending at the root)."""
-        batch = self._runner.input_batch
+        req_ids = batch_req_ids(self._runner)
         seqs, firsts = [], []
         for i in idx:
             history, first = self._catch_up_start(reqs.rows[i])
@@ -151,7 +152,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self.stats.forward_passes += 1
         for i in idx:  # the draft's K/V now holds the committed tokens, root included; nodes are scratch
             root = reqs.positions[i]
-            self._kv[batch.req_ids[reqs.rows[i]]] = _DraftKV(length=root + 1, tail_start=root + 1, tail=[])
+            self._kv[req_ids[reqs.rows[i]]] = _DraftKV(length=root + 1, tail_start=root + 1, tail=[])
         last = torch.tensor(lens, device=device).cumsum(0) - 1
         return torch.softmax(self._stack.compute_logits(normed[last]).float(), dim=-1).topk(k, dim=-1)
 
@@ -169,7 +170,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
 
         start = time.perf_counter()
         pending = pending or [[] for _ in reqs.rows]
-        batch = self._runner.input_batch
+        req_ids = batch_req_ids(self._runner)
         drafts: list[list[int]] = [[] for _ in reqs.rows]
         # First pass per request: the tokens from its first stale draft position to its last token.
         active, seqs, firsts = [], [], []
@@ -181,7 +182,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
             committed = len(history)
             sequence_len = committed + len(pending[i])
             assert sequence_len - 1 == reqs.positions[i], "pending tokens must end at the request's position"
-            kv = self._kv.get(batch.req_ids[row])
+            kv = self._kv.get(req_ids[row])
             valid = kv.valid_for(history, pending[i]) if kv is not None else 0
             first = min(valid, sequence_len - 1)  # the last token always runs: its logits draft
             tokens = [int(t) for t in history[first:]] + pending[i][max(0, first - committed):]
@@ -207,7 +208,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
                 continue
             committed = reqs.positions[i] + 1 - len(pending[i])
             tail = pending[i] + drafts[i][:-1]
-            self._kv[batch.req_ids[row]] = _DraftKV(length=committed + len(tail), tail_start=committed, tail=tail)
+            self._kv[req_ids[row]] = _DraftKV(length=committed + len(tail), tail_start=committed, tail=tail)
         self.stats.draft_tokens += sum(len(d) for d in drafts)
         self.stats.draft_time_s += time.perf_counter() - start
         return drafts

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from vllm_sparsever.compat.runner import batch_req_ids
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.proposer import Proposer
 
@@ -236,7 +237,7 @@ class HierarchicalProposer(Proposer):
                 if len(out[row]) + 1 > valid[i]:  # the last token is the verifier's correction
                     out[row] = out[row][: valid[i] - 1]
                     self.stats.reuse_dropped_corrections += 1
-                req_id = self.drafter.runner.input_batch.req_ids[row]
+                req_id = batch_req_ids(self.drafter.runner)[row]
                 tokens = (reqs.tokens[i], *out[row])
                 self._reusable[req_id] = ReusableStates(reqs.positions[i], tokens, streams[i][: len(tokens)])
             self.stats.pending_tokens += len(out[row])

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from vllm_sparsever.compat.runner import batch_req_ids
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.tree import TreeGrowth
 from vllm_sparsever.plan import DraftTree
@@ -127,7 +128,7 @@ class TreeDrafting:
             levels = _agreed(self.evict.plan_depth(contexts, shape, catch_up))
             if levels == 0:
                 return drafts
-        batch = self.runner.input_batch
+        req_ids = batch_req_ids(self.runner)
         trees, passes = self.grow_trees(reqs, levels, shape, catch_up)
         for k, row in enumerate(reqs.rows):
             if len(trees[k]) and not trees[k].is_chain() and not tree_sampling_supported(self.runner, row):
@@ -151,7 +152,7 @@ class TreeDrafting:
             trees = _agreed(self.evict.truncate(trees, contexts, draft_time_s=draft_s, mask=mask))
         for row, tree in zip(reqs.rows, trees, strict=True):
             if len(tree):
-                self._trees[batch.req_ids[row]] = tree
+                self._trees[req_ids[row]] = tree
             drafts[row] = list(tree.tokens)
             self.tree_stats.nodes += len(tree)
         self.tree_stats.time_s += time.perf_counter() - start

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_sparsever.compat.runner import finished_request_ids, input_batch_view, sampled_tokens, scheduled_drafts
+from vllm_sparsever.compat.runner import (batch_num_rows, finished_request_ids, input_batch_view, sampled_tokens,
+                                         scheduled_drafts)
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.drafting.factory import make_proposer
 from vllm_sparsever.integration.step_recorder import StepRecorder
@@ -121,7 +122,7 @@ class SparseverRunnerMixin:
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
         with self._sparsever_steps.timing("draft"):
             if self._sparsever_propose_late:
-                return [[] for _ in range(self.input_batch.num_reqs)]  # the real drafts: sample_tokens
+                return [[] for _ in range(batch_num_rows(self))]  # the real drafts: sample_tokens
             if self.sparsever_proposer is not None:
                 return self.sparsever_proposer.propose(sampled_token_ids)
             return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
