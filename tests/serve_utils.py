@@ -114,3 +114,18 @@ def sparsever_metrics(base: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
     return values
+
+
+def settled_sparsever_metrics(base: str, ready=lambda values: True, timeout_s: float = 15.0,
+                              interval_s: float = 0.3) -> dict[str, float]:
+    """The `sparsever:*` samples once they have settled: /metrics polled until `ready(values)` holds and
+    two reads `interval_s` apart agree (workers write snapshots at most every 0.25 s), at most
+    `timeout_s`; then the last read (the caller's assertions say what is missing)."""
+    deadline = time.time() + timeout_s
+    last = None
+    while True:
+        values = sparsever_metrics(base)
+        if (values == last and ready(values)) or time.time() > deadline:
+            return values
+        last = values
+        time.sleep(interval_s)

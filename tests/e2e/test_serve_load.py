@@ -100,6 +100,16 @@ def test_load_with_cancellations(name, tiny_target, tiny_draft, cost_profile, re
     drafts, accepted = delta("sparsever:num_drafts_total"), delta("sparsever:num_accepted_tokens_total")
     assert drafts > 0 and 0 <= accepted <= delta("sparsever:num_draft_tokens_total")
     assert accepted < generated
+    # The verifier under test ran (not only vLLM's drafting): its own counters moved.
+    ran = {
+        "draft_model": drafts,
+        "evict_trees": min(delta("sparsever:tree_nodes_total", 'stage="verified"'),
+                           delta("sparsever:evict_steps_total", 'decision="seen"')),
+        "sparse_hierarchy": min(delta("sparsever:drafting_total", 'counter="hier_pending_tokens"'),
+                                delta("sparsever:sparsity_total", 'counter="ffn_layers_sparse"')),
+        "sparse_attention_ffn": delta("sparsever:sparsity_total", 'counter="ffn_layers_sparse"'),
+    }[name]
+    assert ran > 0, f"{name}: its verifier's counters did not move"
     # Nothing left behind: no request, no KV block in use, no per-request plugin state.
     assert after.total("vllm:num_requests_running") == 0 and after.total("vllm:num_requests_waiting") == 0
     assert after.total("vllm:kv_cache_usage_perc") == 0

@@ -164,11 +164,9 @@ def test_ngram_evict_chains_greedy_equal_plain_greedy(plain_greedy, tiny_target,
 def test_serve_tp2_evict_trees_give_plain_greedy_text(plain_greedy, tiny_target, tiny_draft, tmp_path):
     """`vllm serve` on two tensor-parallel ranks, trees + EVICT: the plain greedy text of TP=1, and
     the tree/EVICT counters on /metrics. Each rank moves its K/V shard along the same paths."""
-    import time
-
     from openai import OpenAI
 
-    from serve_utils import running_server, sparsever_metrics
+    from serve_utils import running_server, settled_sparsever_metrics
 
     # guard off: drafting with the random draft never pays, so the guard would rightly skip nearly
     # every step (it is tested in test_adaptive_chain_greedy_equals_plain_greedy); here the trees
@@ -187,8 +185,8 @@ def test_serve_tp2_evict_trees_give_plain_greedy_text(plain_greedy, tiny_target,
         resp = client.completions.create(model="tiny", prompt=prompts(1)[0], max_tokens=MAX_TOKENS,
                                          temperature=1.0, seed=5, n=2)
         assert all(len(c.text) > 0 for c in resp.choices)
-        time.sleep(0.6)  # snapshots are written at most every 0.25 s
-        values = sparsever_metrics(base)
+        values = settled_sparsever_metrics(base,
+                                           lambda v: v.get('sparsever:tree_nodes_total{stage="verified"}', 0) > 0)
     assert values['sparsever:tree_nodes_total{stage="verified"}'] > 0, values
     assert 0 < values['sparsever:tree_nodes_total{stage="accepted"}'] <= values['sparsever:tree_nodes_total{stage="verified"}']
     assert values['sparsever:tree_nodes_total{stage="proposed"}'] < values['sparsever:tree_nodes_total{stage="grown"}']
