@@ -12,6 +12,8 @@ and the rejection sampler) and of drafting. Two ways out:
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import threading
@@ -19,6 +21,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+def counters_summary(stats: Any, prefix: str, keys: dict[str, str] | None = None,
+                     skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A stats dataclass's fields as metrics: `prefix + field`, or `keys[field]` (a full name), except
+    the fields in `skip` (inputs of derived values the caller adds)."""
+    keys = keys or {}
+    return {keys.get(f.name, prefix + f.name): getattr(stats, f.name)
+            for f in dataclasses.fields(stats) if f.name not in skip}
+
 
 METRICS_DIR_ENV = "VLLM_SPARSEVER_METRICS_DIR"
 _SNAPSHOT_INTERVAL_S = 0.25

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.compat.runner import batch_req_ids
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.queries import final_hidden, flatten_queries
@@ -39,14 +40,8 @@ class DraftModelStats:
     draft_time_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "draft_model_rounds": self.rounds,
-            "draft_model_forward_passes": self.forward_passes,
-            "draft_model_catch_up_tokens": self.catch_up_tokens,
-            "draft_model_tokens": self.draft_tokens,
-            "draft_model_slot_limited": self.slot_limited,
-            "draft_model_time_s": self.draft_time_s,
-        }
+        return counters_summary(self, "draft_model_", {"draft_tokens": "draft_model_tokens",
+                                                       "draft_time_s": "draft_model_time_s"})
 
 
 @dataclass

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.compat.runner import batch_req_ids
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.proposer import Proposer
@@ -77,23 +78,8 @@ class HierarchicalStats:
     intermediate_time_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "hier_rounds": self.rounds,
-            "hier_intermediate_passes": self.intermediate_passes,
-            "hier_intermediate_drafts": self.intermediate_drafts,
-            "hier_intermediate_accepted": self.intermediate_accepted,
-            "hier_intermediate_acceptance_rate": self.intermediate_accepted / max(self.intermediate_drafts, 1),
-            "hier_pending_tokens": self.pending_tokens,
-            "hier_stopped_at_stop_token": self.stopped_at_stop_token,
-            "hier_stopped_at_max_tokens": self.stopped_at_max_tokens,
-            "hier_reuse_steps": self.reuse_steps,
-            "hier_reuse_layers_skipped": self.reuse_layers_skipped,
-            "hier_reuse_tokens": self.reuse_tokens,
-            "hier_reuse_dropped_corrections": self.reuse_dropped_corrections,
-            "hier_reuse_missed_steps": self.reuse_missed_steps,
-            "hier_draft_time_s": self.draft_time_s,
-            "hier_intermediate_time_s": self.intermediate_time_s,
-        }
+        return {**counters_summary(self, "hier_"),
+                "hier_intermediate_acceptance_rate": self.intermediate_accepted / max(self.intermediate_drafts, 1)}
 
 
 class HierarchicalProposer(Proposer):

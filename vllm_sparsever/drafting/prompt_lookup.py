@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.plan import DraftTree
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
@@ -37,14 +38,8 @@ class PromptLookupStats:
     draft_time_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "prompt_lookup_rounds": self.rounds,
-            "prompt_lookup_lookups": self.lookups,
-            "prompt_lookup_no_match": self.no_match,
-            "prompt_lookup_tokens": self.draft_tokens,
-            "prompt_lookup_slot_limited": self.slot_limited,
-            "prompt_lookup_time_s": self.draft_time_s,
-        }
+        return counters_summary(self, "prompt_lookup_", {"draft_tokens": "prompt_lookup_tokens",
+                                                         "draft_time_s": "prompt_lookup_time_s"})
 
 
 class PromptLookupDrafter(TreeDrafting, RoundDrafter):

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.config import SparseverConfig, SparseverConfigError
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.early_exit_model import EarlyExitModel
@@ -99,15 +100,10 @@ class SelfDraftStats:
     confidence_count: int = 0
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "self_draft_rounds": self.rounds,
-            "self_draft_forward_passes": self.forward_passes,
-            "self_draft_tokens": self.draft_tokens,
-            "self_draft_stopped_by_confidence": self.stopped_by_confidence,
-            "self_draft_slot_limited": self.slot_limited,
-            "self_draft_time_s": self.draft_time_s,
-            "self_draft_mean_confidence": self.confidence_sum / max(self.confidence_count, 1),
-        }
+        return {**counters_summary(self, "self_draft_", {"draft_tokens": "self_draft_tokens",
+                                                          "draft_time_s": "self_draft_time_s"},
+                                   skip=("confidence_sum", "confidence_count")),
+                "self_draft_mean_confidence": self.confidence_sum / max(self.confidence_count, 1)}
 
 
 class SelfDraftProposer(TreeDrafting, RoundDrafter):

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.compat.runner import batch_req_ids
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.tree import TreeGrowth
@@ -33,14 +34,7 @@ class TreeDraftStats:
     time_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "tree_drafted": self.trees,
-            "tree_draft_nodes": self.nodes,
-            "tree_draft_nodes_grown": self.nodes_grown,
-            "tree_draft_levels": self.levels,
-            "tree_draft_chains_for_sampler": self.chains_for_sampler,
-            "tree_draft_time_s": self.time_s,
-        }
+        return counters_summary(self, "tree_draft_", {"trees": "tree_drafted"})
 
 
 class TreeDrafting:

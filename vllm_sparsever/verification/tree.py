@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.plan import DraftTopology
 
 
@@ -38,14 +39,8 @@ class TreeVerifyStats:
     kv_moved_tokens: int = 0  # accepted nodes whose K/V was moved into place
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "tree_verify_steps": self.steps,
-            "tree_verify_trees": self.trees,
-            "tree_nodes_verified": self.nodes_verified,
-            "tree_accepted_tokens": self.accepted_tokens,
-            "tree_mean_accepted_length": self.accepted_tokens / max(self.trees, 1),
-            "tree_kv_moved_tokens": self.kv_moved_tokens,
-        }
+        return {**counters_summary(self, "tree_", {"steps": "tree_verify_steps", "trees": "tree_verify_trees"}),
+                "tree_mean_accepted_length": self.accepted_tokens / max(self.trees, 1)}
 
 
 def accept_greedy(topology: DraftTopology, tokens: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
