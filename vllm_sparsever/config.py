@@ -94,12 +94,9 @@ class AttentionSparsityConfig:
 
 # Used when neither the config nor a calibration profile gives a value.
 DEFAULT_FFN_KEEP_RATIO = 0.5
-# ffn.gate "auto": gate rows from this size per rank run on the stock packed GEMM. On a Zen 5 EPYC
-# (bf16, 2 threads, keep 0.5; bench/results/kernels_2026-11-25_ffn_bf16_t2_epyc-zen5-gate*) the
-# whole sparse MLP was 6-14% faster with the packed gate for Qwen2.5-1.5B (27.5 MB of gate rows) in
-# every run, 8-13% for Qwen2.5-0.5B (8.7 MB) except in the fastest memory phase (+4-12% at 1
-# token, 3-7% slower at 4-8), and 0-8% slower for SmolLM2-135M (1.8 MB: the extra call and pass
-# cost more than the packed GEMM saves).
+# ffn.gate "auto": gate rows from this size per rank run on the stock packed GEMM: faster for large
+# gates, slower for small ones, where the extra call costs more than the packed GEMM saves
+# (bench/results/kernels_2026-11-25_ffn_bf16_t2_epyc-zen5-gate*).
 FFN_STOCK_GATE_MIN_BYTES = 4 << 20
 FFN_GATES = ("auto", "stock", "kernel", "input_sparse")
 DEFAULT_MOE_RATIO_THRESHOLD = 0.25
@@ -118,9 +115,8 @@ class FFNSparsityConfig:
     max_verify_requests: int = 2
     # CPU: "copy" keeps vLLM's prepacked (oneDNN) MLP for every dense step and a plain copy for the
     # sparse path (+1x MLP weights in memory); "shared" keeps only plain weights (no extra memory;
-    # dense steps run the op at keep = I for few tokens, torch's linear beyond: per layer on a Zen 5
-    # EPYC, bf16 1.04-1.43x the time of vLLM's packed MLP, fp32 1.1-1.45x at 1-16 tokens and up to
-    # 2.5x at 32-128; docs/kernels.md).
+    # dense steps run the op at keep = I for few tokens, torch's linear beyond, slower than vLLM's
+    # packed MLP: docs/kernels.md has the times).
     weights: Literal["shared", "copy"] = "copy"
     # How a verify step's gate projection (every neuron's score) is computed. "stock": densely on the
     # target's own linear (vLLM-CPU's packed GEMM for the gate rows, oneDNN at these sizes, which

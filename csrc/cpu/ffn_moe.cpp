@@ -22,10 +22,9 @@ namespace sparsever::cpu {
 namespace {
 
 // Indices of the k largest scores (lower index wins ties), ascending. k <= n. The k-th largest value
-// by selection on a copy, then one ascending pass: O(n), no sort of the kept indices (the previous
-// nth_element over indices plus a sort of the kept ones took about twice as long: 0.15-0.2 ms vs
-// 0.09-0.1 ms per layer at I = 8960, keep 0.3-0.5, serial on a busy 2-core EPYC). NaN scores count as
-// -inf (no comparator on NaN: no UB).
+// by selection on a copy, then one ascending pass: O(n), no sort of the kept indices (half the time of
+// an nth_element over indices plus a sort; docs/kernels.md). NaN scores count as -inf (no comparator
+// on NaN: no UB).
 void topk_ascending(const float* scores, int64_t n, int64_t k, int32_t* dst, std::vector<float>& tmp) {
   if (k <= 0) return;
   constexpr float kLowest = -std::numeric_limits<float>::infinity();
@@ -68,15 +67,11 @@ inline bool cpu_has_amx_bf16() {
 }
 
 // The top-k FFN's GEMM path gathers the kept up/down rows (index_select) and runs oneDNN on those
-// unpacked copies; a gate the op computes itself runs as one GEMM over the plain gate rows. Where
-// streaming wins on a Zen 5 EPYC (AVX512-BF16, no AMX; 2 threads; Qwen-1.5B and SmolLM2 MLPs, keep 0.5
-// and 1; a probe of both paths, 2026-11-26; docs/kernels.md):
-// - bf16 on the vdpbf16ps path: streaming took 0.39-0.75x the GEMM path's time at 8-32 tokens, about
-//   the same at 64, 1.06-1.10x at 128 on Qwen-1.5B: stream below 64 tokens.
-// - bf16 widened to fp32 (CPUs without AVX512-BF16): the crossover at 8-32 tokens: stream below 16.
-// - fp32: torch's fp32 GEMM reads the unpacked rows slowly here; streaming took 0.08-0.76x its time
-//   at 8-128 tokens: stream below 128.
-// AMX CPUs keep 16 for bf16 (oneDNN's tile GEMMs; not measured against streaming).
+// unpacked copies; a gate the op computes itself runs as one GEMM over the plain gate rows. Streaming
+// stays faster below a token count measured per path on a Zen 5 EPYC (docs/kernels.md, 2026-11-26):
+// 64 for bf16 on the vdpbf16ps path, 16 for bf16 widened to fp32, 128 for fp32 (torch's fp32 GEMM
+// reads the unpacked rows slowly). AMX CPUs keep 16 for bf16 (oneDNN's tile GEMMs; not measured
+// against streaming).
 inline int64_t ffn_gemm_min_tokens(bool fp32_weights, bool bf16_dot) {
   if (fp32_weights) return gemm_min_tokens(128);
   return gemm_min_tokens(bf16_dot && !cpu_has_amx_bf16() ? 64 : 16);
@@ -86,10 +81,9 @@ inline int64_t ffn_gemm_min_tokens(bool fp32_weights, bool bf16_dot) {
 // widening to fp32. SPARSEVER_CPU_FFN_BF16_DOT=0 turns it off.
 inline bool use_bf16_dot() { return rows_bf16_available() && env_switch_on("SPARSEVER_CPU_FFN_BF16_DOT"); }
 
-// rows_dot_range_bf16's prefetch spread over token tiles. Against prefetching in the first token tile
-// only (Zen 5 EPYC, 2026-11-26; docs/kernels.md): the up and down projections 0.88-0.93x the time at
-// 8-16 tokens on Qwen-1.5B rows; the served op with its packed gate 0.86-0.99x at keep 0.5-0.7 on Qwen
-// shapes (one cell 1.04), about even at keep 0.3. SPARSEVER_CPU_FFN_SPREAD_PREFETCH=0 turns it off.
+// rows_dot_range_bf16's prefetch spread over token tiles: faster than prefetching in the first token
+// tile only at 8-16 tokens (docs/kernels.md, 2026-11-26). SPARSEVER_CPU_FFN_SPREAD_PREFETCH=0 turns it
+// off.
 inline bool spread_prefetch() { return env_switch_on("SPARSEVER_CPU_FFN_SPREAD_PREFETCH"); }
 
 // Columns [r0, r1) of every token's row of a given gate [T, I] (any float dtype, unit column stride)

@@ -227,8 +227,8 @@ inline void sum_over_row_shares(int64_t n, int64_t min_per_share, int64_t size, 
 
 // OUT[t, :] = sum_j A[t, j] * W[row(j), :]  (A [T, K] fp32, OUT [T, H] fp32 contiguous, overwritten).
 // Each thread streams a share of the selected rows start to end into its own partial sums of every
-// column (sum_over_row_shares). (A column slab of every row per thread was 3-14% slower at 1-8 tokens
-// on a Zen 5 EPYC, interleaved A/B, 2026-11-25.)
+// column (sum_over_row_shares). (A column slab of every row per thread was slower at 1-8 tokens;
+// docs/kernels.md, 2026-11-25.)
 template <typename WT>
 void rows_axpy(const float* a, int64_t num_tokens, int64_t k, const WT* w, int64_t w_row_stride,
                const int32_t* idx, int64_t h, float* out) {

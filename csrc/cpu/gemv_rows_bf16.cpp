@@ -143,7 +143,7 @@ void axpy_pairs_bf16(const uint32_t* ap, int64_t nt, int64_t kp, const uint16_t*
                      int64_t p1, int64_t h, float* buf) {
   constexpr int64_t kPairBlock = 8;
   // 32-column chunks per register tile: 4 (8 sums per token) for one or two tokens, enough independent
-  // vdpbf16ps chains (7-10% faster at 1-2 tokens than 2 chunks); else 2 (16 sums for 4 tokens).
+  // vdpbf16ps chains (measured faster than 2 there; docs/kernels.md); else 2 (16 sums for 4 tokens).
   const int kChunks = nt <= 2 ? 4 : 2;
   const int64_t chunks = (h + 31) / 32, bs = chunks * 32;
   for (int64_t r = 2 * p0; r < 2 * std::min(p1, p0 + kPairBlock); ++r)  // the first block
