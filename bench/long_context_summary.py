@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOMINAL = (8192, 32768)
-LOSSLESS = ("dense", "sparse-hier", "dense-vllm-kernel")
+LOSSLESS = ("dense", "sparse-hier", "dense-vllm-kernel", "evict-chain")
 APPROXIMATE = ("sparse-approx",)
 
 

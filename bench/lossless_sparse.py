@@ -10,8 +10,11 @@ each long prompt is prefilled once) runs every mode on the same prompts, interle
   (approximate; changes the text), to show what losslessness costs;
 - `dense-vllm-kernel`: `dense` with `attention.dense_kernel` "vllm" (vLLM's attention kernel on the
   verify steps instead of sparsever's), for the kernel's end-to-end share.
-A second engine without speculative decoding then runs the same prompts (`autoregressive`), and with
-`--vllm-draft-model K` a third, vLLM's own `draft_model` method with K drafts (`vllm-draft_model`).
+A second engine without speculative decoding then runs the same prompts (`autoregressive`), with
+`--vllm-draft-model K` a third, vLLM's own `draft_model` method with K drafts (`vllm-draft_model`),
+and with `--evict` a fourth: sparsever's EVICT chains over the same drafter (up to `--cap` drafts,
+dense verification; needs `vllm-sparsever profile-verify TARGET` first) (`evict-chain`), each prompt
+after an untimed 8-token warm-up on it (as in a running server, EVICT has then measured steps).
 
 Per mode and context: decode tokens/s (first to last output token, from vLLM's request stats, so
 prefill is out of it), ratio to dense, tokens per full verification, intermediate acceptance,
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
 
 MODES = ("dense", "sparse-hier", "sparse-approx", "dense-vllm-kernel")
-LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel")
+LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", "evict-chain")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-autoregressive", action="store_true", help="skip the engine without speculative decoding")
     p.add_argument("--vllm-draft-model", type=int, default=0, metavar="K",
                    help="also run vLLM's own draft_model method with K drafts (needs --draft)")
+    p.add_argument("--evict", action="store_true", help="also run EVICT chains over the drafter (a separate engine)")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32000])
     p.add_argument("--num-prompts", type=int, default=3, help="long documents per context")
     p.add_argument("--task", choices=["summarize", "qa"], default="summarize")
@@ -68,13 +72,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def start_engine(args, target: str, max_len: int, speculative: bool = True, vllm_draft_model: int = 0):
+def start_engine(args, target: str, max_len: int, speculative: bool = True, vllm_draft_model: int = 0,
+                 evict: bool = False):
     from vllm import LLM
 
     from vllm_sparsever.cli import resolve_model
 
     spec = None
-    if vllm_draft_model:
+    if evict:
+        spec = {"method": "sparsever", "num_speculative_tokens": args.cap, "adaptive": {"enabled": True}}
+        if args.drafter == "ngram":
+            spec.update(draft_source="ngram", prompt_lookup_min=args.prompt_lookup_min,
+                        prompt_lookup_max=args.prompt_lookup_max)
+        else:
+            spec.update(model=resolve_model(args.draft))
+    elif vllm_draft_model:
         spec = {"method": "draft_model", "model": resolve_model(args.draft),
                 "num_speculative_tokens": vllm_draft_model}
     elif speculative:
@@ -110,7 +122,8 @@ def run_one(llm, args, mode: str, prompt: list[dict]) -> dict[str, Any]:
 
     speculative = mode not in ("autoregressive", "vllm-draft_model")
     if speculative:
-        set_mode(llm, args, mode)
+        if mode != "evict-chain":  # (its own engine: nothing to switch)
+            set_mode(llm, args, mode)
         reset_metrics(llm)
     load = os.getloadavg()[0]
     start = time.perf_counter()
@@ -209,7 +222,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def write_report(record: dict, base: Path) -> str:
-    record["summary"] = summarize(record["runs"], record["args"]["modes"] + ["autoregressive", "vllm-draft_model"])
+    record["summary"] = summarize(record["runs"], record["args"]["modes"] + ["evict-chain", "autoregressive",
+                                                                            "vllm-draft_model"])
     base.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
     table = markdown(record["summary"])
     base.with_suffix(".md").write_text(
@@ -305,6 +319,26 @@ def main(argv=None) -> int:
                     run["verify_steps"] -= before["num_drafts"]
                     run["num_draft_tokens"] -= before["num_draft_tokens"]
                     run["num_accepted_tokens"] -= before["num_accepted_tokens"]
+                    run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
+                    record["runs"].append(run)
+                    base.with_suffix(".partial.json").write_text(json.dumps(record, default=str))
+        finally:
+            del llm
+    if args.evict:
+        import gc
+
+        gc.collect()
+        llm, record["evict_spec"] = start_engine(args, target, max_len, evict=True)
+        try:
+            for ctx in args.contexts:
+                for p, row in enumerate(tqdm(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts),
+                                             desc=f"evict chain {ctx}")):
+                    prompt = [{"role": "user", "content": row["prompt"]}]
+                    from vllm import SamplingParams
+
+                    # Prefill (cached) and EVICT's first measurements outside the timed run.
+                    llm.chat([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+                    run = run_one(llm, args, "evict-chain", prompt)
                     run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
                     record["runs"].append(run)
                     base.with_suffix(".partial.json").write_text(json.dumps(record, default=str))
