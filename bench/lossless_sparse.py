@@ -327,6 +327,8 @@ def main(argv=None) -> int:
     if args.evict:
         import gc
 
+        from vllm import SamplingParams
+
         gc.collect()
         llm, record["evict_spec"] = start_engine(args, target, max_len, evict=True)
         try:
@@ -334,8 +336,6 @@ def main(argv=None) -> int:
                 for p, row in enumerate(tqdm(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts),
                                              desc=f"evict chain {ctx}")):
                     prompt = [{"role": "user", "content": row["prompt"]}]
-                    from vllm import SamplingParams
-
                     # Prefill (cached) and EVICT's first measurements outside the timed run.
                     llm.chat([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
                     run = run_one(llm, args, "evict-chain", prompt)
