@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 # Never imported by a serving process, whatever vLLM imports.
-FORBIDDEN_OWN = ("vllm_sparsever.models", "vllm_sparsever.data", "vllm_sparsever.offline.calibration",
-                 "vllm_sparsever.offline.train_exits", "bench")
+FORBIDDEN_OWN = ("vllm_sparsever.models", "vllm_sparsever.data", "vllm_sparsever.store", "vllm_sparsever.offline",
+                 "bench")
 # Not imported by the plugin beyond what vLLM's own modules already imported.
 FORBIDDEN_THIRD_PARTY = ("hypothesis", "tqdm", "matplotlib", "transformers")
 
