@@ -427,78 +427,62 @@ inline __mmask32 token_mask(int base, int lo, int hi) {
   return static_cast<__mmask32>(bits);
 }
 
-// S[r, t .. t + 16 TN) = Q[r] . K[:, t ..] for R rows: q as bf16 pairs [rows][npairs], kp the segment's
-// K as [npairs][ntp tokens][2].
-template <int R, int TN>
-SPARSEVER_AVX512_BF16 inline void dot_scores_tile(const uint32_t* q, int npairs, const bf16* kp, int ntp, int t,
-                                                  float* s, int64_t s_stride) {
-  __m512 acc[R][TN];
+// C[r, 0 .. 16 N) (+)= sum_i A[r, 2i .. 2i + 1] . B[i][0 .. 16 N) for R rows: A bf16 rows a_stride apart
+// (pairs along the reduction), B vectors of 16 bf16 pairs, b_step apart per reduction step. Both
+// products are this: scores (A = Q, B = K by dim pairs) and P V (A = P, B = V by token pairs).
+template <int R, int N>
+SPARSEVER_AVX512_BF16 inline void dot_pairs_tile(const bf16* a, int64_t a_stride, int steps, const bf16* b,
+                                                 int64_t b_step, float* c, int64_t c_stride, bool accumulate) {
+  __m512 acc[R][N];
   SPARSEVER_UNROLL
   for (int r = 0; r < R; ++r)
     SPARSEVER_UNROLL
-    for (int j = 0; j < TN; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int i = 0; i < npairs; ++i) {
-    const bf16* ki = kp + (static_cast<int64_t>(i) * ntp + t) * 2;
-    __m512bh kv[TN];
+    for (int j = 0; j < N; ++j) acc[r][j] = accumulate ? _mm512_loadu_ps(c + r * c_stride + 16 * j) : _mm512_setzero_ps();
+  for (int i = 0; i < steps; ++i) {
+    const bf16* bi = b + i * b_step;
+    __m512bh bv[N];
     SPARSEVER_UNROLL
-    for (int j = 0; j < TN; ++j) kv[j] = as_bh(_mm512_loadu_si512(ki + 32 * j));
-    SPARSEVER_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(q[static_cast<int64_t>(r) * npairs + i])));
-      SPARSEVER_UNROLL
-      for (int j = 0; j < TN; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qv, kv[j]);
-    }
-  }
-  SPARSEVER_UNROLL
-  for (int r = 0; r < R; ++r)
-    SPARSEVER_UNROLL
-    for (int j = 0; j < TN; ++j) _mm512_storeu_ps(s + r * s_stride + t + 16 * j, acc[r][j]);
-}
-
-template <int R>
-SPARSEVER_AVX512_BF16 inline void dot_scores_rows(const uint32_t* q, int npairs, const bf16* kp, int ntp, float* s,
-                                                  int64_t s_stride) {
-  int t = 0;
-  for (; t + 64 <= ntp; t += 64) dot_scores_tile<R, 4>(q, npairs, kp, ntp, t, s, s_stride);
-  if (t < ntp) dot_scores_tile<R, 2>(q, npairs, kp, ntp, t, s, s_stride);  // ntp is a multiple of 32
-}
-
-// acc[r, c .. c + 16 CN) += sum_t P[r, t] V[t, c ..] for R rows: p bf16 [rows][p_stride], vp the
-// segment's V as [ntp/2 token pairs][d][2].
-template <int R, int CN>
-SPARSEVER_AVX512_BF16 inline void dot_pv_tile(const bf16* p, int64_t p_stride, const bf16* vp, int npairs, int d,
-                                              int c, float* acc, int64_t acc_stride) {
-  __m512 a[R][CN];
-  SPARSEVER_UNROLL
-  for (int r = 0; r < R; ++r)
-    SPARSEVER_UNROLL
-    for (int j = 0; j < CN; ++j) a[r][j] = _mm512_loadu_ps(acc + r * acc_stride + c + 16 * j);
-  for (int tp = 0; tp < npairs; ++tp) {
-    const bf16* vt = vp + (static_cast<int64_t>(tp) * d + c) * 2;
-    __m512bh vv[CN];
-    SPARSEVER_UNROLL
-    for (int j = 0; j < CN; ++j) vv[j] = as_bh(_mm512_loadu_si512(vt + 32 * j));
+    for (int j = 0; j < N; ++j) bv[j] = as_bh(_mm512_loadu_si512(bi + 32 * j));
     SPARSEVER_UNROLL
     for (int r = 0; r < R; ++r) {
       uint32_t pair;
-      std::memcpy(&pair, p + r * p_stride + 2 * tp, sizeof(pair));
-      const __m512bh pv = as_bh(_mm512_set1_epi32(static_cast<int>(pair)));
+      std::memcpy(&pair, a + r * a_stride + 2 * i, sizeof(pair));
+      const __m512bh av = as_bh(_mm512_set1_epi32(static_cast<int>(pair)));
       SPARSEVER_UNROLL
-      for (int j = 0; j < CN; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], pv, vv[j]);
+      for (int j = 0; j < N; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
     }
   }
   SPARSEVER_UNROLL
   for (int r = 0; r < R; ++r)
     SPARSEVER_UNROLL
-    for (int j = 0; j < CN; ++j) _mm512_storeu_ps(acc + r * acc_stride + c + 16 * j, a[r][j]);
+    for (int j = 0; j < N; ++j) _mm512_storeu_ps(c + r * c_stride + 16 * j, acc[r][j]);
 }
 
+// R rows of dot_pairs_tile over columns [0, width), width a multiple of 32 (64 per tile, then 32).
 template <int R>
-SPARSEVER_AVX512_BF16 inline void dot_pv_rows(const bf16* p, int64_t p_stride, const bf16* vp, int npairs, int d,
-                                              float* acc, int64_t acc_stride) {
-  int c = 0;
-  for (; c + 64 <= d; c += 64) dot_pv_tile<R, 4>(p, p_stride, vp, npairs, d, c, acc, acc_stride);
-  if (c < d) dot_pv_tile<R, 2>(p, p_stride, vp, npairs, d, c, acc, acc_stride);  // d is a multiple of 32
+SPARSEVER_AVX512_BF16 inline void dot_pairs_rows(const bf16* a, int64_t a_stride, int steps, const bf16* b,
+                                                 int64_t b_step, int width, float* c, int64_t c_stride,
+                                                 bool accumulate) {
+  int col = 0;
+  for (; col + 64 <= width; col += 64)
+    dot_pairs_tile<R, 4>(a, a_stride, steps, b + 2 * col, b_step, c + col, c_stride, accumulate);
+  if (col < width) dot_pairs_tile<R, 2>(a, a_stride, steps, b + 2 * col, b_step, c + col, c_stride, accumulate);
+}
+
+// Every row: register tiles of 4 rows, then the remainder.
+SPARSEVER_AVX512_BF16 inline void dot_pairs(const bf16* a, int64_t a_stride, int rows, int steps, const bf16* b,
+                                            int64_t b_step, int width, float* c, int64_t c_stride, bool accumulate) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4)
+    dot_pairs_rows<4>(a + r * a_stride, a_stride, steps, b, b_step, width, c + r * c_stride, c_stride, accumulate);
+  const bf16* ar = a + r * a_stride;
+  float* cr = c + r * c_stride;
+  switch (rows - r) {
+    case 3: dot_pairs_rows<3>(ar, a_stride, steps, b, b_step, width, cr, c_stride, accumulate); break;
+    case 2: dot_pairs_rows<2>(ar, a_stride, steps, b, b_step, width, cr, c_stride, accumulate); break;
+    case 1: dot_pairs_rows<1>(ar, a_stride, steps, b, b_step, width, cr, c_stride, accumulate); break;
+    default: break;
+  }
 }
 
 // One segment on the plain layout with vdpbf16ps (d a multiple of 32). Tokens are taken in the
@@ -546,25 +530,9 @@ SPARSEVER_AVX512_BF16 void dot_bf16_segment(const BlockSegment& sg, const bf16* 
       _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(x, hi_idx, y));
     }
   }
-  const uint32_t* qpairs = reinterpret_cast<const uint32_t*>(q);
-  const int npairs = d / 2;
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) dot_scores_rows<4>(qpairs + r * npairs, npairs, kp, ntp, s + r * ntp, ntp);
-  switch (rows - r) {
-    case 3: dot_scores_rows<3>(qpairs + r * npairs, npairs, kp, ntp, s + r * ntp, ntp); break;
-    case 2: dot_scores_rows<2>(qpairs + r * npairs, npairs, kp, ntp, s + r * ntp, ntp); break;
-    case 1: dot_scores_rows<1>(qpairs + r * npairs, npairs, kp, ntp, s + r * ntp, ntp); break;
-    default: break;
-  }
+  dot_pairs(q, d, rows, d / 2, kp, 2 * static_cast<int64_t>(ntp), ntp, s, ntp, false);  // scores
   softmax_rows_to_bf16(sg, a_lo, ntp, rows, scale, s, p, m, l, acc);
-  r = 0;
-  for (; r + 4 <= rows; r += 4) dot_pv_rows<4>(p + r * ntp, ntp, vp, ntp / 2, d, acc + r * d, d);
-  switch (rows - r) {
-    case 3: dot_pv_rows<3>(p + r * ntp, ntp, vp, ntp / 2, d, acc + r * d, d); break;
-    case 2: dot_pv_rows<2>(p + r * ntp, ntp, vp, ntp / 2, d, acc + r * d, d); break;
-    case 1: dot_pv_rows<1>(p + r * ntp, ntp, vp, ntp / 2, d, acc + r * d, d); break;
-    default: break;
-  }
+  dot_pairs(p, ntp, rows, ntp / 2, vp, 2 * static_cast<int64_t>(d), d, acc, d, true);  // acc += P V
 }
 #endif  // CPU_CAPABILITY_AVX512
 
