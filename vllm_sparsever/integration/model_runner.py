@@ -88,7 +88,8 @@ class SparseverRunnerMixin:
         self._sparsever_steps.note_decode_shape(self, self.sparsever_proposer, scheduler_output, num_scheduled_tokens)
         # Hierarchical verification may have saved the residual streams of every token of this step.
         proposer = self.sparsever_proposer
-        self._sparsever_reuse = proposer.streams_for_step(self, num_scheduled_tokens) if proposer else None
+        self._sparsever_reuse = (proposer.streams_for_step(self, num_scheduled_tokens) if proposer is not None
+                                 else None)
         return result
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
