@@ -87,9 +87,10 @@ def test_builtin_processors_are_left_out_under_spec_decode_and_added_back():
     config = SimpleNamespace(speculative_config=object(), scheduler_config=SimpleNamespace(max_num_seqs=4))
     procs = build_logitsprocs(config, torch.device("cpu"), False, False)
     assert not any(isinstance(p, (MinPLogitsProcessor, LogitBiasLogitsProcessor)) for p in procs.all)
-    batch = SimpleNamespace(logitsprocs=procs)
-    assert sampling.add_min_p_and_logit_bias_processors(batch, config, torch.device("cpu"), False) == 2
-    assert sampling.add_min_p_and_logit_bias_processors(batch, config, torch.device("cpu"), False) == 0
+    runner = SimpleNamespace(input_batch=SimpleNamespace(logitsprocs=procs), vllm_config=config,
+                             device=torch.device("cpu"), pin_memory=False)
+    assert sampling.add_min_p_and_logit_bias_processors(runner) == 2
+    assert sampling.add_min_p_and_logit_bias_processors(runner) == 0
     assert any(isinstance(p, MinPLogitsProcessor) for p in procs.argmax_invariant)
     assert any(isinstance(p, LogitBiasLogitsProcessor) for p in procs.non_argmax_invariant)
     assert isinstance(procs, LogitsProcessors)

@@ -144,25 +144,19 @@ def wrap_draft_row_logits(rejection_sampler, batch_params, needed, before, after
     rejection_sampler.apply_logits_processors = apply_logits_processors
 
 
-def add_min_p_and_logit_bias_processors(input_batch, vllm_config, device, pin_memory: bool) -> int:
-    """Put vLLM's builtin min_p and logit-bias processors into the batch's logits processors (for
-    the sampler's own rows: first and bonus tokens); returns how many were added. Call before any
-    request reaches the batch (processors learn requests from batch updates)."""
+def add_min_p_and_logit_bias_processors(runner: Any) -> int:
+    """Put vLLM's builtin min_p and logit-bias processors into a model runner's batch logits processors
+    (`runner.input_batch`; built from its `vllm_config`, `device`, `pin_memory`), for the sampler's own
+    rows: first and bonus tokens; returns how many were added. Call before any request reaches the
+    batch (processors learn requests from batch updates)."""
     from vllm.v1.sample.logits_processor import LogitBiasLogitsProcessor, MinPLogitsProcessor
 
-    procs = input_batch.logitsprocs
+    procs = runner.input_batch.logitsprocs
     present = {type(p) for p in procs.all}
     added = 0
     for cls in (MinPLogitsProcessor, LogitBiasLogitsProcessor):
         if cls not in present:
-            proc = cls(vllm_config, device, pin_memory)
+            proc = cls(runner.vllm_config, runner.device, bool(getattr(runner, "pin_memory", False)))
             (procs.argmax_invariant if proc.is_argmax_invariant() else procs.non_argmax_invariant).append(proc)
             added += 1
     return added
-
-
-def add_min_p_and_logit_bias_processors_for(runner: Any) -> int:
-    """`add_min_p_and_logit_bias_processors` on a model runner's batch (`input_batch`, `vllm_config`,
-    `device`, `pin_memory`)."""
-    return add_min_p_and_logit_bias_processors(runner.input_batch, runner.vllm_config, runner.device,
-                                               bool(getattr(runner, "pin_memory", False)))

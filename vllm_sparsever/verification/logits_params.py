@@ -77,8 +77,8 @@ def honour_logits_params(runner: Any) -> None:
     if getattr(runner, "rejection_sampler", None) is None:
         return
     from vllm_sparsever.compat.runner import batch_sampling_params
-    from vllm_sparsever.compat.sampling import add_min_p_and_logit_bias_processors_for, wrap_draft_row_logits
+    from vllm_sparsever.compat.sampling import add_min_p_and_logit_bias_processors, wrap_draft_row_logits
 
     wrap_draft_row_logits(runner.rejection_sampler, lambda: batch_sampling_params(runner), needs_logits_params,
                           apply_logit_bias, apply_min_p)
-    add_min_p_and_logit_bias_processors_for(runner)
+    add_min_p_and_logit_bias_processors(runner)
