@@ -12,9 +12,11 @@ each long prompt is prefilled once) runs every mode on the same prompts, interle
   verify steps instead of sparsever's), for the kernel's end-to-end share.
 A second engine without speculative decoding then runs the same prompts (`autoregressive`), with
 `--vllm-draft-model K` a third, vLLM's own `draft_model` method with K drafts (`vllm-draft_model`),
-and with `--evict` a fourth: sparsever's EVICT chains over the same drafter (up to `--cap` drafts,
-dense verification; needs `vllm-sparsever profile-verify TARGET` first) (`evict-chain`), each prompt
-after an untimed 8-token warm-up on it (as in a running server, EVICT has then measured steps).
+and with `--evict [DRAFTER ...]` one more per drafter: sparsever's EVICT chains (up to `--cap`
+drafts, dense verification; needs `vllm-sparsever profile-verify TARGET` first) over the draft model
+(`evict-chain`) or n-gram lookup (`evict-ngram`). Engines run one after another, each shut down
+before the next starts; every engine runs each prompt after an untimed warm-up on it (prefilled
+into the prefix cache, and a few steps: as in a running server, EVICT has then measured steps).
 
 Per mode and context: decode tokens/s (first to last output token, from vLLM's request stats, so
 prefill is out of it), ratio to dense, tokens per full verification, intermediate acceptance,
@@ -23,6 +25,7 @@ hierarchy's batch shapes differ from dense verification's, so near-ties can flip
 
     python bench/lossless_sparse.py --contexts 8192 32000 --num-prompts 3 --tag qwen
     python bench/lossless_sparse.py --drafter draft_model --tag qwen-draft
+    python bench/lossless_sparse.py --drafter draft_model --modes dense --evict draft_model ngram
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
 
 MODES = ("dense", "sparse-hier", "sparse-approx", "dense-vllm-kernel")
-LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", "evict-chain")
+EVICT_MODES = {"draft_model": "evict-chain", "ngram": "evict-ngram"}  # --evict drafter -> mode
+LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", *EVICT_MODES.values())
+WARM_UP_TOKENS = 8
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,12 +59,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-autoregressive", action="store_true", help="skip the engine without speculative decoding")
     p.add_argument("--vllm-draft-model", type=int, default=0, metavar="K",
                    help="also run vLLM's own draft_model method with K drafts (needs --draft)")
-    p.add_argument("--evict", action="store_true", help="also run EVICT chains over the drafter (a separate engine)")
+    p.add_argument("--evict", nargs="*", choices=sorted(EVICT_MODES), default=None, metavar="DRAFTER",
+                   help="also run EVICT chains over these drafters (draft_model, ngram; bare: --drafter's), "
+                        "an engine each")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32000])
     p.add_argument("--num-prompts", type=int, default=3, help="long documents per context")
     p.add_argument("--task", choices=["summarize", "qa"], default="summarize")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES),
+                   help="the sparsever engine's modes (none: no such engine)")
     p.add_argument("--cap", type=int, default=8, help="num_speculative_tokens: n-gram k, and the hierarchy's cap")
     p.add_argument("--round-tokens", type=int, default=3)
     p.add_argument("--full-verify-every", type=int, default=4)
@@ -73,7 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def start_engine(args, target: str, max_len: int, speculative: bool = True, vllm_draft_model: int = 0,
-                 evict: bool = False):
+                 evict: str | None = None):
+    """The engine of one section: sparsever with the run's drafter (`speculative`), none, vLLM's
+    `draft_model` with K drafts (`vllm_draft_model`), or sparsever EVICT chains over `evict`."""
     from vllm import LLM
 
     from vllm_sparsever.cli import resolve_model
@@ -81,7 +91,7 @@ def start_engine(args, target: str, max_len: int, speculative: bool = True, vllm
     spec = None
     if evict:
         spec = {"method": "sparsever", "num_speculative_tokens": args.cap, "adaptive": {"enabled": True}}
-        if args.drafter == "ngram":
+        if evict == "ngram":
             spec.update(draft_source="ngram", prompt_lookup_min=args.prompt_lookup_min,
                         prompt_lookup_max=args.prompt_lookup_max)
         else:
@@ -122,9 +132,10 @@ def run_one(llm, args, mode: str, prompt: list[dict]) -> dict[str, Any]:
 
     speculative = mode not in ("autoregressive", "vllm-draft_model")
     if speculative:
-        if mode != "evict-chain":  # (its own engine: nothing to switch)
+        if mode in MODES:  # (EVICT: its own engine, nothing to switch)
             set_mode(llm, args, mode)
-        reset_metrics(llm)
+        reset_metrics(llm)  # (EVICT's counters too; its clock and acceptance estimates stay)
+    vllm_before = _vllm_spec_metrics(llm) if mode == "vllm-draft_model" else {}
     load = os.getloadavg()[0]
     start = time.perf_counter()
     out = llm.chat([prompt], SamplingParams(temperature=0.0, max_tokens=args.max_tokens), use_tqdm=False)[0]
@@ -140,8 +151,8 @@ def run_one(llm, args, mode: str, prompt: list[dict]) -> dict[str, Any]:
         "tokens": tokens, "text": out.outputs[0].text,
     }
     m = get_metrics(llm) if speculative else {}
-    if mode == "vllm-draft_model":  # cumulative counters: the caller subtracts those before the run
-        spec = _vllm_spec_metrics(llm)
+    if mode == "vllm-draft_model":  # cumulative counters: differenced per run
+        spec = counter_diff(_vllm_spec_metrics(llm), vllm_before)
         m = {"num_verify_steps": spec["num_drafts"], "num_draft_tokens": spec["num_draft_tokens"],
              "num_accepted_tokens": spec["num_accepted_tokens"]}
     return run | {
@@ -151,6 +162,7 @@ def run_one(llm, args, mode: str, prompt: list[dict]) -> dict[str, Any]:
         "mean_acceptance_length": m.get("mean_acceptance_length"),
         "hierarchical": m.get("hierarchical") or {}, "drafter": m.get("prompt_lookup") or m.get("draft_model") or {},
         "sparsity": m.get("sparsity") or {},
+        "evict": m.get("evict") or {},
     }
 
 
@@ -222,17 +234,17 @@ def markdown(rows: list[dict]) -> str:
 
 
 def write_report(record: dict, base: Path) -> str:
-    record["summary"] = summarize(record["runs"], record["args"]["modes"] + ["evict-chain", "autoregressive",
-                                                                            "vllm-draft_model"])
+    record["summary"] = summarize(record["runs"], [*record["args"]["modes"], *EVICT_MODES.values(), "autoregressive",
+                                                   "vllm-draft_model"])
     base.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
     table = markdown(record["summary"])
     base.with_suffix(".md").write_text(
         f"# lossless sparse verification: {Path(record['target']).name}, drafter {record['args']['drafter']}\n\n"
         f"`{record['command']}`\n\nhardware: {record['hardware']}\n\nbinding: {record['env']}\n\n"
-        f"versions: {record['versions']}\n\nengine speculative_config: `{json.dumps(record['spec'])}`\n\n"
+        f"versions: {record['versions']}\n\nengine speculative_configs: `{json.dumps(record.get('specs') or record.get('spec'))}`\n\n"
         "Decode tokens/s per request (output tokens after the first over the time from the first to "
         "the last, from vLLM's request stats: prefill excluded); the speculative modes in one engine, "
-        "interleaved per prompt; autoregressive in a second engine after it. 'vs dense' = the mode's "
+        "interleaved per prompt; each other method in an engine of its own after it. 'vs dense' = the mode's "
         "decode tokens over its decode seconds / the same for dense; 'per prompt ratio' = median over "
         "prompts. 'tokens per full verification' = output "
         "tokens / full (vLLM) verify steps. 'same as dense' = prompts whose output equals the dense "
@@ -242,15 +254,79 @@ def write_report(record: dict, base: Path) -> str:
     return table
 
 
+def counter_diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """Numeric counters of `after` less `before` (cumulative engine counters, per run)."""
+    return {k: (v - before.get(k, 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+            for k, v in after.items()}
+
+
+def engine_sections(args) -> list[tuple[str, dict[str, Any]]]:
+    """(name, start_engine keywords) of each engine the run starts, in order; each engine runs its
+    modes (`section_modes`) on every prompt."""
+    out = []
+    if args.modes:
+        out.append(("sparsever", {}))
+    if not args.no_autoregressive:
+        out.append(("autoregressive", {"speculative": False}))
+    if args.vllm_draft_model:
+        out.append(("vllm-draft_model", {"vllm_draft_model": args.vllm_draft_model}))
+    for drafter in args.evict or ():
+        out.append((EVICT_MODES[drafter], {"evict": drafter}))
+    return out
+
+
+def section_modes(args, section: str) -> list[str]:
+    return list(args.modes) if section == "sparsever" else [section]
+
+
+def run_engine(args, target: str, max_len: int, section: str, engine_kwargs: dict[str, Any], record: dict,
+               partial: Path) -> None:
+    """Start one engine, run its modes on every prompt of every context (interleaved per prompt, the
+    order alternating), each prompt after an untimed warm-up on it (the prompt prefilled into the
+    prefix cache; a few steps, so EVICT has measured steps as in a running server), then shut it
+    down before the next engine starts."""
+    from vllm import SamplingParams
+
+    from vllm_sparsever.compat.engine import shutdown_llm
+    from vllm_sparsever.data.long_context import long_context_prompts
+
+    llm, spec = start_engine(args, target, max_len, **engine_kwargs)
+    record["specs"][section] = spec
+    modes = section_modes(args, section)
+    try:
+        with tqdm(total=len(args.contexts) * args.num_prompts * len(modes), desc=section, unit="run") as bar:
+            for ctx in args.contexts:
+                for p, row in enumerate(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts)):
+                    prompt = [{"role": "user", "content": row["prompt"]}]
+                    bar.set_postfix_str(f"{ctx} prompt {p} warm-up")
+                    if section == "sparsever":
+                        set_mode(llm, args, modes[0])
+                    llm.chat([prompt], SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS), use_tqdm=False)
+                    for mode in (modes if p % 2 == 0 else list(reversed(modes))):
+                        bar.set_postfix_str(f"{ctx} prompt {p} {mode}")
+                        run = run_one(llm, args, mode, prompt)
+                        run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
+                        record["runs"].append(run)
+                        partial.write_text(json.dumps(record, default=str))
+                        bar.update()
+    finally:
+        shutdown_llm(llm)  # no engine left running (or spinning) beside the next one
+        del llm
+        import gc
+
+        gc.collect()
+
+
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--from-json":
         path = Path(sys.argv[2])
         print(write_report(json.loads(path.read_text()), path.with_suffix("")))
         return 0
     args = parse_args(argv)
+    if args.evict == []:  # bare --evict: over the run's drafter
+        args.evict = [args.drafter]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm_sparsever.cli import resolve_model
-    from vllm_sparsever.data.long_context import long_context_prompts
 
     target = resolve_model(args.target)
     max_pos = json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings", 32768)
@@ -264,89 +340,14 @@ def main(argv=None) -> int:
     record: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]), "target": target, "args": vars(args),
         "started": started.isoformat(), "hardware": hardware(), "env": binding_env(), "versions": versions(),
-        "runs": [],
+        "runs": [], "specs": {},
     }
-    llm, record["spec"] = start_engine(args, target, max_len)
-    try:
-        total = len(args.contexts) * args.num_prompts * (len(args.modes) + 1)
-        with tqdm(total=total, desc="runs", unit="run") as bar:
-            for ctx in args.contexts:
-                rows = long_context_prompts(target, ctx, task=args.task, n=args.num_prompts)
-                for p, row in enumerate(rows):
-                    prompt = [{"role": "user", "content": row["prompt"]}]
-                    bar.set_postfix_str(f"{ctx} prompt {p} prefill")
-                    set_mode(llm, args, "dense")
-                    from vllm import SamplingParams
-
-                    llm.chat([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)  # cache it
-                    bar.update()
-                    order = args.modes if p % 2 == 0 else list(reversed(args.modes))
-                    for mode in order:
-                        bar.set_postfix_str(f"{ctx} prompt {p} {mode}")
-                        run = run_one(llm, args, mode, prompt)
-                        run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
-                        record["runs"].append(run)
-                        base.with_suffix(".partial.json").write_text(json.dumps(record, default=str))
-                        bar.update()
-    finally:
-        del llm
-        import gc
-
-        gc.collect()
-    if not args.no_autoregressive:
-        llm, _ = start_engine(args, target, max_len, speculative=False)
-        try:
-            for ctx in args.contexts:
-                for p, row in enumerate(tqdm(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts),
-                                             desc=f"autoregressive {ctx}")):
-                    run = run_one(llm, args, "autoregressive", [{"role": "user", "content": row["prompt"]}])
-                    run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
-                    record["runs"].append(run)
-                    base.with_suffix(".partial.json").write_text(json.dumps(record, default=str))
-        finally:
-            del llm
-    if args.vllm_draft_model:
-        import gc
-
-        gc.collect()
-        llm, record["vllm_spec"] = start_engine(args, target, max_len, vllm_draft_model=args.vllm_draft_model)
-        try:
-            for ctx in args.contexts:
-                for p, row in enumerate(tqdm(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts),
-                                             desc=f"vllm draft_model {ctx}")):
-                    before = _vllm_spec_metrics(llm)
-                    run = run_one(llm, args, "vllm-draft_model", [{"role": "user", "content": row["prompt"]}])
-                    run["verify_steps"] -= before["num_drafts"]
-                    run["num_draft_tokens"] -= before["num_draft_tokens"]
-                    run["num_accepted_tokens"] -= before["num_accepted_tokens"]
-                    run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
-                    record["runs"].append(run)
-                    base.with_suffix(".partial.json").write_text(json.dumps(record, default=str))
-        finally:
-            del llm
-    if args.evict:
-        import gc
-
-        from vllm import SamplingParams
-
-        gc.collect()
-        llm, record["evict_spec"] = start_engine(args, target, max_len, evict=True)
-        try:
-            for ctx in args.contexts:
-                for p, row in enumerate(tqdm(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts),
-                                             desc=f"evict chain {ctx}")):
-                    prompt = [{"role": "user", "content": row["prompt"]}]
-                    # Prefill (cached) and EVICT's first measurements outside the timed run.
-                    llm.chat([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-                    run = run_one(llm, args, "evict-chain", prompt)
-                    run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
-                    record["runs"].append(run)
-                    base.with_suffix(".partial.json").write_text(json.dumps(record, default=str))
-        finally:
-            del llm
+    partial = base.with_suffix(".partial.json")
+    for section, engine_kwargs in engine_sections(args):
+        run_engine(args, target, max_len, section, engine_kwargs, record, partial)
     record["hardware_end"] = hardware()
     print(write_report(record, base))
-    base.with_suffix(".partial.json").unlink(missing_ok=True)
+    partial.unlink(missing_ok=True)
     print(f"results: {base}.md / .json")
     return 0
 

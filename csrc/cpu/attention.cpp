@@ -317,8 +317,6 @@ struct BlockSegment {
   int64_t mask_stride;
 };
 
-#define SPARSEVER_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
 // Scores s [rows, ntp] (unscaled; tokens a_lo .. a_lo + ntp of the block, ntp a multiple of 32) ->
 // masks, the online softmax step, and P rounded to bf16 (vcvtne2ps2bf16) into p [rows, ntp].
 SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, int a_lo, int ntp, int rows,
@@ -409,8 +407,6 @@ inline bool use_attention_bf16_dot() {
   if (env != nullptr && *env != '\0') return std::strcmp(env, "0") != 0;
   return !amx::amx_usable();
 }
-
-SPARSEVER_AVX512_BF16 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
 // permutex2var indices that interleave two 32-element bf16 vectors a, b into pairs (a[j], b[j]):
 // kPairsLo for j in [0, 16), kPairsHi for j in [16, 32) (index 32 + j selects b[j]).

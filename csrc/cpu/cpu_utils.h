@@ -88,6 +88,15 @@ inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Functions that use AVX512-BF16 (vdpbf16ps, vcvtne2ps2bf16) in a file built for plain AVX-512; they run
+// only after rows_bf16_available() (gemv_rows_bf16.h) said the CPU has it.
+#define SPARSEVER_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// 32 bf16 values held in an integer vector, as the bf16 dot product takes them.
+SPARSEVER_AVX512_BF16 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+#endif
+
 // A kernel switch that is on unless the environment variable is "0". Read once per op call (a getenv
 // is nothing next to a layer's work, but not per parallel task), so a benchmark can time both ways in
 // one process.

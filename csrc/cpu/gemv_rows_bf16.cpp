@@ -23,8 +23,6 @@
 namespace sparsever::cpu {
 namespace {
 
-inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
-
 // next: the next tile's rows (or null): one cache line of each is prefetched per 64-byte step whose number
 // is pf_phase modulo pf_every, so the next tile streams in while this one (and the other token tiles of
 // this row tile) computes: spread out, not a burst that fills the miss buffers.

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile
-from vllm_sparsever.adaptive.evict import AcceptanceCalibration, Evict
+from vllm_sparsever.adaptive.evict import PLAIN_CHECK_EVERY, AcceptanceCalibration, Evict
 from vllm_sparsever.plan import DraftTree
 
 
@@ -41,9 +41,10 @@ def test_cheap_tokens_keep_the_confident_drafts_and_cut_the_rest():
 
 def _measured(evict: Evict, pass_s: float, rows: int = 1, fixed_s: float = 0.0) -> Evict:
     """`evict` after a drafting step at `rows` rows measured one draft pass at `pass_s`, and a verify
-    step of one draft per row that took what the profile predicts."""
+    step of one draft per row and a plain step that took what the profile predicts."""
     evict.observe_drafting(rows, [pass_s], pass_s + fixed_s)
     evict.observe_step([2] * rows, [256] * rows, evict.cost([2] * rows, [256] * rows, "chain"))
+    evict.observe_step([1] * rows, [256] * rows, evict.cost([1] * rows, [256] * rows, "chain"))
     return evict
 
 
@@ -210,8 +211,41 @@ def test_guard_keeps_drafting_when_it_pays():
 
     evict = _measured(Evict(_profile(0.001), guard=True, depth_prior=0.9), 0.005)
     shape = DraftShape(cap=3, budgets=(3,))
-    assert all(evict.plan_depth([256], shape) == 3 for _ in range(100))
-    assert evict.stats.skipped_drafting_steps == 0
+    depths = [evict.plan_depth([256], shape) for _ in range(100)]
+    # One plain step to re-measure it, PLAIN_CHECK_EVERY drafting steps after the last one measured.
+    assert depths.count(3) == 99 and depths.index(0) == PLAIN_CHECK_EVERY
+    assert evict.stats.skipped_drafting_steps == 0 and evict.stats.plain_check_steps == 1
+
+
+def test_guard_measures_a_plain_step_where_drafting_measured_only_verify_steps():
+    """The long-context failure: verify steps at 32K take 3x the profile's time (its grid stopped at
+    4K), and plain steps read their time from them, so drafting looked like it paid. One plain step,
+    measured, shows it does not: the guard then skips."""
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    shape = DraftShape(cap=3, budgets=(3,))
+    evict = Evict(_profile(0.002, base_s=0.1), guard=True, depth_prior=0.9)
+    evict.observe_drafting(1, [0.02], 0.02)
+    for _ in range(10):
+        evict.observe_step([2], [32768], 3.0 * evict.cost([2], [32768], "chain"))
+    # Priced from the verify steps' ratio, a plain step looks 3x slower than it is: drafting would win.
+    assert evict._best(evict._outlook([32768], shape, 0, [1.0], [0.0], [1])) > 0
+    assert evict.plan_depth([32768], shape) == 0 and evict.stats.plain_check_steps == 1
+    evict.observe_step([1], [32768], evict.cost([1], [32768], "chain"))  # the plain step, as the profile says
+    assert all(evict.plan_depth([32768], shape) == 0 for _ in range(10))
+    assert evict.stats.skipped_drafting_steps == 10 and evict.stats.plain_check_steps == 1
+    # At a short context verify steps take the profile's time and drafting pays; plain steps were
+    # never measured in that band: one check there, then drafting.
+    for _ in range(10):
+        evict.observe_step([2], [512], evict.cost([2], [512], "chain"))
+    assert evict.plan_depth([512], shape) == 0 and evict.stats.plain_check_steps == 2
+    evict.observe_step([1], [512], evict.cost([1], [512], "chain"))
+    assert evict.plan_depth([512], shape) == 3 and evict.stats.plain_check_steps == 2
+    # Guard off: always drafts, no checks.
+    unguarded = Evict(_profile(0.002, base_s=0.1), guard=False, depth_prior=0.9)
+    unguarded.observe_drafting(1, [0.02], 0.02)
+    unguarded.observe_step([2], [32768], 3.0 * unguarded.cost([2], [32768], "chain"))
+    assert unguarded.plan_depth([32768], shape) > 0 and unguarded.stats.plain_check_steps == 0
 
 
 def test_depth_cap_mode_drafts_to_the_cap_or_not_at_all():

@@ -37,7 +37,12 @@ Guard (Cascade's worst case): when the best depth is 0 the step does not draft. 
 the last probe reaches 1/PROBE_BUDGET of the probe's expected extra cost (its extra step time and
 the catch-up); probing then costs at most PROBE_BUDGET of the time spent skipping. It cannot lock
 itself out on a wrong time: while it skips, plain steps are measured and the plain time follows
-them. `adaptive.guard: false` always drafts at least one level; `adaptive.depth: "cap"` drafts to
+them. The converse holds too: while drafting pays, only verify steps are measured, and a plain
+step's time read from them carries the profile's error wherever its grid did not reach (long
+contexts); so the guard decodes one step plainly, to measure it, in a context band where no plain
+step was measured, and again every PLAIN_CHECK_EVERY drafting steps there (per band, not per batch
+size: the profile's error is in how time grows with context, and a batch size measured plainly
+stands in for its neighbours). `adaptive.guard: false` always drafts at least one level; `adaptive.depth: "cap"` drafts to
 the cap (EVICT then only truncates, and the guard compares the cap with plain decoding).
 
 Chains are the one-branch case: an adaptive draft length per request.
@@ -65,6 +70,7 @@ DEPTH_PRIOR_WEIGHT = 4.0  # pseudo-observations behind a depth's prior
 DEPTH_DECAY = 0.995  # per observed request: older acceptance counts fade (prompts and load change)
 MAX_GAP_S = 1.0  # engine time between steps above this is idle time, not per-step work
 CATCH_UP_MIN_TOKENS = 16  # a roots' pass over fewer catch-up tokens is a draft pass like the others
+PLAIN_CHECK_EVERY = 64  # guard: drafting steps between measured plain steps in a context band
 
 
 class AcceptanceCalibration:
@@ -222,6 +228,7 @@ class EvictStats:
     empty_steps: int = 0  # steps verified with no drafts at all (speculation did not pay)
     skipped_drafting_steps: int = 0  # steps the guard skipped drafting in
     probe_steps: int = 0  # steps the guard drafted in although drafting did not pay, to re-measure
+    plain_check_steps: int = 0  # steps the guard decoded plainly although drafting paid, to measure a plain step
     stopped_early_steps: int = 0  # drafting steps stopped before the planned depth (stopping rule)
     expected_tokens: float = 0.0  # sum over steps of the chosen expected emitted tokens
     predicted_verify_s: float = 0.0  # sum of the chosen predicted verify times (scaled)
@@ -237,6 +244,7 @@ class EvictStats:
             "evict_empty_steps": self.empty_steps,
             "evict_skipped_drafting_steps": self.skipped_drafting_steps,
             "evict_probe_steps": self.probe_steps,
+            "evict_plain_check_steps": self.plain_check_steps,
             "evict_stopped_early_steps": self.stopped_early_steps,
             "evict_expected_tokens": self.expected_tokens,
             "evict_predicted_verify_s": self.predicted_verify_s,
@@ -281,6 +289,7 @@ class Evict:
         self.experts = ExpertUnionModel(*profile.moe) if profile.moe else None
         self._skipped_s: dict[int, float] = {}  # guard, per batch size: plain time skipped since the last probe
         self._skips: dict[int, int] = {}
+        self._since_plain: dict[int, int] = {}  # guard: drafting steps since a plain step, per context band
 
     # ---- costs ------------------------------------------------------------------------------
 
@@ -308,6 +317,8 @@ class Evict:
         plain = all(q == 1 for q in query_tokens)
         kind, mask = ("plain", "chain") if plain else ("verify", mask)
         self.clock.observe_ratio(kind, len(query_tokens), contexts, seconds, self.cost(query_tokens, contexts, mask))
+        if plain:
+            self._since_plain[context_band(contexts)] = 0
         if gap_s is not None:
             self.clock.observe_gap(gap_s)
 
@@ -377,6 +388,9 @@ class Evict:
             best = max(best, min(self.min_draft_tokens, shape.cap))
         if best:
             self._skipped_s[rows], self._skips[rows] = 0.0, 0
+            if not floor and self._plain_check_due(contexts):
+                self.stats.plain_check_steps += 1
+                return self._planned(0)
             return self._planned(best)
         # Skipping: probe once the plain time skipped pays for the probe PROBE_BUDGET-fold.
         plain_s = outlook[0][1]
@@ -396,6 +410,16 @@ class Evict:
         self._skipped_s[rows], self._skips[rows] = skipped_s, skips
         self.stats.skipped_drafting_steps += 1
         return self._planned(0)
+
+    def _plain_check_due(self, contexts: list[int]) -> bool:
+        """Guard, while drafting pays: whether to decode this step plainly to measure a plain step in
+        this context band (none measured there, or PLAIN_CHECK_EVERY drafting steps ago; module
+        docstring)."""
+        key = context_band(contexts)
+        since = self._since_plain.get(key)
+        due = since is None or since >= PLAIN_CHECK_EVERY
+        self._since_plain[key] = 0 if due else since + 1  # (a check whose step mixed in a prefill waits too)
+        return due
 
     def _planned(self, levels: int) -> int:
         self.stats.planned_depths[levels] = self.stats.planned_depths.get(levels, 0) + 1

@@ -164,6 +164,20 @@ class SparseverRunnerMixin:
             return levels
         return {k: v for level in levels.values() for k, v in level.items()}
 
+    def sparsever_reset_metrics(self) -> None:
+        """Zero every counter: steps, sparsity, tree acceptance, the proposers' (not what EVICT learned)."""
+        self._sparsever_steps.reset_metrics()
+        self.sparsever_runtime.reset_stats()
+        self._sparsever_trees.reset_stats()
+        levels = (self.sparsever_proposer, self._sparsever_hierarchy)
+        for proposer in {id(p): p for p in levels if p is not None}.values():
+            proposer.reset_stats()
+
+    def sparsever_request_state(self) -> dict[str, int]:
+        """Per-request entries held: the proposer's, and this step's accepted tree paths."""
+        proposer = self.sparsever_proposer
+        return {**(proposer.request_state() if proposer is not None else {}), "tree_paths": len(self._sparsever_paths)}
+
     def sparsever_set_hierarchy(self, enabled: bool) -> bool:
         """Switch hierarchical verification set up at start off (its drafter alone proposes a round
         of drafts per step; sparse sections then verify at the full level) or back on. For

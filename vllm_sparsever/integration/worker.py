@@ -61,9 +61,7 @@ class _SparseverWorkerMixin:
         after every request has finished, only the layers of the loaded model remain."""
         import sys
 
-        proposer = getattr(self.model_runner, "sparsever_proposer", None)
-        state = dict(proposer.request_state()) if proposer is not None else {}
-        state["tree_paths"] = len(getattr(self.model_runner, "_sparsever_paths", {}))
+        state = self.model_runner.sparsever_request_state()
         for name, module, registry in (("ffn_layers", "vllm_sparsever.verification.ffn", "LAYERS"),
                                        ("moe_blocks", "vllm_sparsever.verification.moe", "BLOCKS")):
             loaded = sys.modules.get(module)
@@ -79,12 +77,7 @@ class _SparseverWorkerMixin:
         return summary
 
     def reset_sparsever_metrics(self) -> None:
-        self.model_runner.sparsever_steps.reset_metrics()
-        self.model_runner.sparsever_runtime.reset_stats()
-        self.model_runner._sparsever_trees.reset_stats()
-        for proposer in {id(p): p for p in (self.model_runner.sparsever_proposer,
-                                             self.model_runner._sparsever_hierarchy) if p is not None}.values():
-            proposer.reset_stats()
+        self.model_runner.sparsever_reset_metrics()
 
     def sparsever_set_sparsity(self, sections: dict[str, Any]) -> dict[str, Any]:
         """Switch the attention/ffn/moe sections at run time (within what was set up at start)."""
