@@ -44,7 +44,7 @@ def test_ngram_proposer_keeps_its_bounds():
     assert compat_ngram.ngram_bounds(SimpleNamespace(drafter=SimpleNamespace(min_n=2, max_n=4))) == (2, 4)
 
 
-def test_token_history_and_request_limits_of_a_real_input_batch():
+def test_draft_step_histories_and_request_limits_of_a_real_input_batch():
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
@@ -62,9 +62,12 @@ def test_token_history_and_request_limits_of_a_real_input_batch():
         )
         batch.add_request(states[f"r{i}"])
     runner = SimpleNamespace(input_batch=batch, requests=states)
-    assert compat_runner.token_history(runner, 0).tolist() == [11, 12, 13, 14, 15]
-    assert compat_runner.token_history(runner, 1).tolist() == [21, 22]
-    first, second = compat_runner.request_limits(runner, [0, 1])
+    step = compat_runner.draft_step(runner, [[15], []])
+    assert step.req_ids == ["r0", "r1"] and step.sampled == [[15], []]
+    assert step.history(0).tolist() == [11, 12, 13, 14, 15]
+    assert step.history(1).tolist() == [21, 22]
+    assert step.allocated_slots.tolist() == [32, 32]  # one block each
+    first, second = step.limits_of([0, 1])
     assert first.stop_token_ids == {7, 2} and first.remaining_tokens == 8  # 2 of 10 emitted
     assert second.stop_token_ids == {3} and second.remaining_tokens is None  # ignore_eos: no EOS
 

@@ -124,8 +124,9 @@ def test_slot_bookkeeping_of_a_real_input_batch():
 
     batch = _input_batch(block_size=32)
     runner = SimpleNamespace(input_batch=batch)
-    assert compat_runner.allocated_slots(runner).tolist() == [64, 32]  # 2 blocks, 1 block
-    assert compat_runner.tokens_no_spec(runner).tolist() == [41, 6]  # prompt lengths
+    step = compat_runner.draft_step(runner, [[1], [2]])
+    assert step.allocated_slots.tolist() == [64, 32]  # 2 blocks, 1 block
+    assert step.num_tokens.tolist() == [41, 6]  # prompt lengths
 
 
 def test_attention_group_and_builder_interface():

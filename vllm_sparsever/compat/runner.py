@@ -94,11 +94,6 @@ def input_batch_view(runner: Any) -> BatchView:
     )
 
 
-def batch_req_ids(runner: Any) -> list[str]:
-    """The request id of each batch row (`runner.input_batch.req_ids`)."""
-    return runner.input_batch.req_ids
-
-
 def batch_num_rows(runner: Any) -> int:
     """Rows of the runner's batch (`runner.input_batch.num_reqs`)."""
     return runner.input_batch.num_reqs
@@ -153,13 +148,6 @@ def intercept_drafter_load(runner: Any, before_load: Callable[[], None]) -> Call
     return undo
 
 
-def tokens_no_spec(runner: Any) -> np.ndarray:
-    """Per batch row, the request's token count without drafts (prompt + accepted output); after
-    a step's bookkeeping the last one is the token sampled this step."""
-    batch = runner.input_batch
-    return batch.num_tokens_no_spec[: batch.num_reqs]
-
-
 def draft_model(runner: Any) -> Any:
     """The draft model vLLM loaded for its `draft_model` method (ValueError without one)."""
     model = getattr(getattr(runner, "drafter", None), "model", None)
@@ -181,13 +169,6 @@ def set_draft_token_ids(runner: Any, drafts: list[list[int]]) -> None:
     needs the committed tokens, so it proposes after `sample_tokens` and sets its drafts here."""
     runner._draft_token_ids = drafts
     runner._draft_token_req_ids = list(runner.input_batch.req_ids)
-
-
-def token_history(runner: Any, row: int) -> np.ndarray:
-    """The committed tokens of batch row `row` (prompt + accepted output, no drafts): a view of
-    vLLM's buffer, read it before the next step."""
-    batch = runner.input_batch
-    return batch.token_ids_cpu[row, : int(batch.num_tokens_no_spec[row])]
 
 
 @dataclass(frozen=True)
@@ -228,6 +209,34 @@ def allocated_slots(runner: Any) -> np.ndarray:
         group = table.num_blocks_per_row[:n].astype(np.int64) * int(table.block_size)
         slots = group if slots is None else np.minimum(slots, group)
     return slots
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """A step's input to sparsever's proposers, read from vLLM's state once the step's tokens are
+    sampled and committed (`draft_step`). Per batch row: its request, the tokens sampled this step,
+    its token count (prompt + accepted output, drafts excluded; the sampled token is the last) and
+    the KV slots allocated to it. The arrays view vLLM's buffers: read them within the step."""
+
+    req_ids: list[str]
+    sampled: list[list[int]]
+    num_tokens: np.ndarray
+    allocated_slots: np.ndarray
+    token_ids: np.ndarray  # [max_num_reqs, max_model_len]: the rows' tokens
+    limits_of: Callable[[list[int]], list[RequestLimits]]  # see request_limits
+
+    def history(self, row: int) -> np.ndarray:
+        """The committed tokens of batch row `row` (prompt + accepted output, no drafts)."""
+        return self.token_ids[row, : int(self.num_tokens[row])]
+
+
+def draft_step(runner: Any, sampled_token_ids: list[list[int]]) -> DraftStep:
+    """The proposers' input of this step (`runner.input_batch` after the step's bookkeeping)."""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    return DraftStep(req_ids=list(batch.req_ids[:n]), sampled=sampled_token_ids,
+                     num_tokens=batch.num_tokens_no_spec[:n], allocated_slots=allocated_slots(runner),
+                     token_ids=batch.token_ids_cpu, limits_of=lambda rows: request_limits(runner, rows))
 
 
 def query_attention_context(

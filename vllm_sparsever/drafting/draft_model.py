@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from vllm_sparsever.metrics import counters_summary
-from vllm_sparsever.compat.runner import batch_req_ids
+from vllm_sparsever.compat.runner import DraftStep
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.queries import final_hidden, flatten_queries
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
@@ -97,45 +97,37 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
     def request_state(self) -> dict[str, int]:
         return {**super().request_state(), "draft_kv": len(self._kv)}
 
-    def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
-        reqs = super().requests(sampled_token_ids, reserve)
-        live = set(batch_req_ids(self._runner))
+    def requests(self, step: DraftStep, reserve: int) -> DraftRequests:
+        reqs = super().requests(step, reserve)
+        live = set(step.req_ids)
         for req_id in [r for r in self._kv if r not in live]:  # finished or preempted
             del self._kv[req_id]
         return reqs
 
-    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+    def propose(self, step: DraftStep) -> list[list[int]]:
         start = time.perf_counter()
         if self.tree is None:
-            return super().propose(sampled_token_ids)
-        drafts = self.propose_trees(sampled_token_ids)
+            return super().propose(step)
+        drafts = self.propose_trees(step)
         self.stats.draft_tokens += sum(len(d) for d in drafts)
         self.stats.draft_time_s += time.perf_counter() - start
         return drafts
 
     # ---- trees (TreeDrafting) ----------------------------------------------------------------
 
-    def _catch_up_start(self, row: int) -> tuple[Any, int]:
-        """(the request's committed tokens, the first position whose draft K/V is stale)."""
-        from vllm_sparsever.compat.runner import token_history
-
-        history = token_history(self._runner, row)
-        kv = self._kv.get(batch_req_ids(self._runner)[row])
-        return history, min(kv.valid_for(history, []) if kv is not None else 0, len(history) - 1)
+    def _catch_up_start(self, reqs: DraftRequests, i: int) -> int:
+        """The first position of request `i` whose draft K/V is stale."""
+        history, kv = reqs.histories[i], self._kv.get(reqs.req_ids[i])
+        return min(kv.valid_for(history, []) if kv is not None else 0, len(history) - 1)
 
     def _catch_up_tokens(self, reqs: DraftRequests) -> int:
-        total = 0
-        for row in reqs.rows:
-            history, first = self._catch_up_start(row)
-            total += len(history) - 1 - first
-        return total
+        return sum(len(reqs.histories[i]) - 1 - self._catch_up_start(reqs, i) for i in range(len(reqs.rows)))
 
     def _tree_root_top(self, reqs: DraftRequests, idx: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The catch-up pass of each request (its stale draft K/V, ending at the root)."""
-        req_ids = batch_req_ids(self._runner)
         seqs, firsts = [], []
         for i in idx:
-            history, first = self._catch_up_start(reqs.rows[i])
+            history, first = reqs.histories[i], self._catch_up_start(reqs, i)
             assert len(history) - 1 == reqs.positions[i], "the root must be the request's last committed token"
             seqs.append([int(t) for t in history[first:]])
             firsts.append(first)
@@ -147,7 +139,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self.stats.forward_passes += 1
         for i in idx:  # the draft's K/V now holds the committed tokens, root included; nodes are scratch
             root = reqs.positions[i]
-            self._kv[req_ids[reqs.rows[i]]] = _DraftKV(length=root + 1, tail_start=root + 1, tail=[])
+            self._kv[reqs.req_ids[i]] = _DraftKV(length=root + 1, tail_start=root + 1, tail=[])
         last = torch.tensor(lens, device=device).cumsum(0) - 1
         return torch.softmax(self._stack.compute_logits(normed[last]).float(), dim=-1).topk(k, dim=-1)
 
@@ -161,23 +153,20 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
     def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
         """Up to min(num_speculative_tokens, budget) greedy drafts per request, after its committed
         tokens and `pending[i]` (which end with `reqs.tokens[i]`)."""
-        from vllm_sparsever.compat.runner import token_history
-
         start = time.perf_counter()
         pending = pending or [[] for _ in reqs.rows]
-        req_ids = batch_req_ids(self._runner)
         drafts: list[list[int]] = [[] for _ in reqs.rows]
         # First pass per request: the tokens from its first stale draft position to its last token.
         active, seqs, firsts = [], [], []
-        for i, row in enumerate(reqs.rows):
+        for i in range(len(reqs.rows)):
             budget = min(self.num_speculative_tokens, reqs.budgets[i])
             if budget <= 0:
                 continue
-            history = token_history(self._runner, row)
+            history = reqs.histories[i]
             committed = len(history)
             sequence_len = committed + len(pending[i])
             assert sequence_len - 1 == reqs.positions[i], "pending tokens must end at the request's position"
-            kv = self._kv.get(req_ids[row])
+            kv = self._kv.get(reqs.req_ids[i])
             valid = kv.valid_for(history, pending[i]) if kv is not None else 0
             first = min(valid, sequence_len - 1)  # the last token always runs: its logits draft
             tokens = [int(t) for t in history[first:]] + pending[i][max(0, first - committed):]
@@ -198,12 +187,12 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
                     next_firsts.append(first + len(seq))
             active, seqs, firsts = still, next_seqs, next_firsts
         # Record what the draft's K/V now holds: the sequence, then the drafts it ran (all but the last).
-        for i, row in enumerate(reqs.rows):
+        for i in range(len(reqs.rows)):
             if not drafts[i]:
                 continue
             committed = reqs.positions[i] + 1 - len(pending[i])
             tail = pending[i] + drafts[i][:-1]
-            self._kv[req_ids[row]] = _DraftKV(length=committed + len(tail), tail_start=committed, tail=tail)
+            self._kv[reqs.req_ids[i]] = _DraftKV(length=committed + len(tail), tail_start=committed, tail=tail)
         self.stats.draft_tokens += sum(len(d) for d in drafts)
         self.stats.draft_time_s += time.perf_counter() - start
         return drafts

@@ -1,48 +1,55 @@
 """What sparsever's drafters share: the requests to draft for in a step (`DraftRequests`, collected
-from the runner's batch within each request's reserved KV slots) and `RoundDrafter`, the base of the
+from the step's input (`compat.runner.DraftStep`) within each request's reserved KV slots) and
+`RoundDrafter`, the base of the
 drafters hierarchical verification runs in rounds (n-gram prompt lookup, the draft model): each
 drafts after the tokens the hierarchy holds pending, and proposes on its own when the hierarchy is
 switched off."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_sparsever.compat.runner import DraftStep
 from vllm_sparsever.drafting.proposer import Proposer
 
 
 @dataclass(frozen=True)
 class DraftRequests:
     """Requests to draft for: batch rows, the last token of each (not yet run through any layer)
-    and its position, and how many drafts each may get (max_model_len, allocated KV slots)."""
+    and its position, how many drafts each may get (max_model_len, allocated KV slots), and each
+    one's request id and committed tokens (prompt + accepted output, ending with `tokens[i]`)."""
 
     rows: list[int]
     tokens: list[int]
     positions: list[int]
     budgets: list[int]
+    req_ids: list[str] = field(default_factory=list)
+    histories: list[Any] = field(default_factory=list)  # np.ndarray views of vLLM's buffer
+
+    def subset(self, idx: list[int], **changed: list) -> "DraftRequests":
+        """Requests `idx` of these, with the fields in `changed` replaced."""
+        pick = lambda values: [values[i] for i in idx] if values else []  # noqa: E731
+        fields = {name: pick(getattr(self, name)) for name in
+                  ("rows", "tokens", "positions", "budgets", "req_ids", "histories")}
+        return DraftRequests(**(fields | changed))
 
 
-def collect_draft_requests(
-    runner: Any, sampled_token_ids: list[list[int]], reserve: int, max_model_len: int
-) -> tuple[DraftRequests, int]:
+def collect_draft_requests(step: DraftStep, reserve: int, max_model_len: int) -> tuple[DraftRequests, int]:
     """The rows that sampled a token this step, with at most `reserve` positions each to write
     from their sampled token on (limited by max_model_len and the allocated KV slots); and how many
     rows the allocated slots limited (should stay 0: the scheduler reserves lookahead slots for
     sparsever's drafters, see `integration.speculative.self_draft_lookahead`)."""
-    from vllm_sparsever.compat.runner import allocated_slots, tokens_no_spec
-
-    num_tokens = tokens_no_spec(runner)
-    allocated = allocated_slots(runner)  # never write K/V past a request's allocated slots
     out = DraftRequests([], [], [], [])
     slot_limited = 0
-    for row, sampled in enumerate(sampled_token_ids):
+    for row, sampled in enumerate(step.sampled):
         if not sampled:
             continue
-        position = int(num_tokens[row]) - 1  # where the token sampled this step sits
+        position = int(step.num_tokens[row]) - 1  # where the token sampled this step sits
         budget = min(reserve, max_model_len - position - 1)
-        if int(allocated[row]) - position < budget:
-            budget = int(allocated[row]) - position
+        allocated = int(step.allocated_slots[row])  # never write K/V past a request's allocated slots
+        if allocated - position < budget:
+            budget = allocated - position
             slot_limited += 1
         if budget <= 0:
             continue
@@ -50,6 +57,8 @@ def collect_draft_requests(
         out.tokens.append(sampled[-1])
         out.positions.append(position)
         out.budgets.append(budget)
+        out.req_ids.append(step.req_ids[row])
+        out.histories.append(step.history(row))
     return out, slot_limited
 
 
@@ -79,19 +88,19 @@ class RoundDrafter(Proposer):
     def reset_stats(self) -> None:
         self.stats = type(self.stats)()
 
-    def requests(self, sampled_token_ids: list[list[int]], reserve: int) -> DraftRequests:
-        reqs, slot_limited = collect_draft_requests(self._runner, sampled_token_ids, reserve, self.max_model_len)
+    def requests(self, step: DraftStep, reserve: int) -> DraftRequests:
+        reqs, slot_limited = collect_draft_requests(step, reserve, self.max_model_len)
         self.stats.slot_limited += slot_limited
         return reqs
 
     def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
         raise NotImplementedError
 
-    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+    def propose(self, step: DraftStep) -> list[list[int]]:
         """On its own (hierarchical verification switched off at run time): drafts per batch row
-        (row order of `sampled_token_ids`, as vLLM's n-gram drafter returns them)."""
-        reqs = self.requests(sampled_token_ids, self.num_speculative_tokens)
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        (as vLLM's n-gram drafter returns them)."""
+        reqs = self.requests(step, self.num_speculative_tokens)
+        drafts: list[list[int]] = [[] for _ in step.sampled]
         for row, tokens in zip(reqs.rows, self.draft(reqs), strict=True):
             drafts[row] = tokens
         return drafts

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from vllm_sparsever.metrics import counters_summary
-from vllm_sparsever.compat.runner import batch_req_ids
+from vllm_sparsever.compat.runner import DraftStep
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.proposer import Proposer
 
@@ -160,13 +160,11 @@ class HierarchicalProposer(Proposer):
     def request_state(self) -> dict[str, int]:
         return {**self.drafter.request_state(), "reusable_streams": len(self._reusable)}
 
-    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+    def propose(self, step: DraftStep) -> list[list[int]]:
         """Pending tokens per batch row, to be verified by the full target as this step's drafts."""
-        from vllm_sparsever.compat.runner import request_limits
-
-        reqs = self.drafter.requests(sampled_token_ids, reserve=self.cap + self.round_tokens)
+        reqs = self.drafter.requests(step, reserve=self.cap + self.round_tokens)
         n = len(reqs.rows)
-        limits = request_limits(self.drafter.runner, reqs.rows)
+        limits = step.limits_of(reqs.rows)
         # Pending tokens past max_tokens would be verified for nothing: all accepted plus the full
         # target's own token make remaining_tokens.
         caps = [self.cap if lim.remaining_tokens is None else max(0, min(self.cap, lim.remaining_tokens - 1))
@@ -187,12 +185,8 @@ class HierarchicalProposer(Proposer):
                     budgets.append(g)
             if not idx:
                 break
-            sub = DraftRequests(
-                rows=[reqs.rows[i] for i in idx],
-                tokens=[pending[i][-1] if pending[i] else reqs.tokens[i] for i in idx],
-                positions=[reqs.positions[i] + len(pending[i]) for i in idx],
-                budgets=budgets,
-            )
+            sub = reqs.subset(idx, tokens=[pending[i][-1] if pending[i] else reqs.tokens[i] for i in idx],
+                              positions=[reqs.positions[i] + len(pending[i]) for i in idx], budgets=budgets)
             start = time.perf_counter()
             drafts = self.drafter.draft(sub, [pending[i] for i in idx])
             self.stats.draft_time_s += time.perf_counter() - start
@@ -216,16 +210,15 @@ class HierarchicalProposer(Proposer):
                 pending[i].extend(k)
                 if live[i] and len(pending[i]) >= caps[i] and caps[i] < self.cap:
                     self.stats.stopped_at_max_tokens += 1
-        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        out: list[list[int]] = [[] for _ in step.sampled]
         for i, row in enumerate(reqs.rows):
             out[row] = pending[i][: caps[i]]
             if self.reuse and streams[i] is not None:
                 if len(out[row]) + 1 > valid[i]:  # the last token is the verifier's correction
                     out[row] = out[row][: valid[i] - 1]
                     self.stats.reuse_dropped_corrections += 1
-                req_id = batch_req_ids(self.drafter.runner)[row]
                 tokens = (reqs.tokens[i], *out[row])
-                self._reusable[req_id] = ReusableStates(reqs.positions[i], tokens, streams[i][: len(tokens)])
+                self._reusable[reqs.req_ids[i]] = ReusableStates(reqs.positions[i], tokens, streams[i][: len(tokens)])
             self.stats.pending_tokens += len(out[row])
         return out
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_sparsever.compat.runner import DraftStep
 from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.plan import DraftTree
@@ -67,14 +68,12 @@ class PromptLookupDrafter(TreeDrafting, RoundDrafter):
         """Up to min(num_speculative_tokens, `limit`, budget) drafts per request: what followed the
         longest earlier match of its committed tokens + `pending[i]` (which end with `reqs.tokens[i]`)."""
         from vllm_sparsever.compat.ngram import match_ngram
-        from vllm_sparsever.compat.runner import token_history
 
         start = time.perf_counter()
         min_n, max_n = self._bounds
         drafts = []
-        for i, row in enumerate(reqs.rows):
+        for i, history in enumerate(reqs.histories):
             tail = pending[i] if pending else []
-            history = token_history(self._runner, row)
             tokens = np.concatenate([history, np.asarray(tail, dtype=history.dtype)]) if tail else history
             k = min(self.num_speculative_tokens, limit or self.num_speculative_tokens, reqs.budgets[i])
             found = match_ngram(tokens, min_n, max_n, self.max_model_len, k) if k > 0 else []
@@ -86,10 +85,10 @@ class PromptLookupDrafter(TreeDrafting, RoundDrafter):
         self.stats.draft_time_s += time.perf_counter() - start
         return drafts
 
-    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+    def propose(self, step: DraftStep) -> list[list[int]]:
         if self.adaptive is None:
-            return super().propose(sampled_token_ids)
-        return self.propose_trees(sampled_token_ids)
+            return super().propose(step)
+        return self.propose_trees(step)
 
     def grow_trees(self, reqs: DraftRequests, levels: int, shape: Any,
                    catch_up_tokens: int = 0) -> tuple[list[DraftTree], list[float]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_sparsever.compat.runner import DraftStep
 from vllm_sparsever.plan import DraftTopology
 
 
@@ -23,8 +24,8 @@ class Proposer:
         """After the target loaded: take what drafting needs from the runner."""
         raise NotImplementedError
 
-    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        """The next step's drafts per batch row (row order of `sampled_token_ids`)."""
+    def propose(self, step: DraftStep) -> list[list[int]]:
+        """The next step's drafts per batch row of `step` (what vLLM sampled and committed)."""
         raise NotImplementedError
 
     def forget(self, req_ids: set[str]) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_sparsever.compat.runner import DraftStep
 from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.config import SparseverConfig, SparseverConfigError
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
@@ -132,11 +133,11 @@ class SelfDraftProposer(TreeDrafting, RoundDrafter):
         self.model.load(runner)
         super().load(runner)
 
-    def propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+    def propose(self, step: DraftStep) -> list[list[int]]:
         """Draft tokens per batch row (a tree's nodes, parents first, with `tree`); a row that
         sampled nothing this step (mid-prefill, finished) gets none."""
         start = time.perf_counter()
-        drafts = super().propose(sampled_token_ids) if self.tree is None else self.propose_trees(sampled_token_ids)
+        drafts = super().propose(step) if self.tree is None else self.propose_trees(step)
         self.stats.draft_time_s += time.perf_counter() - start
         if self.tree is not None:
             self.stats.draft_tokens += sum(len(d) for d in drafts)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from vllm_sparsever.metrics import counters_summary
-from vllm_sparsever.compat.runner import batch_req_ids
+from vllm_sparsever.compat.runner import DraftStep
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.tree import TreeGrowth
 from vllm_sparsever.plan import DraftTree
@@ -103,13 +103,13 @@ class TreeDrafting:
 
     # ---- proposing ------------------------------------------------------------------------
 
-    def propose_trees(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+    def propose_trees(self, step: DraftStep) -> list[list[int]]:
         from vllm_sparsever.compat.runner import tree_sampling_supported
 
         start = time.perf_counter()
         self._trees.clear()
-        reqs = self.requests(sampled_token_ids, self.num_speculative_tokens)
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        reqs = self.requests(step, self.num_speculative_tokens)
+        drafts: list[list[int]] = [[] for _ in step.sampled]
         if not reqs.rows:
             return drafts
         # A request's verify step has its root (last committed token) at `position`: the context
@@ -122,7 +122,6 @@ class TreeDrafting:
             levels = _agreed(self.evict.plan_depth(contexts, shape, catch_up))
             if levels == 0:
                 return drafts
-        req_ids = batch_req_ids(self.runner)
         trees, passes = self.grow_trees(reqs, levels, shape, catch_up)
         for k, row in enumerate(reqs.rows):
             if len(trees[k]) and not trees[k].is_chain() and not tree_sampling_supported(self.runner, row):
@@ -144,9 +143,9 @@ class TreeDrafting:
             # A step of chains only is verified without a tree mask (vLLM's attention path).
             mask = "chain" if all(t.is_chain() for t in trees) else "tree"
             trees = _agreed(self.evict.truncate(trees, contexts, draft_time_s=draft_s, mask=mask))
-        for row, tree in zip(reqs.rows, trees, strict=True):
+        for row, req_id, tree in zip(reqs.rows, reqs.req_ids, trees, strict=True):
             if len(tree):
-                self._trees[req_ids[row]] = tree
+                self._trees[req_id] = tree
             drafts[row] = list(tree.tokens)
             self.tree_stats.nodes += len(tree)
         self.tree_stats.time_s += time.perf_counter() - start

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_sparsever.compat.runner import (batch_num_rows, finished_request_ids, input_batch_view, sampled_tokens,
-                                         scheduled_drafts)
+from vllm_sparsever.compat.runner import (batch_num_rows, draft_step, finished_request_ids, input_batch_view,
+                                         sampled_tokens, scheduled_drafts)
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.drafting.factory import make_proposer
 from vllm_sparsever.integration.step_recorder import StepRecorder
@@ -125,7 +125,7 @@ class SparseverRunnerMixin:
             if self._sparsever_propose_late:
                 return [[] for _ in range(batch_num_rows(self))]  # the real drafts: sample_tokens
             if self.sparsever_proposer is not None:
-                return self.sparsever_proposer.propose(sampled_token_ids)
+                return self.sparsever_proposer.propose(draft_step(self, sampled_token_ids))
             return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
 
     def sample_tokens(self, grammar_output: Any) -> Any:
@@ -151,7 +151,7 @@ class SparseverRunnerMixin:
         sampled = sampled_tokens(output)
         if sampled is not None:
             with self._sparsever_steps.timing("draft"):
-                set_draft_token_ids(self, self.sparsever_proposer.propose(sampled[1]))
+                set_draft_token_ids(self, self.sparsever_proposer.propose(draft_step(self, sampled[1])))
 
     def sparsever_drafting_stats(self, split: bool = False) -> dict[str, Any]:
         """The proposer's counters per level (drafter, hierarchy), merged or per level."""
