@@ -17,7 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_sparsever.offline.args import positive_int
+
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
     "Explain in three sentences what a hash map is.",
@@ -32,14 +35,6 @@ def resolve_model(name_or_path: str, flag: str = "--model") -> str:
     from vllm_sparsever.models import resolve_model_arg
 
     return resolve_model_arg(name_or_path, flag)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse names the flag and exits 2 otherwise)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
 
 
 def _speculative_config(args: argparse.Namespace) -> dict:
@@ -58,13 +53,17 @@ def _speculative_config(args: argparse.Namespace) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
+    from vllm_sparsever.models.limits import fit_length, model_max_len
+
     model = resolve_model(args.model)
+    max_model_len = fit_length("generate", "--max-model-len", args.max_model_len, DEFAULT_MAX_MODEL_LEN,
+                               model_max_len(model))
     spec = _speculative_config(args)
     print(f"model: {model}\nspeculative_config: {json.dumps(spec)}", flush=True)
     llm = LLM(
         model=model,
         dtype=args.dtype,
-        max_model_len=args.max_model_len,
+        max_model_len=max_model_len,
         enforce_eager=not args.compile,
         speculative_config=spec,
         seed=0,
@@ -148,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=positive_int, default=96)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "auto"])
-    gen.add_argument("--max-model-len", type=positive_int, default=2048)
+    gen.add_argument("--max-model-len", type=positive_int, default=None,
+                     help=f"the engine's maximum length (default: {DEFAULT_MAX_MODEL_LEN}, or the model's if less)")
     gen.add_argument("--compile", action="store_true", help="use torch.compile (slower start)")
     gen.add_argument("--no-chat-template", action="store_true")
     gen.add_argument("--metrics-json", default=None, help="also write the metrics here")

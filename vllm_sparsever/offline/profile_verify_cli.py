@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 from pathlib import Path
+
+from vllm_sparsever.offline.args import positive_int
 
 
 def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -20,13 +21,13 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("model", help="target: built model name or folder")
     p.add_argument("--out", default=None, help="also write the profile here")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
-    p.add_argument("--max-context", type=int, default=None,
+    p.add_argument("--max-context", type=positive_int, default=None,
                    help=f"largest context length measured (default {DEFAULT_MAX_CONTEXT}, or what the model's "
                         f"maximum length leaves room for)")
     p.add_argument("--rows", default="1,4,8", help="requests per step (comma-separated)")
     p.add_argument("--tokens", default="1,2,4,8,16,32,64", help="query tokens per request")
     p.add_argument("--contexts", default="256,1024,4096,16384", help="context lengths")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--quick", action="store_true",
                    help=f"a small grid (rows {QUICK['rows']}, tokens {QUICK['tokens']}, contexts {QUICK['contexts']}, "
                         f"repeats {QUICK['repeats']}): a few minutes at most; EVICT scales it to the steps it measures")
@@ -36,16 +37,6 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
 
 
 DEFAULT_MAX_CONTEXT = 16384
-
-
-def model_max_len(model: str) -> int | None:
-    """The model's own maximum length (config.json: max_position_embeddings), if it says."""
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
-    return int(value) if value else None
 
 
 # --quick: enough points for the fit's terms (tokens with knees, rows, context) on 2 cores.
@@ -73,6 +64,7 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
     from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile, default_cost_profile_path, \
         measurement_grid, summarize
     from vllm_sparsever.models import resolve_model_arg
+    from vllm_sparsever.models.limits import fit_length, model_max_len
     from vllm_sparsever.offline.profile_verify import MEASURE_ON_WORKER
 
     model = resolve_model_arg(args.model, "MODEL")
@@ -80,17 +72,8 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
         for name, value in QUICK.items():
             setattr(args, name, value)
     headroom = max(_ints(args.tokens)) + 16  # the query tokens after the context, and a margin
-    limit = model_max_len(model)
-    if args.max_context is None:
-        args.max_context = DEFAULT_MAX_CONTEXT
-        if limit is not None and args.max_context + headroom > limit:
-            args.max_context = limit - headroom
-            print(f"profile-verify: --max-context {args.max_context} (the model's maximum length {limit} less "
-                  f"{headroom} tokens of headroom)", flush=True)
-    elif limit is not None and args.max_context + headroom > limit:
-        print(f"error: --max-context {args.max_context}: the model's maximum length is {limit}; the largest "
-              f"--max-context allowed is {limit - headroom}", file=sys.stderr)
-        return 2
+    args.max_context = fit_length("profile-verify", "--max-context", args.max_context, DEFAULT_MAX_CONTEXT,
+                                  model_max_len(model), headroom)
     contexts = tuple(c for c in _ints(args.contexts) if c <= args.max_context)
     max_len = args.max_context + headroom
     grid = measurement_grid(max_len, _ints(args.rows), _ints(args.tokens), contexts)

@@ -52,19 +52,33 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     return parser
 
 
+# Tokens a chat template adds around a prompt, and the engine's margin (train_exits._generate_vllm).
+TEMPLATE_MARGIN = 72
+
+
 def _cmd_train_exits(args: argparse.Namespace) -> int:
     import sys
 
+    from vllm_sparsever.models import resolve_model_arg
+    from vllm_sparsever.models.limits import fit_length, model_max_len
     from vllm_sparsever.offline.train_exits import TrainExitsError, TrainExitsOptions, summary, train_exits
 
     given = {dest: getattr(args, dest) for dest, _, _ in _KNOBS.values() if getattr(args, dest) is not None}
+    # A prompt and the text generated after it must fit the model.
+    model = resolve_model_arg(args.model, "MODEL")
+    limit, defaults = model_max_len(model), TrainExitsOptions()
+    prompt = fit_length("train-exits", "--max-prompt-tokens", given.get("max_prompt_tokens"),
+                        defaults.max_prompt_tokens, limit, TEMPLATE_MARGIN + 1)
+    given["max_new_tokens"] = fit_length("train-exits", "--max-new-tokens", given.get("max_new_tokens"),
+                                         defaults.max_new_tokens, limit, prompt + TEMPLATE_MARGIN)
+    given["max_prompt_tokens"] = prompt
     if args.exit_layers:
         given["exit_layers"] = tuple(args.exit_layers)
     if args.generator:
         given["generator"] = args.generator
     options = TrainExitsOptions(**given, regenerate=args.regenerate, show_progress=not args.no_progress)
     try:
-        result = train_exits(args.model, options)
+        result = train_exits(model, options)
     except TrainExitsError as exc:
         print(f"vllm-sparsever train-exits: error: {exc}", file=sys.stderr)
         return 2
