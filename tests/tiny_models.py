@@ -74,6 +74,25 @@ def make_tiny_llama(
     return save_model(model, path)
 
 
+def make_tiny_qwen2(path: Path, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
+                    num_kv_heads: int = 2, intermediate_size: int = 256, max_position_embeddings: int = 2048) -> Path:
+    """A random Qwen2ForCausalLM (biases on q/k/v; otherwise as `make_tiny_llama`)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    assert hidden_size // num_heads >= 32, "vLLM's CPU attention needs head_dim >= 32"
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(_VOCAB_WORDS) + 3, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, use_sliding_window=False, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32",
+    )
+    return save_model(Qwen2ForCausalLM(config), path)
+
+
 def save_model(model, path: Path, *, random_init: bool = True) -> Path:
     """Save a tiny HF model with the word tokenizer. `random_init`: weights ~ N(0, 0.08), larger
     than the default init so greedy outputs are not all one token (and MoE routing not uniform)."""

@@ -42,8 +42,9 @@ step's time read from them carries the profile's error wherever its grid did not
 contexts); so the guard decodes one step plainly, to measure it, in a context band where no plain
 step was measured, and again every PLAIN_CHECK_EVERY drafting steps there (per band, not per batch
 size: the profile's error is in how time grows with context, and a batch size measured plainly
-stands in for its neighbours). `adaptive.guard: false` always drafts at least one level; `adaptive.depth: "cap"` drafts to
-the cap (EVICT then only truncates, and the guard compares the cap with plain decoding).
+stands in for its neighbours). `adaptive.guard: false` always drafts at least one level;
+`adaptive.depth: "cap"` drafts to the cap (EVICT then only truncates, and the guard compares the cap
+with plain decoding).
 
 Chains are the one-branch case: an adaptive draft length per request.
 """

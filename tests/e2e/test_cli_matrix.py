@@ -1,0 +1,99 @@
+"""Every `vllm-sparsever` command that runs a model, with its defaults (plus the smallest size flags),
+on every kind of model the project builds: a dense Llama, a Qwen2 whose maximum length is short (1K:
+every default length is clamped to it), a Mixtral-style MoE and a shared-expert MoE (Qwen2-MoE).
+Each run exits 0 with no traceback and writes the file it promises, which loads; a command that does
+not support a kind of model refuses it up front (exit 2, one line naming what is supported).
+Hostile arguments are in tests/test_cli_errors.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+KINDS = ("llama", "qwen2-short", "mixtral", "qwen2-moe")
+SHORT = 1024
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from tiny_models import make_tiny_llama, make_tiny_qwen2
+    from tiny_moe import make_tiny_mixtral, make_tiny_qwen2_moe
+
+    root = tmp_path_factory.mktemp("matrix")
+    return {
+        "llama": make_tiny_llama(root / "llama", max_position_embeddings=4096),
+        "qwen2-short": make_tiny_qwen2(root / "qwen2", max_position_embeddings=SHORT),
+        "mixtral": make_tiny_mixtral(root / "mixtral", max_position_embeddings=4096),
+        "qwen2-moe": make_tiny_qwen2_moe(root / "qwen2-moe", max_position_embeddings=4096),
+    }
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "vllm_sparsever.cli", *argv], capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "exited unexpectedly" not in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generate(models, kind, tmp_path):
+    out = tmp_path / "metrics.json"
+    proc = _run("generate", "--model", str(models[kind]), "--max-tokens", "8", "--metrics-json", str(out))
+    _ok(proc)
+    assert json.loads(out.read_text())["num_tokens"] > 0
+    if kind == "qwen2-short":  # the default --max-model-len (2048) is clamped to the model's, and said
+        assert f"generate: --max-model-len {SHORT} (the model's maximum length is {SHORT})" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_calibrate(models, kind, tmp_path):
+    from vllm_sparsever.verification.profile import CalibrationProfile
+
+    out = tmp_path / "profile.json"
+    proc = _run("calibrate", str(models[kind]), "--output", str(out), "--num-windows", "2", "--no-progress")
+    _ok(proc)
+    profile = CalibrationProfile.load(out)
+    assert profile.num_layers == 2
+    if kind == "qwen2-short":
+        assert f"calibrate: --max-tokens {SHORT} (the model's maximum length is {SHORT})" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_exits(models, kind, tmp_path):
+    from vllm_sparsever.drafting.exit_head import SUPPORTED_ARCHITECTURES, ExitHeadManifest
+
+    out = tmp_path / "heads"
+    proc = _run("train-exits", str(models[kind]), "--output", str(out), "--num-prompts", "4",
+                "--num-heldout-prompts", "2", "--max-new-tokens", "16", "--time-budget", "2", "--no-progress")
+    if kind in ("mixtral", "qwen2-moe"):  # early exits are for dense targets: refused before any work
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        line = [x for x in proc.stderr.splitlines() if "train-exits: error:" in x]
+        assert len(line) == 1 and SUPPORTED_ARCHITECTURES[0] in line[0], proc.stderr[-3000:]
+        assert not out.exists()
+        return
+    _ok(proc)
+    manifest = ExitHeadManifest.load(out)
+    assert manifest.num_hidden_layers == 2 and manifest.heads
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_profile_verify(models, kind, tmp_path):
+    from vllm_sparsever.adaptive.cost import VerifyCostProfile
+
+    out = tmp_path / "cost.json"
+    proc = _run("profile-verify", str(models[kind]), "--quick", "--out", str(out))
+    _ok(proc)
+    profile = VerifyCostProfile.load(out)
+    assert profile.coef and all(v == v for v in profile.fit_error.values())
+    assert bool(profile.moe) == (kind in ("mixtral", "qwen2-moe"))
+    if kind == "qwen2-short":  # the default --max-context (16384) is clamped to fit the model
+        assert "profile-verify: --max-context" in proc.stdout and f"maximum length is {SHORT}" in proc.stdout
