@@ -37,6 +37,8 @@ def main() -> int:
                     help="lossless_sparse.py JSON; repeat it to merge runs: a later file's (context, mode) "
                          "rows replace an earlier file's (e.g. a rerun of modes measured on a busy machine)")
     ap.add_argument("--kernels", required=True, type=Path)
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="an evict_trace.py JSON: how much one engine's plain step moved during the run's day")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "summary" / "long_context.json")
     args = ap.parse_args()
     args.e2e = [p.resolve() for p in args.e2e]
@@ -99,6 +101,11 @@ def main() -> int:
         "best_lossless_ge_1.3x_autoregressive": {k: v["best_lossless_vs_autoregressive"] >= 1.3 for k, v in contexts.items()},
     }
     summary["aims_met"] = aims
+    if args.trace is not None:
+        trace = json.loads(args.trace.read_text())
+        summary["step_time_spread"] = {"plain_step_ms": trace["plain_step_ms"],
+                                       "verify_2_step_ms": trace.get("verify_2_step_ms"),
+                                       "source": str(args.trace.resolve().relative_to(ROOT))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
