@@ -11,12 +11,17 @@ import torch
 _VOCAB_WORDS = [f"w{i}" for i in range(480)]
 
 
-def _write_tokenizer(path: Path) -> None:
+# transformers 5 loads a `qwen2` model's tokenizer as Qwen2Tokenizer whatever the folder says: byte-level
+# BPE from the vocabulary, no merges, so a word is spelled by its bytes. These make the words spellable.
+QWEN2_SPELLING = ["\u0120", "w", *"0123456789"]  # "\u0120": byte-level's space
+
+
+def _write_tokenizer(path: Path, extra: list[str] = ()) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for w in _VOCAB_WORDS:
+    for w in [*_VOCAB_WORDS, *extra]:
         vocab[w] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -76,7 +81,8 @@ def make_tiny_llama(
 
 def make_tiny_qwen2(path: Path, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
                     num_kv_heads: int = 2, intermediate_size: int = 256, max_position_embeddings: int = 2048) -> Path:
-    """A random Qwen2ForCausalLM (biases on q/k/v; otherwise as `make_tiny_llama`)."""
+    """A random Qwen2ForCausalLM (biases on q/k/v; otherwise as `make_tiny_llama`; its tokenizer
+    spells words byte by byte, see QWEN2_SPELLING)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
@@ -85,15 +91,15 @@ def make_tiny_qwen2(path: Path, *, seed: int = 0, hidden_size: int = 128, num_la
     assert hidden_size // num_heads >= 32, "vLLM's CPU attention needs head_dim >= 32"
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=len(_VOCAB_WORDS) + 3, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        vocab_size=len(_VOCAB_WORDS) + 3 + len(QWEN2_SPELLING), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings, use_sliding_window=False, bos_token_id=1,
         eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32",
     )
-    return save_model(Qwen2ForCausalLM(config), path)
+    return save_model(Qwen2ForCausalLM(config), path, tokenizer_extra=QWEN2_SPELLING)
 
 
-def save_model(model, path: Path, *, random_init: bool = True) -> Path:
+def save_model(model, path: Path, *, random_init: bool = True, tokenizer_extra: list[str] = ()) -> Path:
     """Save a tiny HF model with the word tokenizer. `random_init`: weights ~ N(0, 0.08), larger
     than the default init so greedy outputs are not all one token (and MoE routing not uniform)."""
     if random_init:
@@ -101,7 +107,7 @@ def save_model(model, path: Path, *, random_init: bool = True) -> Path:
             for p in model.parameters():
                 p.normal_(0.0, 0.08)
     model.save_pretrained(path, safe_serialization=True)
-    _write_tokenizer(path)
+    _write_tokenizer(path, tokenizer_extra)
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return path
 

@@ -1,8 +1,7 @@
 """Every `vllm-sparsever` command that runs a model, with its defaults (plus the smallest size flags),
 on every kind of model the project builds: a dense Llama, a Qwen2 whose maximum length is short (1K:
 every default length is clamped to it), a Mixtral-style MoE and a shared-expert MoE (Qwen2-MoE).
-Each run exits 0 with no traceback and writes the file it promises, which loads; a command that does
-not support a kind of model refuses it up front (exit 2, one line naming what is supported).
+Each run exits 0 with no traceback or engine warning and writes the file it promises, which loads.
 Hostile arguments are in tests/test_cli_errors.py."""
 
 import json
@@ -71,16 +70,11 @@ def test_calibrate(models, kind, tmp_path):
 def test_train_exits(models, kind, tmp_path):
     from vllm_sparsever.drafting.exit_head import SUPPORTED_ARCHITECTURES, ExitHeadManifest
 
+    architecture = json.loads((models[kind] / "config.json").read_text())["architectures"][0]
+    assert architecture in SUPPORTED_ARCHITECTURES  # every kind built here (MoE blocks differ in the MLP only)
     out = tmp_path / "heads"
-    proc = _run("train-exits", str(models[kind]), "--output", str(out), "--num-prompts", "4",
-                "--num-heldout-prompts", "2", "--max-new-tokens", "16", "--time-budget", "2", "--no-progress")
-    if kind in ("mixtral", "qwen2-moe"):  # early exits are for dense targets: refused before any work
-        assert proc.returncode == 2, proc.stderr[-3000:]
-        line = [x for x in proc.stderr.splitlines() if "train-exits: error:" in x]
-        assert len(line) == 1 and SUPPORTED_ARCHITECTURES[0] in line[0], proc.stderr[-3000:]
-        assert not out.exists()
-        return
-    _ok(proc)
+    _ok(_run("train-exits", str(models[kind]), "--output", str(out), "--num-prompts", "4",
+             "--num-heldout-prompts", "2", "--max-new-tokens", "16", "--time-budget", "2", "--no-progress"))
     manifest = ExitHeadManifest.load(out)
     assert manifest.num_hidden_layers == 2 and manifest.heads
 
