@@ -33,6 +33,15 @@ def _write_tokenizer(path: Path, extra: list[str] = ()) -> None:
     fast.save_pretrained(path)
 
 
+def _fresh(path: Path, hidden_size: int, num_heads: int, seed: int) -> bool:
+    """False when `path` already holds a model; else checks the CPU backend's head size and seeds."""
+    if (path / "config.json").exists():
+        return False
+    assert hidden_size // num_heads >= 32, "vLLM's CPU attention needs head_dim >= 32"
+    torch.manual_seed(seed)
+    return True
+
+
 def make_tiny_llama(
     path: Path,
     *,
@@ -50,10 +59,8 @@ def make_tiny_llama(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = Path(path)
-    if (path / "config.json").exists():
+    if not _fresh(path, hidden_size, num_heads, seed):
         return path
-    assert hidden_size // num_heads >= 32, "vLLM's CPU attention needs head_dim >= 32"
-    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(_VOCAB_WORDS) + 3,
         hidden_size=hidden_size,
@@ -86,12 +93,11 @@ def make_tiny_qwen2(path: Path, *, seed: int = 0, hidden_size: int = 128, num_la
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
-    if (path / "config.json").exists():
+    if not _fresh(path, hidden_size, num_heads, seed):
         return path
-    assert hidden_size // num_heads >= 32, "vLLM's CPU attention needs head_dim >= 32"
-    torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=len(_VOCAB_WORDS) + 3 + len(QWEN2_SPELLING), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        vocab_size=len(_VOCAB_WORDS) + 3 + len(QWEN2_SPELLING), hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings, use_sliding_window=False, bos_token_id=1,
         eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32",
