@@ -1,13 +1,12 @@
 """What sparsever's drafters share: the requests to draft for in a step (`DraftRequests`, collected
-from the step's input (`compat.runner.DraftStep`) within each request's reserved KV slots) and
-`RoundDrafter`, the base of the
-drafters hierarchical verification runs in rounds (n-gram prompt lookup, the draft model): each
-drafts after the tokens the hierarchy holds pending, and proposes on its own when the hierarchy is
-switched off."""
+from the step's input, `compat.runner.DraftStep`, within each request's reserved KV slots) and
+`RoundDrafter`, the base of the drafters hierarchical verification runs in rounds (n-gram prompt
+lookup, the draft model): each drafts after the tokens the hierarchy holds pending, and proposes on
+its own when the hierarchy is switched off."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import Any
 
 from vllm_sparsever.compat.runner import DraftStep
@@ -24,15 +23,13 @@ class DraftRequests:
     tokens: list[int]
     positions: list[int]
     budgets: list[int]
-    req_ids: list[str] = field(default_factory=list)
-    histories: list[Any] = field(default_factory=list)  # np.ndarray views of vLLM's buffer
+    req_ids: list[str]
+    histories: list[Any]  # np.ndarray views of vLLM's buffer (DraftStep.history)
 
     def subset(self, idx: list[int], **changed: list) -> "DraftRequests":
         """Requests `idx` of these, with the fields in `changed` replaced."""
-        pick = lambda values: [values[i] for i in idx] if values else []  # noqa: E731
-        fields = {name: pick(getattr(self, name)) for name in
-                  ("rows", "tokens", "positions", "budgets", "req_ids", "histories")}
-        return DraftRequests(**(fields | changed))
+        picked = {f.name: [getattr(self, f.name)[i] for i in idx] for f in fields(self)}
+        return DraftRequests(**(picked | changed))
 
 
 def collect_draft_requests(step: DraftStep, reserve: int, max_model_len: int) -> tuple[DraftRequests, int]:
@@ -40,7 +37,7 @@ def collect_draft_requests(step: DraftStep, reserve: int, max_model_len: int) ->
     from their sampled token on (limited by max_model_len and the allocated KV slots); and how many
     rows the allocated slots limited (should stay 0: the scheduler reserves lookahead slots for
     sparsever's drafters, see `integration.speculative.self_draft_lookahead`)."""
-    out = DraftRequests([], [], [], [])
+    out = DraftRequests([], [], [], [], [], [])
     slot_limited = 0
     for row, sampled in enumerate(step.sampled):
         if not sampled:
