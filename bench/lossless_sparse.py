@@ -327,9 +327,10 @@ def main(argv=None) -> int:
         args.evict = [args.drafter]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm_sparsever.cli import resolve_model
+    from vllm_sparsever.models.limits import model_max_len
 
     target = resolve_model(args.target)
-    max_pos = json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings", 32768)
+    max_pos = model_max_len(target) or 32768
     fit = max_pos - args.max_tokens - 64
     args.contexts = list(dict.fromkeys(min(c, fit) for c in args.contexts))
     max_len = min(max_pos, max(args.contexts) + args.max_tokens + 64)
