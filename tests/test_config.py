@@ -30,6 +30,18 @@ def test_ngram_source_is_inferred_without_model():
     }
 
 
+@pytest.mark.parametrize("source", ["eagle", "eagle3"])
+def test_eagle_heads_map_to_vllms_method_with_the_head_as_model(source):
+    cfg = SparseverConfig.from_dict({"method": "sparsever", "draft_source": source, "model": "/m/head",
+                                     "num_speculative_tokens": 3, "attention": {"enabled": True}})
+    assert cfg.to_vllm_speculative_kwargs() == {"method": source, "model": "/m/head", "num_speculative_tokens": 3}
+
+
+def test_mtp_maps_to_vllms_method_without_a_model():
+    cfg = SparseverConfig.from_dict({"method": "sparsever", "draft_source": "mtp", "num_speculative_tokens": 1})
+    assert cfg.to_vllm_speculative_kwargs() == {"method": "mtp", "num_speculative_tokens": 1}
+
+
 def test_passthrough_fields_reach_vllm():
     cfg = SparseverConfig.from_dict(
         {"method": "sparsever", "model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}
@@ -53,7 +65,14 @@ def test_serialization_round_trip():
         ({"num_speculative_tokens": 0, "model": "d"}, ["num_speculative_tokens", ">= 1"]),
         ({"num_speculative_tokens": "3", "model": "d"}, ["num_speculative_tokens", "integer"]),
         ({"num_speculative_tokens": True, "model": "d"}, ["num_speculative_tokens", "integer"]),
-        ({"num_speculative_tokens": 3, "draft_source": "eagle"}, ["draft_source", "'draft_model', 'ngram'"]),
+        ({"num_speculative_tokens": 3, "draft_source": "medusa"},
+         ["draft_source", "'draft_model', 'ngram', 'early_exit', 'eagle', 'eagle3', 'mtp'"]),
+        ({"num_speculative_tokens": 3, "draft_source": "eagle3"}, ["model", "required", "eagle3 head"]),
+        ({"num_speculative_tokens": 3, "draft_source": "mtp", "model": "h"}, ["model", "must be omitted", "mtp"]),
+        ({"num_speculative_tokens": 3, "draft_source": "eagle", "model": "h", "early_exit": {"enabled": True}},
+         ["early_exit.enabled", "eagle", "'draft_model', 'ngram', 'early_exit'"]),
+        ({"num_speculative_tokens": 3, "draft_source": "eagle3", "model": "h", "tree": {"enabled": True}},
+         ["tree.enabled", "draft_source='eagle3'"]),
         ({"num_speculative_tokens": 3, "draft_source": "draft_model"}, ["model", "required"]),
         ({"num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, ["prompt_lookup_min", "<="]),
         ({"num_speculative_tokens": 3, "model": "d", "prompt_lookup_max": 2}, ["prompt_lookup_max", "ngram"]),

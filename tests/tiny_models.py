@@ -175,3 +175,82 @@ def make_padded_llama(path: Path, base: Path, *, extra_layers: int, seed: int = 
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
     return save_model(model, path, random_init=False)
+
+
+def _eagle_layer_shapes(prefix: str, config: dict, attention_input: int) -> dict[str, tuple[int, ...]]:
+    """One Llama decoder layer's weight shapes, its attention reading `attention_input` features."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads, inter = config.get("num_key_value_heads", heads), config["intermediate_size"]
+    head_dim = hidden // heads
+    return {
+        f"{prefix}.self_attn.q_proj.weight": (heads * head_dim, attention_input),
+        f"{prefix}.self_attn.k_proj.weight": (kv_heads * head_dim, attention_input),
+        f"{prefix}.self_attn.v_proj.weight": (kv_heads * head_dim, attention_input),
+        f"{prefix}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        f"{prefix}.post_attention_layernorm.weight": (hidden,),
+        f"{prefix}.mlp.gate_proj.weight": (inter, hidden), f"{prefix}.mlp.up_proj.weight": (inter, hidden),
+        f"{prefix}.mlp.down_proj.weight": (hidden, inter),
+    }
+
+
+def _head_config(target_config: dict, architecture: str, **extra) -> dict:
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "max_position_embeddings", "rms_norm_eps", "rope_theta")
+    return {"architectures": [architecture], "model_type": "llama", "num_hidden_layers": 1, "hidden_act": "silu",
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+            **{k: target_config[k] for k in keys if k in target_config}, **extra}
+
+
+def _save_head(path: Path, shapes: dict[str, tuple[int, ...]], config: dict, extra: dict | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    tensors = {name: (torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape) * 0.08)
+               for name, shape in shapes.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({**tensors, **(extra or {})}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def make_tiny_eagle(path: Path, target: Path, *, seed: int = 0) -> Path:
+    """A random EAGLE (EAGLE-1) head for `target` in the EAGLE repository's format, which vLLM's
+    `eagle` method loads: `fc` over [token embedding; target hidden state], one decoder layer
+    `layers.0.*` without its input norm; the target's LM head and embeddings are shared."""
+    path = Path(path)
+    target_config = json.loads((Path(target) / "config.json").read_text())
+    hidden = target_config["hidden_size"]
+    if not _fresh(path, hidden, target_config["num_attention_heads"], seed):
+        return path
+    shapes = {"fc.weight": (hidden, 2 * hidden), **_eagle_layer_shapes("layers.0", target_config, hidden)}
+    return _save_head(path, shapes, _head_config(target_config, "LlamaForCausalLM"))
+
+
+def make_tiny_eagle3(path: Path, target: Path, *, seed: int = 0, num_aux: int = 3,
+                     draft_vocab_size: int | None = None) -> Path:
+    """A random EAGLE-3 head for `target` in vLLM's format (the EAGLE-3 repository's: one decoder
+    layer `midlayer.*` whose attention reads [embedding; hidden], `fc` over `num_aux` target layers'
+    hidden states, `norm`, `lm_head`). With `draft_vocab_size` the head predicts the first that many
+    token ids only, mapped back by `d2t` (offsets) and `t2d` (membership), as EAGLE-3's trimmed
+    vocabulary."""
+    path = Path(path)
+    target_config = json.loads((Path(target) / "config.json").read_text())
+    hidden = target_config["hidden_size"]
+    if not _fresh(path, hidden, target_config["num_attention_heads"], seed):
+        return path
+    vocab, layers = target_config["vocab_size"], target_config["num_hidden_layers"]
+    draft_vocab = draft_vocab_size or vocab
+    shapes = {"midlayer.input_layernorm.weight": (hidden,), "midlayer.hidden_norm.weight": (hidden,),
+              **_eagle_layer_shapes("midlayer", target_config, 2 * hidden),
+              "norm.weight": (hidden,), "fc.weight": (hidden, num_aux * hidden), "lm_head.weight": (draft_vocab, hidden)}
+    extra = {}
+    if draft_vocab != vocab:
+        extra["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)  # draft id i is target id i
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[:draft_vocab] = True
+        extra["t2d"] = t2d
+    config = _head_config(
+        target_config, "LlamaForCausalLMEagle3", draft_vocab_size=draft_vocab,
+        # Which target layers feed `fc` (0 = the embeddings, l = after layer l); vLLM's default
+        # (2, L/2, L-3) does not fit a 2-layer target.
+        eagle_aux_hidden_state_layer_ids=[round(i * layers / (num_aux - 1)) for i in range(num_aux)])
+    return _save_head(path, shapes, config, extra)

@@ -292,10 +292,14 @@ class EarlyExitConfig:
         return self.enabled and self.intermediate == "early_exit"
 
 
-DRAFT_SOURCES = ("draft_model", "ngram", "early_exit")
+# vLLM's model-based drafters that vLLM runs as they are (sparsever verifies their drafts): an EAGLE /
+# EAGLE-3 head (`model`: its folder), or the target's own multi-token-prediction layers.
+VLLM_DRAFTERS = ("eagle", "eagle3", "mtp")
+DRAFT_SOURCES = ("draft_model", "ngram", "early_exit", *VLLM_DRAFTERS)
 INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
 TREE_DRAFT_SOURCES = ("draft_model", "early_exit")  # drafters with probabilities to grow trees by
-ADAPTIVE_DRAFT_SOURCES = DRAFT_SOURCES  # EVICT chains from n-gram matches too (calibrated per depth)
+# EVICT chains from n-gram matches too (calibrated per depth)
+ADAPTIVE_DRAFT_SOURCES = ("draft_model", "ngram", "early_exit")
 
 
 @dataclass
@@ -303,9 +307,11 @@ class SparseverConfig:
     """Every sparsever field. Defaults mean "off": dense verification, plain speculative decoding."""
 
     num_speculative_tokens: int
-    # Draft source: a separate draft model ("model" set), n-gram prompt lookup, or the target's own
-    # first layers plus a trained exit head ("early_exit", see the early_exit section).
-    draft_source: Literal["draft_model", "ngram", "early_exit"] = "draft_model"
+    # Draft source: a separate draft model ("model" set), n-gram prompt lookup, the target's own
+    # first layers plus a trained exit head ("early_exit", see the early_exit section), or one of
+    # vLLM's own model-based drafters (VLLM_DRAFTERS: "eagle"/"eagle3" with `model` the head's
+    # folder, "mtp" the target's MTP layers).
+    draft_source: Literal["draft_model", "ngram", "early_exit", "eagle", "eagle3", "mtp"] = "draft_model"
     model: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
@@ -384,11 +390,18 @@ class SparseverConfig:
                     raise SparseverConfigError(
                         f"{name}: only valid with draft_source='ngram', got draft_source={self.draft_source!r}"
                     )
-        if self.draft_source == "draft_model":
+        if self.draft_source in ("draft_model", "eagle", "eagle3"):
             if not isinstance(self.model, str) or not self.model:
+                what = "the draft model" if self.draft_source == "draft_model" else f"the {self.draft_source} head"
                 raise SparseverConfigError(
-                    "model: required with draft_source='draft_model' (path or name of the draft "
-                    "model); omit it and set draft_source='ngram' for n-gram prompt lookup"
+                    f"model: required with draft_source={self.draft_source!r} (path or name of {what}); "
+                    "omit it and set draft_source='ngram' for n-gram prompt lookup"
+                )
+        elif self.draft_source == "mtp":
+            if self.model is not None:
+                raise SparseverConfigError(
+                    "model: must be omitted with draft_source='mtp' (the target drafts with its own "
+                    "multi-token-prediction layers)"
                 )
         elif self.draft_source == "early_exit":
             if self.model is not None:
@@ -425,6 +438,12 @@ class SparseverConfig:
                     f"or early_exit.enabled with intermediate='early_exit'), got draft_source="
                     f"{self.draft_source!r}"
                 )
+        if ee.enabled and self.draft_source in VLLM_DRAFTERS:
+            raise SparseverConfigError(
+                f"early_exit.enabled: hierarchical verification drafts in rounds after pending tokens, which "
+                f"vLLM's {self.draft_source} drafter cannot do; allowed draft_source with early_exit.enabled: "
+                "'draft_model', 'ngram', 'early_exit'"
+            )
         if ee.enabled and ee.intermediate == "sparse" and not self.any_sparsity:
             raise SparseverConfigError(
                 "early_exit.intermediate: 'sparse' verifies with the sparse target, but no sparse "
@@ -476,9 +495,11 @@ class SparseverConfig:
         """Keyword arguments of vLLM's SpeculativeConfig for the method that drives drafting."""
         kwargs: dict[str, Any] = dict(self.passthrough)
         kwargs["num_speculative_tokens"] = self.num_speculative_tokens
-        if self.draft_source == "draft_model":
-            kwargs["method"] = "draft_model"
+        if self.draft_source in ("draft_model", "eagle", "eagle3"):
+            kwargs["method"] = self.draft_source
             kwargs["model"] = self.model
+        elif self.draft_source == "mtp":
+            kwargs["method"] = "mtp"
         else:
             # n-gram drafting, and self-drafting, which vLLM drives like its n-gram drafter (CPU
             # token lists in, draft lists out, no draft model; the sparsever runner replaces the

@@ -69,6 +69,8 @@ def _create_speculative_config(engine_args, call_vllm, target_model_config, targ
         raise SparseverConfigError(str(exc)) from exc
     config = SparseverConfig.from_dict(raw)
     _check_target_supported(target_model_config, target_parallel_config)
+    if config.draft_source == "mtp":
+        _check_target_has_mtp_layers(target_model_config)
     check_sparsity_supported(config, target_model_config)
     from vllm.platforms import current_platform
 
@@ -125,4 +127,18 @@ def _check_target_supported(model_config: Any, parallel_config: Any) -> None:
         raise SparseverConfigError(
             f"runner: sparsever speculative decoding needs a generative model (allowed: 'generate'), "
             f"got {runner!r}"
+        )
+
+
+def _check_target_has_mtp_layers(model_config: Any) -> None:
+    """draft_source='mtp' drafts with the target's own multi-token-prediction layers: fail before
+    start-up when its config declares none (vLLM would fail later, or draft with no layers)."""
+    hf_config = getattr(model_config, "hf_config", None)
+    configs = [hf_config, getattr(hf_config, "text_config", None)]
+    layers = max((int(getattr(c, "num_nextn_predict_layers", 0) or 0) for c in configs if c is not None), default=0)
+    if layers <= 0:
+        raise SparseverConfigError(
+            f"draft_source: 'mtp' drafts with the target's multi-token-prediction layers, and "
+            f"{getattr(model_config, 'model', 'the target')!r} declares none (num_nextn_predict_layers); "
+            "allowed for this target: 'draft_model', 'ngram', 'early_exit', 'eagle', 'eagle3'"
         )
