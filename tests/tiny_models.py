@@ -129,11 +129,15 @@ def prompts(n: int, length: int = 12, seed: int = 0) -> list[str]:
     return out
 
 
-def make_tiny_exit_llama(path: Path, *, seed: int = 0, num_layers: int = 6, logit_scale: float = 4.0) -> Path:
+def make_tiny_exit_llama(path: Path, *, seed: int = 0, num_layers: int = 6, logit_scale: float = 4.0,
+                         layer_scale: float = 1.0) -> Path:
     """A tiny random Llama whose next-token distributions are peaked (RMSNorm weights 1, LM head
     scaled so logits have std ~`logit_scale`) and whose residual stream changes from layer to layer:
     early exits then disagree with the final layer in a way a head can learn (early-exit tests).
-    The default tiny models' N(0, 0.08) norms make every distribution nearly uniform."""
+    The default tiny models' N(0, 0.08) norms make every distribution nearly uniform.
+    `layer_scale` < 1 scales what each layer writes into the residual stream down: the next token
+    then depends mostly on the current one, which a draft head trained on little text can learn
+    (EAGLE tests)."""
     from transformers import LlamaForCausalLM
 
     path = Path(path)
@@ -148,6 +152,9 @@ def make_tiny_exit_llama(path: Path, *, seed: int = 0, num_layers: int = 6, logi
                 p.fill_(1.0)
         head = model.lm_head.weight
         head.copy_(torch.randn(head.shape, generator=g) * logit_scale / head.shape[1] ** 0.5)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(layer_scale)
+            layer.mlp.down_proj.weight.mul_(layer_scale)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -254,3 +261,19 @@ def make_tiny_eagle3(path: Path, target: Path, *, seed: int = 0, num_aux: int = 
         # (2, L/2, L-3) does not fit a 2-layer target.
         eagle_aux_hidden_state_layer_ids=[round(i * layers / (num_aux - 1)) for i in range(num_aux)])
     return _save_head(path, shapes, config, extra)
+
+
+def train_tiny_eagle3(path: Path, target: Path, *, num_prompts: int = 40, epochs: int = 4, **overrides) -> Path:
+    """An EAGLE-3 head trained for `target` by `train-eagle` (HF generation, word-level prompts;
+    seconds on a tiny model): drafts the target often agrees with, when the target's next-token
+    distributions are peaked (`make_tiny_exit_llama`)."""
+    from vllm_sparsever.offline.train_eagle import TrainEagleOptions, train_eagle
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    rows = [{"id": f"row/{i}", "prompt": text} for i, text in enumerate(prompts(num_prompts, length=16, seed=5))]
+    settings = dict(prompt_rows=rows, generator="hf", max_prompt_tokens=32, max_new_tokens=48, num_heldout_prompts=4,
+                    epochs=epochs, lr=2e-3, draft_vocab=None, show_progress=False, output_dir=str(path))
+    train_eagle(str(target), TrainEagleOptions(**{**settings, **overrides}))
+    return path

@@ -16,6 +16,7 @@ import torch
 
 from conftest import GREEDY_MAX_TOKENS as MAX_TOKENS
 from conftest import GREEDY_PROMPTS as NUM_PROMPTS
+from sampling_stats import assert_follows_plain_sampling, chi2_two_sample_p
 from tiny_models import prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -189,32 +190,8 @@ def test_self_draft_drafts_full_length_and_some_are_accepted(self_draft_run):
     assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
 
 
-def _chi2_two_sample_p(a: list[int], b: list[int]) -> float:
-    """p-value of the chi-square test that `a` and `b` are draws from one categorical distribution
-    (categories with fewer than 10 draws in all are pooled)."""
-    ca, cb = Counter(a), Counter(b)
-    pooled: dict = {}
-    for key in set(ca) | set(cb):
-        k = key if ca[key] + cb[key] >= 10 else "rare"
-        pooled.setdefault(k, [0, 0])
-        pooled[k][0] += ca[key]
-        pooled[k][1] += cb[key]
-    table = torch.tensor(list(pooled.values()), dtype=torch.float64)
-    if table.shape[0] < 2:
-        return 1.0
-    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-    stat = ((table - expected) ** 2 / expected).sum()
-    dof = table.shape[0] - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
-
-
 def _assert_follows_plain_sampling(sampled: list[list[int]], plain_samples: list[list[int]], label: str) -> None:
-    """Tokens 1..SAMPLE_TOKENS-1 of the completions are distributed as plain sampling's (chi-square)."""
-    assert len(sampled) == len(plain_samples) == SAMPLES
-    assert all(len(s) == SAMPLE_TOKENS for s in sampled)
-    for position in range(1, SAMPLE_TOKENS):
-        p = _chi2_two_sample_p([s[position] for s in sampled], [s[position] for s in plain_samples])
-        assert p > 1e-3, f"token {position}: {label} samples differ from plain sampling (p={p:.2e})"
+    assert_follows_plain_sampling(sampled, plain_samples, label, SAMPLES, SAMPLE_TOKENS)
 
 
 def test_self_draft_sampling_follows_the_target_distribution(self_draft_run, plain_samples):
@@ -227,7 +204,7 @@ def test_self_draft_sampling_follows_the_target_distribution(self_draft_run, pla
     plain_1 = [s[1] for s in plain_samples]
     top = Counter(plain_1).most_common(1)[0][0]
     biased = plain_1[: SAMPLES * 3 // 4] + [top] * (SAMPLES // 4)
-    assert _chi2_two_sample_p(biased, [s[1] for s in sampled]) < 1e-3
+    assert chi2_two_sample_p(biased, [s[1] for s in sampled]) < 1e-3
 
 
 @pytest.fixture(scope="module")

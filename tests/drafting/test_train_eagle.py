@@ -1,0 +1,96 @@
+"""`vllm-sparsever train-eagle` on a tiny random Llama (HF transformers, CPU, no vLLM engine; seconds).
+
+The tiny model's next-token distributions are peaked (`make_tiny_exit_llama`), so the head has
+something to learn. That stock vLLM loads the head and drafts with it is tested end to end in
+tests/e2e/test_vllm_drafters.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_tiny_exit_llama, train_tiny_eagle3
+
+from vllm_sparsever.offline.train_eagle import (
+    ARCHITECTURE,
+    MANIFEST_NAME,
+    TrainEagleError,
+    TrainEagleOptions,
+    default_aux_layers,
+    train_eagle,
+)
+
+NUM_LAYERS = 6
+DRAFT_VOCAB = 200
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("train_eagle")
+
+
+@pytest.fixture(scope="module")
+def model_dir(workdir) -> Path:
+    return make_tiny_exit_llama(workdir / "llama", num_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def head(workdir, model_dir) -> Path:
+    return train_tiny_eagle3(workdir / "head", model_dir, draft_vocab=DRAFT_VOCAB)
+
+
+def test_head_is_written_in_vllms_eagle3_format(head, model_dir):
+    from safetensors.torch import load_file
+
+    config = json.loads((head / "config.json").read_text())
+    target = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE]
+    assert config["num_hidden_layers"] == 1 and config["vocab_size"] == target["vocab_size"]
+    assert config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(default_aux_layers(NUM_LAYERS))
+    weights = load_file(str(head / "model.safetensors"))
+    hidden = target["hidden_size"]
+    assert weights["fc.weight"].shape == (hidden, 3 * hidden)
+    assert weights["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * hidden
+    assert weights["lm_head.weight"].shape == (DRAFT_VOCAB, hidden)
+    assert "embed_tokens.weight" not in weights  # vLLM shares the target's
+    # The trimmed vocabulary: draft id i is target id i + d2t[i]; t2d marks the kept target ids.
+    target_ids = torch.arange(DRAFT_VOCAB) + weights["d2t"]
+    assert torch.equal(weights["t2d"].nonzero().flatten(), target_ids)
+    assert int(target["eos_token_id"]) in target_ids.tolist()
+    # The LM head rows are the target's rows of those tokens (frozen while training).
+    target_weights = load_file(str(model_dir / "model.safetensors"))
+    assert torch.allclose(weights["lm_head.weight"], target_weights["lm_head.weight"][target_ids])
+
+
+def test_training_raises_held_out_agreement(head):
+    record = json.loads((head / MANIFEST_NAME).read_text())
+    before, after = record["heldout"]["untrained"], record["heldout"]["trained"]
+    assert len(after["agreement_per_step"]) == 3
+    assert after["agreement_per_step"][0] > before["agreement_per_step"][0] + 0.05, record["heldout"]
+    assert after["mean_accepted_prefix"] > before["mean_accepted_prefix"]
+    assert record["steps"] == record["planned_steps"] > 0
+    assert record["train_loss_per_epoch"][-1] < record["train_loss_per_epoch"][0]
+
+
+def test_default_aux_layers_are_vllms_where_they_are_distinct():
+    assert default_aux_layers(28) == (2, 14, 25)
+    assert default_aux_layers(2) == (0, 1, 2)
+    assert len(set(default_aux_layers(4))) == 3
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"aux_layers": (3, 1)}, ["--aux-layers", "increasing"]),
+    ({"aux_layers": (0, 9)}, ["--aux-layers", "0..6"]),
+    ({"ttt_steps": 0}, ["--ttt-steps", "at least 1"]),
+    ({"draft_vocab": 0}, ["--draft-vocab", "at least 1"]),
+    ({"lr": 0.0}, ["--lr"]),
+])
+def test_bad_options_are_named_before_any_work(model_dir, options, words):
+    with pytest.raises(TrainEagleError) as err:
+        train_eagle(str(model_dir), TrainEagleOptions(**options, prompt_rows=[{"id": "a", "prompt": "w1"}]))
+    for word in words:
+        assert word in str(err.value)

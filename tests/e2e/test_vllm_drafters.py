@@ -1,0 +1,163 @@
+"""sparsever verification over vLLM's own model-based drafters (draft_source 'eagle3' / 'eagle').
+
+The target is a tiny Llama with peaked next-token distributions; its EAGLE-3 head is trained here by
+`train-eagle` (seconds), so drafts are often right, and the same head runs under stock vLLM's
+`eagle3` method. Lossless: greedy output equals non-speculative greedy (fp32, batch 6, TP=1 and
+TP=2); with dense verification sparsever accepts exactly what vLLM accepts over the same drafts;
+sampled output follows the target's distribution (two-sample chi-square).
+
+One engine per configuration, shared by the tests of this module.
+"""
+
+import gc
+from pathlib import Path
+
+import pytest
+
+from conftest import GREEDY_MAX_TOKENS as MAX_TOKENS
+from conftest import GREEDY_PROMPTS as NUM_PROMPTS
+from sampling_stats import assert_follows_plain_sampling
+from tiny_models import make_tiny_eagle, make_tiny_exit_llama, prompts, train_tiny_eagle3
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+NUM_SPEC = 3
+NUM_LAYERS = 4
+SAMPLES = 800
+SAMPLE_TOKENS = 4
+SAMPLE_PROMPT = prompts(1, seed=7)[0]
+LONG_PROMPTS = [p * 25 for p in prompts(3, length=12, seed=3)]  # past min_context_len below
+SPARSE = {"attention": {"enabled": True, "min_context_len": 256, "top_k_blocks": 1, "anchor_layers": [0],
+                        "kernel": "sparsever"},
+          "ffn": {"enabled": True, "keep_ratio": 0.5}}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return make_tiny_exit_llama(tmp_path_factory.mktemp("drafters") / "target", num_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(target, tmp_path_factory) -> Path:
+    return train_tiny_eagle3(tmp_path_factory.mktemp("drafters") / "eagle3", target)
+
+
+@pytest.fixture(scope="module")
+def eagle_head(target, tmp_path_factory) -> Path:
+    return make_tiny_eagle(tmp_path_factory.mktemp("drafters") / "eagle", target)
+
+
+def _spec(source: str, head: Path, **extra) -> dict:
+    return {"method": "sparsever", "draft_source": source, "model": str(head), "num_speculative_tokens": NUM_SPEC,
+            **extra}
+
+
+def _run(target: Path, spec: dict | None, *, sample: bool = False, long: bool = False, **engine_kwargs):
+    """One engine: greedy outputs, the metrics after them (sparsever's, or vLLM's spec-decode
+    counters for a vLLM method), then sampled completions if asked."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_sparsever.metrics import get_metrics
+
+    llm = LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
+              speculative_config=spec, disable_log_stats=False, **engine_kwargs)
+    try:
+        texts = LONG_PROMPTS if long else prompts(NUM_PROMPTS)
+        outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        greedy = [list(o.outputs[0].token_ids) for o in outs]
+        if spec is None:
+            metrics = None
+        elif spec["method"] == "sparsever":
+            metrics = get_metrics(llm)
+        else:
+            counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+            metrics = {"num_drafts": counters["vllm:spec_decode_num_drafts"],
+                       "num_draft_tokens": counters["vllm:spec_decode_num_draft_tokens"],
+                       "num_accepted_tokens": counters["vllm:spec_decode_num_accepted_tokens"]}
+        sampled = None
+        if sample:
+            params = [SamplingParams(temperature=1.0, max_tokens=SAMPLE_TOKENS, seed=1000 + i, ignore_eos=True)
+                      for i in range(SAMPLES)]
+            sampled = [list(o.outputs[0].token_ids) for o in llm.generate([SAMPLE_PROMPT] * SAMPLES, params,
+                                                                             use_tqdm=False)]
+    finally:
+        del llm
+        gc.collect()
+    return greedy, metrics, sampled
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    greedy, _, sampled = _run(target, None, sample=True)
+    long_greedy, _, _ = _run(target, None, long=True)
+    assert len({tuple(t) for t in greedy}) > 1  # not degenerate
+    return greedy, sampled, long_greedy
+
+
+@pytest.fixture(scope="module")
+def eagle3_run(target, eagle3_head):
+    return _run(target, _spec("eagle3", eagle3_head), sample=True)
+
+
+@pytest.fixture(scope="module")
+def vllm_eagle3_run(target, eagle3_head):
+    return _run(target, {"method": "eagle3", "model": str(eagle3_head), "num_speculative_tokens": NUM_SPEC})
+
+
+def _assert_same(baseline, tokens):
+    assert len(tokens) == len(baseline)
+    for i, (want, got) in enumerate(zip(baseline, tokens, strict=True)):
+        assert got == want, f"prompt {i} differs"
+
+
+def test_eagle3_greedy_equals_plain_greedy(plain, eagle3_run):
+    _assert_same(plain[0], eagle3_run[0])
+
+
+def test_eagle3_drafts_are_often_accepted_and_verified_as_vllm_verifies_them(eagle3_run, vllm_eagle3_run):
+    _, m, _ = eagle3_run
+    assert m["num_drafts"] > 0 and m["num_draft_tokens"] == NUM_SPEC * m["num_drafts"]
+    # A head trained on the target's own text: far more agreement than chance (1 / vocabulary).
+    assert 0.1 * m["num_draft_tokens"] < m["num_accepted_tokens"] < m["num_draft_tokens"], m
+    # Stock vLLM with the same head: the same drafts, and dense verification accepts the same ones.
+    greedy, vm, _ = vllm_eagle3_run
+    _assert_same(eagle3_run[0], greedy)
+    assert (vm["num_drafts"], vm["num_draft_tokens"], vm["num_accepted_tokens"]) == (
+        m["num_drafts"], m["num_draft_tokens"], m["num_accepted_tokens"])
+
+
+def test_eagle3_sampling_follows_the_target_distribution(plain, eagle3_run):
+    assert_follows_plain_sampling(eagle3_run[2], plain[1], "eagle3-drafted", SAMPLES, SAMPLE_TOKENS)
+
+
+def test_eagle_head_greedy_equals_plain_greedy(plain, target, eagle_head):
+    greedy, m, _ = _run(target, _spec("eagle", eagle_head))
+    _assert_same(plain[0], greedy)
+    assert m["num_drafts"] > 0
+
+
+def test_sparse_verification_runs_over_eagle3_drafts(plain, target, eagle3_head):
+    """Approximate: sparse attention and FFN verify EAGLE-3 drafts at long context, without a
+    fallback to dense; output is complete (not compared token for token: it is approximate)."""
+    greedy, m, _ = _run(target, _spec("eagle3", eagle3_head, **SPARSE), long=True)
+    s = m["sparsity"]
+    assert s["attn_layers_sparse"] > 0 and s["ffn_layers_sparse"] > 0, s
+    assert s.get("attention_fallbacks", 0) == 0 and s.get("ffn_fallbacks", 0) == 0, s
+    assert [len(t) for t in greedy] == [len(t) for t in plain[2]]
+    assert m["num_accepted_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_eagle3_tensor_parallel_greedy_equals_plain_greedy(plain, target, eagle3_head, monkeypatch_module):
+    monkeypatch_module.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    greedy, m, _ = _run(target, _spec("eagle3", eagle3_head), tensor_parallel_size=2,
+                        distributed_executor_backend="mp")
+    _assert_same(plain[0], greedy)
+    assert len(m["ranks"]) == 2 and m["num_accepted_tokens"] > 0

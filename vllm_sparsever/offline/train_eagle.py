@@ -1,0 +1,534 @@
+"""`vllm-sparsever train-eagle MODEL`: an EAGLE-3 head trained by self-distillation, in vLLM's format.
+
+The target is frozen (Hugging Face transformers, CPU, fp32). Steps:
+
+1. text: the target's own continuations of the calibration prompts, as `train-exits` makes them
+   (same options, same cache: `<model>/exit_heads/generated.jsonl`; held-out articles disjoint).
+2. features: one fp32 forward pass of the target per sequence gives, at every position, the
+   residual streams vLLM hands an EAGLE-3 head (`aux_layers`: 0 = the embeddings, l = after
+   decoder layer l) and the final-normed hidden state (the teacher's logits come from it).
+3. training (EAGLE-3's training-time test): the head runs `ttt_steps` steps as it will in vLLM.
+   Step 1 at base position s reads token s+1 and the target's streams at s; step k > 1 reads
+   token s+k and the head's own output of step k-1. Step 1 attends causally to step 1's keys;
+   step k also to its own earlier steps at the same base. Each step is trained towards the
+   target's distribution at s+k (KL over the draft vocabulary), on generated positions only.
+   The LM head starts as the target's rows of the draft vocabulary and stays frozen; the token
+   embeddings are the target's (not saved: vLLM shares them).
+4. report: per step, the held-out top-1 agreement with the target (the head's token mapped to the
+   target's vocabulary against the target's argmax over the full vocabulary), and the mean length
+   of the agreeing prefix of a chain of `ttt_steps` (teacher-forced).
+
+Output: `config.json` (architecture `LlamaForCausalLMEagle3`, the aux layer ids, the draft vocabulary
+size) and `model.safetensors` (`midlayer.*`, `fc`, `norm`, `lm_head`, and `d2t`/`t2d` when the draft
+vocabulary is trimmed), which stock vLLM's `{"method": "eagle3"}` loads; `sparsever_eagle.json` holds
+the training record and the held-out agreement.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_sparsever.offline.train_exits import (
+    GENERATED_NAME,
+    TrainExitsError,
+    TrainExitsOptions,
+    _lr_at,
+    eos_token_ids,
+    generated_sequences,
+    load_target,
+    read_config,
+    resolve_model_dir,
+    split_prompts,
+)
+
+HEAD_DIRNAME = "eagle3_head"
+MANIFEST_NAME = "sparsever_eagle.json"
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
+# Later steps weigh less: a chain stops at its first rejected draft.
+STEP_WEIGHT_DECAY = 0.8
+
+
+class TrainEagleError(TrainExitsError):
+    """train-eagle cannot run as asked (names the flag and the allowed values)."""
+
+
+@dataclass
+class TrainEagleOptions:
+    aux_layers: tuple[int, ...] | None = None  # None: vLLM's default (2, L/2, L-3), spread on small targets
+    draft_vocab: int | None = 32768  # the N most frequent tokens of the training text; None: all
+    intermediate_size: int | None = None  # the head's MLP width; None: the target's
+    ttt_steps: int = 3
+    num_prompts: int | None = None
+    num_heldout_prompts: int = 8
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 384
+    min_new_tokens: int = 0
+    temperature: float = 0.7
+    seed: int = 0
+    epochs: int = 4
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    time_budget_min: float = 55.0  # the whole job; training stops early to stay inside it
+    generator: str = "vllm"
+    generation_dtype: str = "bfloat16"
+    regenerate: bool = False
+    output_dir: str | None = None  # None: <model>/eagle3_head
+    show_progress: bool = True
+    prompt_rows: list[dict[str, Any]] | None = field(default=None, repr=False)
+
+    def text_options(self) -> TrainExitsOptions:
+        """The text part, as train-exits has it (so both share the cached text)."""
+        names = ("num_prompts", "num_heldout_prompts", "max_prompt_tokens", "max_new_tokens", "min_new_tokens",
+                 "temperature", "seed", "generator", "generation_dtype", "regenerate", "show_progress", "prompt_rows")
+        return TrainExitsOptions(**{n: getattr(self, n) for n in names})
+
+
+def head_dir(model_dir: str | Path) -> Path:
+    return Path(model_dir) / HEAD_DIRNAME
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default (2, L/2, L-3) where it names three distinct layers; else three spread over 0..L."""
+    layers = (2, num_layers // 2, num_layers - 3)
+    if len(set(layers)) == 3 and min(layers) >= 0:
+        return layers
+    return tuple(sorted({round(i * num_layers / 2) for i in range(3)}))
+
+
+def validate(options: TrainEagleOptions, config: dict[str, Any]) -> tuple[int, ...]:
+    """The aux layers; every bad option as a TrainEagleError naming its flag."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise TrainEagleError(f"MODEL: train-eagle supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                              f"this model is {model_type!r}")
+    layers = int(config["num_hidden_layers"])
+    aux = tuple(options.aux_layers) if options.aux_layers else default_aux_layers(layers)
+    if len(aux) < 1 or any(not 0 <= a <= layers for a in aux) or list(aux) != sorted(set(aux)):
+        raise TrainEagleError(f"--aux-layers: increasing distinct layer ids in 0..{layers} (0 = the embeddings), "
+                              f"got {list(aux)}")
+    vocab = int(config["vocab_size"])
+    if options.draft_vocab is not None and not 1 <= options.draft_vocab:
+        raise TrainEagleError(f"--draft-vocab: at least 1 (at most the vocabulary, {vocab}), got {options.draft_vocab}")
+    for flag, value in (("--ttt-steps", options.ttt_steps), ("--epochs", options.epochs)):
+        if value < 1:
+            raise TrainEagleError(f"{flag}: at least 1, got {value}")
+    if options.intermediate_size is not None and options.intermediate_size < 1:
+        raise TrainEagleError(f"--intermediate-size: at least 1, got {options.intermediate_size}")
+    if options.lr <= 0:
+        raise TrainEagleError(f"--lr: greater than 0, got {options.lr}")
+    if options.time_budget_min <= 0:
+        raise TrainEagleError(f"--time-budget: greater than 0 minutes, got {options.time_budget_min}")
+    return aux
+
+
+# ---- the head ----------------------------------------------------------------------------------
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Eagle3Head(nn.Module):
+    """vLLM's `Eagle3LlamaForCausalLM` (llama_eagle3.py), one decoder layer, in plain torch for
+    training: its parameter names are the saved names."""
+
+    def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 num_aux: int, eps: float, rotary: nn.Module, lm_head: torch.Tensor) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.fc = nn.Linear(num_aux * hidden, hidden, bias=False)
+        self.input_layernorm = _RMSNorm(hidden, eps)
+        self.hidden_norm = _RMSNorm(hidden, eps)
+        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.post_attention_layernorm = _RMSNorm(hidden, eps)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.norm = _RMSNorm(hidden, eps)
+        self.rotary = rotary
+        self.register_buffer("lm_head", lm_head.float().contiguous(), persistent=False)  # frozen
+        for linear in (self.fc, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
+                       self.down_proj):
+            nn.init.normal_(linear.weight, std=0.02)
+
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             past: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+             own: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One drafting step for every base position: (logits over the draft vocabulary, the
+        pre-norm output the next step reads, this step's keys, values). `past`: (keys, values,
+        boolean visibility [queries, keys]) of earlier steps this step attends to; `own`: which of
+        this step's own keys each query sees."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        n = embeds.shape[0]
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        cos, sin = self.rotary(v, positions[None])
+        q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
+        q, k = q[0], k[0]
+        keys = torch.cat([p[0] for p in past] + [k], dim=1)
+        values = torch.cat([p[1] for p in past] + [v], dim=1)
+        visible = torch.cat([p[2] for p in past] + [own], dim=1)
+        attn = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=visible,
+                                              enable_gqa=True)[0]
+        residual = self.o_proj(attn.transpose(0, 1).reshape(n, -1)) + residual
+        x = self.post_attention_layernorm(residual)
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)) + residual
+        return self.norm(out) @ self.lm_head.T, out, k, v
+
+    def chain(self, embed: nn.Module, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test over one sequence (`tokens` [T], `aux` [T, num_aux * hidden]): per step
+        k = 1..steps the logits at every base s = 0..T-2 (reading token min(s+k, T-1))."""
+        t = tokens.shape[0]
+        bases = torch.arange(t - 1)
+        causal = bases[None, :] <= bases[:, None]
+        diagonal = torch.eye(t - 1, dtype=torch.bool)
+        hidden = self.fc(aux[:-1])
+        past: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        logits = []
+        for k in range(1, steps + 1):
+            embeds = embed(tokens[(bases + k).clamp(max=t - 1)])
+            # Step 1's keys are every earlier base's (vLLM's draft KV of the verified tokens); a
+            # later step's only its own base's (that chain's earlier drafts).
+            visible = causal if k == 1 else diagonal
+            step_logits, hidden, keys, values = self.step(embeds, hidden, bases + k - 1, past, visible)
+            past.append((keys, values, visible))
+            logits.append(step_logits)
+        return logits
+
+    def state_for_vllm(self) -> dict[str, torch.Tensor]:
+        names = {"fc": "fc", "norm": "norm", "input_layernorm": "midlayer.input_layernorm",
+                 "hidden_norm": "midlayer.hidden_norm", "post_attention_layernorm": "midlayer.post_attention_layernorm",
+                 **{p: f"midlayer.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                 **{p: f"midlayer.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}}
+        state = {f"{names[name.rsplit('.', 1)[0]]}.weight": p.detach().contiguous().clone()
+                 for name, p in self.named_parameters()}
+        state["lm_head.weight"] = self.lm_head.contiguous().clone()
+        return state
+
+
+# ---- features ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor  # [T] prompt + generated
+    aux: torch.Tensor  # [T, num_aux * hidden] (bf16 to halve the memory)
+    final: torch.Tensor  # [T, hidden] the final-normed hidden state (bf16)
+    target_argmax: torch.Tensor  # [T] the target's full-vocabulary argmax
+    first: int  # the first position whose next token was generated (the prompt's last)
+
+
+def extract_features(model, seqs: list[dict[str, Any]], aux_layers: tuple[int, ...], desc: str,
+                     show_progress: bool) -> list[Sequence]:
+    from tqdm.auto import tqdm
+
+    body = model.model
+    captured: dict[int, torch.Tensor] = {}
+
+    def keep(layer_id: int):
+        def hook(_module, _inputs, output):
+            captured[layer_id] = (output[0] if isinstance(output, tuple) else output)[0].float()
+        return hook
+
+    handles = [body.embed_tokens.register_forward_hook(keep(0))] if 0 in aux_layers else []
+    handles += [body.layers[a - 1].register_forward_hook(keep(a)) for a in aux_layers if a > 0]
+    lm_head = model.get_output_embeddings().weight
+    out: list[Sequence] = []
+    try:
+        for seq in tqdm(seqs, desc=desc, disable=not show_progress):
+            prompt, gen = seq["prompt_ids"], seq["generated_ids"]
+            if not gen:
+                continue
+            ids = torch.tensor([prompt + gen])
+            with torch.inference_mode():
+                final = body(input_ids=ids).last_hidden_state[0].float()
+                argmax = (final @ lm_head.T).argmax(-1)
+            aux = torch.cat([captured[a] for a in aux_layers], dim=-1)
+            out.append(Sequence(ids[0].clone(), aux.to(torch.bfloat16), final.to(torch.bfloat16), argmax.clone(),
+                                len(prompt) - 1))
+    finally:
+        for h in handles:
+            h.remove()
+    if not out:
+        raise TrainEagleError("no generated tokens to train on (every generation was empty)")
+    return out
+
+
+# ---- training and evaluation -------------------------------------------------------------------
+
+
+def _step_targets(seq: Sequence, k: int) -> torch.Tensor:
+    """Base positions s whose step-k prediction is trained and evaluated: s + k is a position
+    whose next token was generated (p = s + k in [first, T-1])."""
+    t = seq.tokens.shape[0]
+    return torch.arange(max(0, seq.first - k), t - k)
+
+
+def _teacher_logp(seq: Sequence, positions: torch.Tensor, draft_lm_head: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(seq.final[positions].float() @ draft_lm_head.T, dim=-1)
+
+
+def train_head(head: Eagle3Head, embed: nn.Module, train: list[Sequence], options: TrainEagleOptions,
+               deadline: float) -> tuple[int, int, bool, list[float]]:
+    """(steps done, steps planned, stopped by the time budget, mean loss per epoch). One sequence
+    per step."""
+    from tqdm.auto import tqdm
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
+    planned = len(train) * options.epochs
+    generator = torch.Generator().manual_seed(options.seed)
+    weights = [STEP_WEIGHT_DECAY ** k for k in range(options.ttt_steps)]
+    step, stopped, epoch_loss = 0, False, []
+    bar = tqdm(total=planned, desc="train", disable=not options.show_progress)
+    head.train()
+    for _epoch in range(options.epochs):
+        total, count = 0.0, 0
+        for i in torch.randperm(len(train), generator=generator).tolist():
+            if time.monotonic() >= deadline:
+                stopped = True
+                break
+            seq = train[i]
+            lr = _lr_at(step, planned, options.lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            logits = head.chain(embed, seq.tokens, seq.aux.float(), options.ttt_steps)
+            loss = torch.zeros(())
+            for k, step_logits in enumerate(logits, start=1):
+                bases = _step_targets(seq, k)
+                if len(bases) == 0:
+                    continue
+                teacher = _teacher_logp(seq, bases + k, head.lm_head)
+                student = F.log_softmax(step_logits[bases], dim=-1)
+                loss = loss + weights[k - 1] * (teacher.exp() * (teacher - student)).sum(-1).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            total += float(loss.detach())
+            count += 1
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", lr=f"{lr:.1e}")
+        if count:
+            epoch_loss.append(total / count)
+        if stopped:
+            break
+    bar.close()
+    head.eval()
+    return step, planned, stopped, epoch_loss
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, embed: nn.Module, seqs: list[Sequence], steps: int,
+             draft_ids: torch.Tensor) -> dict[str, Any]:
+    """Per step the top-1 agreement with the target (full vocabulary), and the mean agreeing
+    prefix of a `steps`-draft chain per base position (teacher-forced)."""
+    agree = [0] * steps
+    seen = [0] * steps
+    prefix_sum, bases_seen = 0, 0
+    for seq in seqs:
+        logits = head.chain(embed, seq.tokens, seq.aux.float(), steps)
+        hits = []
+        for k, step_logits in enumerate(logits, start=1):
+            drafted = draft_ids[step_logits.argmax(-1)]
+            positions = torch.arange(step_logits.shape[0]) + k
+            ok = drafted == seq.target_argmax[positions.clamp(max=seq.tokens.shape[0] - 1)]
+            bases = _step_targets(seq, k)
+            agree[k - 1] += int(ok[bases].sum())
+            seen[k - 1] += len(bases)
+            hits.append(ok)
+        # Chains whose every step has a target: bases whose last step's position exists.
+        full = _step_targets(seq, steps)
+        if len(full):
+            run = torch.ones(len(full), dtype=torch.long)
+            length = torch.zeros(len(full), dtype=torch.long)
+            for ok in hits:
+                run = run * ok[full].long()
+                length += run
+            prefix_sum += int(length.sum())
+            bases_seen += len(full)
+    return {"agreement_per_step": [round(a / max(1, n), 4) for a, n in zip(agree, seen)],
+            "mean_accepted_prefix": round(prefix_sum / max(1, bases_seen), 4), "positions": seen[0]}
+
+
+# ---- the job -----------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainEagleResult:
+    model_dir: str
+    output_dir: Path
+    before: dict[str, Any]
+    after: dict[str, Any]
+    train_tokens: int
+    heldout_tokens: int
+    steps: int
+    planned_steps: int
+    stopped_by_budget: bool
+    seconds: dict[str, float]
+
+
+def _rotary(config: dict[str, Any], head_dim: int) -> nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    keys = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
+    return LlamaRotaryEmbedding(LlamaConfig(hidden_size=config["hidden_size"], head_dim=head_dim,
+                                            num_attention_heads=config["num_attention_heads"],
+                                            **{k: config[k] for k in keys if config.get(k) is not None}))
+
+
+def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEagleResult:
+    from vllm_sparsever.drafting.draft_vocab import rank_tokens
+    from vllm_sparsever.drafting.exit_head import heads_dir
+
+    options = options or TrainEagleOptions()
+    start = time.monotonic()
+    deadline = start + options.time_budget_min * 60.0
+    model_dir = resolve_model_dir(model)
+    config = read_config(model_dir)
+    aux_layers = validate(options, config)
+    text = options.text_options()
+    train_rows, heldout_rows = split_prompts(text)
+    output_dir = Path(options.output_dir) if options.output_dir else head_dir(model_dir)
+    torch.manual_seed(options.seed)
+    seconds: dict[str, float] = {}
+
+    t0 = time.monotonic()
+    hf_model, tokenizer = (None, None)
+    if options.generator == "hf":
+        hf_model, tokenizer = load_target(model_dir)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    seqs = generated_sequences(model_dir, tokenizer, train_rows + heldout_rows, text,
+                               heads_dir(model_dir) / GENERATED_NAME, hf_model)  # fmt: skip
+    seconds["generate"] = time.monotonic() - t0
+    heldout_ids = {r["id"] for r in heldout_rows}
+
+    t0 = time.monotonic()
+    if hf_model is None:
+        hf_model, tokenizer = load_target(model_dir)
+    train = extract_features(hf_model, [s for s in seqs if s["id"] not in heldout_ids], aux_layers,
+                             "features (train)", options.show_progress)
+    heldout = extract_features(hf_model, [s for s in seqs if s["id"] in heldout_ids], aux_layers,
+                               "features (held-out)", options.show_progress)
+    seconds["features"] = time.monotonic() - t0
+
+    vocab = int(config["vocab_size"])
+    eos_ids = eos_token_ids(hf_model.generation_config)
+    # The draft vocabulary: the training text's most frequent tokens (EOS first), in id order.
+    ranked = rank_tokens([s["generated_ids"] for s in seqs if s["id"] not in heldout_ids], always=eos_ids)
+    if options.draft_vocab is None or options.draft_vocab >= vocab:
+        draft_ids = torch.arange(vocab)
+    else:
+        extra = torch.tensor([t for t in range(vocab) if t not in set(ranked.tolist())], dtype=torch.long)
+        draft_ids = torch.cat([ranked, extra])[: options.draft_vocab].sort().values
+    embed = hf_model.get_input_embeddings()
+    lm_head = hf_model.get_output_embeddings().weight.detach().float()[draft_ids]
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    intermediate = options.intermediate_size or int(config["intermediate_size"])
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    head = Eagle3Head(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate,
+                      num_aux=len(aux_layers), eps=eps, rotary=_rotary(config, head_dim), lm_head=lm_head)
+    embed = embed.float().requires_grad_(False)
+    del hf_model
+
+    t0 = time.monotonic()
+    before = evaluate(head, embed, heldout, options.ttt_steps, draft_ids)
+    seconds["evaluate"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    steps, planned, stopped, epoch_loss = train_head(head, embed, train, options,
+                                                     deadline - 1.5 * seconds["evaluate"] - 5.0)
+    seconds["train"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    after = evaluate(head, embed, heldout, options.ttt_steps, draft_ids)
+    seconds["evaluate"] += time.monotonic() - t0
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    state = head.state_for_vllm()
+    trimmed = len(draft_ids) < vocab
+    if trimmed:
+        state["d2t"] = draft_ids - torch.arange(len(draft_ids))  # vLLM: target id = draft id + d2t[draft id]
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[draft_ids] = True
+        state["t2d"] = t2d
+    from safetensors.torch import save_file
+
+    save_file(state, str(output_dir / "model.safetensors"))
+    keys = ("vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id")
+    head_config = {
+        "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": eps,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "draft_vocab_size": len(draft_ids),
+        "target_hidden_size": hidden, "eagle_aux_hidden_state_layer_ids": list(aux_layers),
+        **{k: config[k] for k in keys if config.get(k) is not None},
+    }
+    (output_dir / "config.json").write_text(json.dumps(head_config, indent=1) + "\n")
+    seconds["total"] = time.monotonic() - start
+    record = {
+        "tool": "vllm-sparsever train-eagle",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "target": {"model_dir": model_dir, "architecture": config["architectures"][0],
+                   "num_hidden_layers": int(config["num_hidden_layers"])},
+        "settings": {**{k: v for k, v in asdict(options).items() if k not in ("prompt_rows", "output_dir")},
+                     "aux_layers": list(aux_layers), "draft_vocab_size": len(draft_ids),
+                     "intermediate_size": intermediate},
+        "data": {"train_ids": [r["id"] for r in train_rows], "heldout_ids": [r["id"] for r in heldout_rows],
+                 "positions": "generated tokens only"},
+        "loss": "KL(target || head) over the draft vocabulary per training-time-test step, weights "
+                f"{STEP_WEIGHT_DECAY}^(k-1); LM head frozen (the target's rows), embeddings the target's",
+        "train_tokens": sum(len(s.tokens) - s.first for s in train),
+        "heldout_tokens": sum(len(s.tokens) - s.first for s in heldout),
+        "steps": steps, "planned_steps": planned, "stopped_by_time_budget": stopped,
+        "train_loss_per_epoch": [round(v, 4) for v in epoch_loss],
+        "heldout": {"untrained": before, "trained": after},
+        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+    }
+    (output_dir / MANIFEST_NAME).write_text(json.dumps(record, indent=1) + "\n")
+    return TrainEagleResult(model_dir=model_dir, output_dir=output_dir, before=before, after=after,
+                            train_tokens=record["train_tokens"], heldout_tokens=record["heldout_tokens"],
+                            steps=steps, planned_steps=planned, stopped_by_budget=stopped, seconds=seconds)
+
+
+def summary(result: TrainEagleResult) -> str:
+    per_step = lambda r: " ".join(f"{a:.3f}" for a in r["agreement_per_step"])  # noqa: E731
+    return "\n".join([
+        f"EAGLE-3 head for {result.model_dir} -> {result.output_dir}",
+        f"tokens: train {result.train_tokens}, held-out {result.heldout_tokens}; steps "
+        f"{result.steps}/{result.planned_steps}" + (" (stopped by --time-budget)" if result.stopped_by_budget else ""),
+        "seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in result.seconds.items()),
+        "held-out top-1 agreement with the target per draft step (teacher-forced):",
+        f"  untrained: {per_step(result.before)}  (mean accepted prefix {result.before['mean_accepted_prefix']:.2f})",
+        f"  trained:   {per_step(result.after)}  (mean accepted prefix {result.after['mean_accepted_prefix']:.2f})",
+        f"use it: --speculative-config '{{\"method\": \"sparsever\", \"draft_source\": \"eagle3\", "
+        f"\"model\": \"{result.output_dir}\", \"num_speculative_tokens\": 3}}'",
+    ])
