@@ -14,6 +14,7 @@ CASES = [
     (["profile-verify", "/nonexistent/m"], "MODEL: '/nonexistent/m' is neither a folder nor a known model"),
     (["calibrate", "/nonexistent/m"], "MODEL: '/nonexistent/m' is neither a folder nor a known model"),
     (["train-exits", "/nonexistent/m"], "MODEL: '/nonexistent/m' is neither a folder nor a known model"),
+    (["train-eagle", "/nonexistent/m"], "MODEL: '/nonexistent/m' is neither a folder nor a known model"),
 ]
 
 
@@ -39,6 +40,12 @@ MODEL_CASES = [
      f"--max-new-tokens 100000: the model's maximum length is {LIMIT}, less 328 tokens the command adds; "
      f"the largest --max-new-tokens allowed is {LIMIT - 328}"),
     (["train-exits", "{m}", "--time-budget", "0"], "--time-budget: must be > 0 minutes, got 0.0"),
+    (["train-eagle", "{m}", "--max-new-tokens", "100000"],
+     f"--max-new-tokens 100000: the model's maximum length is {LIMIT}, less 328 tokens the command adds; "
+     f"the largest --max-new-tokens allowed is {LIMIT - 328}"),
+    (["train-eagle", "{m}", "--time-budget", "0"], "--time-budget: must be > 0 minutes, got 0.0"),
+    (["train-eagle", "{m}", "--ttt-steps", "0"], "argument --ttt-steps: must be an integer >= 1"),
+    (["train-eagle", "{m}", "--aux-layers", "0", "9"], "--aux-layers: increasing distinct layer ids in 0..2"),
     (["profile-verify", "{m}", "--max-context", "100000"],
      f"--max-context 100000: the model's maximum length is {LIMIT}, less 80 tokens the command adds; "
      f"the largest --max-context allowed is {LIMIT - 80}"),

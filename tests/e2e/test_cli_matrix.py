@@ -80,6 +80,21 @@ def test_train_exits(models, kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_train_eagle(models, kind, tmp_path):
+    out = tmp_path / "eagle3"
+    proc = _run("train-eagle", str(models[kind]), "--output", str(out), "--num-prompts", "4",
+                "--num-heldout-prompts", "2", "--max-new-tokens", "16", "--epochs", "1", "--draft-vocab", "64",
+                "--time-budget", "2", "--no-progress")
+    if kind in ("mixtral", "qwen2-moe"):  # vLLM's EAGLE-3 drafter reads no MoE target's layer outputs
+        assert proc.returncode == 2 and "MODEL: vLLM's EAGLE-3 drafter reads" in proc.stderr, proc.stderr[-2000:]
+        return
+    _ok(proc)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 64
+    assert (out / "model.safetensors").is_file() and json.loads((out / "sparsever_eagle.json").read_text())["steps"] > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_profile_verify(models, kind, tmp_path):
     from vllm_sparsever.adaptive.cost import VerifyCostProfile
 

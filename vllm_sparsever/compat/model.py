@@ -12,7 +12,9 @@ Private symbols touched (vLLM model classes, `vllm/model_executor/models/{llama,
   platforms whose `use_all_gather()` is true, CPU included);
 - `model.lm_head.weight` (`ParallelLMHead` / tied `VocabParallelEmbedding`: rank r holds rows
   [r * n, (r + 1) * n) of the vocabulary padded at its end, so the all-gathered weight's first
-  `vocab_size` rows are the vocabulary in order).
+  `vocab_size` rows are the vocabulary in order);
+- `ModelRegistry.resolve_model_cls` and `interfaces.supports_eagle3` (whether vLLM's EAGLE-3
+  drafter can run over a target, checked before start: `eagle3_target_supported`).
 """
 
 from __future__ import annotations
@@ -109,3 +111,14 @@ def lm_head_rows(model, token_ids: torch.Tensor) -> torch.Tensor:
     if get_tensor_model_parallel_world_size() > 1:
         weight = tensor_model_parallel_all_gather(weight.contiguous(), dim=0)
     return weight[token_ids.to(weight.device)].contiguous()
+
+
+def eagle3_target_supported(model_config: Any) -> bool:
+    """Whether vLLM's EAGLE-3 drafter can read this target's layer outputs: its model class
+    implements vLLM's `SupportsEagle3` (`vllm/model_executor/models/interfaces.py`), resolved through
+    `ModelRegistry.resolve_model_cls` as the engine will resolve it."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+    return bool(supports_eagle3(model_cls))

@@ -71,6 +71,8 @@ def _create_speculative_config(engine_args, call_vllm, target_model_config, targ
     _check_target_supported(target_model_config, target_parallel_config)
     if config.draft_source == "mtp":
         _check_target_has_mtp_layers(target_model_config)
+    if config.draft_source == "eagle3":
+        _check_eagle3_target(target_model_config)
     check_sparsity_supported(config, target_model_config)
     from vllm.platforms import current_platform
 
@@ -141,4 +143,18 @@ def _check_target_has_mtp_layers(model_config: Any) -> None:
             f"draft_source: 'mtp' drafts with the target's multi-token-prediction layers, and "
             f"{getattr(model_config, 'model', 'the target')!r} declares none (num_nextn_predict_layers); "
             "allowed for this target: 'draft_model', 'ngram', 'early_exit', 'eagle', 'eagle3'"
+        )
+
+
+def _check_eagle3_target(model_config: Any) -> None:
+    """An EAGLE-3 head reads several of the target's layer outputs, which vLLM collects only from
+    model classes that support it: fail before start-up elsewhere (vLLM fails while loading)."""
+    from vllm_sparsever.compat.model import eagle3_target_supported
+
+    if not eagle3_target_supported(model_config):
+        architecture = ",".join(getattr(model_config, "architectures", None) or ["?"])
+        raise SparseverConfigError(
+            f"draft_source: vLLM's EAGLE-3 drafter cannot read the layer outputs of {architecture} (its vLLM "
+            "model class does not support EAGLE-3); allowed for this target: 'draft_model', 'ngram', "
+            "'early_exit', 'eagle'"
         )

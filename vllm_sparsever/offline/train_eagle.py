@@ -52,7 +52,8 @@ from vllm_sparsever.offline.train_exits import (
 HEAD_DIRNAME = "eagle3_head"
 MANIFEST_NAME = "sparsever_eagle.json"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
+# Targets whose layer outputs vLLM's EAGLE-3 drafter reads (their vLLM classes support EAGLE-3).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Later steps weigh less: a chain stops at its first rejected draft.
 STEP_WEIGHT_DECAY = 0.8
 
@@ -108,8 +109,8 @@ def validate(options: TrainEagleOptions, config: dict[str, Any]) -> tuple[int, .
     """The aux layers; every bad option as a TrainEagleError naming its flag."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise TrainEagleError(f"MODEL: train-eagle supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
-                              f"this model is {model_type!r}")
+        raise TrainEagleError(f"MODEL: vLLM's EAGLE-3 drafter reads the layer outputs of model types "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}; this model is {model_type!r}")
     layers = int(config["num_hidden_layers"])
     aux = tuple(options.aux_layers) if options.aux_layers else default_aux_layers(layers)
     if len(aux) < 1 or any(not 0 <= a <= layers for a in aux) or list(aux) != sorted(set(aux)):
@@ -126,7 +127,7 @@ def validate(options: TrainEagleOptions, config: dict[str, Any]) -> tuple[int, .
     if options.lr <= 0:
         raise TrainEagleError(f"--lr: greater than 0, got {options.lr}")
     if options.time_budget_min <= 0:
-        raise TrainEagleError(f"--time-budget: greater than 0 minutes, got {options.time_budget_min}")
+        raise TrainEagleError(f"--time-budget: must be > 0 minutes, got {options.time_budget_min}")
     return aux
 
 
@@ -217,6 +218,29 @@ class Eagle3Head(nn.Module):
             logits.append(step_logits)
         return logits
 
+    @torch.no_grad()
+    def draft(self, embed: nn.Module, tokens: torch.Tensor, aux: torch.Tensor, steps: int,
+              forced: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+        """A greedy chain of `steps` drafts after `tokens` [T] as vLLM drafts it, from the target's
+        streams `aux` at positions 0..T-2 (the last token is the one the target just sampled).
+        Returns the draft ids (the draft vocabulary's) and each step's logits; `forced`: the drafts
+        to feed to later steps instead (to follow another drafter's chain)."""
+        n = tokens.shape[0] - 1
+        bases = torch.arange(n)
+        logits, hidden, keys, values = self.step(embed(tokens[1:]), self.fc(aux[:n]), bases, [],
+                                                 bases[None, :] <= bases[:, None])
+        drafts, step_logits = [int(logits[-1].argmax())], [logits[-1]]
+        past = [(keys, values, torch.ones(1, n, dtype=torch.bool))]
+        hidden = hidden[-1:]
+        own = torch.ones(1, 1, dtype=torch.bool)
+        for k in range(1, steps):
+            token = torch.tensor([forced[k - 1] if forced else drafts[-1]])
+            logits, hidden, keys, values = self.step(embed(token), hidden, torch.tensor([n - 1 + k]), past, own)
+            past.append((keys, values, own))
+            drafts.append(int(logits[0].argmax()))
+            step_logits.append(logits[0])
+        return drafts, step_logits
+
     def state_for_vllm(self) -> dict[str, torch.Tensor]:
         names = {"fc": "fc", "norm": "norm", "input_layernorm": "midlayer.input_layernorm",
                  "hidden_norm": "midlayer.hidden_norm", "post_attention_layernorm": "midlayer.post_attention_layernorm",
@@ -226,6 +250,27 @@ class Eagle3Head(nn.Module):
                  for name, p in self.named_parameters()}
         state["lm_head.weight"] = self.lm_head.contiguous().clone()
         return state
+
+
+def load_head(path: str | Path, target_config: dict[str, Any]) -> tuple[Eagle3Head, tuple[int, ...], torch.Tensor]:
+    """A head `train_eagle` wrote: (the head, its aux layer ids, draft id -> target id)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    weights = load_file(str(path / "model.safetensors"))
+    aux = tuple(config["eagle_aux_hidden_state_layer_ids"])
+    head = Eagle3Head(hidden=config["hidden_size"], heads=config["num_attention_heads"],
+                      kv_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
+                      intermediate=config["intermediate_size"], num_aux=len(aux), eps=config["rms_norm_eps"],
+                      rotary=_rotary(target_config, config["head_dim"]), lm_head=weights["lm_head.weight"])
+    saved = head.state_for_vllm()
+    head.load_state_dict({name: weights[saved_name] for (name, _), saved_name
+                          in zip(head.named_parameters(), [k for k in saved if k != "lm_head.weight"], strict=True)})
+    draft_ids = torch.arange(config["draft_vocab_size"])
+    if "d2t" in weights:
+        draft_ids = draft_ids + weights["d2t"]
+    return head.eval(), aux, draft_ids
 
 
 # ---- features ----------------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""`vllm-sparsever train-eagle MODEL`; the main CLI calls `add_subparser`.
+
+The parser imports nothing heavy: knobs left unset keep `TrainEagleOptions`' defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm_sparsever.offline.args import positive_int
+
+# flag -> (TrainEagleOptions field, type, help)
+_KNOBS = {
+    "--time-budget": ("time_budget_min", float,
+                      "minutes for the whole job; training stops early to stay inside (default: 55)"),
+    "--draft-vocab": ("draft_vocab", positive_int,
+                      "draft vocabulary: the N most frequent tokens of the training text (default: 32768; "
+                      "the whole vocabulary if it is smaller)"),
+    "--intermediate-size": ("intermediate_size", positive_int, "the head's MLP width (default: the target's)"),
+    "--ttt-steps": ("ttt_steps", positive_int, "draft steps unrolled while training (default: 3)"),
+    "--num-prompts": ("num_prompts", positive_int, "training prompts (default: every article not held out)"),
+    "--num-heldout-prompts": ("num_heldout_prompts", positive_int,
+                              "articles held out for the agreement report (default: 8)"),
+    "--max-prompt-tokens": ("max_prompt_tokens", positive_int, "prompt text cut to this (default: 256)"),
+    "--max-new-tokens": ("max_new_tokens", positive_int, "tokens generated per prompt (default: 384)"),
+    "--temperature": ("temperature", float, "sampling temperature of the generated text (default: 0.7)"),
+    "--seed": ("seed", int, "seed of sampling, head init and order (default: 0)"),
+    "--epochs": ("epochs", positive_int, "passes over the training text (default: 4)"),
+    "--lr": ("lr", float, "AdamW peak learning rate (default: 2e-3)"),
+    "--output": ("output_dir", str, "head folder (default: <model>/eagle3_head)"),
+}  # fmt: skip
+
+
+def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "train-eagle",
+        help="train an EAGLE-3 draft head (self-distillation on the model's own text), in vLLM's format",
+        description="Generates text with the target from the calibration prompts (wikipedia; the same "
+        "cached text as train-exits), then trains a one-layer EAGLE-3 head to draft the target's tokens "
+        "from its hidden states (HF transformers, CPU, fp32, target frozen). Reports the held-out "
+        "agreement per draft step and writes <model>/eagle3_head/, which vLLM's method 'eagle3' and "
+        "sparsever's draft_source 'eagle3' load.",
+    )
+    parser.add_argument("model", help="built model name or model folder (as given to vLLM)")
+    parser.add_argument("--aux-layers", type=int, nargs="+", default=None,
+                        help="target layers whose outputs the head reads, 0..num_layers (0 = the embeddings; "
+                        "default: vLLM's 2, L/2, L-3)")
+    for flag, (dest, kind, text) in _KNOBS.items():
+        parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+    parser.add_argument("--generator", choices=["vllm", "hf"], default=None,
+                        help="who generates the training text: vLLM offline (default) or HF generate")
+    parser.add_argument("--regenerate", action="store_true",
+                        help="generate the text again even when the cached text matches")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=_cmd_train_eagle)
+    return parser
+
+
+def _cmd_train_eagle(args: argparse.Namespace) -> int:
+    import sys
+
+    from vllm_sparsever.models import resolve_model_arg
+    from vllm_sparsever.models.limits import fit_length, model_max_len
+    from vllm_sparsever.offline.train_eagle import TrainEagleError, TrainEagleOptions, summary, train_eagle
+    from vllm_sparsever.offline.train_exits_cli import TEMPLATE_MARGIN
+
+    given = {dest: getattr(args, dest) for dest, _, _ in _KNOBS.values() if getattr(args, dest) is not None}
+    model = resolve_model_arg(args.model, "MODEL")
+    limit, defaults = model_max_len(model), TrainEagleOptions()
+    prompt = fit_length("train-eagle", "--max-prompt-tokens", given.get("max_prompt_tokens"),
+                        defaults.max_prompt_tokens, limit, TEMPLATE_MARGIN + 1)
+    given["max_new_tokens"] = fit_length("train-eagle", "--max-new-tokens", given.get("max_new_tokens"),
+                                         defaults.max_new_tokens, limit, prompt + TEMPLATE_MARGIN)
+    given["max_prompt_tokens"] = prompt
+    if args.aux_layers:
+        given["aux_layers"] = tuple(args.aux_layers)
+    if args.generator:
+        given["generator"] = args.generator
+    options = TrainEagleOptions(**given, regenerate=args.regenerate, show_progress=not args.no_progress)
+    try:
+        result = train_eagle(model, options)
+    except TrainEagleError as exc:
+        print(f"vllm-sparsever train-eagle: error: {exc}", file=sys.stderr)
+        return 2
+    print(summary(result), flush=True)
+    return 0
