@@ -298,8 +298,8 @@ VLLM_DRAFTERS = ("eagle", "eagle3", "mtp")
 DRAFT_SOURCES = ("draft_model", "ngram", "early_exit", *VLLM_DRAFTERS)
 INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
 TREE_DRAFT_SOURCES = ("draft_model", "early_exit")  # drafters with probabilities to grow trees by
-# EVICT chains from n-gram matches too (calibrated per depth)
-ADAPTIVE_DRAFT_SOURCES = ("draft_model", "ngram", "early_exit")
+# EVICT chains from n-gram matches too (calibrated per depth), and EAGLE heads' chains (their probabilities)
+ADAPTIVE_DRAFT_SOURCES = ("draft_model", "ngram", "early_exit", "eagle", "eagle3")
 
 
 @dataclass

@@ -31,3 +31,49 @@ def test_heads_name_their_aux_layers_as_vllm_reads_them():
     # train-eagle writes `eagle_aux_hidden_state_layer_ids` at the top of the head's config.json.
     source = inspect.getsource(GPUModelRunner._get_eagle3_aux_layers_from_config)
     assert 'getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None)' in source
+
+
+def test_drafter_samples_greedy_drafts_through_greedy_sample():
+    """compat.drafter replaces `_greedy_sample` and `propose` on the drafter instance and reads the
+    attributes that change how it samples."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    assert list(inspect.signature(SpecDecodeBaseProposer._greedy_sample).parameters) == ["self", "hidden_states"]
+    sample = inspect.getsource(SpecDecodeBaseProposer._sample_draft_tokens)
+    assert "return self._greedy_sample(hidden_states), None" in sample
+    assert "self._sample_draft_tokens(" in inspect.getsource(SpecDecodeBaseProposer.propose)
+    init = inspect.getsource(SpecDecodeBaseProposer.__init__)
+    for attribute in ("self.use_local_argmax_reduction", "self.use_heterogeneous_vocab", "self.vocab_mapping"):
+        assert attribute in init, attribute
+    greedy = inspect.getsource(SpecDecodeBaseProposer._greedy_sample)
+    assert "constrain_draft_logits" in greedy and "map_draft_to_target_ids" in greedy
+
+
+def test_recorder_keeps_each_drafts_probability_and_returns_the_same_tokens():
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_sparsever.compat.drafter import proposed_drafts, record_drafter
+
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
+
+    class Drafter:
+        use_local_argmax_reduction = False
+        use_heterogeneous_vocab = False
+        model = SimpleNamespace(compute_logits=lambda hidden: logits)
+
+        def _greedy_sample(self, hidden_states):
+            return self.model.compute_logits(hidden_states).argmax(dim=-1)
+
+        def propose(self):
+            return torch.stack([self._greedy_sample(None), self._greedy_sample(None)], dim=1)
+
+    runner = SimpleNamespace(drafter=Drafter())
+    recorder, undo = record_drafter(runner)
+    runner._draft_token_ids = runner.drafter.propose()
+    assert proposed_drafts(runner) == [[1, 1], [0, 0]]
+    assert len(recorder.probabilities) == 2 and recorder.seconds > 0
+    assert torch.allclose(recorder.probabilities[0], torch.softmax(logits, -1).max(-1).values)
+    undo()
+    assert "_greedy_sample" not in vars(runner.drafter) and "propose" not in vars(runner.drafter)

@@ -66,8 +66,9 @@ def _run(target: Path, spec: dict | None, *, sample: bool = False, long: bool = 
         texts = LONG_PROMPTS if long else prompts(NUM_PROMPTS)
         outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
         greedy = [list(o.outputs[0].token_ids) for o in outs]
+        texts = [o.outputs[0].text for o in outs]
         if spec is None:
-            metrics = None
+            metrics = {"texts": texts}
         elif spec["method"] == "sparsever":
             metrics = get_metrics(llm)
         else:
@@ -89,10 +90,10 @@ def _run(target: Path, spec: dict | None, *, sample: bool = False, long: bool = 
 
 @pytest.fixture(scope="module")
 def plain(target):
-    greedy, _, sampled = _run(target, None, sample=True)
+    greedy, texts, sampled = _run(target, None, sample=True)
     long_greedy, _, _ = _run(target, None, long=True)
     assert len({tuple(t) for t in greedy}) > 1  # not degenerate
-    return greedy, sampled, long_greedy
+    return greedy, sampled, long_greedy, texts["texts"]
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +184,24 @@ def test_eagle3_sampling_follows_the_target_distribution(plain, eagle3_run):
     assert_follows_plain_sampling(eagle3_run[2], plain[1], "eagle3-drafted", SAMPLES, SAMPLE_TOKENS)
 
 
+def test_evict_cuts_eagle3_chains_by_the_heads_probabilities_and_stays_lossless(plain, target, eagle3_head,
+                                                                               tmp_path_factory):
+    """EVICT over the head's chains: with a verified token at 5% of a step (synthetic cost profile),
+    drafts the head found unlikely are cut, likely ones kept; output equals plain greedy."""
+    from e2e.test_trees import _cost_profile
+
+    profile = _cost_profile(tmp_path_factory.mktemp("cost") / "cost.json", per_token_s=1e-3)
+    spec = _spec("eagle3", eagle3_head, adaptive={"enabled": True, "cost_profile": profile, "guard": False})
+    greedy, m, _ = _run(target, spec, async_scheduling=False)
+    _assert_same(plain[0], greedy)
+    drafter, evict = m["vllm_drafter"], m["evict"]
+    assert drafter["vllm_drafter_proposals"] > 0 and drafter["vllm_drafter_no_probabilities"] == 0, drafter
+    assert 0 < drafter["vllm_drafter_drafts_kept"] < drafter["vllm_drafter_drafts_proposed"], drafter
+    assert evict["evict_truncated_steps"] > 0 and evict["evict_nodes_kept"] == drafter["vllm_drafter_drafts_kept"]
+    # What was verified is what EVICT kept (less the drafts of requests that finished first).
+    assert 0 < m["num_draft_tokens"] <= drafter["vllm_drafter_drafts_kept"] and m["num_accepted_tokens"] > 0, m
+
+
 def test_eagle_head_greedy_equals_plain_greedy(plain, target, eagle_head):
     greedy, m, _ = _run(target, _spec("eagle", eagle_head))
     _assert_same(plain[0], greedy)
@@ -214,3 +233,18 @@ def test_eagle3_tensor_parallel_greedy_equals_plain_greedy(plain, target, eagle3
                         distributed_executor_backend="mp")
     _assert_same(plain[0], greedy)
     assert len(m["ranks"]) == 2 and m["num_accepted_tokens"] > 0
+
+
+def test_vllm_serve_with_an_eagle3_head_matches_plain_greedy(plain, target, eagle3_head, tmp_path_factory):
+    from openai import OpenAI
+
+    from serve_utils import running_server, settled_sparsever_metrics
+
+    log = tmp_path_factory.mktemp("serve_eagle3") / "server.log"
+    with running_server(target, _spec("eagle3", eagle3_head), log, "--max-model-len", "1024") as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
+        for i, (prompt, want) in enumerate(zip(prompts(NUM_PROMPTS), plain[3], strict=True)):
+            resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+            assert resp.choices[0].text == want, f"prompt {i}"
+        values = settled_sparsever_metrics(base, lambda v: v.get("sparsever:num_accepted_tokens_total", 0) > 0)
+        assert values["sparsever:num_accepted_tokens_total"] > 0, values

@@ -7,7 +7,8 @@ from vllm_sparsever.drafting.proposer import Proposer
 
 
 def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | None:
-    """sparsever's proposer, or None when vLLM's drafter proposes as it is (draft model, n-gram):
+    """sparsever's proposer, or None when vLLM's drafter proposes as it is (draft model, n-gram, EAGLE;
+    with adaptive, EVICT cuts an EAGLE head's chains, drafting/vllm_drafter.py):
     the self-drafter for draft_source='early_exit'; with early_exit.enabled, the hierarchy over the
     drafter (self-drafter or prompt lookup) and the intermediate verifier (layers resolved in the
     front end, see resolve_self_draft)."""
@@ -22,6 +23,11 @@ def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | Non
         # (checked at start: no hierarchy with trees)
         return DraftModelDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
                                  **trees)
+    if config.draft_source in ("eagle", "eagle3") and config.adaptive.enabled:
+        from vllm_sparsever.drafting.vllm_drafter import VllmDrafterChains
+
+        return VllmDrafterChains(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
+                                 adaptive=config.adaptive)
     if config.draft_source == "ngram" and config.adaptive.enabled:
         from vllm_sparsever.drafting.prompt_lookup import PromptLookupDrafter
 

@@ -46,12 +46,17 @@ class SparseverRunnerMixin:
         self.sparsever_runtime = start_sparse_verification(config, self.vllm_config)
         self.sparsever_proposer = make_proposer(config, self.model_config.max_model_len)
         self._sparsever_hierarchy = self.sparsever_proposer if config.early_exit.enabled else None
-        # vLLM's draft_model method proposes before the step's bookkeeping, from device tensors;
-        # sparsever's draft-model drafter needs the committed tokens: it proposes after sample_tokens.
-        self._sparsever_propose_late = self.sparsever_proposer is not None and config.draft_source == "draft_model"
+        # vLLM's model-based drafters propose before the step's bookkeeping, from device tensors;
+        # sparsever's draft-model drafter needs the committed tokens, and EVICT cuts an EAGLE head's
+        # chains once they are known: both propose after sample_tokens.
+        proposer = self.sparsever_proposer
+        self._sparsever_cuts_vllm_drafts = getattr(proposer, "cuts_vllm_drafts", False)
+        self._sparsever_propose_late = proposer is not None and (config.draft_source == "draft_model"
+                                                                 or self._sparsever_cuts_vllm_drafts)
         if self._sparsever_propose_late and getattr(self, "use_async_scheduling", False):
-            which = "tree.enabled" if config.tree.enabled else "early_exit.enabled"
-            raise ValueError(f"{which} with draft_source='draft_model' needs synchronous scheduling "
+            which = ("tree.enabled" if config.tree.enabled else
+                     "adaptive.enabled" if config.adaptive.enabled else "early_exit.enabled")
+            raise ValueError(f"{which} with draft_source={config.draft_source!r} needs synchronous scheduling "
                              "(allowed: async_scheduling=False, e.g. --no-async-scheduling)")
         self._sparsever_trees = TreeAcceptance()
         self._sparsever_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (query indices)
@@ -122,6 +127,8 @@ class SparseverRunnerMixin:
 
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
         with self._sparsever_steps.timing("draft"):
+            if self._sparsever_cuts_vllm_drafts:  # vLLM's drafter proposes; cut in sample_tokens
+                return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
             if self._sparsever_propose_late:
                 return [[] for _ in range(batch_num_rows(self))]  # the real drafts: sample_tokens
             if self.sparsever_proposer is not None:
@@ -144,8 +151,8 @@ class SparseverRunnerMixin:
         return output
 
     def _propose_after_bookkeeping(self, output: Any) -> None:
-        """Draft-model drafting for the next step, from this step's committed tokens (see
-        `_sparsever_propose_late`)."""
+        """Draft-model drafting, or EVICT's cut of vLLM's drafts, for the next step, from this
+        step's committed tokens (see `_sparsever_propose_late`)."""
         from vllm_sparsever.compat.runner import set_draft_token_ids
 
         sampled = sampled_tokens(output)

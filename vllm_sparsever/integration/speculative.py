@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_sparsever.config import METHOD_NAME, SparseverConfig, SparseverConfigError
+from vllm_sparsever.config import METHOD_NAME, VLLM_DRAFTERS, SparseverConfig, SparseverConfigError
 from vllm_sparsever.verification.support import check_cuda_graphs, check_sparsity_supported
 
 ADDITIONAL_CONFIG_KEY = "sparsever"
@@ -30,7 +30,7 @@ def self_draft_lookahead(vllm_config: Any) -> int:
     - 1 tree nodes after the root."""
     additional = getattr(vllm_config, "additional_config", None) or {}
     data = additional.get(ADDITIONAL_CONFIG_KEY)
-    if not data:
+    if not data or data.get("draft_source") in VLLM_DRAFTERS:  # vLLM reserves its drafter's slots
         return 0
     early_exit = data.get("early_exit") or {}
     tree = (data.get("tree") or {}).get("enabled") or (data.get("adaptive") or {}).get("enabled")

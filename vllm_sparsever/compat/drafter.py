@@ -1,0 +1,77 @@
+"""vLLM's model-based drafters (`eagle`, `eagle3`, `mtp`: `SpecDecodeBaseProposer`, vllm/v1/spec_decode/
+llm_base_proposer.py) as sparsever reads them, to let EVICT cut their chains.
+
+Private symbols touched:
+- `runner.drafter` (the proposer instance) and its `propose(...)` (timed: the step's drafting);
+- `drafter._greedy_sample(hidden_states) -> token ids` (called once per draft step with every
+  request's last hidden state; replaced on the instance to also keep each draft's probability:
+  the softmax maximum over the logits it takes the argmax of); `drafter.use_local_argmax_reduction`
+  and `drafter.use_heterogeneous_vocab` / `drafter.vocab_mapping` (`constrain_draft_logits`,
+  `map_draft_to_target_ids`), which change how it samples; `drafter.model.compute_logits`;
+- `runner._draft_token_ids` (what the drafter proposed this step: a [rows, k] tensor, or lists).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class DraftRecorder:
+    """What vLLM's drafter did in the current step: its time, and per draft step the probability of
+    each row's draft (empty when the drafter sampled without `_greedy_sample`, e.g. probabilistic
+    draft sampling, or with the local argmax reduction, which never forms the probabilities)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.probabilities: list[torch.Tensor] = []
+
+    def start(self) -> None:
+        self.seconds = 0.0
+        self.probabilities = []
+
+
+def record_drafter(runner: Any) -> tuple[DraftRecorder, Callable[[], None]]:
+    """Instrument `runner.drafter` (on the instance); returns the recorder and an undo."""
+    drafter = runner.drafter
+    recorder = DraftRecorder()
+    propose, greedy = drafter.propose, drafter._greedy_sample
+
+    def timed_propose(*args: Any, **kwargs: Any) -> Any:
+        recorder.start()
+        start = time.perf_counter()
+        try:
+            return propose(*args, **kwargs)
+        finally:
+            recorder.seconds = time.perf_counter() - start
+
+    def greedy_with_probabilities(hidden_states: torch.Tensor) -> torch.Tensor:
+        if drafter.use_local_argmax_reduction:
+            return greedy(hidden_states)
+        logits = drafter.model.compute_logits(hidden_states)
+        if drafter.use_heterogeneous_vocab:
+            logits = drafter.vocab_mapping.constrain_draft_logits(logits)
+        probabilities, ids = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        recorder.probabilities.append(probabilities)
+        if drafter.use_heterogeneous_vocab:
+            return drafter.vocab_mapping.map_draft_to_target_ids(ids)
+        return ids
+
+    drafter.propose = timed_propose
+    drafter._greedy_sample = greedy_with_probabilities
+
+    def undo() -> None:
+        del drafter.propose, drafter._greedy_sample  # back to the class's methods
+
+    return recorder, undo
+
+
+def proposed_drafts(runner: Any) -> list[list[int]]:
+    """The drafts vLLM's drafter proposed this step, per batch row."""
+    drafts = runner._draft_token_ids
+    if drafts is None:
+        return []
+    return drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]

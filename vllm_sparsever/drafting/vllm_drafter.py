@@ -1,0 +1,87 @@
+"""EVICT over vLLM's own model-based drafters (draft_source 'eagle' / 'eagle3', `adaptive.enabled`).
+
+vLLM's drafter (an EAGLE or EAGLE-3 head) drafts its chain of num_speculative_tokens as it always
+does, inside the step; sparsever records the probability of each draft as the head gave it
+(compat.drafter). After the step's bookkeeping, EVICT decides how deep each request's chain is
+worth verifying: the chain is a one-branch tree whose node scores are its path probabilities
+(calibrated online per score, as for the draft model's trees), and EVICT cuts it where one more
+verified token stops paying for itself, or drops it where plain decoding is cheaper. The head
+keeps drafting every step (its KV must follow the sequence), so drafting is one pass whatever
+the depth: EVICT prices verification, not drafting, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
+from vllm_sparsever.drafting.tree_drafter import TreeDrafting
+from vllm_sparsever.metrics import counters_summary
+from vllm_sparsever.plan import DraftTree
+
+
+@dataclass
+class VllmDrafterStats:
+    proposals: int = 0  # steps vLLM's drafter proposed in
+    drafts_proposed: int = 0  # its drafts (every row's chain)
+    drafts_kept: int = 0  # ... left after EVICT's cut
+    no_probabilities: int = 0  # steps without the drafts' probabilities (drafts kept as they are)
+    slot_limited: int = 0
+    draft_time_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return counters_summary(self, "vllm_drafter_", {"draft_time_s": "vllm_drafter_time_s"})
+
+
+class VllmDrafterChains(TreeDrafting, RoundDrafter):
+    level = "vllm_drafter"
+    # vLLM drafts its whole chain every step: a deeper chain costs no more drafting.
+    one_pass = True
+    # The proposal is vLLM's (inside the step); the cut comes after the step's bookkeeping.
+    cuts_vllm_drafts = True
+
+    def __init__(self, *, num_speculative_tokens: int, max_model_len: int, adaptive: Any) -> None:
+        super().__init__(VllmDrafterStats(), num_speculative_tokens=num_speculative_tokens,
+                         max_model_len=max_model_len)
+        self.init_trees(None, adaptive, num_speculative_tokens)
+        self._recorder: Any = None
+        self._undo: Any = None
+
+    def load(self, runner: Any) -> None:
+        from vllm_sparsever.compat.drafter import record_drafter
+
+        super().load(runner)
+        self._recorder, self._undo = record_drafter(runner)
+
+    def propose(self, step: DraftStep) -> list[list[int]]:
+        from vllm_sparsever.compat.drafter import proposed_drafts
+
+        self._proposed = proposed_drafts(self.runner)
+        self.stats.proposals += 1
+        self.stats.drafts_proposed += sum(len(d) for d in self._proposed)
+        self.stats.draft_time_s += self._recorder.seconds
+        if len(self._recorder.probabilities) != self.num_speculative_tokens:
+            self.stats.no_probabilities += 1
+            return self._proposed
+        drafts = self.propose_trees(step)
+        self.stats.drafts_kept += sum(len(d) for d in drafts)
+        return drafts
+
+    def grow_trees(self, reqs: DraftRequests, levels: int, shape: Any,
+                   catch_up_tokens: int = 0) -> tuple[list[DraftTree], list[float]]:
+        """Each request's chain as vLLM drafted it, its first `levels` drafts, scored by path
+        probability; and the drafting's time (one pass)."""
+        probabilities = [p.tolist() for p in self._recorder.probabilities]
+        trees = []
+        for row, budget in zip(reqs.rows, reqs.budgets, strict=True):
+            chain = self._proposed[row][: min(levels, budget)]
+            scores, path = [], 1.0
+            for depth in range(len(chain)):
+                path *= probabilities[depth][row]
+                scores.append(path)
+            trees.append(DraftTree(list(chain), list(range(-1, len(chain) - 1)), scores))
+            self.tree_stats.trees += bool(chain)
+            self.tree_stats.nodes_grown += len(chain)
+        return trees, [self._recorder.seconds]
