@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 # Real-model tests reuse the models the set-up built instead of rebuilding them in a temp dir.
 export SPARSEVER_TEST_MODELS_ROOT="${SPARSEVER_TEST_MODELS_ROOT:-${VLLM_SPARSEVER_HOME:-$HOME/.cache/vllm-sparsever}/models}"
-exec python -m pytest -ra "$@"
+exec python -m pytest -ra --durations=30 "$@"
