@@ -11,6 +11,10 @@ def test_llm_engine_holds_an_engine_core_client_with_shutdown():
 
     assert "self.engine_core" in inspect.getsource(LLMEngine.__init__)
     assert callable(getattr(EngineCoreClient, "shutdown", None))
+    from vllm.v1.engine.core_client import InprocClient, MPClient
+
+    for client in (EngineCoreClient, InprocClient, MPClient):  # the grace period is a keyword
+        assert "timeout" in inspect.signature(client.shutdown).parameters, client
     from vllm import LLM
 
     assert "self.llm_engine" in inspect.getsource(LLM.__init__)
@@ -20,8 +24,8 @@ def test_shutdown_llm_calls_the_client_and_tolerates_none():
     calls = []
 
     class Client:
-        def shutdown(self):
-            calls.append(1)
+        def shutdown(self, timeout=None):
+            calls.append(timeout)
 
     class Engine:
         engine_core = Client()
@@ -31,4 +35,4 @@ def test_shutdown_llm_calls_the_client_and_tolerates_none():
 
     shutdown_llm(FakeLLM())
     shutdown_llm(object())  # no engine: nothing to do
-    assert calls == [1]
+    assert calls == [60.0]

@@ -36,6 +36,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
                           timeout=900, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "exited unexpectedly" not in proc.stderr, proc.stderr[-3000:]
+    assert "force killing" not in proc.stderr, proc.stderr[-3000:]  # the engine exited on its own
     return proc
 
 
