@@ -45,6 +45,7 @@ MODEL_CASES = [
      f"the largest --max-new-tokens allowed is {LIMIT - 328}"),
     (["train-eagle", "{m}", "--time-budget", "0"], "--time-budget: must be > 0 minutes, got 0.0"),
     (["train-eagle", "{m}", "--ttt-steps", "0"], "argument --ttt-steps: must be an integer >= 1"),
+    (["train-eagle", "{m}", "--num-prompts", "100000", "--generator", "hf"], "--num-prompts: 100000 > "),
     (["train-eagle", "{m}", "--aux-layers", "0", "9"], "--aux-layers: increasing distinct layer ids in 0..2"),
     (["profile-verify", "{m}", "--max-context", "100000"],
      f"--max-context 100000: the model's maximum length is {LIMIT}, less 80 tokens the command adds; "

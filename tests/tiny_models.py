@@ -277,6 +277,7 @@ def train_tiny_eagle3(path: Path, target: Path, *, num_prompts: int = 40, epochs
     texts = [*extra_prompts, *prompts(num_prompts, length=16, seed=5)]
     rows = [{"id": f"row/{i}", "prompt": text} for i, text in enumerate(texts)]
     settings = dict(prompt_rows=rows, generator="hf", max_prompt_tokens=32, max_new_tokens=48, num_heldout_prompts=4,
+                    samples_per_prompt=1,
                     epochs=epochs, lr=2e-3, draft_vocab=None, show_progress=False, output_dir=str(path))
     train_eagle(str(target), TrainEagleOptions(**{**settings, **overrides}))
     return path

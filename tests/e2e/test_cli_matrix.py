@@ -85,6 +85,7 @@ def test_train_eagle(models, kind, tmp_path):
     out = tmp_path / "eagle3"
     proc = _run("train-eagle", str(models[kind]), "--output", str(out), "--num-prompts", "4",
                 "--num-heldout-prompts", "2", "--max-new-tokens", "16", "--epochs", "1", "--draft-vocab", "64",
+                "--samples-per-prompt", "2",
                 "--time-budget", "2", "--no-progress")
     if kind in ("mixtral", "qwen2-moe"):  # vLLM's EAGLE-3 drafter reads no MoE target's layer outputs
         assert proc.returncode == 2 and "MODEL: vLLM's EAGLE-3 drafter reads" in proc.stderr, proc.stderr[-2000:]

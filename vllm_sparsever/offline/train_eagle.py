@@ -68,6 +68,7 @@ class TrainEagleOptions:
     draft_vocab: int | None = 32768  # the N most frequent tokens of the training text; None: all
     intermediate_size: int | None = None  # the head's MLP width; None: the target's
     ttt_steps: int = 3
+    samples_per_prompt: int = 4  # continuations sampled per training prompt (the data set is small)
     num_prompts: int | None = None
     num_heldout_prompts: int = 8
     max_prompt_tokens: int = 256
@@ -119,7 +120,8 @@ def validate(options: TrainEagleOptions, config: dict[str, Any]) -> tuple[int, .
     vocab = int(config["vocab_size"])
     if options.draft_vocab is not None and not 1 <= options.draft_vocab:
         raise TrainEagleError(f"--draft-vocab: at least 1 (at most the vocabulary, {vocab}), got {options.draft_vocab}")
-    for flag, value in (("--ttt-steps", options.ttt_steps), ("--epochs", options.epochs)):
+    for flag, value in (("--ttt-steps", options.ttt_steps), ("--epochs", options.epochs),
+                        ("--samples-per-prompt", options.samples_per_prompt)):
         if value < 1:
             raise TrainEagleError(f"{flag}: at least 1, got {value}")
     if options.intermediate_size is not None and options.intermediate_size < 1:
@@ -458,6 +460,9 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
     aux_layers = validate(options, config)
     text = options.text_options()
     train_rows, heldout_rows = split_prompts(text)
+    # Several sampled continuations per training prompt (held-out prompts: one each).
+    train_rows = [{**row, "id": f"{row['id']}#{k}"} if k else row
+                  for row in train_rows for k in range(options.samples_per_prompt)]
     output_dir = Path(options.output_dir) if options.output_dir else head_dir(model_dir)
     torch.manual_seed(options.seed)
     seconds: dict[str, float] = {}

@@ -19,6 +19,8 @@ _KNOBS = {
     "--intermediate-size": ("intermediate_size", positive_int, "the head's MLP width (default: the target's)"),
     "--ttt-steps": ("ttt_steps", positive_int, "draft steps unrolled while training (default: 3)"),
     "--num-prompts": ("num_prompts", positive_int, "training prompts (default: every article not held out)"),
+    "--samples-per-prompt": ("samples_per_prompt", positive_int,
+                             "continuations sampled per training prompt (default: 4)"),
     "--num-heldout-prompts": ("num_heldout_prompts", positive_int,
                               "articles held out for the agreement report (default: 8)"),
     "--max-prompt-tokens": ("max_prompt_tokens", positive_int, "prompt text cut to this (default: 256)"),
@@ -61,7 +63,8 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
 
     from vllm_sparsever.models import resolve_model_arg
     from vllm_sparsever.models.limits import fit_length, model_max_len
-    from vllm_sparsever.offline.train_eagle import TrainEagleError, TrainEagleOptions, summary, train_eagle
+    from vllm_sparsever.offline.train_eagle import TrainEagleOptions, summary, train_eagle
+    from vllm_sparsever.offline.train_exits import TrainExitsError
     from vllm_sparsever.offline.train_exits_cli import TEMPLATE_MARGIN
 
     given = {dest: getattr(args, dest) for dest, _, _ in _KNOBS.values() if getattr(args, dest) is not None}
@@ -79,7 +82,7 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     options = TrainEagleOptions(**given, regenerate=args.regenerate, show_progress=not args.no_progress)
     try:
         result = train_eagle(model, options)
-    except TrainEagleError as exc:
+    except TrainExitsError as exc:  # (TrainEagleError too)
         print(f"vllm-sparsever train-eagle: error: {exc}", file=sys.stderr)
         return 2
     print(summary(result), flush=True)
