@@ -51,6 +51,9 @@ def test_head_is_written_in_vllms_eagle3_format(head, model_dir):
     assert config["num_hidden_layers"] == 1 and config["vocab_size"] == target["vocab_size"]
     assert config["draft_vocab_size"] == DRAFT_VOCAB
     assert config["eagle_aux_hidden_state_layer_ids"] == list(default_aux_layers(NUM_LAYERS))
+    # The head's rotary embedding is the target's (vLLM builds it from the head's config).
+    rope = {k: target[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if target.get(k) is not None}
+    assert rope and all(config[k] == v for k, v in rope.items()), (rope, config)
     weights = load_file(str(head / "model.safetensors"))
     hidden = target["hidden_size"]
     assert weights["fc.weight"].shape == (hidden, 3 * hidden)

@@ -532,7 +532,10 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
     from safetensors.torch import save_file
 
     save_file(state, str(output_dir / "model.safetensors"))
-    keys = ("vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id")
+    # The rotary settings must be the target's (transformers 5 writes them as `rope_parameters`): the
+    # head was trained with them, and vLLM builds the head's rotary embedding from this config.
+    keys = ("vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "bos_token_id",
+            "eos_token_id")
     head_config = {
         "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": hidden,
         "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
