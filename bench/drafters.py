@@ -135,13 +135,18 @@ def main(argv=None) -> int:
 def write_summary(record: dict, results: dict, base: Path, manifest: dict) -> dict:
     """bench/results/summary/drafters.json with the keys issue 27 names."""
     path = RESULTS / "summary" / "drafters.json"
+    previous = json.loads(path.read_text()) if path.is_file() else {}
     summary = {"machine": record["hardware"].get("Model name", "?") + f" ({record['hardware'].get('nproc')} cores)",
                "date": record["started_utc"][:10], "command": record["command"], "results_file": base.name}
+    for key in ("batch_1", "batch_8"):  # a batch size this run did not measure stays as its last run wrote it
+        if key in previous and key not in results:
+            summary[key] = previous[key]
+    where = {"command": record["command"], "results_file": base.name}
     for key, entries in results.items():
         dm = next(n for n in entries if n.startswith("draft_model-k"))
         _, eagle_tok_s = best(entries, "vllm-eagle3-k")
         sv, sv_tok_s = best(entries, "sparsever-eagle3")
-        summary[key] = {"autoregressive_tok_s": entries["autoregressive"]["tok_s"],
+        summary[key] = {**where, "autoregressive_tok_s": entries["autoregressive"]["tok_s"],
                         "draft_model_tok_s": entries[dm]["tok_s"], "vllm_eagle3_best_tok_s": eagle_tok_s,
                         "sparsever_best": {"mode": sv, "tok_s": sv_tok_s,
                                            "mean_acceptance_length": entries[sv]["mean_acceptance_length"] or 1.0}}
