@@ -77,3 +77,24 @@ def test_recorder_keeps_each_drafts_probability_and_returns_the_same_tokens():
     assert torch.allclose(recorder.probabilities[0], torch.softmax(logits, -1).max(-1).values)
     undo()
     assert "_greedy_sample" not in vars(runner.drafter) and "propose" not in vars(runner.drafter)
+
+
+def test_the_drafters_depth_per_step_is_the_scheduler_outputs_num_spec_tokens_to_schedule():
+    import dataclasses
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_sparsever.compat.drafter import with_draft_depth
+
+    assert "num_spec_tokens_to_schedule" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    propose = inspect.getsource(GPUModelRunner.propose_draft_token_ids)
+    assert "num_spec_tokens_to_schedule = scheduler_output.num_spec_tokens_to_schedule" in propose
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    assert "self.num_speculative_tokens = num_speculative_tokens" in inspect.getsource(SpecDecodeBaseProposer.propose)
+    out = SchedulerOutput.make_empty()
+    copy = with_draft_depth(out, 2, 5)
+    assert copy.num_spec_tokens_to_schedule == 2 and copy is not out and out.num_spec_tokens_to_schedule == 0
+    with pytest.raises(ValueError):
+        with_draft_depth(object(), 6, 5)

@@ -8,7 +8,12 @@ Private symbols touched:
   the softmax maximum over the logits it takes the argmax of); `drafter.use_local_argmax_reduction`
   and `drafter.use_heterogeneous_vocab` / `drafter.vocab_mapping` (`constrain_draft_logits`,
   `map_draft_to_target_ids`), which change how it samples; `drafter.model.compute_logits`;
-- `runner._draft_token_ids` (what the drafter proposed this step: a [rows, k] tensor, or lists).
+- `SchedulerOutput.num_spec_tokens_to_schedule` (vLLM's dynamic speculation: the draft steps the
+  runner's `propose_draft_token_ids` has the drafter run; the mixin hands it a copy carrying the
+  depth EVICT plans, never above the configured value the drafter's buffers were sized for);
+- `runner._draft_token_ids` (what the drafter proposed this step: a [rows, k] tensor, or lists);
+- `runner.input_batch.num_tokens_no_spec` / `num_reqs` before the step's bookkeeping (each row's
+  tokens before this step's: the context EVICT prices the step at).
 """
 
 from __future__ import annotations
@@ -75,3 +80,19 @@ def proposed_drafts(runner: Any) -> list[list[int]]:
     if drafts is None:
         return []
     return drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]
+
+
+def with_draft_depth(scheduler_output: Any, depth: int, configured: int) -> Any:
+    """A copy of the step's scheduler output whose drafter runs `depth` draft steps (1 <= depth <=
+    `configured`, the engine's num_speculative_tokens); the scheduler's own object is left alone."""
+    import dataclasses
+
+    if not 1 <= depth <= configured:
+        raise ValueError(f"draft depth {depth} outside 1..{configured}")
+    return dataclasses.replace(scheduler_output, num_spec_tokens_to_schedule=depth)
+
+
+def step_contexts(runner: Any) -> list[int]:
+    """Per batch row, its tokens before this step's (read before the step's bookkeeping)."""
+    batch = runner.input_batch
+    return [int(n) for n in batch.num_tokens_no_spec[: batch.num_reqs]]

@@ -19,6 +19,10 @@ class Proposer:
     # True for a proposer that prices steps (EVICT): the runner then hands it each decode step's
     # measured time (observe_step_time), computing the step's shape only then.
     wants_step_times = False
+    # True for a proposer that cuts what vLLM's own drafter proposed (EVICT over an EAGLE head): the
+    # runner has vLLM's drafter run as deep as `plan_before_vllm_drafts` says, then calls `propose`
+    # after the step's bookkeeping.
+    cuts_vllm_drafts = False
 
     def load(self, runner: Any) -> None:
         """After the target loaded: take what drafting needs from the runner."""
@@ -26,6 +30,10 @@ class Proposer:
 
     def propose(self, step: DraftStep) -> list[list[int]]:
         """The next step's drafts per batch row of `step` (what vLLM sampled and committed)."""
+        raise NotImplementedError
+
+    def plan_before_vllm_drafts(self) -> int:
+        """(cuts_vllm_drafts) The draft steps vLLM's drafter is to run this step (>= 1)."""
         raise NotImplementedError
 
     def forget(self, req_ids: set[str]) -> None:

@@ -119,7 +119,7 @@ class TreeDrafting:
         catch_up = self._catch_up_tokens(reqs) if self.evict is not None else 0
         levels = shape.cap
         if self.evict is not None:
-            levels = _agreed(self.evict.plan_depth(contexts, shape, catch_up))
+            levels = self.plan_levels(contexts, shape, catch_up)
             if levels == 0:
                 return drafts
         trees, passes = self.grow_trees(reqs, levels, shape, catch_up)
@@ -150,6 +150,10 @@ class TreeDrafting:
             self.tree_stats.nodes += len(tree)
         self.tree_stats.time_s += time.perf_counter() - start
         return drafts
+
+    def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int) -> int:
+        """EVICT's depth for this step (0: skip drafting), the same on every tensor-parallel rank."""
+        return _agreed(self.evict.plan_depth(contexts, shape, catch_up_tokens))
 
     def _draft_shape(self, reqs: DraftRequests) -> Any:
         """How this step's drafts can grow (EVICT's DraftShape): the tree config's levels, node

@@ -1,13 +1,13 @@
 """EVICT over vLLM's own model-based drafters (draft_source 'eagle' / 'eagle3', `adaptive.enabled`).
 
-vLLM's drafter (an EAGLE or EAGLE-3 head) drafts its chain of num_speculative_tokens as it always
-does, inside the step; sparsever records the probability of each draft as the head gave it
-(compat.drafter). After the step's bookkeeping, EVICT decides how deep each request's chain is
-worth verifying: the chain is a one-branch tree whose node scores are its path probabilities
-(calibrated online per score, as for the draft model's trees), and EVICT cuts it where one more
-verified token stops paying for itself, or drops it where plain decoding is cheaper. The head
-keeps drafting every step (its KV must follow the sequence), so drafting is one pass whatever
-the depth: EVICT prices verification, not drafting, here.
+Before vLLM's drafter (an EAGLE or EAGLE-3 head) runs in the step, EVICT plans the step's depth
+from its cost model and the steps it measured, and the drafter runs that many draft steps (at least
+one: its first pass also writes the head's KV for the tokens just verified, which later steps
+attend to; a step EVICT skips drops that draft). sparsever records each draft's probability as the
+head gave it (compat.drafter). After the step's bookkeeping, EVICT decides how much of each
+request's chain is worth verifying: the chain is a one-branch tree whose node scores are its path
+probabilities (calibrated online per score, as for the draft model's trees), cut where one more
+verified token stops paying for itself.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ class VllmDrafterStats:
 
 class VllmDrafterChains(TreeDrafting, RoundDrafter):
     level = "vllm_drafter"
-    # vLLM drafts its whole chain every step: a deeper chain costs no more drafting.
-    one_pass = True
-    # The proposal is vLLM's (inside the step); the cut comes after the step's bookkeeping.
+    # The proposal is vLLM's (inside the step, `plan_before_vllm_drafts` first); the cut comes after
+    # the step's bookkeeping.
     cuts_vllm_drafts = True
 
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int, adaptive: Any) -> None:
@@ -47,13 +46,29 @@ class VllmDrafterChains(TreeDrafting, RoundDrafter):
                          max_model_len=max_model_len)
         self.init_trees(None, adaptive, num_speculative_tokens)
         self._recorder: Any = None
-        self._undo: Any = None
+        self._levels = num_speculative_tokens  # EVICT's depth for the current step
+        self._depth = num_speculative_tokens  # the draft steps vLLM's drafter runs this step
 
     def load(self, runner: Any) -> None:
         from vllm_sparsever.compat.drafter import record_drafter
 
         super().load(runner)
-        self._recorder, self._undo = record_drafter(runner)
+        self._recorder, _ = record_drafter(runner)
+
+    def plan_before_vllm_drafts(self) -> int:
+        """EVICT's depth for this step, before vLLM's drafter runs: the draft steps it is to run."""
+        from vllm_sparsever.adaptive.evict import DraftShape
+        from vllm_sparsever.compat.drafter import step_contexts
+
+        contexts = step_contexts(self.runner)
+        k = self.num_speculative_tokens
+        shape = DraftShape(cap=k, budgets=(k,) * len(contexts), first=1, later=1, mask="chain", one_pass=False)
+        self._levels = super().plan_levels(contexts, shape, 0) if contexts else k
+        self._depth = max(1, self._levels)
+        return self._depth
+
+    def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int) -> int:
+        return min(self._levels, shape.cap)  # planned before vLLM drafted (plan_before_vllm_drafts)
 
     def propose(self, step: DraftStep) -> list[list[int]]:
         from vllm_sparsever.compat.drafter import proposed_drafts
@@ -62,7 +77,7 @@ class VllmDrafterChains(TreeDrafting, RoundDrafter):
         self.stats.proposals += 1
         self.stats.drafts_proposed += sum(len(d) for d in self._proposed)
         self.stats.draft_time_s += self._recorder.seconds
-        if len(self._recorder.probabilities) != self.num_speculative_tokens:
+        if len(self._recorder.probabilities) != self._depth:
             self.stats.no_probabilities += 1
             return self._proposed
         drafts = self.propose_trees(step)
@@ -72,7 +87,7 @@ class VllmDrafterChains(TreeDrafting, RoundDrafter):
     def grow_trees(self, reqs: DraftRequests, levels: int, shape: Any,
                    catch_up_tokens: int = 0) -> tuple[list[DraftTree], list[float]]:
         """Each request's chain as vLLM drafted it, its first `levels` drafts, scored by path
-        probability; and the drafting's time (one pass)."""
+        probability; and the time of each of the drafter's passes."""
         probabilities = [p.tolist() for p in self._recorder.probabilities]
         trees = []
         for row, budget in zip(reqs.rows, reqs.budgets, strict=True):
@@ -84,4 +99,4 @@ class VllmDrafterChains(TreeDrafting, RoundDrafter):
             trees.append(DraftTree(list(chain), list(range(-1, len(chain) - 1)), scores))
             self.tree_stats.trees += bool(chain)
             self.tree_stats.nodes_grown += len(chain)
-        return trees, [self._recorder.seconds]
+        return trees, [self._recorder.seconds / self._depth] * self._depth

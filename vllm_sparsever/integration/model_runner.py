@@ -50,7 +50,7 @@ class SparseverRunnerMixin:
         # sparsever's draft-model drafter needs the committed tokens, and EVICT cuts an EAGLE head's
         # chains once they are known: both propose after sample_tokens.
         proposer = self.sparsever_proposer
-        self._sparsever_cuts_vllm_drafts = getattr(proposer, "cuts_vllm_drafts", False)
+        self._sparsever_cuts_vllm_drafts = proposer is not None and proposer.cuts_vllm_drafts
         self._sparsever_propose_late = proposer is not None and (config.draft_source == "draft_model"
                                                                  or self._sparsever_cuts_vllm_drafts)
         if self._sparsever_propose_late and getattr(self, "use_async_scheduling", False):
@@ -127,7 +127,11 @@ class SparseverRunnerMixin:
 
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
         with self._sparsever_steps.timing("draft"):
-            if self._sparsever_cuts_vllm_drafts:  # vLLM's drafter proposes; cut in sample_tokens
+            if self._sparsever_cuts_vllm_drafts:  # vLLM's drafter proposes as deep as EVICT plans; cut later
+                from vllm_sparsever.compat.drafter import with_draft_depth
+
+                depth = self.sparsever_proposer.plan_before_vllm_drafts()
+                scheduler_output = with_draft_depth(scheduler_output, depth, self.sparsever_config.num_speculative_tokens)
                 return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
             if self._sparsever_propose_late:
                 return [[] for _ in range(batch_num_rows(self))]  # the real drafts: sample_tokens

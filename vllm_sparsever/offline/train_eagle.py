@@ -42,11 +42,11 @@ from vllm_sparsever.offline.train_exits import (
     TrainExitsOptions,
     _lr_at,
     eos_token_ids,
-    generated_sequences,
     load_target,
     read_config,
     resolve_model_dir,
     split_prompts,
+    target_text,
 )
 
 HEAD_DIRNAME = "eagle3_head"
@@ -468,21 +468,13 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
     seconds: dict[str, float] = {}
 
     t0 = time.monotonic()
-    hf_model, tokenizer = (None, None)
-    if options.generator == "hf":
-        hf_model, tokenizer = load_target(model_dir)
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    seqs = generated_sequences(model_dir, tokenizer, train_rows + heldout_rows, text,
-                               heads_dir(model_dir) / GENERATED_NAME, hf_model)  # fmt: skip
+    seqs, hf_model = target_text(model_dir, train_rows + heldout_rows, text, heads_dir(model_dir) / GENERATED_NAME)
     seconds["generate"] = time.monotonic() - t0
     heldout_ids = {r["id"] for r in heldout_rows}
 
     t0 = time.monotonic()
     if hf_model is None:
-        hf_model, tokenizer = load_target(model_dir)
+        hf_model, _ = load_target(model_dir)
     train = extract_features(hf_model, [s for s in seqs if s["id"] not in heldout_ids], aux_layers,
                              "features (train)", options.show_progress)
     heldout = extract_features(hf_model, [s for s in seqs if s["id"] in heldout_ids], aux_layers,

@@ -62,19 +62,13 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     import sys
 
     from vllm_sparsever.models import resolve_model_arg
-    from vllm_sparsever.models.limits import fit_length, model_max_len
     from vllm_sparsever.offline.train_eagle import TrainEagleOptions, summary, train_eagle
     from vllm_sparsever.offline.train_exits import TrainExitsError
-    from vllm_sparsever.offline.train_exits_cli import TEMPLATE_MARGIN
+    from vllm_sparsever.offline.train_exits_cli import fit_text_lengths
 
     given = {dest: getattr(args, dest) for dest, _, _ in _KNOBS.values() if getattr(args, dest) is not None}
     model = resolve_model_arg(args.model, "MODEL")
-    limit, defaults = model_max_len(model), TrainEagleOptions()
-    prompt = fit_length("train-eagle", "--max-prompt-tokens", given.get("max_prompt_tokens"),
-                        defaults.max_prompt_tokens, limit, TEMPLATE_MARGIN + 1)
-    given["max_new_tokens"] = fit_length("train-eagle", "--max-new-tokens", given.get("max_new_tokens"),
-                                         defaults.max_new_tokens, limit, prompt + TEMPLATE_MARGIN)
-    given["max_prompt_tokens"] = prompt
+    fit_text_lengths("train-eagle", model, given, TrainEagleOptions())
     if args.aux_layers:
         given["aux_layers"] = tuple(args.aux_layers)
     if args.generator:

@@ -340,6 +340,20 @@ def generated_sequences(model_dir: str, tokenizer, rows: list[dict], options: Tr
     return seqs
 
 
+def target_text(model_dir: str, rows: list[dict], options: TrainExitsOptions,
+                cache_path: Path | None) -> tuple[list[dict[str, Any]], Any]:
+    """The target's own continuations of `rows` (`generated_sequences`), and the HF target when HF
+    generated them (else None: vLLM did, and the HF model is loaded afterwards)."""
+    hf_model = None
+    if options.generator == "hf":
+        hf_model, tokenizer = load_target(model_dir)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return generated_sequences(model_dir, tokenizer, rows, options, cache_path, hf_model), hf_model
+
+
 # ---- features ----------------------------------------------------------------------------------
 
 
@@ -492,21 +506,13 @@ def train_exits(model: str, options: TrainExitsOptions | None = None) -> TrainEx
 
     # Text first: vLLM generation needs the memory the fp32 HF model would hold.
     t0 = time.monotonic()
-    hf_model, tokenizer = (None, None)
-    if options.generator == "hf":
-        hf_model, tokenizer = load_target(model_dir)
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    seqs = generated_sequences(model_dir, tokenizer, train_rows + heldout_rows, options,
-                               output_dir / GENERATED_NAME, hf_model)  # fmt: skip
+    seqs, hf_model = target_text(model_dir, train_rows + heldout_rows, options, output_dir / GENERATED_NAME)
     seconds["generate"] = time.monotonic() - t0
     heldout_ids = {r["id"] for r in heldout_rows}
 
     t0 = time.monotonic()
     if hf_model is None:
-        hf_model, tokenizer = load_target(model_dir)
+        hf_model, _ = load_target(model_dir)
     train = extract_features(hf_model, [s for s in seqs if s["id"] not in heldout_ids], exit_layers,
                              "features (train)", options.show_progress)  # fmt: skip
     heldout = extract_features(hf_model, [s for s in seqs if s["id"] in heldout_ids], exit_layers,

@@ -56,22 +56,28 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
 TEMPLATE_MARGIN = 72
 
 
+def fit_text_lengths(command: str, model: str, given: dict, defaults) -> None:
+    """A prompt and the text generated after it must fit the model: `given`'s (or the defaults')
+    --max-prompt-tokens and --max-new-tokens, clamped or refused (models.limits.fit_length)."""
+    from vllm_sparsever.models.limits import fit_length, model_max_len
+
+    limit = model_max_len(model)
+    prompt = fit_length(command, "--max-prompt-tokens", given.get("max_prompt_tokens"), defaults.max_prompt_tokens,
+                        limit, TEMPLATE_MARGIN + 1)
+    given["max_new_tokens"] = fit_length(command, "--max-new-tokens", given.get("max_new_tokens"),
+                                         defaults.max_new_tokens, limit, prompt + TEMPLATE_MARGIN)
+    given["max_prompt_tokens"] = prompt
+
+
 def _cmd_train_exits(args: argparse.Namespace) -> int:
     import sys
 
     from vllm_sparsever.models import resolve_model_arg
-    from vllm_sparsever.models.limits import fit_length, model_max_len
     from vllm_sparsever.offline.train_exits import TrainExitsError, TrainExitsOptions, summary, train_exits
 
     given = {dest: getattr(args, dest) for dest, _, _ in _KNOBS.values() if getattr(args, dest) is not None}
-    # A prompt and the text generated after it must fit the model.
     model = resolve_model_arg(args.model, "MODEL")
-    limit, defaults = model_max_len(model), TrainExitsOptions()
-    prompt = fit_length("train-exits", "--max-prompt-tokens", given.get("max_prompt_tokens"),
-                        defaults.max_prompt_tokens, limit, TEMPLATE_MARGIN + 1)
-    given["max_new_tokens"] = fit_length("train-exits", "--max-new-tokens", given.get("max_new_tokens"),
-                                         defaults.max_new_tokens, limit, prompt + TEMPLATE_MARGIN)
-    given["max_prompt_tokens"] = prompt
+    fit_text_lengths("train-exits", model, given, TrainExitsOptions())
     if args.exit_layers:
         given["exit_layers"] = tuple(args.exit_layers)
     if args.generator:
