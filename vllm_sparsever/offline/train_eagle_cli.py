@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from vllm_sparsever.offline.args import positive_int
+from vllm_sparsever.offline.train_exits_cli import TEXT_KNOBS, add_text_flags
 
 # flag -> (TrainEagleOptions field, type, help)
 _KNOBS = {
@@ -18,15 +19,9 @@ _KNOBS = {
                       "the whole vocabulary if it is smaller)"),
     "--intermediate-size": ("intermediate_size", positive_int, "the head's MLP width (default: the target's)"),
     "--ttt-steps": ("ttt_steps", positive_int, "draft steps unrolled while training (default: 3)"),
-    "--num-prompts": ("num_prompts", positive_int, "training prompts (default: every article not held out)"),
     "--samples-per-prompt": ("samples_per_prompt", positive_int,
                              "continuations sampled per training prompt (default: 4)"),
-    "--num-heldout-prompts": ("num_heldout_prompts", positive_int,
-                              "articles held out for the agreement report (default: 8)"),
-    "--max-prompt-tokens": ("max_prompt_tokens", positive_int, "prompt text cut to this (default: 256)"),
-    "--max-new-tokens": ("max_new_tokens", positive_int, "tokens generated per prompt (default: 384)"),
-    "--temperature": ("temperature", float, "sampling temperature of the generated text (default: 0.7)"),
-    "--seed": ("seed", int, "seed of sampling, head init and order (default: 0)"),
+    **TEXT_KNOBS,
     "--epochs": ("epochs", positive_int, "passes over the training text (default: 4)"),
     "--lr": ("lr", float, "AdamW peak learning rate (default: 2e-3)"),
     "--output": ("output_dir", str, "head folder (default: <model>/eagle3_head)"),
@@ -49,11 +44,7 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
                         "default: vLLM's 2, L/2, L-3)")
     for flag, (dest, kind, text) in _KNOBS.items():
         parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
-    parser.add_argument("--generator", choices=["vllm", "hf"], default=None,
-                        help="who generates the training text: vLLM offline (default) or HF generate")
-    parser.add_argument("--regenerate", action="store_true",
-                        help="generate the text again even when the cached text matches")
-    parser.add_argument("--no-progress", action="store_true")
+    add_text_flags(parser)
     parser.set_defaults(func=_cmd_train_eagle)
     return parser
 

@@ -8,19 +8,26 @@ from __future__ import annotations
 
 import argparse
 
+from vllm_sparsever.offline.args import positive_int
+
+# The text both train-exits and train-eagle generate and train on: flag -> (options field, type, help).
+TEXT_KNOBS = {
+    "--num-prompts": ("num_prompts", positive_int, "training prompts (default: every article not held out)"),
+    "--num-heldout-prompts": ("num_heldout_prompts", positive_int,
+                              "articles held out for the agreement report (default: 8)"),
+    "--max-prompt-tokens": ("max_prompt_tokens", positive_int, "prompt text cut to this (default: 256)"),
+    "--max-new-tokens": ("max_new_tokens", positive_int, "tokens generated per prompt (default: 384)"),
+    "--temperature": ("temperature", float, "sampling temperature of the generated text (default: 0.7)"),
+    "--seed": ("seed", int, "seed of sampling, initialisation and training order (default: 0)"),
+}  # fmt: skip
+
 # flag -> (TrainExitsOptions field, type, help); default None = the options' default.
 _KNOBS = {
     "--adapter-size": ("adapter_size", int, "adapter bottleneck width (default: hidden_size / 2)"),
     "--time-budget": ("time_budget_min", float,
                       "minutes for the whole job; training stops early to stay inside (default: 55)"),
-    "--num-prompts": ("num_prompts", int, "training prompts (default: every article not held out)"),
-    "--num-heldout-prompts": ("num_heldout_prompts", int,
-                              "articles held out for the agreement report (default: 8)"),
-    "--max-prompt-tokens": ("max_prompt_tokens", int, "prompt text cut to this (default: 256)"),
-    "--max-new-tokens": ("max_new_tokens", int, "tokens generated per prompt (default: 384)"),
+    **TEXT_KNOBS,
     "--min-new-tokens": ("min_new_tokens", int, "no end of text before this many tokens (default: 0)"),
-    "--temperature": ("temperature", float, "sampling temperature of the generated text (default: 0.7)"),
-    "--seed": ("seed", int, "seed of sampling, head init and batch order (default: 0)"),
     "--epochs": ("epochs", int, "passes over the training tokens (default: 2)"),
     "--lr": ("lr", float, "AdamW peak learning rate (default: 5e-3)"),
     "--batch-tokens": ("batch_tokens", int, "tokens per training step (default: 64)"),
@@ -43,13 +50,18 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
                         "1/2 and 3/4 of depth)")  # fmt: skip
     for flag, (dest, kind, text) in _KNOBS.items():
         parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+    add_text_flags(parser)
+    parser.set_defaults(func=_cmd_train_exits)
+    return parser
+
+
+def add_text_flags(parser: argparse.ArgumentParser) -> None:
+    """Who generates the training text, whether to regenerate it, and progress bars."""
     parser.add_argument("--generator", choices=["vllm", "hf"], default=None,
                         help="who generates the training text: vLLM offline (default) or HF generate")
     parser.add_argument("--regenerate", action="store_true",
                         help="generate the text again even when the cached text matches")
     parser.add_argument("--no-progress", action="store_true")
-    parser.set_defaults(func=_cmd_train_exits)
-    return parser
 
 
 # Tokens a chat template adds around a prompt, and the engine's margin (train_exits._generate_vllm).
