@@ -129,15 +129,11 @@ def prompts(n: int, length: int = 12, seed: int = 0) -> list[str]:
     return out
 
 
-def make_tiny_exit_llama(path: Path, *, seed: int = 0, num_layers: int = 6, logit_scale: float = 4.0,
-                         layer_scale: float = 1.0) -> Path:
+def make_tiny_exit_llama(path: Path, *, seed: int = 0, num_layers: int = 6, logit_scale: float = 4.0) -> Path:
     """A tiny random Llama whose next-token distributions are peaked (RMSNorm weights 1, LM head
     scaled so logits have std ~`logit_scale`) and whose residual stream changes from layer to layer:
     early exits then disagree with the final layer in a way a head can learn (early-exit tests).
-    The default tiny models' N(0, 0.08) norms make every distribution nearly uniform.
-    `layer_scale` < 1 scales what each layer writes into the residual stream down: the next token
-    then depends mostly on the current one, which a draft head trained on little text can learn
-    (EAGLE tests)."""
+    The default tiny models' N(0, 0.08) norms make every distribution nearly uniform."""
     from transformers import LlamaForCausalLM
 
     path = Path(path)
@@ -152,9 +148,6 @@ def make_tiny_exit_llama(path: Path, *, seed: int = 0, num_layers: int = 6, logi
                 p.fill_(1.0)
         head = model.lm_head.weight
         head.copy_(torch.randn(head.shape, generator=g) * logit_scale / head.shape[1] ** 0.5)
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(layer_scale)
-            layer.mlp.down_proj.weight.mul_(layer_scale)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
