@@ -41,7 +41,9 @@
 namespace sparsever::cpu {
 namespace {
 
-constexpr int kRowTile = 4;
+// Query rows per register tile: ROWS x 2 vectors of accumulators plus the K/V vectors and a broadcast
+// must fit the vector registers (16 with AVX2, 32 with AVX-512).
+constexpr int kRowTile = kVecLen == 8 ? 6 : 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Segment {
@@ -111,16 +113,19 @@ inline void qk_tile(const float* q, int64_t q_stride, const KT* k, int64_t k_str
   int t = 0;
   for (; t + 2 * kVecLen <= ntp; t += 2 * kVecLen) {
     Vec acc0[ROWS], acc1[ROWS];
+    SPARSEVER_UNROLL
     for (int r = 0; r < ROWS; ++r) acc0[r] = acc1[r] = Vec(0.f);
     for (int d = 0; d < dp; ++d) {
       const KT* kd = k + d * k_stride_d + t;
       Vec k0 = load_f32<KT>(kd), k1 = load_f32<KT>(kd + kVecLen);
+      SPARSEVER_UNROLL
       for (int r = 0; r < ROWS; ++r) {
         Vec qv(q[r * q_stride + d]);
         acc0[r] = at::vec::fmadd(qv, k0, acc0[r]);
         acc1[r] = at::vec::fmadd(qv, k1, acc1[r]);
       }
     }
+    SPARSEVER_UNROLL
     for (int r = 0; r < ROWS; ++r) {
       acc0[r].store(s + r * s_stride + t);
       acc1[r].store(s + r * s_stride + t + kVecLen);
@@ -141,22 +146,29 @@ inline void qk_tile(const float* q, int64_t q_stride, const KT* k, int64_t k_str
 template <int ROWS, typename VT>
 inline void pv_tile(const float* p, int64_t p_stride, const VT* v, int64_t v_stride_t, int ntok, int dp,
                     float* acc, int64_t acc_stride) {
-  constexpr int kCols = 4;  // vectors of D per tile: ROWS*kCols accumulators
+  constexpr int kCols = kVecLen == 8 ? 2 : 4;  // vectors of D per tile: ROWS*kCols accumulators
   int c = 0;
   for (; c + kCols * kVecLen <= dp; c += kCols * kVecLen) {
     Vec a[ROWS][kCols];
+    SPARSEVER_UNROLL
     for (int r = 0; r < ROWS; ++r)
+      SPARSEVER_UNROLL
       for (int j = 0; j < kCols; ++j) a[r][j] = Vec::loadu(acc + r * acc_stride + c + j * kVecLen);
     for (int t = 0; t < ntok; ++t) {
       const VT* vt = v + t * v_stride_t + c;
       Vec vv[kCols];
+      SPARSEVER_UNROLL
       for (int j = 0; j < kCols; ++j) vv[j] = load_f32<VT>(vt + j * kVecLen);
+      SPARSEVER_UNROLL
       for (int r = 0; r < ROWS; ++r) {
         Vec pv(p[r * p_stride + t]);
+        SPARSEVER_UNROLL
         for (int j = 0; j < kCols; ++j) a[r][j] = at::vec::fmadd(pv, vv[j], a[r][j]);
       }
     }
+    SPARSEVER_UNROLL
     for (int r = 0; r < ROWS; ++r)
+      SPARSEVER_UNROLL
       for (int j = 0; j < kCols; ++j) a[r][j].store(acc + r * acc_stride + c + j * kVecLen);
   }
   for (; c < dp; c += kVecLen) {
@@ -177,6 +189,8 @@ void qk_rows(const float* q, int rows, int dp, const KT* k, int64_t k_stride_d, 
   for (; r + kRowTile <= rows; r += kRowTile)
     qk_tile<kRowTile, KT>(q + r * dp, dp, k, k_stride_d, dp, ntp, s + r * s_stride, s_stride);
   switch (rows - r) {
+    case 5: qk_tile<5, KT>(q + r * dp, dp, k, k_stride_d, dp, ntp, s + r * s_stride, s_stride); break;
+    case 4: qk_tile<4, KT>(q + r * dp, dp, k, k_stride_d, dp, ntp, s + r * s_stride, s_stride); break;
     case 3: qk_tile<3, KT>(q + r * dp, dp, k, k_stride_d, dp, ntp, s + r * s_stride, s_stride); break;
     case 2: qk_tile<2, KT>(q + r * dp, dp, k, k_stride_d, dp, ntp, s + r * s_stride, s_stride); break;
     case 1: qk_tile<1, KT>(q + r * dp, dp, k, k_stride_d, dp, ntp, s + r * s_stride, s_stride); break;
@@ -191,6 +205,8 @@ void pv_rows(const float* p, int64_t p_stride, int rows, const VT* v, int64_t v_
   for (; r + kRowTile <= rows; r += kRowTile)
     pv_tile<kRowTile, VT>(p + r * p_stride, p_stride, v, v_stride_t, ntok, dp, acc + r * dp, dp);
   switch (rows - r) {
+    case 5: pv_tile<5, VT>(p + r * p_stride, p_stride, v, v_stride_t, ntok, dp, acc + r * dp, dp); break;
+    case 4: pv_tile<4, VT>(p + r * p_stride, p_stride, v, v_stride_t, ntok, dp, acc + r * dp, dp); break;
     case 3: pv_tile<3, VT>(p + r * p_stride, p_stride, v, v_stride_t, ntok, dp, acc + r * dp, dp); break;
     case 2: pv_tile<2, VT>(p + r * p_stride, p_stride, v, v_stride_t, ntok, dp, acc + r * dp, dp); break;
     case 1: pv_tile<1, VT>(p + r * p_stride, p_stride, v, v_stride_t, ntok, dp, acc + r * dp, dp); break;
