@@ -11,7 +11,9 @@
   verify columns = the sparsever runner's verification time per dense verify step (target forward
   with logits + rejection sampling) with vLLM's and with sparsever's attention kernel;
 - `roof_fraction["32768"]`: dense attention FLOP/s of the kernel dense verify steps run (sparsever's,
-  in the KV layout vLLM picks on the machine) over the bf16 GEMM roof measured in the kernel run.
+  in the KV layout vLLM picks on the machine) over the GEMM roof measured in the kernel run;
+- `other_machines` (`--other-machine KERNELS VERIFY_STEP`): the same two measures on a machine without
+  an end-to-end run, from a kernel run and `bench/verify_step.py` (one engine, no prefill).
 """
 
 from __future__ import annotations
@@ -31,6 +33,35 @@ def nominal(ctx: int) -> str:
     return str(min((n for n in NOMINAL if n >= ctx), default=ctx))
 
 
+def kernel_roof_fraction(kernels: dict) -> tuple[str, dict[str, float]]:
+    """(variant, {q: fraction}) at 32K of the dense kernel verify steps run in the KV layout vLLM picks."""
+    variant = "dense_ours_amx" if kernels["roof"].get("amx", False) else "dense_ours"
+    return variant, {str(r["q_len"]): r[f"roof_fraction_{variant}"] for r in kernels["attention"]
+                     if r["ctx"] == 32768 and r["q_len"] in (4, 8, 16) and f"roof_fraction_{variant}" in r}
+
+
+def other_machine(kernels_path: Path, verify_path: Path) -> dict:
+    """verify_step_ms and roof_fraction of a machine measured without an end-to-end run."""
+    kernels, verify = json.loads(kernels_path.read_text()), json.loads(verify_path.read_text())
+    variant, roof = kernel_roof_fraction(kernels)
+    at = verify["summary"].get("32768", {})
+    hw = verify["hardware"]
+    return {
+        "machine": f"{hw.get('Model name', '?')}, {hw.get('nproc', '?')} cores ({kernels['hardware'].get('torch_cpu_capability')})",
+        "date": verify["started"][:10],
+        "command": f"{kernels['command']}  +  {verify['command']}",
+        "verify_step_ms": {"32768": {"decode_1": at.get("decode_1"), "verify_4_vllm_kernel": at.get("verify_4_vllm_kernel"),
+                                     "verify_4_sparsever_kernel": at.get("verify_4_sparsever_kernel")}},
+        "verify_step_ms_by_context": verify["summary"],
+        "roof_fraction": {"32768": roof},
+        "roof_kernel": f"{variant}; roof {kernels['roof']['gemm_GFLOPs']:.0f} GFLOP/s ({kernels['roof']['method']}; "
+                       f"fastest: {kernels['roof'].get('roof_dtype', kernels['roof']['dtype'])})",
+        "aims_met": {"roof_fraction_ge_0.6": bool(roof) and all(v >= 0.6 for v in roof.values()),
+                     "verify_4_le_1.5x_decode": bool(at) and at["verify_4_sparsever_kernel"] <= 1.5 * at["decode_1"]},
+        "sources": {"kernels": str(kernels_path.relative_to(ROOT)), "verify_step": str(verify_path.relative_to(ROOT))},
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--e2e", required=True, type=Path, action="append",
@@ -39,6 +70,10 @@ def main() -> int:
     ap.add_argument("--kernels", required=True, type=Path)
     ap.add_argument("--trace", type=Path, default=None,
                     help="an evict_trace.py JSON: how much one engine's plain step moved during the run's day")
+    ap.add_argument("--other-machine", nargs=2, type=Path, action="append", default=[],
+                    metavar=("KERNELS_JSON", "VERIFY_STEP_JSON"),
+                    help="a kernel run and a bench/verify_step.py run of another machine: its verify_step_ms "
+                         "and roof_fraction go under other_machines (the main keys stay the --e2e machine's)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "summary" / "long_context.json")
     args = ap.parse_args()
     args.e2e = [p.resolve() for p in args.e2e]
@@ -75,11 +110,7 @@ def main() -> int:
             "verify_4_sparsever_kernel": at["dense"]["verify_ms_per_step"],
         }
     amx = kernels["roof"].get("amx", False)
-    variant = "dense_ours_amx" if amx else "dense_ours"
-    roof = {}
-    for r in kernels["attention"]:
-        if r["ctx"] == 32768 and r["q_len"] in (4, 8, 16) and f"roof_fraction_{variant}" in r:
-            roof[str(r["q_len"])] = r[f"roof_fraction_{variant}"]
+    variant, roof = kernel_roof_fraction(kernels)
     verify_32k = ms.get("32768", {})
     summary = {
         "machine": e2e["hardware"].get("Model name", "?") + f", {e2e['hardware'].get('nproc', '?')} cores",
@@ -95,6 +126,7 @@ def main() -> int:
                                           if r["ctx"] == 32768 and r["q_len"] in (4, 8, 16)}},
         "sources": {"e2e": [str(p.relative_to(ROOT)) for p in args.e2e], "kernels": str(args.kernels.relative_to(ROOT))},
     }
+    summary["other_machines"] = [other_machine(k.resolve(), v.resolve()) for k, v in args.other_machine]
     aims = {
         "roof_fraction_ge_0.6": bool(roof) and all(v >= 0.6 for v in roof.values()),
         "verify_4_le_1.5x_decode": bool(verify_32k) and verify_32k["verify_4_sparsever_kernel"] <= 1.5 * verify_32k["decode_1"],
