@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4, 8, 16], help="verify query tokens (1 is always run)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per point and round (median)")
+    ap.add_argument("--spec-json", default=None,
+                    help="JSON merged into the engine's sparsever config, e.g. '{\"ffn\": {\"enabled\": true, "
+                         "\"weights\": \"shared\", \"keep_ratio\": 1.0}}' (every neuron, through sparsever's op)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -62,7 +65,9 @@ def main(argv=None) -> int:
               "started": started.isoformat(), "hardware": hardware(), "env": binding_env(), "versions": versions(),
               "contexts": contexts, "rounds": []}
     # As profile-verify: sparsever's runner and attention backend; no request runs.
-    spec = {"method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": 1, "profile": "none"}
+    spec = {"method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": 1, "profile": "none",
+            **(json.loads(args.spec_json) if args.spec_json else {})}
+    record["spec"] = spec
     llm = LLM(model=target, dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
               max_num_batched_tokens=max(max_len, 2048), speculative_config=spec, seed=0)
     try:
@@ -118,6 +123,7 @@ def markdown(record: dict) -> str:
     tokens = sorted({int(k.split("_")[1]) for row in s.values() for k in row if k.startswith("verify_")})
     lines = [f"# A verify step against a decode step: {Path(record['target']).name}", "",
              f"`{record['command']}`", "", f"hardware: {record['hardware']}", "", f"binding: {record['env']}", "",
+             f"speculative_config: `{json.dumps(record['spec'])}`", "",
              "Whole synthetic steps (every layer and the LM head, batch 1, K/V already cached), ms, the best of "
              f"{len(record['rounds']) // len(KERNELS)} rounds (each point the median of "
              f"{record['args']['repeats']} steps); the kernels alternate per round. 'x decode' = the verify "

@@ -131,10 +131,24 @@ class FFNSparsityConfig:
     gate: Literal["auto", "stock", "kernel", "input_sparse"] = "auto"
     # "input_sparse" only: share of hidden channels the approximate gate reads, (0, 1].
     gate_input_keep_ratio: float = 0.7
+    # The MLP of dense steps with few tokens (decode, dense verify; lossless either way, sparsity on or
+    # off), on CPU: "sparsever" runs the FFN op at keep = I (every neuron) over the plain weights,
+    # which needs "shared" weights (with FFN sparsity off they are made "shared"); "vllm" keeps the
+    # stock MLP (with "shared" weights: torch's linear on the plain weights); "auto" is "sparsever"
+    # with "shared" weights, and with FFN sparsity off on CPUs without AVX-512 for bf16/fp16 targets
+    # (vLLM-CPU's 16-bit linear there is torch's, whose time grows with every token: docs/kernels.md,
+    # "AVX2"), else "vllm".
+    dense_kernel: Literal["auto", "sparsever", "vllm"] = "auto"
 
     def validate(self, prefix: str) -> None:
         _check_int(f"{prefix}.max_verify_requests", self.max_verify_requests, minimum=1)
         _check_choice(f"{prefix}.weights", self.weights, ("shared", "copy"))
+        _check_choice(f"{prefix}.dense_kernel", self.dense_kernel, ("auto", "sparsever", "vllm"))
+        if self.dense_kernel == "sparsever" and self.enabled and self.weights == "copy":
+            raise SparseverConfigError(
+                f"{prefix}.dense_kernel: 'sparsever' runs dense steps on the plain MLP weights, which "
+                f"{prefix}.weights 'copy' keeps only for the sparse path; use {prefix}.weights 'shared' "
+                f"(allowed with 'copy': 'auto', 'vllm')")
         _check_choice(f"{prefix}.gate", self.gate, FFN_GATES)
         _check_float(f"{prefix}.gate_input_keep_ratio", self.gate_input_keep_ratio, low=0.0, high=1.0,
                      low_open=True)

@@ -52,6 +52,19 @@ inline int64_t gemm_min_tokens(int64_t fallback = 16) {
   return env ? std::max<int64_t>(1, std::atoll(env)) : fallback;
 }
 
+// Token count from which 16-bit weights of scalar_t go to an ATen GEMM: `from`, except in the AVX2 build,
+// which runs only on CPUs without AVX-512, where torch's bf16/fp16 GEMM is a slow fallback (docs/kernels.md,
+// "AVX2"): there the weights are streamed at any token count unless SPARSEVER_CPU_GEMM_MIN_TOKENS says.
+template <typename scalar_t>
+inline int64_t gemm_from_for(int64_t from) {
+#if !defined(CPU_CAPABILITY_AVX512)
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    if (!std::getenv("SPARSEVER_CPU_GEMM_MIN_TOKENS")) return std::numeric_limits<int64_t>::max();
+  }
+#endif
+  return from;
+}
+
 // AMX-BF16 (CPUID leaf 7, EDX bit 22): oneDNN's tile GEMMs, against which the streaming threshold below
 // was never measured.
 inline bool cpu_has_amx_bf16() {
@@ -112,7 +125,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
   const bool bf16_dot = kBf16 && use_bf16_dot() && w_gate.stride(1) == 1 && w_up.stride(1) == 1 &&
                         w_down_t.stride(1) == 1;
   const bool spread = spread_prefetch();
-  const int64_t gemm_from = ffn_gemm_min_tokens(std::is_same_v<scalar_t, float>, bf16_dot);
+  const int64_t gemm_from = gemm_from_for<scalar_t>(ffn_gemm_min_tokens(std::is_same_v<scalar_t, float>, bf16_dot));
   auto xb_t = bf16_dot ? x.contiguous() : torch::Tensor();
   const auto* xb = bf16_dot ? reinterpret_cast<const c10::BFloat16*>(xb_t.data_ptr()) : nullptr;
   const scalar_t* wg = w_gate.data_ptr<scalar_t>();
@@ -275,7 +288,7 @@ int64_t moe_dispatch_impl(torch::Tensor& out, const torch::Tensor& x, const torc
   struct Active {
     int64_t expert, ne, pair_begin, row_offset;  // row_offset: first row in the gathered token buffers
   };
-  const int64_t gemm_from = gemm_min_tokens();
+  const int64_t gemm_from = gemm_from_for<scalar_t>(gemm_min_tokens());
   std::vector<Active> streamed, gemm;  // experts with few tokens stream their weights; busy ones use GEMMs
   int64_t total_rows = 0;
   for (int64_t e = 0; e < num_experts; ++e) {

@@ -104,7 +104,8 @@ def test_shared_weights_dense_steps_run_the_op_for_few_tokens(gate, dtype):
     w_gate_up = (torch.randn(2 * inter, h, generator=gen) * h**-0.5).to(dtype)
     w_down = (torch.randn(h, inter, generator=gen) * inter**-0.5).to(dtype)
     mlp = _PlainMLP(w_gate_up, w_down)
-    layer = SparseSwiGLUMLP(mlp, f"model.layers.0.mlp.shared.{gate}.{dtype}", 0, gate, weights="shared")
+    layer = SparseSwiGLUMLP(mlp, f"model.layers.0.mlp.shared.{gate}.{dtype}", 0, gate, weights="shared",
+                            dense_kernel="sparsever")
     limit = layer.dense_op_max_tokens
     assert limit == shared_dense_op_max_tokens(dtype) >= 4
     for n in (1, limit, limit + 1):
@@ -121,3 +122,47 @@ def test_shared_weights_dense_steps_run_the_op_for_few_tokens(gate, dtype):
 def test_copy_weights_dense_steps_stay_stock():
     mlp, _, _ = _mlp(32, 48, keep_plain=True)
     assert SparseSwiGLUMLP(mlp, "model.layers.0.mlp.copy", 0, "kernel", weights="copy").dense_op_max_tokens == 0
+
+
+def test_dense_kernel_vllm_keeps_dense_steps_on_the_stock_mlp():
+    # ffn.dense_kernel "vllm" with "shared" weights: dense steps run the MLP's own (plain) linears.
+    mlp = _PlainMLP(torch.randn(96, 32), torch.randn(32, 48))
+    layer = SparseSwiGLUMLP(mlp, "model.layers.0.mlp.shared.vllm", 0, "kernel", weights="shared", dense_kernel="vllm")
+    assert layer.dense_op_max_tokens == 0
+    calls = mlp.calls
+    layer._dense(torch.randn(2, 32))
+    assert mlp.calls == calls + 1
+
+
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dense_kernel_auto(monkeypatch, capability, dtype):
+    """"auto": sparsever's op on dense steps where vLLM-CPU's 16-bit linear is torch's (no AVX-512),
+    and wherever FFN sparsity keeps only plain ("shared") weights; vLLM's MLP otherwise."""
+    from vllm_sparsever.verification import ffn
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(ffn, "is_cpu_platform", lambda: True)
+    slow_16bit = capability == "AVX2" and dtype != torch.float32
+    assert ffn.resolve_dense_kernel("auto", False, "copy", dtype) == ("sparsever" if slow_16bit else "vllm")
+    assert ffn.resolve_dense_kernel("auto", True, "shared", dtype) == "sparsever"
+    assert ffn.resolve_dense_kernel("auto", True, "copy", dtype) == "vllm"
+    assert ffn.resolve_dense_kernel("vllm", False, "copy", dtype) == "vllm"
+    assert ffn.resolve_dense_kernel("sparsever", False, "copy", dtype) == "sparsever"
+    monkeypatch.setattr(ffn, "is_cpu_platform", lambda: False)
+    assert ffn.resolve_dense_kernel("auto", False, "copy", dtype) == "vllm"
+    with pytest.raises(RuntimeError, match=r"ffn\.dense_kernel: 'sparsever' runs on CPU only"):
+        ffn.resolve_dense_kernel("sparsever", False, "copy", dtype)
+
+
+def test_install_for_the_dense_kernel_alone_skips_a_model_it_cannot_serve():
+    """ffn.dense_kernel "auto" (nobody asked by name) leaves a model without SwiGLU MLPs stock; asked
+    for by name, the error names the setting and what is allowed."""
+    from vllm_sparsever.verification.ffn import install_ffn
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert install_ffn(model, "TinyArch", weights="shared", dense_kernel="sparsever", field=None) == 0
+    with pytest.raises(RuntimeError, match=r"ffn\.dense_kernel: no SwiGLU MLP .*allowed for this model: 'auto', 'vllm'"):
+        install_ffn(model, "TinyArch", weights="shared", dense_kernel="sparsever", field="ffn.dense_kernel")
+    with pytest.raises(RuntimeError, match=r"ffn\.enabled: no SwiGLU MLP .*allowed for this model: false"):
+        install_ffn(model, "TinyArch")

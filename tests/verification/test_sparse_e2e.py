@@ -125,7 +125,9 @@ def test_sparse_attention_matches_reference_and_reads_fewer_blocks(sparse_llm):
 def test_sparse_ffn_matches_reference_and_reads_fewer_neurons(sparse_llm):
     llm, _ = sparse_llm
     # "auto" with the tiny model's gate rows (far below 4 MiB): the op streams the gate itself.
-    assert llm.collective_rpc("sparsever_sparsity_info")[0]["ffn_gate"] == ["kernel"]
+    info = llm.collective_rpc("sparsever_sparsity_info")[0]
+    assert info["ffn_gate"] == ["kernel"]
+    assert info["ffn_dense_kernel"] == "vllm"  # "copy" weights: dense steps on vLLM's packed MLP
     _, metrics = _run(llm, LONG_PROMPTS, attention={"enabled": False}, ffn=FFN)
     s = metrics["sparsity"]
     assert s.get("ffn_fallbacks", 0) == 0, s
@@ -189,6 +191,7 @@ def test_input_sparse_gate_ffn_matches_reference_and_reads_half_the_gate(vllm_ke
     info = vllm_kernel_llm.collective_rpc("sparsever_sparsity_info")[0]
     assert info["ffn_gate"] == ["input_sparse"]
     assert info["ffn_dense_op_max_tokens"] == 64  # "shared" fp32 weights: the op serves dense steps
+    assert info["ffn_dense_kernel"] == "sparsever"  # ffn.dense_kernel "auto" with "shared" weights
     _, metrics = _run(vllm_kernel_llm, LONG_PROMPTS, attention={"enabled": False}, ffn=FFN_INPUT_SPARSE)
     s = metrics["sparsity"]
     assert s.get("ffn_fallbacks", 0) == 0, s

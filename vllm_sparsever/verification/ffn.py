@@ -82,7 +82,7 @@ class SparseSwiGLUMLP(nn.Module):
     """A SwiGLU MLP that verifies with one top-k neuron set per request."""
 
     def __init__(self, mlp: nn.Module, prefix: str, layer_idx: int, gate: str = "kernel",
-                 weights: str = "copy") -> None:
+                 weights: str = "copy", dense_kernel: str = "vllm") -> None:
         super().__init__()
         self.mlp = mlp
         self.prefix = prefix
@@ -119,9 +119,9 @@ class SparseSwiGLUMLP(nn.Module):
         else:
             down.weight = nn.Parameter(w_down_t.t(), requires_grad=False)
         self.w_down_t = w_down_t
-        # "shared" weights on CPU: no packed copy, so the op serves dense steps of few tokens too.
+        # ffn.dense_kernel "sparsever" ("shared" weights on CPU): the op serves dense steps of few tokens too.
         self.dense_op_max_tokens = (shared_dense_op_max_tokens(w_down_t.dtype)
-                                    if weights == "shared" and is_cpu_platform() else 0)
+                                    if dense_kernel == "sparsever" and weights == "shared" and is_cpu_platform() else 0)
         self.reduce_results = bool(getattr(down, "reduce_results", False)) and (
             getattr(down, "tp_size", 1) > 1
         )
@@ -250,6 +250,20 @@ def shared_dense_op_max_tokens(dtype: torch.dtype) -> int:
     return 4
 
 
+def resolve_dense_kernel(choice: str, enabled: bool, weights: str, dtype: torch.dtype) -> str:
+    """`ffn.dense_kernel` in force for a target of `dtype` (config.py has the rule)."""
+    if choice == "sparsever" and not is_cpu_platform():
+        raise RuntimeError("ffn.dense_kernel: 'sparsever' runs on CPU only (allowed here: 'auto', 'vllm')")
+    if choice != "auto":
+        return choice
+    if not is_cpu_platform():
+        return "vllm"
+    if enabled:  # the op beats torch's linear on plain weights at few tokens; "copy" keeps vLLM's packed MLP
+        return "sparsever" if weights == "shared" else "vllm"
+    slow_16bit_linear = dtype in (torch.bfloat16, torch.float16) and torch.backends.cpu.get_cpu_capability() != "AVX512"
+    return "sparsever" if slow_16bit_linear else "vllm"
+
+
 def resolve_gate(gate: str, w_gate: torch.Tensor, weights: str = "copy") -> str:
     """ffn.gate for a layer whose gate rows (this rank's) are `w_gate`: "auto" resolved. With
     "shared" weights "auto" is "kernel": the stock linear would pack a second copy of the gate rows."""
@@ -279,33 +293,38 @@ def _is_swiglu_mlp(module: nn.Module) -> bool:
     )
 
 
-def install_ffn(model: nn.Module, architecture: str, gate: str = "auto", weights: str = "copy") -> int:
-    """Wrap every SwiGLU MLP of the target (`gate`: ffn.gate, `weights`: ffn.weights); returns how
-    many were wrapped."""
+def install_ffn(model: nn.Module, architecture: str, gate: str = "auto", weights: str = "copy",
+                dense_kernel: str = "vllm", field: str | None = "ffn.enabled") -> int:
+    """Wrap every SwiGLU MLP of the target (`gate`: ffn.gate, `weights`: ffn.weights, `dense_kernel`:
+    ffn.dense_kernel resolved); returns how many were wrapped. A model the wrapper cannot serve is an
+    error naming `field`, the setting that asked for it; None: nobody asked (ffn.dense_kernel "auto"),
+    so the model keeps its stock MLP."""
     found = [(name, m) for name, m in model.named_modules() if _is_swiglu_mlp(m)]
-    if not found:
-        raise RuntimeError(
-            f"ffn.enabled: no SwiGLU MLP (gate_up_proj + SiluAndMul + down_proj) found in "
-            f"{architecture}; FFN sparsity supports dense Llama/Qwen2/Mistral-style MLPs "
-            f"(allowed for this model: false)"
-        )
-    count, gates = 0, set()
+    problem = None if found else (
+        f"no SwiGLU MLP (gate_up_proj + SiluAndMul + down_proj) found in {architecture}; sparsever's FFN "
+        f"op supports dense Llama/Qwen2/Mistral-style MLPs")
     for name, mlp in found:
         for linear in (mlp.gate_up_proj, mlp.down_proj):
-            if getattr(linear, "bias", None) is not None:
-                raise RuntimeError(f"ffn.enabled: {name} has biased projections (unsupported)")
             w = plain_weight(linear)
-            if w.ndim != 2 or w.numel() == 0 or not w.is_floating_point():
-                raise RuntimeError(
-                    f"ffn.enabled: {name} has no plain floating-point weights (quantized or "
-                    f"repacked); FFN sparsity needs an unquantized model"
-                )
+            if getattr(linear, "bias", None) is not None:
+                problem = problem or f"{name} has biased projections (unsupported)"
+            elif w.ndim != 2 or w.numel() == 0 or not w.is_floating_point():
+                problem = problem or (f"{name} has no plain floating-point weights (quantized or repacked); "
+                                      f"sparsever's FFN op needs an unquantized model")
+    if problem is not None:
+        if field is None:
+            logger.info("sparsever: the target keeps its stock MLP on dense steps: %s", problem)
+            return 0
+        allowed = "'auto', 'vllm'" if field == "ffn.dense_kernel" else "false"
+        raise RuntimeError(f"{field}: {problem} (allowed for this model: {allowed})")
+    count, gates = 0, set()
+    for name, mlp in found:
         layer_idx = layer_index_of(name)
         if layer_idx is None:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        wrapped = SparseSwiGLUMLP(mlp, name, layer_idx, gate, weights)
+        wrapped = SparseSwiGLUMLP(mlp, name, layer_idx, gate, weights, dense_kernel)
         setattr(parent, child, wrapped)
         gates.add(wrapped.gate)
         count += 1

@@ -77,7 +77,7 @@ def layer_index_of(prefix: str) -> int | None:
 
 
 # Knobs whose start-up work (KV layout, kept weights) fixes them for the engine's lifetime.
-_START_UP_KNOBS = {"attention": ("kernel",), "ffn": ("weights", "gate"), "moe": ("weights",)}
+_START_UP_KNOBS = {"attention": ("kernel",), "ffn": ("weights", "gate", "dense_kernel"), "moe": ("weights",)}
 
 
 class SparseVerificationRuntime:
@@ -118,7 +118,9 @@ class SparseVerificationRuntime:
         self.moe_routing: tuple[int, int] | None = None
         self.experts_observer: Callable[[int, int], None] | None = None
         self.ffn_gates: set[str] = set()  # where FFN layers run their dense gate (install_ffn)
-        # Dense steps of up to this many tokens run the FFN op at keep = I ("shared" weights on CPU).
+        # ffn.dense_kernel resolved at start (verification/setup.py); with "sparsever", dense steps of up
+        # to ffn_dense_op_max_tokens tokens run the FFN op at keep = I.
+        self.ffn_dense_kernel = "vllm"
         self.ffn_dense_op_max_tokens = 0
         # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
         # records the largest difference (slow; for tests and debugging only).
@@ -279,6 +281,7 @@ class SparseVerificationRuntime:
             "started_with": dict(self.started_with),
             # where the wrapped FFN layers compute their dense gate ("stock"/"kernel"; ffn.gate resolved)
             "ffn_gate": sorted(self.ffn_gates),
+            "ffn_dense_kernel": self.ffn_dense_kernel,
             "ffn_dense_op_max_tokens": self.ffn_dense_op_max_tokens,
         }
 

@@ -11,6 +11,7 @@ Order inside the worker (driven by the sparsever model runner):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -40,7 +41,15 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
         raise RuntimeError(
             f"attention.anchor_layers: layer {anchors[-1]} does not exist (allowed: 0..{num_layers - 1})"
         )
+    from vllm_sparsever.verification.ffn import resolve_dense_kernel
+
+    ffn_dense = resolve_dense_kernel(config.ffn.dense_kernel, config.ffn.enabled, config.ffn.weights,
+                                     model_config.dtype)
+    if ffn_dense == "sparsever" and not config.ffn.enabled:  # the op reads the plain weights: no packed copy
+        config = dataclasses.replace(config, ffn=dataclasses.replace(config.ffn, weights="shared"))
     runtime = SparseVerificationRuntime(config, profile, source, num_layers)
+    runtime.ffn_dense_kernel = ffn_dense
+    runtime.started_with["ffn"] = config.ffn.enabled or ffn_dense == "sparsever"
     install_runtime(runtime)
     # Trees need the tree-mask kernel; dense verify steps may run sparsever's kernel (dense_kernel).
     if config.attention.enabled or config.tree.enabled or config.attention.dense_kernel != "vllm":
@@ -81,7 +90,11 @@ def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, archit
     if runtime.started_with["ffn"]:
         from vllm_sparsever.verification.ffn import install_ffn
 
-        installed["ffn"] = install_ffn(model, architecture, runtime.ffn.gate, runtime.ffn.weights)
+        # Asked for by FFN sparsity, by ffn.dense_kernel "sparsever", or by nobody ("auto" chose it).
+        field = ("ffn.enabled" if runtime.ffn.enabled else
+                 "ffn.dense_kernel" if runtime.ffn.dense_kernel == "sparsever" else None)
+        installed["ffn"] = install_ffn(model, architecture, runtime.ffn.gate, runtime.ffn.weights,
+                                       runtime.ffn_dense_kernel, field)
     if runtime.started_with["moe"]:
         from vllm_sparsever.verification.moe import install_moe
 
