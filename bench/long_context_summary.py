@@ -44,7 +44,7 @@ def other_machine(kernels_path: Path, verify_path: Path) -> dict:
     """verify_step_ms and roof_fraction of a machine measured without an end-to-end run."""
     kernels, verify = json.loads(kernels_path.read_text()), json.loads(verify_path.read_text())
     variant, roof = kernel_roof_fraction(kernels)
-    at = verify["summary"].get("32768", {})
+    at = next((row for ctx, row in verify["summary"].items() if nominal(int(ctx)) == "32768"), {})
     hw = verify["hardware"]
     return {
         "machine": f"{hw.get('Model name', '?')}, {hw.get('nproc', '?')} cores ({kernels['hardware'].get('torch_cpu_capability')})",
