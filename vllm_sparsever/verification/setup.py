@@ -95,6 +95,9 @@ def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, archit
                  "ffn.dense_kernel" if runtime.ffn.dense_kernel == "sparsever" else None)
         installed["ffn"] = install_ffn(model, architecture, runtime.ffn.gate, runtime.ffn.weights,
                                        runtime.ffn_dense_kernel, field)
+        if not installed["ffn"] and field is None:  # nothing wrapped: FFN sparsity cannot be switched on
+            runtime.started_with["ffn"] = False
+            runtime.ffn_dense_kernel = "vllm"
     if runtime.started_with["moe"]:
         from vllm_sparsever.verification.moe import install_moe
 
