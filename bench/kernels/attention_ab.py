@@ -64,11 +64,6 @@ def child(so: str, contexts: list[int], q_lens: list[int], reps: int, threads: i
                               "median_s": sorted(times)[len(times) // 2], "reps": reps}), flush=True)
 
 
-def flops(ctx: int, q_len: int) -> int:
-    keys = q_len * ctx + q_len * (q_len + 1) // 2
-    return 4 * SHAPE["hq"] * SHAPE["d"] * keys
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", action="append", required=True, metavar="NAME=PATH",
@@ -94,7 +89,10 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from kernels.run import hardware, measure_roof
+    from kernels.run import attention_flops, hardware, measure_roof
+
+    def flops(ctx: int, q_len: int) -> int:
+        return attention_flops(q_len, ctx, SHAPE["hq"], SHAPE["d"])
 
     torch.set_num_threads(args.threads)
     roof = measure_roof(torch.bfloat16)
