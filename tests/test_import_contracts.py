@@ -64,3 +64,22 @@ def test_runner_batch_internals_only_through_compat():
             for node in ast.walk(ast.parse(p.read_text(), str(p)))
             if isinstance(node, ast.Attribute) and node.attr == "input_batch"]
     assert not uses, "runner.input_batch read outside compat/:\n" + "\n".join(uses)
+
+
+def runner_references(path: Path) -> list[int]:
+    """Lines where a module names a runner: a parameter, variable or attribute `runner` / `_runner`."""
+    names = {"runner", "_runner"}
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if (isinstance(node, ast.arg) and node.arg in names) or (isinstance(node, ast.Name) and node.id in names)
+            or (isinstance(node, ast.Attribute) and node.attr in names)]
+
+
+def test_proposers_never_hold_the_runner(tmp_path):
+    # Proposers get compat.runner.TargetView at load (the part of the runner drafting may use).
+    drafting = sorted((PACKAGE / "drafting").glob("*.py"))
+    assert len(drafting) > 10
+    uses = [f"{p.relative_to(ROOT)}:{line}" for p in drafting for line in runner_references(p)]
+    assert not uses, "the runner named in drafting/ (use the TargetView proposers load with):\n" + "\n".join(uses)
+    sample = tmp_path / "m.py"
+    sample.write_text("def load(self, runner):\n    self._runner = runner\n")
+    assert runner_references(sample) == [1, 2, 2]

@@ -239,6 +239,78 @@ def draft_step(runner: Any, sampled_token_ids: list[list[int]]) -> DraftStep:
                      token_ids=batch.token_ids_cpu, limits_of=lambda rows: request_limits(runner, rows))
 
 
+class TargetView:
+    """The part of the target's runner that sparsever's proposers use, built here once the target
+    has loaded: proposers hold this, never the runner. The loaded target (`model`) and the draft
+    model vLLM loaded, the device and configs, the live batch (`batch()`, `scheduled_token_ids`),
+    what a row's sampling allows (`tree_sampling_supported`), the n-gram bounds vLLM resolved, and
+    attention contexts for sparsever's own query passes over the runner's KV cache
+    (`attention_context`)."""
+
+    def __init__(self, runner: Any, moe_routing: tuple[int, int] | None = None) -> None:
+        self._runner = runner
+        self.moe_routing = moe_routing  # the target's (experts, top_k), MoE targets only
+
+    @property
+    def model(self) -> Any:
+        return self._runner.model
+
+    @property
+    def device(self) -> torch.device:
+        return self._runner.device
+
+    @property
+    def vllm_config(self) -> Any:
+        return self._runner.vllm_config
+
+    @property
+    def model_config(self) -> Any:
+        return self._runner.model_config
+
+    def draft_model(self) -> Any:
+        return draft_model(self._runner)
+
+    def batch(self) -> BatchView:
+        return input_batch_view(self._runner)
+
+    def scheduled_token_ids(self, row: int, start: int, n: int) -> list[int]:
+        return scheduled_token_ids(self._runner, row, start, n)
+
+    def tree_sampling_supported(self, row: int) -> bool:
+        return tree_sampling_supported(self._runner, row)
+
+    def ngram_bounds(self) -> tuple[int, int]:
+        from vllm_sparsever.compat.ngram import ngram_bounds
+
+        return ngram_bounds(self._runner)
+
+    # vLLM's own drafter (EVICT over an EAGLE head): compat.drafter
+    def record_vllm_drafter(self) -> Any:
+        """A recorder of vLLM's drafter's passes (time, per-step draft probabilities)."""
+        from vllm_sparsever.compat.drafter import record_drafter
+
+        return record_drafter(self._runner)[0]
+
+    def vllm_drafts(self) -> list[list[int]]:
+        """The drafts vLLM's drafter proposed this step, per batch row."""
+        from vllm_sparsever.compat.drafter import proposed_drafts
+
+        return proposed_drafts(self._runner)
+
+    def step_contexts(self) -> list[int]:
+        """Per request of the step being run, its context length (what vLLM's drafter drafts after)."""
+        from vllm_sparsever.compat.drafter import step_contexts
+
+        return step_contexts(self._runner)
+
+    def attention_context(self, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor,
+                          query_lens: list[int], kv_positions: torch.Tensor | None = None,
+                          block_table: torch.Tensor | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """`query_attention_context` over this runner's attention groups and batch."""
+        return query_attention_context(self._runner, layer_names, rows, positions, query_lens,
+                                       kv_positions=kv_positions, block_table=block_table)
+
+
 def query_attention_context(
     runner: Any, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor, query_lens: list[int],
     kv_positions: torch.Tensor | None = None, block_table: torch.Tensor | None = None,

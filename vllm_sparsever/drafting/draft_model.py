@@ -82,12 +82,11 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self._kv: dict[str, _DraftKV] = {}
         self.init_trees(tree, adaptive, num_speculative_tokens)
 
-    def load(self, runner: Any) -> None:
+    def load(self, target: Any) -> None:
         from vllm_sparsever.compat.model import decoder_stack
-        from vllm_sparsever.compat.runner import draft_model
 
-        super().load(runner)
-        self._stack = decoder_stack(draft_model(runner))
+        super().load(target)
+        self._stack = decoder_stack(target.draft_model())
 
     def forget(self, req_ids: set[str]) -> None:
         super().forget(req_ids)
@@ -133,9 +132,9 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
             firsts.append(first)
             self.stats.catch_up_tokens += len(seqs[-1]) - 1
         self.stats.rounds += 1
-        device = self._runner.device
+        device = self.target.device
         tokens, positions, lens = flatten_queries(seqs, firsts, device)
-        normed = final_hidden(self._runner, self._stack, [reqs.rows[i] for i in idx], tokens, positions, lens)
+        normed = final_hidden(self.target, self._stack, [reqs.rows[i] for i in idx], tokens, positions, lens)
         self.stats.forward_passes += 1
         for i in idx:  # the draft's K/V now holds the committed tokens, root included; nodes are scratch
             root = reqs.positions[i]
@@ -144,7 +143,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         return torch.softmax(self._stack.compute_logits(normed[last]).float(), dim=-1).topk(k, dim=-1)
 
     def _tree_level_top(self, rows, tokens, positions, kv_positions, lens, tree_mask, wanted, k):
-        normed = final_hidden(self._runner, self._stack, rows, tokens, positions, lens,
+        normed = final_hidden(self.target, self._stack, rows, tokens, positions, lens,
                               kv_positions=kv_positions, tree_mask=tree_mask)
         self.stats.forward_passes += 1
         return torch.softmax(self._stack.compute_logits(normed[wanted]).float(), dim=-1).topk(k, dim=-1)
@@ -200,9 +199,9 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
     def _predict(self, rows: list[int], seqs: list[list[int]], firsts: list[int]) -> list[int]:
         """The draft model's greedy next token after the last of `seqs[i]` (run at positions
         `firsts[i]`..., writing the draft's K/V there)."""
-        device = self._runner.device
+        device = self.target.device
         tokens, positions, lens = flatten_queries(seqs, firsts, device)
-        normed = final_hidden(self._runner, self._stack, rows, tokens, positions, lens)
+        normed = final_hidden(self.target, self._stack, rows, tokens, positions, lens)
         last = torch.tensor(lens, device=device).cumsum(0) - 1
         return self._stack.compute_logits(normed[last]).argmax(dim=-1).tolist()
 

@@ -70,14 +70,10 @@ class RoundDrafter(Proposer):
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.stats = stats
-        self._runner: Any = None
+        self.target: Any = None  # compat.runner.TargetView, once loaded
 
-    def load(self, runner: Any) -> None:
-        self._runner = runner
-
-    @property
-    def runner(self) -> Any:
-        return self._runner
+    def load(self, target: Any) -> None:
+        self.target = target
 
     def stats_by_level(self) -> dict[str, dict[str, Any]]:
         return {self.level: self.stats.summary()}

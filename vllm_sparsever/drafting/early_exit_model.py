@@ -28,21 +28,22 @@ class EarlyExitModel:
         self.heads: dict[int, ExitHead] = {}
         self._trimmed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (ids, LM head rows)
         self._stack = None
-        self._runner: Any = None
+        self._target: Any = None  # compat.runner.TargetView
 
-    def load(self, runner: Any) -> None:
-        """Bind to the runner's loaded target and load the heads of `layers` (ExitHeadError if the
-        heads do not fit this model). Once per runner: the drafter and the verifier share it."""
+    def load(self, target: Any) -> None:
+        """Bind to the loaded target (a compat.runner.TargetView) and load the heads of `layers`
+        (ExitHeadError if the heads do not fit this model). Once per target: the drafter and the
+        verifier share it."""
         from vllm_sparsever.compat.model import decoder_stack
 
-        if self._runner is runner:
+        if self._target is target:
             return
-        model = runner.model
+        model = target.model
         stack = decoder_stack(model)
         manifest = ExitHeadManifest.load(self.heads_dir)
         manifest.check_model(
-            ",".join(runner.model_config.architectures or []), len(stack.layers), stack.hidden_size,
-            runner.model_config.get_vocab_size(),
+            ",".join(target.model_config.architectures or []), len(stack.layers), stack.hidden_size,
+            target.model_config.get_vocab_size(),
         )
         param = next(model.parameters())
         for layer in self.layers:
@@ -50,7 +51,7 @@ class EarlyExitModel:
             head = ExitHead.load(self.heads_dir / entry.file, eps=stack.rms_norm_eps, dtype=param.dtype)
             self.heads[layer] = head.to(param.device)
         self._stack = stack
-        self._runner = runner
+        self._target = target
         if self.trimmed_vocab:
             from vllm_sparsever.drafting.draft_vocab import load_draft_vocab
             from vllm_sparsever.compat.model import lm_head_rows
@@ -58,10 +59,6 @@ class EarlyExitModel:
             for layer, size in self.trimmed_vocab.items():
                 ids = load_draft_vocab(self.heads_dir, size).to(param.device)
                 self._trimmed[layer] = (ids, lm_head_rows(model, ids))
-
-    @property
-    def runner(self) -> Any:
-        return self._runner
 
     @property
     def device(self) -> torch.device:
@@ -117,13 +114,11 @@ class EarlyExitModel:
         tokens of batch row `rows[i]` (tokens/positions flattened request after request), writing
         those layers' K/V at the tokens' positions (or at `kv_positions`, under `tree_mask`)."""
         from vllm_sparsever.compat.forward_context import query_forward_context
-        from vllm_sparsever.compat.runner import query_attention_context
         from vllm_sparsever.plan import tree_attention
 
         assert self._stack is not None, "EarlyExitModel.load() was not called"
         names = self._stack.attention_layer_names[:exit_layer]
-        metadata, slots = query_attention_context(self._runner, names, rows, positions, query_lens,
-                                                  kv_positions=kv_positions)
-        with query_forward_context(metadata, self._runner.vllm_config, int(tokens.numel()), slots), \
+        metadata, slots = self._target.attention_context(names, rows, positions, query_lens, kv_positions=kv_positions)
+        with query_forward_context(metadata, self._target.vllm_config, int(tokens.numel()), slots), \
                 tree_attention(tree_mask):
             return self._stack.run_layers(exit_layer, tokens, positions)

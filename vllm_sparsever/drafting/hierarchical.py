@@ -98,26 +98,26 @@ class HierarchicalProposer(Proposer):
         self.reuse = reuse
         self._reusable: dict[str, ReusableStates] = {}
         self._stack: Any = None  # the target's decoder stack (forward_from_streams), looked up once
+        self.target: Any = None  # compat.runner.TargetView, once loaded
         self.stats = HierarchicalStats()
 
-    def streams_for_step(self, runner: Any, num_scheduled_tokens: Any) -> tuple[int, torch.Tensor] | None:
+    def streams_for_step(self, num_scheduled_tokens: Any) -> tuple[int, torch.Tensor] | None:
         """For the full pass about to run: (layer, the saved residual stream at that layer of every
         scheduled token, in step order) when every row of the step runs exactly tokens whose streams
         the last proposal saved (its sampled token, then a prefix of its pending tokens); else None.
         The saved streams are consumed either way (they describe this step only)."""
-        from vllm_sparsever.compat.runner import input_batch_view, scheduled_token_ids
-
         saved, self._reusable = self._reusable, {}
         if not saved:
             return None
-        batch = input_batch_view(runner)
+        target = self.target
+        batch = target.batch()
         parts = []
         for row, req_id in enumerate(batch.req_ids):
             n = int(num_scheduled_tokens[row])
             state = saved.get(req_id)
             start = int(batch.num_computed_tokens[row])
             if (state is None or state.first_position != start or n > len(state.token_ids)
-                    or tuple(scheduled_token_ids(runner, row, start, n)) != state.token_ids[:n]):
+                    or tuple(target.scheduled_token_ids(row, start, n)) != state.token_ids[:n]):
                 self.stats.reuse_missed_steps += 1
                 return None
             parts.append(state.states[:n])
@@ -127,7 +127,7 @@ class HierarchicalProposer(Proposer):
         self.stats.reuse_tokens += sum(p.shape[0] for p in parts)
         return layer, torch.cat(parts)
 
-    def forward_from_streams(self, runner: Any, reuse: tuple[int, torch.Tensor], positions: torch.Tensor) -> Any:
+    def forward_from_streams(self, reuse: tuple[int, torch.Tensor], positions: torch.Tensor) -> Any:
         """The target's forward for the step from `streams_for_step`'s saved streams: layers
         L_v..N-1, final norm (inside vLLM's forward context for the step; padded rows, if any, get
         zeros)."""
@@ -138,12 +138,13 @@ class HierarchicalProposer(Proposer):
         if padded > streams.shape[0]:
             streams = torch.cat([streams, streams.new_zeros(padded - streams.shape[0], streams.shape[1])])
         if self._stack is None:
-            self._stack = decoder_stack(runner.model)
+            self._stack = decoder_stack(self.target.model)
         return self._stack.run_from(layer, streams, positions)
 
-    def load(self, runner: Any) -> None:
-        self.drafter.load(runner)
-        self.verifier.load(runner)
+    def load(self, target: Any) -> None:
+        self.target = target
+        self.drafter.load(target)
+        self.verifier.load(target)
 
     def stats_by_level(self) -> dict[str, dict[str, Any]]:
         return {**self.drafter.stats_by_level(), "hierarchical": self.stats.summary()}

@@ -34,8 +34,8 @@ class EarlyExitVerifier:
         self.model = model
         self.layer = layer
 
-    def load(self, runner: Any) -> None:
-        self.model.load(runner)  # once per runner, shared with the self-drafter
+    def load(self, target: Any) -> None:
+        self.model.load(target)  # once per target, shared with the self-drafter
 
     @torch.inference_mode()
     def predict(self, rows: list[int], seqs: list[list[int]], first_positions: list[int],
@@ -53,27 +53,26 @@ class SparseTargetVerifier:
     name = "sparse"
 
     def __init__(self) -> None:
-        self._runner: Any = None
+        self._target: Any = None  # compat.runner.TargetView
         self._stack: Any = None
         self._passes = 0
 
-    def load(self, runner: Any) -> None:
+    def load(self, target: Any) -> None:
         from vllm_sparsever.compat.model import decoder_stack
 
-        self._runner = runner
-        self._stack = decoder_stack(runner.model)
+        self._target = target
+        self._stack = decoder_stack(target.model)
 
     @torch.inference_mode()
     def predict(self, rows: list[int], seqs: list[list[int]], first_positions: list[int]) -> list[list[int]]:
-        from vllm_sparsever.compat.runner import input_batch_view
         from vllm_sparsever.plan import VerifyLevel, active_plan, build_verification_plan
         from vllm_sparsever.verification.runtime import get_runtime
 
-        runner, stack = self._runner, self._stack
+        target, stack = self._target, self._stack
         assert stack is not None, "SparseTargetVerifier.load() was not called"
-        device = runner.device
+        device = target.device
         tokens, positions, lens = flatten_queries(seqs, first_positions, device)
-        batch = input_batch_view(runner)
+        batch = target.batch()
         rows_t = torch.tensor(rows, dtype=torch.long)
         self._passes += 1
         runtime = get_runtime()
@@ -91,6 +90,6 @@ class SparseTargetVerifier:
             **runtime.step_planners(),
         )
         with active_plan(plan):
-            normed = final_hidden(runner, stack, rows, tokens, positions, lens)
+            normed = final_hidden(target, stack, rows, tokens, positions, lens)
         logits = stack.compute_logits(normed)
         return split_by_lengths(logits.argmax(dim=-1).tolist(), lens)

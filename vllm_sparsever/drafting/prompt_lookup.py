@@ -55,11 +55,11 @@ class PromptLookupDrafter(TreeDrafting, RoundDrafter):
         self._bounds = (0, 0)
         self.init_trees(None, adaptive, num_speculative_tokens)
 
-    def load(self, runner: Any) -> None:
-        from vllm_sparsever.compat.ngram import match_ngram, ngram_bounds
+    def load(self, target: Any) -> None:
+        from vllm_sparsever.compat.ngram import match_ngram
 
-        super().load(runner)
-        self._bounds = ngram_bounds(runner)
+        super().load(target)
+        self._bounds = target.ngram_bounds()
         # Compile the numba matcher now (seconds), not on the first request.
         match_ngram(np.arange(4, dtype=np.int32), *self._bounds, self.max_model_len, 1)
 

@@ -9,9 +9,10 @@ that drafts chains and learns nothing from verification.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.compat.runner import DraftStep, TargetView
 from vllm_sparsever.plan import DraftTopology
 
 
@@ -24,8 +25,8 @@ class Proposer:
     # after the step's bookkeeping.
     cuts_vllm_drafts = False
 
-    def load(self, runner: Any) -> None:
-        """After the target loaded: take what drafting needs from the runner."""
+    def load(self, target: TargetView) -> None:
+        """After the target loaded: keep `target`, the part of the runner drafting may use."""
         raise NotImplementedError
 
     def propose(self, step: DraftStep) -> list[list[int]]:
@@ -65,7 +66,13 @@ class Proposer:
         """A decode step's measured time (drafting excluded), its shape, and the engine's time before
         it (only where `wants_step_times`)."""
 
-    def streams_for_step(self, runner: Any, num_scheduled_tokens: Any) -> tuple[int, Any] | None:
+    def experts_observer(self) -> Callable[[int, int], None] | None:
+        """What the target's MoE layers report each verify step's routed experts to (EVICT over an
+        MoE target: (tokens, distinct experts) per request and layer), wired by the runner after `load`;
+        None: not wanted."""
+        return None
+
+    def streams_for_step(self, num_scheduled_tokens: Any) -> tuple[int, Any] | None:
         """(layer, residual streams of every scheduled token) when the full pass about to run may
         start from saved hidden states (hierarchical verification); else None."""
         return None

@@ -31,19 +31,18 @@ def split_by_lengths(flat: list[int], lens: list[int]) -> list[list[int]]:
     return out
 
 
-def final_hidden(runner: Any, stack: Any, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor,
+def final_hidden(target: Any, stack: Any, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor,
                  lens: list[int], *, kv_positions: torch.Tensor | None = None,
                  tree_mask: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Every layer of `stack` (a compat.model.DecoderStack) and its final norm over the query tokens
-    of batch rows `rows`, attending to and writing the runner's KV cache. Tree queries (draft
-    trees) give the slots' positions (`kv_positions`) and their ancestor mask (`tree_mask`)."""
+    of batch rows `rows`, attending to and writing the target's KV cache (`target`: a
+    compat.runner.TargetView). Tree queries (draft trees) give the slots' positions (`kv_positions`)
+    and their ancestor mask (`tree_mask`)."""
     from vllm_sparsever.compat.forward_context import query_forward_context
-    from vllm_sparsever.compat.runner import query_attention_context
     from vllm_sparsever.plan import tree_attention
 
-    metadata, slots = query_attention_context(runner, stack.attention_layer_names,
-                                              torch.tensor(rows, dtype=torch.long), positions, lens,
-                                              kv_positions=kv_positions, block_table=block_table)
-    with query_forward_context(metadata, runner.vllm_config, int(tokens.numel()), slots), \
+    metadata, slots = target.attention_context(stack.attention_layer_names, torch.tensor(rows, dtype=torch.long),
+                                               positions, lens, kv_positions=kv_positions, block_table=block_table)
+    with query_forward_context(metadata, target.vllm_config, int(tokens.numel()), slots), \
             tree_attention(tree_mask):
         return stack.run_all(tokens, positions)

@@ -129,9 +129,9 @@ class SelfDraftProposer(TreeDrafting, RoundDrafter):
         self.confidence = confidence
         self.init_trees(tree, adaptive, num_speculative_tokens)
 
-    def load(self, runner: Any) -> None:
-        self.model.load(runner)
-        super().load(runner)
+    def load(self, target: Any) -> None:
+        self.model.load(target)
+        super().load(target)
 
     def propose(self, step: DraftStep) -> list[list[int]]:
         """Draft tokens per batch row (a tree's nodes, parents first, with `tree`); a row that

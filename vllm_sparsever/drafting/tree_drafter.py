@@ -59,22 +59,26 @@ class TreeDrafting:
         self.tree_stats = TreeDraftStats()
         self._trees: dict[str, DraftTree] = {}  # req id -> the tree proposed for its next step
 
-    def load(self, runner: Any) -> None:
-        super().load(runner)
+    def load(self, target: Any) -> None:
+        super().load(target)
         if self.adaptive is not None:
             from vllm_sparsever.adaptive.cost import resolve_cost_profile
             from vllm_sparsever.adaptive.evict import Evict
 
-            profile = resolve_cost_profile(self.adaptive.cost_profile, runner.model_config.model)
+            profile = resolve_cost_profile(self.adaptive.cost_profile, target.model_config.model)
             self.evict = Evict(profile, min_draft_tokens=self.adaptive.min_draft_tokens, guard=self.adaptive.guard,
                                depth=self.adaptive.depth, depth_prior=self.depth_prior)
-            target_moe = runner.sparsever_runtime.moe_routing
-            if self.evict.experts is not None and target_moe is not None:
-                if tuple(profile.moe) != tuple(target_moe):
-                    raise RuntimeError(f"adaptive.cost_profile: measured on an MoE with (experts, top_k) = "
-                                       f"{tuple(profile.moe)}, the target has {tuple(target_moe)}; measure it again "
-                                       f"with `vllm-sparsever profile-verify`")
-                runner.sparsever_runtime.experts_observer = self.evict.experts.observe
+            target_moe = target.moe_routing
+            if self.evict.experts is not None and target_moe is not None and tuple(profile.moe) != tuple(target_moe):
+                raise RuntimeError(f"adaptive.cost_profile: measured on an MoE with (experts, top_k) = "
+                                   f"{tuple(profile.moe)}, the target has {tuple(target_moe)}; measure it again "
+                                   f"with `vllm-sparsever profile-verify`")
+
+    def experts_observer(self) -> Any:
+        """EVICT's expert counter, for an MoE target whose cost profile prices distinct experts."""
+        if self.evict is None or self.evict.experts is None or self.target.moe_routing is None:
+            return None
+        return self.evict.experts.observe
 
     def stats_by_level(self) -> dict[str, dict[str, Any]]:
         levels = super().stats_by_level()
@@ -104,8 +108,6 @@ class TreeDrafting:
     # ---- proposing ------------------------------------------------------------------------
 
     def propose_trees(self, step: DraftStep) -> list[list[int]]:
-        from vllm_sparsever.compat.runner import tree_sampling_supported
-
         start = time.perf_counter()
         self._trees.clear()
         reqs = self.requests(step, self.num_speculative_tokens)
@@ -124,7 +126,7 @@ class TreeDrafting:
                 return drafts
         trees, passes = self.grow_trees(reqs, levels, shape, catch_up)
         for k, row in enumerate(reqs.rows):
-            if len(trees[k]) and not trees[k].is_chain() and not tree_sampling_supported(self.runner, row):
+            if len(trees[k]) and not trees[k].is_chain() and not self.target.tree_sampling_supported(row):
                 trees[k] = trees[k].subtree(trees[k].best_path())
                 self.tree_stats.chains_for_sampler += 1
         if self.evict is not None:
@@ -208,7 +210,7 @@ class TreeDrafting:
         from vllm_sparsever.plan import stacked_tree_mask
 
         cfg = self.tree
-        device = self.runner.device
+        device = self.target.device
         growths: list[TreeGrowth | None] = [None] * len(reqs.rows)
         idx = []
         for i, budget in enumerate(reqs.budgets):

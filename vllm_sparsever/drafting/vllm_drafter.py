@@ -49,18 +49,15 @@ class VllmDrafterChains(TreeDrafting, RoundDrafter):
         self._levels = num_speculative_tokens  # EVICT's depth for the current step
         self._depth = num_speculative_tokens  # the draft steps vLLM's drafter runs this step
 
-    def load(self, runner: Any) -> None:
-        from vllm_sparsever.compat.drafter import record_drafter
-
-        super().load(runner)
-        self._recorder, _ = record_drafter(runner)
+    def load(self, target: Any) -> None:
+        super().load(target)
+        self._recorder = target.record_vllm_drafter()
 
     def plan_before_vllm_drafts(self) -> int:
         """EVICT's depth for this step, before vLLM's drafter runs: the draft steps it is to run."""
         from vllm_sparsever.adaptive.evict import DraftShape
-        from vllm_sparsever.compat.drafter import step_contexts
 
-        contexts = step_contexts(self.runner)
+        contexts = self.target.step_contexts()
         k = self.num_speculative_tokens
         shape = DraftShape(cap=k, budgets=(k,) * len(contexts), first=1, later=1, mask="chain", one_pass=False)
         self._levels = super().plan_levels(contexts, shape, 0) if contexts else k
@@ -71,9 +68,7 @@ class VllmDrafterChains(TreeDrafting, RoundDrafter):
         return min(self._levels, shape.cap)  # planned before vLLM drafted (plan_before_vllm_drafts)
 
     def propose(self, step: DraftStep) -> list[list[int]]:
-        from vllm_sparsever.compat.drafter import proposed_drafts
-
-        self._proposed = proposed_drafts(self.runner)
+        self._proposed = self.target.vllm_drafts()
         self.stats.proposals += 1
         self.stats.drafts_proposed += sum(len(d) for d in self._proposed)
         self.stats.draft_time_s += self._recorder.seconds

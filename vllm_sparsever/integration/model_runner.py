@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_sparsever.compat.runner import (batch_num_rows, draft_step, finished_request_ids, input_batch_view,
-                                         sampled_tokens, scheduled_drafts)
+from vllm_sparsever.compat.runner import (TargetView, batch_num_rows, draft_step, finished_request_ids,
+                                         input_batch_view, sampled_tokens, scheduled_drafts)
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.drafting.factory import make_proposer
 from vllm_sparsever.integration.step_recorder import StepRecorder
@@ -75,7 +75,8 @@ class SparseverRunnerMixin:
         architecture = ",".join(self.model_config.architectures or [])
         install_modules(self.model, self.sparsever_runtime, architecture)
         if self.sparsever_proposer is not None:
-            self.sparsever_proposer.load(self)
+            self.sparsever_proposer.load(TargetView(self, self.sparsever_runtime.moe_routing))
+            self.sparsever_runtime.experts_observer = self.sparsever_proposer.experts_observer()
 
     # ---- per-step hooks (what each step's times mean: step_recorder.py) --------------------
 
@@ -93,7 +94,7 @@ class SparseverRunnerMixin:
         self._sparsever_steps.note_decode_shape(self, self.sparsever_proposer, scheduler_output, num_scheduled_tokens)
         # Hierarchical verification may have saved the residual streams of every token of this step.
         proposer = self.sparsever_proposer
-        self._sparsever_reuse = (proposer.streams_for_step(self, num_scheduled_tokens) if proposer is not None
+        self._sparsever_reuse = (proposer.streams_for_step(num_scheduled_tokens) if proposer is not None
                                  else None)
         return result
 
@@ -108,7 +109,7 @@ class SparseverRunnerMixin:
             kwargs["positions"] = positions
         with active_plan(plan):
             if reuse is not None and not args and set(kwargs) >= {"input_ids", "positions"}:
-                return self._sparsever_hierarchy.forward_from_streams(self, reuse, kwargs["positions"])
+                return self._sparsever_hierarchy.forward_from_streams(reuse, kwargs["positions"])
             return super()._model_forward(*args, **kwargs)
 
     def _sample(self, *args: Any, **kwargs: Any) -> Any:

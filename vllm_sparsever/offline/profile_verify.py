@@ -39,7 +39,7 @@ MEASURE_ON_WORKER = f"{__name__}:measure_on_worker"
 def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: int = 3) -> list[dict[str, Any]]:
     from vllm_sparsever.drafting.queries import final_hidden
     from vllm_sparsever.compat.model import decoder_stack
-    from vllm_sparsever.compat.runner import kv_cache_blocks
+    from vllm_sparsever.compat.runner import TargetView, kv_cache_blocks
     from vllm_sparsever.plan import DraftTopology, active_plan, stacked_tree_mask
 
     from vllm_sparsever.compat.cpu_attention import attention_layers
@@ -47,6 +47,7 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
     from vllm_sparsever.verification.expert_counter import probe_step_experts
 
     stack = decoder_stack(runner.model)
+    target = TargetView(runner)
     first = attention_layers(runner.vllm_config, stack.attention_layer_names[:1])
     if not all(isinstance(layer.impl, SparseverCPUAttentionImpl) for layer in first.values()):
         raise RuntimeError("profile-verify: the engine runs without sparsever's attention backend (no tree mask)")
@@ -77,7 +78,7 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
                 for rep in range(repeats + 1):  # the first run warms up
                     with probe_step_experts() as routed, active_plan(plan):
                         start = time.perf_counter()
-                        normed = final_hidden(runner, stack, list(range(rows)), tokens, positions, [q] * rows,
+                        normed = final_hidden(target, stack, list(range(rows)), tokens, positions, [q] * rows,
                                               kv_positions=kv_positions, tree_mask=tree_mask, block_table=table)
                         stack.compute_logits(normed)
                         if rep:
