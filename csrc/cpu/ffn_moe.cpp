@@ -52,14 +52,25 @@ inline int64_t gemm_min_tokens(int64_t fallback = 16) {
   return env ? std::max<int64_t>(1, std::atoll(env)) : fallback;
 }
 
-// Token count from which 16-bit weights of scalar_t go to an ATen GEMM: `from`, except in the AVX2 build,
-// which runs only on CPUs without AVX-512, where torch's bf16/fp16 GEMM is a slow fallback (docs/kernels.md,
-// "AVX2"): there the weights are streamed at any token count unless SPARSEVER_CPU_GEMM_MIN_TOKENS says.
+// The CPU is checked as well as the build: the loader falls back to the AVX2 build on an AVX-512 CPU whose
+// `_C_avx512` failed to import, and there torch's 16-bit GEMM is not the slow fallback.
+inline bool cpu_has_avx512f() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// Token count from which 16-bit weights of scalar_t go to an ATen GEMM: `from`, except on CPUs without
+// AVX-512 (the AVX2 build), where torch's bf16/fp16 GEMM is a slow fallback (docs/kernels.md, "AVX2"):
+// there the weights are streamed at any token count unless SPARSEVER_CPU_GEMM_MIN_TOKENS says.
 template <typename scalar_t>
 inline int64_t gemm_from_for(int64_t from) {
 #if !defined(CPU_CAPABILITY_AVX512)
   if constexpr (!std::is_same_v<scalar_t, float>) {
-    if (!std::getenv("SPARSEVER_CPU_GEMM_MIN_TOKENS")) return std::numeric_limits<int64_t>::max();
+    if (!std::getenv("SPARSEVER_CPU_GEMM_MIN_TOKENS") && !cpu_has_avx512f()) return std::numeric_limits<int64_t>::max();
   }
 #endif
   return from;

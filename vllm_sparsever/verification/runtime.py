@@ -89,6 +89,7 @@ class SparseVerificationRuntime:
         profile: CalibrationProfile | None = None,
         profile_source: str = "none",
         num_layers: int | None = None,
+        ffn_dense_kernel: str = "vllm",
     ) -> None:
         self.config = copy.deepcopy(config)
         self.profile = profile
@@ -97,7 +98,7 @@ class SparseVerificationRuntime:
         # What was set up at start; run-time switches cannot go beyond it.
         self.started_with = {
             "attention": config.attention.enabled,
-            "ffn": config.ffn.enabled,
+            "ffn": config.ffn.enabled or ffn_dense_kernel == "sparsever",
             "moe": config.moe.enabled,
         }
         # Dense verify steps on sparsever's kernel may be switched off at run time and back on.
@@ -120,7 +121,7 @@ class SparseVerificationRuntime:
         self.ffn_gates: set[str] = set()  # where FFN layers run their dense gate (install_ffn)
         # ffn.dense_kernel resolved at start (verification/setup.py); with "sparsever", dense steps of up
         # to ffn_dense_op_max_tokens tokens run the FFN op at keep = I.
-        self.ffn_dense_kernel = "vllm"
+        self.ffn_dense_kernel = ffn_dense_kernel
         self.ffn_dense_op_max_tokens = 0
         # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
         # records the largest difference (slow; for tests and debugging only).

@@ -47,9 +47,7 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
                                      model_config.dtype)
     if ffn_dense == "sparsever" and not config.ffn.enabled:  # the op reads the plain weights: no packed copy
         config = dataclasses.replace(config, ffn=dataclasses.replace(config.ffn, weights="shared"))
-    runtime = SparseVerificationRuntime(config, profile, source, num_layers)
-    runtime.ffn_dense_kernel = ffn_dense
-    runtime.started_with["ffn"] = config.ffn.enabled or ffn_dense == "sparsever"
+    runtime = SparseVerificationRuntime(config, profile, source, num_layers, ffn_dense_kernel=ffn_dense)
     install_runtime(runtime)
     # Trees need the tree-mask kernel; dense verify steps may run sparsever's kernel (dense_kernel).
     if config.attention.enabled or config.tree.enabled or config.attention.dense_kernel != "vllm":
