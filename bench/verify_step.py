@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-json", default=None,
                     help="JSON merged into the engine's sparsever config, e.g. '{\"ffn\": {\"enabled\": true, "
                          "\"weights\": \"shared\", \"keep_ratio\": 1.0}}' (every neuron, through sparsever's op)")
+    ap.add_argument("--op-profile", action="store_true",
+                    help="after the rounds, one more pass per (tokens, context) with sparsever's kernel under "
+                         "torch's profiler: the ops that take a step's time (.ops.md)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -50,7 +53,7 @@ def main(argv=None) -> int:
     from vllm_sparsever.metrics import set_sparsity
     from vllm_sparsever.models import resolve_model_arg
     from vllm_sparsever.models.limits import fit_length, model_max_len
-    from vllm_sparsever.offline.profile_verify import MEASURE_ON_WORKER
+    from vllm_sparsever.offline.profile_verify import MEASURE_ON_WORKER, OP_PROFILE_ON_WORKER
 
     target = resolve_model_arg(args.target, "--target")
     tokens = sorted({1, *args.tokens})
@@ -83,6 +86,10 @@ def main(argv=None) -> int:
                                              "steps": [r for r in rows if r["mask"] == "chain"]})
                     base.with_suffix(".partial.json").write_text(json.dumps(record, default=str))
                     bar.update()
+        if args.op_profile:
+            set_sparsity(llm, attention={"dense_kernel": "sparsever"})
+            record["op_profile"] = llm.collective_rpc("sparsever_call", args=(OP_PROFILE_ON_WORKER, grid,
+                                                                               args.repeats))[0]
     finally:
         set_sparsity(llm, attention={"dense_kernel": "auto"})
         shutdown_llm(llm)
@@ -90,6 +97,8 @@ def main(argv=None) -> int:
     base.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
     table = markdown(record)
     base.with_suffix(".md").write_text(table)
+    if "op_profile" in record:
+        base.with_suffix(".ops.md").write_text(op_table(record))
     base.with_suffix(".partial.json").unlink(missing_ok=True)
     print(table)
     print(f"results: {base}.md / .json")
@@ -138,6 +147,20 @@ def markdown(record: dict) -> str:
                 cells.append(f"{row[f'verify_{q}_{k}_kernel']:.1f}, {row[f'verify_{q}_{k}_kernel_vs_decode']:.2f}x")
         lines.append(f"| {c} | {row['decode_1']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def op_table(record: dict) -> str:
+    """Per grid point, the ops that took the most CPU time per chain step (self time, ms)."""
+    lines = [f"# Where a step's time goes: {Path(record['target']).name}", "", f"`{record['command']}`", "",
+             "torch profiler, sparsever's attention kernel, self CPU ms per step (the profiler's own overhead "
+             "included: compare rows, not totals with the timed table).", ""]
+    for point in record["op_profile"]:
+        rows, q, ctx = point["point"]
+        total = sum(op["self_ms_per_step"] for op in point["ops"])
+        lines += [f"## {q} token(s), context {ctx} (top ops: {total:.1f} ms)", "", "| op | calls | ms |", "|---|---|---|"]
+        lines += [f"| `{op['name']}` | {op['calls_per_step']:.0f} | {op['self_ms_per_step']:.2f} |" for op in point["ops"]]
+        lines.append("")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

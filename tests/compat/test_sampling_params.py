@@ -66,8 +66,10 @@ def test_wrapper_biases_before_vllms_processors_and_masks_after():
     fake = FakeSampler()
     params = [SimpleNamespace(temperature=1.0, min_p=1.0, logit_bias={0: 100.0})]
     wrap = (lambda: params, needs_logits_params, apply_logit_bias, apply_min_p)
-    sampling.wrap_draft_row_logits(fake, *wrap)
-    sampling.wrap_draft_row_logits(fake, *wrap)  # idempotent: one wrapper
+    runner = SimpleNamespace(rejection_sampler=fake)
+    assert sampling.wrap_draft_row_logits(runner, *wrap)
+    assert sampling.wrap_draft_row_logits(runner, *wrap)  # idempotent: one wrapper
+    assert not sampling.wrap_draft_row_logits(SimpleNamespace(rejection_sampler=None), *wrap)  # no spec decode
     out = fake.apply_logits_processors(torch.zeros(2, 8), None, SimpleNamespace(num_draft_tokens=[2]))
     assert len(calls) == 1 and torch.all(calls[0][:, 0] == 100.0)  # vLLM's processors saw the bias
     assert torch.all(torch.isfinite(out).sum(-1) == 1) and torch.all(out.argmax(-1) == 0)

@@ -94,6 +94,11 @@ def input_batch_view(runner: Any) -> BatchView:
     )
 
 
+def async_scheduling(runner: Any) -> bool:
+    """Whether the engine schedules asynchronously (`runner.use_async_scheduling`)."""
+    return bool(getattr(runner, "use_async_scheduling", False))
+
+
 def batch_num_rows(runner: Any) -> int:
     """Rows of the runner's batch (`runner.input_batch.num_reqs`)."""
     return runner.input_batch.num_reqs

@@ -120,16 +120,20 @@ def allow_min_p_and_logit_bias() -> bool:
     return True
 
 
-def wrap_draft_row_logits(rejection_sampler, batch_params, needed, before, after) -> None:
-    """Wrap `rejection_sampler.apply_logits_processors` (this instance only; idempotent) so that, when
+def wrap_draft_row_logits(runner: Any, batch_params, needed, before, after) -> bool:
+    """Wrap the runner's `rejection_sampler.apply_logits_processors` (this instance only; idempotent;
+    False for a runner without one: no speculative decoding) so that, when
     `needed(params)` holds for a request of the batch, the draft rows' target logits go through
     `before(logits, counts, params)`, then vLLM's processors (penalties included), then
     `after(logits, counts, params)`: where vLLM's sampler puts logit bias and min_p without
     speculation. `batch_params()` returns the batch's SamplingParams in batch order; `counts` are the
     requests' draft-row counts (rows are back to back in batch order)."""
+    rejection_sampler = getattr(runner, "rejection_sampler", None)
+    if rejection_sampler is None:
+        return False
     original = rejection_sampler.apply_logits_processors
     if getattr(original, "_sparsever_wrapped", False):
-        return
+        return True
 
     def apply_logits_processors(logits, sampling_metadata, metadata):
         counts = list(metadata.num_draft_tokens)
@@ -142,6 +146,7 @@ def wrap_draft_row_logits(rejection_sampler, batch_params, needed, before, after
 
     apply_logits_processors._sparsever_wrapped = True  # type: ignore[attr-defined]
     rejection_sampler.apply_logits_processors = apply_logits_processors
+    return True
 
 
 def add_min_p_and_logit_bias_processors(runner: Any) -> int:

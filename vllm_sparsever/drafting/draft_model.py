@@ -71,6 +71,7 @@ class _DraftKV:
 
 class DraftModelDrafter(TreeDrafting, RoundDrafter):
     level = "draft_model"
+    proposes_late = True  # from the committed tokens (vLLM's own draft_model proposes from device tensors)
 
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None,
                  adaptive: Any = None) -> None:

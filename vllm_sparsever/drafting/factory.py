@@ -6,6 +6,15 @@ from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.drafting.proposer import Proposer
 
 
+def check_scheduling(config: SparseverConfig, proposer: Proposer | None, async_scheduling: bool) -> None:
+    """A proposer that proposes after the step's bookkeeping needs synchronous scheduling."""
+    if proposer is not None and proposer.proposes_late and async_scheduling:
+        which = ("tree.enabled" if config.tree.enabled else
+                 "adaptive.enabled" if config.adaptive.enabled else "early_exit.enabled")
+        raise ValueError(f"{which} with draft_source={config.draft_source!r} needs synchronous scheduling "
+                         "(allowed: async_scheduling=False, e.g. --no-async-scheduling)")
+
+
 def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | None:
     """sparsever's proposer, or None when vLLM's drafter proposes as it is (draft model, n-gram, EAGLE;
     with adaptive, EVICT cuts an EAGLE head's chains, drafting/vllm_drafter.py):

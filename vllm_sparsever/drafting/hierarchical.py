@@ -141,6 +141,10 @@ class HierarchicalProposer(Proposer):
             self._stack = decoder_stack(self.target.model)
         return self._stack.run_from(layer, streams, positions)
 
+    @property
+    def proposes_late(self) -> bool:
+        return self.drafter.proposes_late
+
     def load(self, target: Any) -> None:
         self.target = target
         self.drafter.load(target)

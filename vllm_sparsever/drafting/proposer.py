@@ -24,6 +24,10 @@ class Proposer:
     # runner has vLLM's drafter run as deep as `plan_before_vllm_drafts` says, then calls `propose`
     # after the step's bookkeeping.
     cuts_vllm_drafts = False
+    # True for a proposer that needs the step's committed tokens (the draft model's drafter; EVICT's
+    # cut of vLLM's drafts): the runner calls `propose` after the step's bookkeeping (sample_tokens),
+    # which needs synchronous scheduling.
+    proposes_late = False
 
     def load(self, target: TargetView) -> None:
         """After the target loaded: keep `target`, the part of the runner drafting may use."""

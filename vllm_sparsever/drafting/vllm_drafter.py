@@ -40,6 +40,7 @@ class VllmDrafterChains(TreeDrafting, RoundDrafter):
     # The proposal is vLLM's (inside the step, `plan_before_vllm_drafts` first); the cut comes after
     # the step's bookkeeping.
     cuts_vllm_drafts = True
+    proposes_late = True
 
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int, adaptive: Any) -> None:
         super().__init__(VllmDrafterStats(), num_speculative_tokens=num_speculative_tokens,

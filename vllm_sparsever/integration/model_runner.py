@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from vllm_sparsever.compat.runner import (TargetView, batch_num_rows, draft_step, finished_request_ids,
-                                         input_batch_view, sampled_tokens, scheduled_drafts)
+from vllm_sparsever.compat.runner import (TargetView, async_scheduling, batch_num_rows, draft_step,
+                                         finished_request_ids, input_batch_view, sampled_tokens, scheduled_drafts)
 from vllm_sparsever.config import SparseverConfig
-from vllm_sparsever.drafting.factory import make_proposer
+from vllm_sparsever.drafting.factory import check_scheduling, make_proposer
 from vllm_sparsever.integration.step_recorder import StepRecorder
 from vllm_sparsever.plan import VerificationPlan, active_plan, build_verification_plan
 from vllm_sparsever.verification.logits_params import honour_logits_params
@@ -46,18 +46,10 @@ class SparseverRunnerMixin:
         self.sparsever_runtime = start_sparse_verification(config, self.vllm_config)
         self.sparsever_proposer = make_proposer(config, self.model_config.max_model_len)
         self._sparsever_hierarchy = self.sparsever_proposer if config.early_exit.enabled else None
-        # vLLM's model-based drafters propose before the step's bookkeeping, from device tensors;
-        # sparsever's draft-model drafter needs the committed tokens, and EVICT cuts an EAGLE head's
-        # chains once they are known: both propose after sample_tokens.
         proposer = self.sparsever_proposer
+        check_scheduling(config, proposer, async_scheduling(self))
         self._sparsever_cuts_vllm_drafts = proposer is not None and proposer.cuts_vllm_drafts
-        self._sparsever_propose_late = proposer is not None and (config.draft_source == "draft_model"
-                                                                 or self._sparsever_cuts_vllm_drafts)
-        if self._sparsever_propose_late and getattr(self, "use_async_scheduling", False):
-            which = ("tree.enabled" if config.tree.enabled else
-                     "adaptive.enabled" if config.adaptive.enabled else "early_exit.enabled")
-            raise ValueError(f"{which} with draft_source={config.draft_source!r} needs synchronous scheduling "
-                             "(allowed: async_scheduling=False, e.g. --no-async-scheduling)")
+        self._sparsever_propose_late = proposer is not None and proposer.proposes_late
         self._sparsever_trees = TreeAcceptance()
         self._sparsever_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (query indices)
         # The full level of a hierarchy over the sparse target verifies densely.

@@ -35,8 +35,30 @@ def measure_on_worker(worker: Any, grid: list, repeats: int) -> list[dict[str, A
 MEASURE_ON_WORKER = f"{__name__}:measure_on_worker"
 
 
+def op_profile_on_worker(worker: Any, grid: list, repeats: int, rows: int = 40) -> list[dict[str, Any]]:
+    """As `measure_on_worker`, one grid point at a time under torch's profiler: per point, the ops
+    that took the most CPU time in its chain steps (name, calls, total ms per step), for finding what
+    a verify step spends beyond attention (bench/verify_step.py --op-profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for point in grid:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            measure_verify_cost(worker.model_runner, [tuple(point)], repeats, masks=("chain",))
+        steps = repeats + 1  # (the first warms up)
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+        out.append({"point": list(point), "ops": [
+            {"name": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps}
+            for e in ops]})
+    return out
+
+
+OP_PROFILE_ON_WORKER = f"{__name__}:op_profile_on_worker"
+
+
 @torch.inference_mode()
-def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: int = 3) -> list[dict[str, Any]]:
+def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: int = 3,
+                        masks: tuple[str, ...] = ("tree", "chain")) -> list[dict[str, Any]]:
     from vllm_sparsever.drafting.queries import final_hidden
     from vllm_sparsever.compat.model import decoder_stack
     from vllm_sparsever.compat.runner import TargetView, kv_cache_blocks
@@ -70,7 +92,7 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
         if moe and rows * q > 1:
             variants.append(("repeated", random_tokens[:1].expand(rows * q).contiguous()))
         for kind, tokens in variants:
-            for mask in ("tree", "chain"):
+            for mask in masks:
                 positions = ctx + depths if mask == "tree" else kv_positions
                 tree_mask = stacked_tree_mask([binary] * rows).to(device) if mask == "tree" else None
                 plan = _verify_step_plan(rows, q, ctx, table, bs) if mask == "chain" else None
@@ -85,9 +107,9 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
                             times.append(time.perf_counter() - start)
                 experts = statistics.fmean(d / e for _, d, e in routed) if routed else 0.0
                 out.append(Measurement(mask, rows, q, ctx, statistics.median(times), experts, kind).__dict__)
-            logger.info("profile-verify: %d/%d rows=%d tokens=%d context=%d %s: tree %.1f ms, chain %.1f ms%s",
-                        point, len(grid), rows, q, ctx, kind, 1e3 * out[-2]["seconds"],
-                        1e3 * out[-1]["seconds"], f", experts {out[-1]['experts']:.2f}" if moe else "")
+            times_ms = ", ".join(f"{m['mask']} {1e3 * m['seconds']:.1f} ms" for m in out[-len(masks):])
+            logger.info("profile-verify: %d/%d rows=%d tokens=%d context=%d %s: %s%s", point, len(grid), rows, q,
+                        ctx, kind, times_ms, f", experts {out[-1]['experts']:.2f}" if moe else "")
     return out
 
 

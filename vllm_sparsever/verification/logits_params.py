@@ -74,11 +74,9 @@ def honour_logits_params(runner: Any) -> None:
     """With speculative decoding vLLM applies min_p and logit_bias nowhere (no processors, and its
     rejection sampler skips them on draft rows); sparsever applies them everywhere: vLLM's own
     processors back for the sampler's rows, this module's functions on the draft rows."""
-    if getattr(runner, "rejection_sampler", None) is None:
-        return
     from vllm_sparsever.compat.runner import batch_sampling_params
     from vllm_sparsever.compat.sampling import add_min_p_and_logit_bias_processors, wrap_draft_row_logits
 
-    wrap_draft_row_logits(runner.rejection_sampler, lambda: batch_sampling_params(runner), needs_logits_params,
-                          apply_logit_bias, apply_min_p)
-    add_min_p_and_logit_bias_processors(runner)
+    if wrap_draft_row_logits(runner, lambda: batch_sampling_params(runner), needs_logits_params, apply_logit_bias,
+                             apply_min_p):
+        add_min_p_and_logit_bias_processors(runner)
