@@ -52,6 +52,11 @@ void topk_swiglu_ffn_gated_cpu(torch::Tensor& out, const torch::Tensor& x, const
 void input_sparse_gate_cpu(torch::Tensor& gate, const torch::Tensor& x, const torch::Tensor& w_gate_t,
                            const torch::Tensor& group_start_loc, int64_t input_keep, torch::Tensor& channels);
 
+// out [T, N] = x [T, K] @ weight^T (+ bias [N]) over plain weights of any float dtype; weight [N, K]
+// row-major or a transposed view of a [K, N] tensor.
+void dense_linear_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                      const std::optional<torch::Tensor>& bias);
+
 // Top-k softmax routing + ratio pruning + optional per-group expert budget.
 void moe_route_and_prune_cpu(const torch::Tensor& router_logits, int64_t top_k, double prune_ratio,
                              const std::optional<torch::Tensor>& group_start_loc, int64_t expert_budget,

@@ -58,6 +58,10 @@ TORCH_LIBRARY(sparsever, m) {
       "input_sparse_gate(Tensor(a!) gate, Tensor x, Tensor w_gate_t, Tensor group_start_loc, "
       "int input_keep, Tensor(b!) channels) -> ()");
 
+  // out [T, N] = x [T, K] @ weight^T (+ bias [N]): every token, every output (a plain dense linear);
+  // weight [N, K] with contiguous rows, or a transposed view of a [K, N] tensor with contiguous rows.
+  m.def("dense_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+
   // router_logits [T, E]; group_start_loc [G+1] int32 or None; topk_weights [T, K] fp32;
   // topk_ids [T, K] int32 (-1 = pruned).
   m.def(
@@ -78,6 +82,7 @@ TORCH_LIBRARY_IMPL(sparsever, CPU, m) {
   m.impl("topk_swiglu_ffn", &topk_swiglu_ffn_cpu);
   m.impl("topk_swiglu_ffn_gated", &topk_swiglu_ffn_gated_cpu);
   m.impl("input_sparse_gate", &input_sparse_gate_cpu);
+  m.impl("dense_linear", &dense_linear_cpu);
   m.impl("moe_route_and_prune", &moe_route_and_prune_cpu);
   m.impl("moe_grouped_dispatch", &moe_grouped_dispatch_cpu);
 }

@@ -36,6 +36,7 @@ __all__ = [
     "topk_swiglu_ffn",
     "topk_swiglu_ffn_gated",
     "input_sparse_gate",
+    "dense_linear",
     "moe_route_and_prune",
     "moe_grouped_dispatch",
     "topk_lower_index_wins",
@@ -310,6 +311,17 @@ def topk_swiglu_ffn_gated(
         selected[g] = idx.to(selected.dtype)
         up = x[t0:t1].float() @ w_up[idx].float().t()
         out[t0:t1] = ((act[t0:t1, idx] * up) @ w_down_t[idx].float()).to(out.dtype)
+
+
+def dense_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """A plain dense linear, in place: out [T, N] = x [T, K] @ weight^T + bias, in fp32, rounded to
+    out's dtype. weight: [N, K] (row-major, or a transposed view of a [K, N] tensor); bias: [N] or None.
+    (The CPU kernel streams the weights for few tokens and widens them to fp32 panels for an fp32 GEMM
+    for more; there is no sparsity in it: it serves dense steps over plain weights.)"""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    out.copy_(y.to(out.dtype))
 
 
 def input_sparse_gate(

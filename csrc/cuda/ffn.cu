@@ -1,4 +1,7 @@
-// CUDA launchers: top-k SwiGLU FFN gating (the gate computed, or given) and the input-sparse gate (bodies in csrc/kernels/ffn.cuh).
+// CUDA launchers: top-k SwiGLU FFN gating (the gate computed, or given) and the input-sparse gate (bodies in
+// csrc/kernels/ffn.cuh); the dense linear (cuBLAS).
+#include <ATen/ops/linear.h>
+
 #include "cuda/cuda_launcher.cuh"
 #include "cuda/ops_cuda.h"
 #include "kernels/ffn.cuh"
@@ -25,6 +28,12 @@ void input_sparse_gate(at::Tensor& gate, const at::Tensor& x, const at::Tensor& 
                        const at::Tensor& group_start_loc, int64_t input_keep, at::Tensor& channels) {
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   kernels::input_sparse_gate_impl(gate, x, w_gate_t, group_start_loc, input_keep, channels, CudaLauncher::current());
+}
+
+// A dense linear has nothing to skip on a GPU: cuBLAS (ATen's linear), here so the op runs everywhere.
+void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  out.copy_(at::linear(x, weight.to(x.scalar_type()), bias.has_value() ? bias->to(x.scalar_type()) : bias));
 }
 
 }  // namespace cuda

@@ -1,0 +1,102 @@
+// dense_linear on CPU: out = x @ weight^T (+ bias) over plain (unpacked) weights of any float dtype, for
+// CPUs where vLLM-CPU's 16-bit linear is torch's (no AVX-512: docs/kernels.md, "AVX2"). Two paths:
+// - few tokens: the weight rows are streamed once and reused for every token (rows_dot / rows_axpy of
+//   gemv_rows.h), so the time is the weights' read time;
+// - more tokens: the weight is widened to fp32 a panel at a time and multiplied by ATen's fp32 GEMM,
+//   which on such CPUs runs several times faster than its 16-bit one.
+// The weight is [N, K] either row-major (a linear layer's weight) or column-major (a transposed view of
+// a [K, N] tensor, as the FFN's shared down projection keeps it).
+#include "cpu_utils.h"
+#include "gemv_rows.h"
+#include "gemv_rows_bf16.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace sparsever::cpu {
+namespace {
+
+// Up to this many tokens the weights are streamed (bench/kernels/run.py --parts linear measures both
+// paths; SPARSEVER_CPU_LINEAR_STREAM_MAX overrides it for that benchmark).
+int64_t stream_max_tokens(bool fp32_weight) {
+  const char* env = std::getenv("SPARSEVER_CPU_LINEAR_STREAM_MAX");
+  if (env) return std::max<int64_t>(0, std::atoll(env));
+  return fp32_weight ? 32 : 16;
+}
+
+// fp32 elements per widened panel: a few MiB, so a panel stays in L2/L3 between its conversion and GEMM.
+constexpr int64_t kPanelElems = int64_t(1) << 20;
+
+template <typename WT>
+void stream(const torch::Tensor& xf, const torch::Tensor& weight, bool row_major, float* y) {
+  const int64_t t = xf.size(0), k = xf.size(1), n = weight.size(0);
+  const WT* w = weight.data_ptr<WT>();
+  if (row_major) {
+    if constexpr (std::is_same_v<WT, c10::BFloat16>) {
+      if (rows_bf16_available()) {  // vdpbf16ps on the bf16-rounded activations
+        auto xb = xf.to(torch::kBFloat16).contiguous();
+        const auto* xp = reinterpret_cast<const c10::BFloat16*>(xb.data_ptr());
+        parallel_row_tasks(n, k, sizeof(WT), [&](int64_t r0, int64_t r1) {
+          rows_dot_range_bf16(xp, t, k, w, weight.stride(0), nullptr, r0, r1, y, n);
+        });
+        return;
+      }
+    }
+    rows_dot<WT>(xf.data_ptr<float>(), t, k, w, weight.stride(0), nullptr, n, y, n);
+  } else {  // storage [K, N]: out[t, :] = sum_j x[t, j] * storage[j, :]
+    rows_axpy<WT>(xf.data_ptr<float>(), t, k, w, weight.stride(1), nullptr, n, y);
+  }
+}
+
+void widened_gemm(const torch::Tensor& xf, const torch::Tensor& weight, bool row_major, torch::Tensor& y) {
+  const int64_t k = xf.size(1), n = weight.size(0);
+  if (row_major) {  // panels of output columns: y[:, n0:n1] = x @ W[n0:n1]^T
+    const int64_t rows = std::max<int64_t>(64, kPanelElems / std::max<int64_t>(1, k));
+    for (int64_t n0 = 0; n0 < n; n0 += rows) {
+      const int64_t len = std::min(rows, n - n0);
+      auto panel = weight.narrow(0, n0, len).to(torch::kFloat);
+      y.narrow(1, n0, len).copy_(at::mm(xf, panel.t()));
+    }
+  } else {  // panels of the reduction: y += x[:, k0:k1] @ storage[k0:k1]
+    const auto storage = weight.t();  // [K, N], row-major
+    const int64_t rows = std::max<int64_t>(64, kPanelElems / std::max<int64_t>(1, n));
+    y.zero_();
+    for (int64_t k0 = 0; k0 < k; k0 += rows) {
+      const int64_t len = std::min(rows, k - k0);
+      y.addmm_(xf.narrow(1, k0, len), storage.narrow(0, k0, len).to(torch::kFloat));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace sparsever::cpu
+
+void dense_linear_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                      const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "x must be [T, K] and weight [N, K], got ", x.sizes(), " and ", weight.sizes());
+  const int64_t t = x.size(0), k = x.size(1), n = weight.size(0);
+  const bool row_major = weight.stride(1) == 1 && (n <= 1 || weight.stride(0) >= k);
+  const bool col_major = !row_major && weight.stride(0) == 1 && (k <= 1 || weight.stride(1) >= n);
+  TORCH_CHECK(row_major || col_major,
+              "weight must be [N, K] with contiguous rows, or a transposed view of a [K, N] tensor with "
+              "contiguous rows; got strides ", weight.strides());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == t && out.size(1) == n && out.is_contiguous(),
+              "out must be contiguous [T, N]");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n), "bias must be [N]");
+  if (t == 0 || n == 0) return;
+  auto xf = x.to(torch::kFloat).contiguous();
+  const bool fp32_weight = weight.scalar_type() == torch::kFloat;
+  torch::Tensor y = out.scalar_type() == torch::kFloat ? out : torch::empty({t, n}, torch::kFloat);
+  if (k == 0) {
+    y.zero_();
+  } else if (t <= sparsever::cpu::stream_max_tokens(fp32_weight)) {
+    SPARSEVER_DISPATCH_FLOAT_TYPES(weight.scalar_type(), "dense_linear_cpu", [&] {
+      sparsever::cpu::stream<scalar_t>(xf, weight, row_major, y.data_ptr<float>());
+    });
+  } else {
+    sparsever::cpu::widened_gemm(xf, weight, row_major, y);
+  }
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat));
+  if (!y.is_same(out)) out.copy_(y);
+}
