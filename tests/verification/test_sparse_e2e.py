@@ -57,7 +57,9 @@ def target4(tiny_dir):
 
 @pytest.fixture(scope="module")
 def sparse_llm(target4):
-    llm = _start(target4, {"attention": {**ATTENTION, "kernel": "sparsever"}, "ffn": FFN})
+    # Every dense linear of the target on sparsever's dense_linear op (linear_kernel; "auto" keeps an fp32
+    # target on vLLM's): "all off" below is then lossless through it, prefill and verify steps alike.
+    llm = _start(target4, {"attention": {**ATTENTION, "kernel": "sparsever"}, "ffn": FFN, "linear_kernel": "sparsever"})
     yield llm, target4
     del llm
     gc.collect()
@@ -94,6 +96,7 @@ def _plain_greedy(target, prompt_list, max_tokens=24):
 
 def test_all_off_is_identical_to_plain_greedy(sparse_llm, plain_greedy_long):
     llm, _ = sparse_llm
+    assert llm.collective_rpc("sparsever_sparsity_info")[0]["linear_kernel"] == "sparsever"
     tokens, metrics = _run(llm, LONG_PROMPTS, attention={"enabled": False}, ffn={"enabled": False})
     assert metrics["num_verify_steps"] > 0
     assert not any(k.endswith("_sparse") for k in metrics["sparsity"]), metrics["sparsity"]
@@ -127,7 +130,7 @@ def test_sparse_ffn_matches_reference_and_reads_fewer_neurons(sparse_llm):
     # "auto" with the tiny model's gate rows (far below 4 MiB): the op streams the gate itself.
     info = llm.collective_rpc("sparsever_sparsity_info")[0]
     assert info["ffn_gate"] == ["kernel"]
-    assert info["ffn_dense_kernel"] == "vllm"  # "copy" weights: dense steps on vLLM's packed MLP
+    assert info["ffn_dense_kernel"] == "vllm"  # "copy" weights: dense steps on the stock MLP (its linears)
     _, metrics = _run(llm, LONG_PROMPTS, attention={"enabled": False}, ffn=FFN)
     s = metrics["sparsity"]
     assert s.get("ffn_fallbacks", 0) == 0, s

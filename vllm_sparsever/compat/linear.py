@@ -54,9 +54,11 @@ def stock_cpu_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Ten
     return lambda x: layer.cpu_linear(x, layer.weight, None)
 
 
-def use_plain_cpu_linear(layer: torch.nn.Module) -> None:
-    """Make the layer's CPU forward a plain `F.linear` over its unpacked `weight`."""
-    layer.cpu_linear = torch.nn.functional.linear
+def use_plain_cpu_linear(layer: torch.nn.Module,
+                         linear: Callable[..., torch.Tensor] = torch.nn.functional.linear) -> None:
+    """Make the layer's CPU forward `linear(x, weight, bias)` (default `F.linear`) over its unpacked
+    `weight`."""
+    layer.cpu_linear = linear
 
 
 def layer_prefix(layer: Any) -> str:

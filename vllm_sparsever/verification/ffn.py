@@ -337,9 +337,9 @@ def install_ffn(model: nn.Module, architecture: str, gate: str = "auto", weights
 
 
 @contextlib.contextmanager
-def keep_mlp_weights(mode: str = "copy") -> Iterator[None]:
+def keep_mlp_weights(mode: str = "copy", linear=None) -> Iterator[None]:
     """While the target loads on CPU: keep the MLP linears' plain weights ("copy": besides vLLM's
-    packed ones; "shared": instead of them)."""
+    packed ones; "shared": instead of them, run by `linear(x, weight, bias)`, default torch's)."""
     if not is_cpu_platform():
         yield
         return
@@ -347,7 +347,7 @@ def keep_mlp_weights(mode: str = "copy") -> Iterator[None]:
     def dispatch(layer, remove_weight, stock) -> None:
         if layer_prefix(layer).endswith(_MLP_LINEAR_SUFFIXES) and layer.weight.ndim == 2:
             if mode == "shared":
-                use_plain_cpu_linear(layer)
+                use_plain_cpu_linear(layer, *([linear] if linear is not None else []))
                 return
             layer._sparsever_plain_weight = layer.weight.data  # survives the packing's removal
         stock(layer, remove_weight)

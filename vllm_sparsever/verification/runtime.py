@@ -90,6 +90,7 @@ class SparseVerificationRuntime:
         profile_source: str = "none",
         num_layers: int | None = None,
         ffn_dense_kernel: str = "vllm",
+        linear_kernel: str = "vllm",
     ) -> None:
         self.config = copy.deepcopy(config)
         self.profile = profile
@@ -122,6 +123,8 @@ class SparseVerificationRuntime:
         # ffn.dense_kernel resolved at start (verification/setup.py); with "sparsever", dense steps of up
         # to ffn_dense_op_max_tokens tokens run the FFN op at keep = I.
         self.ffn_dense_kernel = ffn_dense_kernel
+        # linear_kernel resolved at start: "sparsever" = the target's dense linears on dense_linear.
+        self.linear_kernel = linear_kernel
         self.ffn_dense_op_max_tokens = 0
         # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
         # records the largest difference (slow; for tests and debugging only).
@@ -283,6 +286,7 @@ class SparseVerificationRuntime:
             # where the wrapped FFN layers compute their dense gate ("stock"/"kernel"; ffn.gate resolved)
             "ffn_gate": sorted(self.ffn_gates),
             "ffn_dense_kernel": self.ffn_dense_kernel,
+            "linear_kernel": self.linear_kernel,
             "ffn_dense_op_max_tokens": self.ffn_dense_op_max_tokens,
         }
 

@@ -47,7 +47,10 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
                                      model_config.dtype)
     if ffn_dense == "sparsever" and not config.ffn.enabled:  # the op reads the plain weights: no packed copy
         config = dataclasses.replace(config, ffn=dataclasses.replace(config.ffn, weights="shared"))
-    runtime = SparseVerificationRuntime(config, profile, source, num_layers, ffn_dense_kernel=ffn_dense)
+    from vllm_sparsever.verification.linear import resolve_linear_kernel
+
+    runtime = SparseVerificationRuntime(config, profile, source, num_layers, ffn_dense_kernel=ffn_dense,
+                                        linear_kernel=resolve_linear_kernel(config.linear_kernel, model_config.dtype))
     install_runtime(runtime)
     # Trees need the tree-mask kernel; dense verify steps may run sparsever's kernel (dense_kernel).
     if config.attention.enabled or config.tree.enabled or config.attention.dense_kernel != "vllm":
@@ -63,10 +66,16 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
 def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterator[None]:
     """Hooks active while the target loads; they are exited before the drafter loads."""
     with contextlib.ExitStack() as stack:
+        plain_linear = None
+        if runtime.linear_kernel == "sparsever":
+            from vllm_sparsever.verification.linear import plain_linears, sparsever_cpu_linear
+
+            stack.enter_context(plain_linears())
+            plain_linear = sparsever_cpu_linear
         if runtime.started_with["ffn"]:
             from vllm_sparsever.verification.ffn import keep_mlp_weights
 
-            stack.enter_context(keep_mlp_weights(runtime.ffn.weights))
+            stack.enter_context(keep_mlp_weights(runtime.ffn.weights, plain_linear))
         if runtime.started_with["moe"]:
             from vllm_sparsever.verification import moe
 
