@@ -1,0 +1,137 @@
+"""A target's dense linears on vLLM-CPU's own path against sparsever's `dense_linear`, side by side.
+
+For each projection of a model (attention QKV and output, MLP gate/up and down, LM head) and token
+count, in one process and in turn per round: vLLM-CPU's linear as it prepares it at load
+(`dispatch_cpu_unquantized_gemm`: oneDNN, sgl-kernel or torch's linear, whichever it picks on this
+CPU; the path is recorded), and `dense_linear` over the plain weight on each of its paths (weights
+streamed; fp32 panels for ATen's fp32 GEMM) and on its default choice. Best of rounds per cell;
+ratios are vLLM's time / ours. Weights rotate over enough copies that each call reads them from DRAM.
+
+    python bench/kernels/linear_ab.py --model qwen2.5-1.5b --tokens 1 4 8 16 32 64 256 --rounds 3 --tag zen3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+# (N, K) of each projection: Qwen2.5-Coder-1.5B / -0.5B (the LM head is the tied embedding).
+MODELS = {
+    "qwen2.5-1.5b": {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960),
+                     "lm_head": (151936, 1536)},
+    "qwen2.5-0.5b": {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
+                     "lm_head": (151936, 896)},
+}
+STREAM_MAX = "SPARSEVER_CPU_LINEAR_STREAM_MAX"
+PATHS = {"ours": None, "ours_stream": "1000000", "ours_panels": "0"}
+
+
+def stock_linear(weight):
+    """vLLM-CPU's linear for `weight` and the path its dispatch picked."""
+    import torch
+    import vllm.model_executor.layers.utils as layer_utils
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    code = getattr(layer.cpu_linear, "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    path = ("onednn" if "onednn_mm" in names else "sgl" if "weight_packed_linear_cpu" in names
+            else "zentorch" if "zentorch_linear_unary" in names else "torch linear")
+    return (lambda x: layer.cpu_linear(x, layer.weight, None)), path
+
+
+def best_ms(call, reps: int) -> float:
+    """The best of `reps` timed calls `call(i)` after one warm-up (i picks the weight copy)."""
+    call(0)
+    times = []
+    for i in range(1, reps + 1):
+        start = time.perf_counter()
+        call(i)
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+    from tqdm import tqdm
+
+    from spec_decode import RESULTS, hardware, versions
+    from vllm_sparsever import _custom_ops as ops
+
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    started = dt.datetime.now(dt.timezone.utc)
+    base = RESULTS / f"linear_ab_{args.tag or args.model}_{started.strftime('%Y%m%d-%H%M')}"
+    record = {"command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "started": started.isoformat(),
+              "hardware": hardware(), "versions": versions(), "threads": torch.get_num_threads(),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": []}
+    shapes = MODELS[args.model]
+    cells = [(name, t) for name in shapes for t in args.tokens]
+    best: dict[tuple[str, int, str], float] = {}
+    paths: dict[str, str] = {}
+    with tqdm(total=args.rounds * len(cells), desc="linear A/B", unit="cell") as bar:
+        for rnd in range(args.rounds):
+            for name, (n, k) in shapes.items():
+                copies = max(1, min(4, int(256e6 // (n * k * 2))))  # > L3, within memory
+                weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
+                stocks = [stock_linear(w.clone()) for w in weights]
+                paths[name] = stocks[0][1]
+                for t in args.tokens:
+                    x = torch.randn(t, k, generator=gen).to(dtype)
+                    reps = args.reps if n * k * t < 5e8 else 2
+                    order = ["vllm", *PATHS] if rnd % 2 == 0 else [*PATHS, "vllm"]
+                    for which in order:
+                        if which == "vllm":
+                            call = lambda i: stocks[i % copies][0](x)  # noqa: E731
+                        else:
+                            call = lambda i: ops.dense_linear(x, weights[i % copies])  # noqa: E731
+                            if PATHS[which] is not None:
+                                os.environ[STREAM_MAX] = PATHS[which]
+                        ms = best_ms(call, reps)
+                        os.environ.pop(STREAM_MAX, None)
+                        key = (name, t, which)
+                        best[key] = min(best.get(key, float("inf")), ms)
+                    bar.update()
+            record["loadavg_1m_after_round_%d" % rnd] = os.getloadavg()[0]
+    for name, (n, k) in shapes.items():
+        for t in args.tokens:
+            row = {"proj": name, "n": n, "k": k, "tokens": t, "vllm_path": paths[name],
+                   **{f"{w}_ms": best[(name, t, w)] for w in ("vllm", *PATHS)}}
+            row["speedup"] = row["vllm_ms"] / row["ours_ms"]
+            record["rows"].append(row)
+    base.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
+    lines = [f"# Dense linears: vLLM-CPU's against sparsever's dense_linear ({args.model}, {args.dtype})", "",
+             f"`{record['command']}`", "", f"hardware: {record['hardware']}", "",
+             f"torch CPU capability {record['cpu_capability']}, {record['threads']} threads. ms, best of "
+             f"{args.rounds} rounds (each the best of its calls); speedup = vLLM's / ours (default path).", "",
+             "| proj | N x K | tokens | vLLM ms [path] | ours ms | speedup | ours streamed ms | ours fp32 panels ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        lines.append(f"| {r['proj']} | {r['n']} x {r['k']} | {r['tokens']} | {r['vllm_ms']:.2f} [{r['vllm_path']}] | "
+                     f"{r['ours_ms']:.2f} | {r['speedup']:.2f}x | {r['ours_stream_ms']:.2f} | {r['ours_panels_ms']:.2f} |")
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"results: {base}.md / .json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
