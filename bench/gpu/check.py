@@ -413,6 +413,26 @@ def ffn_gated_case(device: str, dtype, h: int, inter: int, groups: list[int], se
     return {}
 
 
+def linear_case(device: str, dtype, t: int, k: int, n: int, transposed: bool, seed: int) -> dict:
+    """dense_linear (cuBLAS on CUDA) against the reference, a row-major or a transposed-view weight."""
+    from op_inputs import TOL
+
+    from vllm_sparsever import _custom_ops as ops
+    from vllm_sparsever import reference as ref
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=gen).to(dtype)
+    w = (torch.randn(k, n, generator=gen).t() if transposed else torch.randn(n, k, generator=gen)).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    out = ops.dense_linear(to_dev(x, device), to_dev(w, device) if not transposed else to_dev(w.t(), device).t(),
+                           to_dev(b, device))
+    expected = torch.empty(t, n, dtype=dtype)
+    ref.dense_linear(expected, x, w, b)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=rtol, atol=atol * k**0.5)
+    return {}
+
+
 def moe_weights(device: str, dtype, h: int, inter: int, num_experts: int, seed: int):
     """(w13 [E, 2I, H], w2 [E, H, I]) on the CPU and on `device`."""
     gen = torch.Generator().manual_seed(seed)
@@ -600,6 +620,9 @@ def correctness(args, out: Path) -> dict:
         cases.run(f"ffn_gated + input_sparse_gate {dname} H{h} I{inter // 4}",
                   lambda: ffn_gated_case(device, dtype, h, inter // 4, [5, 11], 41),
                   op="topk_swiglu_ffn_gated,input_sparse_gate")
+        for t, k, n_out, transposed in ((1, 1536, 2048, False), (5, 8960, 1536, True), (300, 1536, 8960, False)):
+            cases.run(f"dense_linear {dname} T{t} K{k} N{n_out}{' transposed' if transposed else ''}",
+                      lambda: linear_case(device, dtype, t, k, n_out, transposed, 61), op="dense_linear")
         moe_shape = (64, 32, 8, 2) if args.quick else (2048, 1024, 64, 8)  # OLMoE: H2048 I1024, 64 experts top-8
         mw = moe_weights(device, dtype, *moe_shape[:3], 52)
         for groups, ratio, budget in (([1], 0.0, 0), ([4], 0.1, 0), ([16], 0.0, 0), ([3, 13], 0.1, 12)):
