@@ -12,8 +12,11 @@
   with logits + rejection sampling) with vLLM's and with sparsever's attention kernel;
 - `roof_fraction["32768"]`: dense attention FLOP/s of the kernel dense verify steps run (sparsever's,
   in the KV layout vLLM picks on the machine) over the GEMM roof measured in the kernel run;
-- `other_machines` (`--other-machine KERNELS VERIFY_STEP`): the same two measures on a machine without
-  an end-to-end run, from a kernel run and `bench/verify_step.py` (one engine, no prefill).
+- `other_machines` (`--other-machine KERNELS VERIFY_STEP [PLAIN_VERIFY_STEP]`): the same two measures on
+  a machine without an end-to-end run, from a kernel run and `bench/verify_step.py` (one engine, no
+  prefill). Where sparsever's engine also runs decode steps on its own kernels (`linear_kernel`), the
+  third run is the same benchmark with vLLM's (`--spec-json '{"linear_kernel": "vllm"}'`): `decode_1`
+  then comes from it (a plain vLLM decode step), and `decode_1_sparsever_engine` is sparsever's.
 """
 
 from __future__ import annotations
@@ -48,24 +51,36 @@ def kernel_and_step_aims(roof: dict[str, float], verify_32k: dict) -> dict[str, 
             and verify_32k["verify_4_sparsever_kernel"] <= 1.5 * verify_32k["decode_1"]}
 
 
-def other_machine(kernels_path: Path, verify_path: Path) -> dict:
-    """verify_step_ms and roof_fraction of a machine measured without an end-to-end run."""
+def other_machine(kernels_path: Path, verify_path: Path, plain_path: Path | None = None) -> dict:
+    """verify_step_ms and roof_fraction of a machine measured without an end-to-end run (decode_1 from
+    `plain_path`'s engine, vLLM's own linears, when given)."""
     kernels, verify = json.loads(kernels_path.read_text()), json.loads(verify_path.read_text())
     variant, roof = kernel_roof_fraction(kernels)
-    at = next((row for ctx, row in verify["summary"].items() if nominal(int(ctx)) == "32768"), {})
+    at32 = lambda run: next((row for ctx, row in run["summary"].items() if nominal(int(ctx)) == "32768"), {})  # noqa: E731
+    at = dict(at32(verify))
+    by_context = verify["summary"]
+    command = f"{kernels['command']}  +  {verify['command']}"
+    sources = {"kernels": str(kernels_path.relative_to(ROOT)), "verify_step": str(verify_path.relative_to(ROOT))}
+    if plain_path is not None:
+        plain = json.loads(plain_path.read_text())
+        at["decode_1_sparsever_engine"] = at["decode_1"]
+        at["decode_1"] = at32(plain)["decode_1"]
+        by_context = {"sparsever_engine": verify["summary"], "vllm_linears_engine": plain["summary"]}
+        command += f"  +  {plain['command']}"
+        sources["verify_step_vllm_linears"] = str(plain_path.relative_to(ROOT))
     hw = verify["hardware"]
     return {
         "machine": f"{hw.get('Model name', '?')}, {hw.get('nproc', '?')} cores ({kernels['hardware'].get('torch_cpu_capability')})",
         "date": verify["started"][:10],
-        "command": f"{kernels['command']}  +  {verify['command']}",
-        "verify_step_ms": {"32768": {"decode_1": at.get("decode_1"), "verify_4_vllm_kernel": at.get("verify_4_vllm_kernel"),
-                                     "verify_4_sparsever_kernel": at.get("verify_4_sparsever_kernel")}},
-        "verify_step_ms_by_context": verify["summary"],
+        "command": command,
+        "verify_step_ms": {"32768": {k: at.get(k) for k in ("decode_1", "verify_4_vllm_kernel", "verify_4_sparsever_kernel",
+                                                            "decode_1_sparsever_engine") if k in at}},
+        "verify_step_ms_by_context": by_context,
         "roof_fraction": {"32768": roof},
         "roof_kernel": f"{variant}; roof {kernels['roof']['gemm_GFLOPs']:.0f} GFLOP/s ({kernels['roof']['method']}; "
                        f"fastest: {kernels['roof'].get('roof_dtype', kernels['roof']['dtype'])})",
         "aims_met": kernel_and_step_aims(roof, at),
-        "sources": {"kernels": str(kernels_path.relative_to(ROOT)), "verify_step": str(verify_path.relative_to(ROOT))},
+        "sources": sources,
     }
 
 
@@ -77,10 +92,12 @@ def main() -> int:
     ap.add_argument("--kernels", required=True, type=Path)
     ap.add_argument("--trace", type=Path, default=None,
                     help="an evict_trace.py JSON: how much one engine's plain step moved during the run's day")
-    ap.add_argument("--other-machine", nargs=2, type=Path, action="append", default=[],
+    ap.add_argument("--other-machine", nargs="+", type=Path, action="append", default=[],
                     metavar=("KERNELS_JSON", "VERIFY_STEP_JSON"),
-                    help="a kernel run and a bench/verify_step.py run of another machine: its verify_step_ms "
-                         "and roof_fraction go under other_machines (the main keys stay the --e2e machine's)")
+                    help="a kernel run and a bench/verify_step.py run of another machine, and optionally the "
+                         "same verify_step run with vLLM's linears (decode_1 then comes from it): its "
+                         "verify_step_ms and roof_fraction go under other_machines (the main keys stay the "
+                         "--e2e machine's)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "summary" / "long_context.json")
     args = ap.parse_args()
     args.e2e = [p.resolve() for p in args.e2e]
@@ -133,7 +150,10 @@ def main() -> int:
                                           if r["ctx"] == 32768 and r["q_len"] in (4, 8, 16)}},
         "sources": {"e2e": [str(p.relative_to(ROOT)) for p in args.e2e], "kernels": str(args.kernels.relative_to(ROOT))},
     }
-    summary["other_machines"] = [other_machine(k.resolve(), v.resolve()) for k, v in args.other_machine]
+    for paths in args.other_machine:
+        if len(paths) not in (2, 3):
+            ap.error("--other-machine: KERNELS VERIFY_STEP [PLAIN_VERIFY_STEP]")
+    summary["other_machines"] = [other_machine(*(p.resolve() for p in paths)) for paths in args.other_machine]
     aims = {
         **kernel_and_step_aims(roof, verify_32k),
         "best_lossless_ge_1.3x_autoregressive": {k: v["best_lossless_vs_autoregressive"] >= 1.3 for k, v in contexts.items()},
