@@ -345,6 +345,7 @@ class SparseverConfig:
     # weights plain and runs sparsever's dense_linear op (weights streamed for few tokens, fp32 GEMM
     # panels for more); "vllm" keeps vLLM-CPU's own; "auto" is "sparsever" for bf16/fp16 targets on CPUs
     # without AVX-512, where vLLM-CPU's 16-bit linear is torch's (verification/linear.py), else "vllm".
+    # The draft model's (or head's) linears follow.
     linear_kernel: Literal["auto", "sparsever", "vllm"] = "auto"
     # vLLM SpeculativeConfig fields forwarded as they are.
     passthrough: dict[str, Any] = field(default_factory=dict)

@@ -121,16 +121,38 @@ def test_intercept_drafter_load_runs_before_and_undoes():
     assert calls[-1] == ("load", "again") and calls.count("before") == 1
 
 
+def test_intercept_drafter_load_loads_inside_the_given_context():
+    import contextlib
+
+    calls = []
+
+    @contextlib.contextmanager
+    def during():
+        calls.append("enter")
+        yield
+        calls.append("exit")
+
+    drafter = _Drafter(calls)
+    compat_runner.intercept_drafter_load(SimpleNamespace(drafter=drafter), before_load=lambda: calls.append("before"),
+                                         during_load=during)
+    drafter.load_model("target")
+    assert calls == ["before", "enter", ("load", "target"), "exit"]
+
+
 def test_intercept_drafter_load_without_drafter_is_a_noop():
     undo = compat_runner.intercept_drafter_load(SimpleNamespace(), before_load=pytest.fail)
     undo()
 
 
-def test_target_load_hooks_close_before_the_drafter_loads():
+@pytest.mark.parametrize("linear_kernel", ["vllm", "sparsever"])
+def test_target_load_hooks_close_before_the_drafter_loads(linear_kernel):
     """setup.target_load_hooks: the FFN hook is active while the target loads and closed when the
-    drafter loads (its model loads stock)."""
+    drafter loads (its model loads stock), except that under linear_kernel "sparsever" the draft
+    model's linears keep their plain weights too (dense_linear) while it loads."""
+    import torch
     import vllm.model_executor.layers.utils as layer_utils
 
+    from vllm_sparsever.verification.linear import sparsever_cpu_linear
     from vllm_sparsever.verification.setup import target_load_hooks
 
     stock = layer_utils.dispatch_cpu_unquantized_gemm
@@ -139,12 +161,17 @@ def test_target_load_hooks_close_before_the_drafter_loads():
     class Drafter:
         def load_model(self, target):
             seen.append(layer_utils.dispatch_cpu_unquantized_gemm is stock)
+            layer = torch.nn.Module()
+            layer.weight = torch.nn.Parameter(torch.randn(4, 8), requires_grad=False)
+            layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+            seen.append(getattr(layer, "cpu_linear", None) is sparsever_cpu_linear)
 
-    runtime = SimpleNamespace(started_with={"ffn": True, "moe": False}, ffn=SimpleNamespace(weights="copy"))
+    runtime = SimpleNamespace(started_with={"ffn": True, "moe": False}, ffn=SimpleNamespace(weights="copy"),
+                              linear_kernel=linear_kernel)
     runner = SimpleNamespace(drafter=Drafter())
     with target_load_hooks(runtime, runner):
         assert layer_utils.dispatch_cpu_unquantized_gemm is not stock  # target loading
         runner.drafter.load_model(None)
-    assert seen == [True]
+    assert seen == ([True, False] if linear_kernel == "vllm" else [False, True])
     assert "load_model" not in vars(runner.drafter)
     assert layer_utils.dispatch_cpu_unquantized_gemm is stock

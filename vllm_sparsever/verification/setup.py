@@ -82,8 +82,10 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
             stack.enter_context(moe.preserve_expert_weights(runtime.moe.weights))
         from vllm_sparsever.compat.runner import intercept_drafter_load
 
-        # The draft model loads as stock vLLM would load it: close the hooks right before.
-        stack.callback(intercept_drafter_load(runner, before_load=stack.close))
+        # The draft model loads as stock vLLM would load it (close the hooks right before), except
+        # that its dense linears too run dense_linear under linear_kernel "sparsever".
+        during = (lambda: plain_linears("draft model")) if plain_linear is not None else None
+        stack.callback(intercept_drafter_load(runner, before_load=stack.close, during_load=during))
         yield
 
 
