@@ -134,9 +134,11 @@ def tensor_parallel_run(registration_log, tiny_target, tiny_draft, monkeypatch_m
     # Two ranks on two cores: no core reserved for the front end, one OpenMP thread per rank.
     monkeypatch_module.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    # The target's and the draft model's dense linears on dense_linear ("auto" keeps an fp32 target on
+    # vLLM's): sharded weights, the row-parallel bias on rank 0 only, then the all-reduce.
     return _run(
         tiny_target,
-        {"method": "sparsever", "model": str(tiny_draft), "num_speculative_tokens": 3},
+        {"method": "sparsever", "model": str(tiny_draft), "num_speculative_tokens": 3, "linear_kernel": "sparsever"},
         tensor_parallel_size=2,
         distributed_executor_backend="mp",
     )
@@ -158,6 +160,8 @@ def test_tensor_parallel_greedy_equals_plain_greedy_and_every_rank_registers(
         assert got == want, f"prompt {i} differs"
     assert sorted(w["rank"] for w in workers) == [0, 1]
     assert all(w["model_runner"] == "SparseverCPUModelRunner" for w in workers)
+    # 4 linears per layer (QKV, output, gate/up, down) and the LM head, on each rank.
+    assert all(w["linear_layers"]["target"] >= 5 and w["linear_layers"]["draft model"] >= 5 for w in workers), workers
     logged = {int(line.split()[0]) for line in registration_log.read_text().splitlines()}
     assert {w["pid"] for w in workers} <= logged
     assert len(metrics["ranks"]) == 2

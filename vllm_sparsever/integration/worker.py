@@ -53,6 +53,7 @@ class _SparseverWorkerMixin:
             "rank": self.rank,
             "plugin_registered": is_registered(),
             "model_runner": type(self.model_runner).__name__,
+            "linear_layers": dict(getattr(getattr(self.model_runner, "sparsever_runtime", None), "linear_layers", {})),
             "request_state": self.sparsever_request_state(),
         }
 

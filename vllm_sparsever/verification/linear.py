@@ -24,6 +24,7 @@ import torch
 from vllm_sparsever import _custom_ops as ops
 from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override, use_plain_cpu_linear
 from vllm_sparsever.compat.worker import is_cpu_platform
+from vllm_sparsever.verification.runtime import get_runtime
 
 logger = logging.getLogger("vllm_sparsever")
 
@@ -66,5 +67,8 @@ def plain_linears(what: str = "target") -> Iterator[None]:
 
     with cpu_gemm_dispatch_override(dispatch):
         yield
+    runtime = get_runtime()
+    if runtime is not None:
+        runtime.linear_layers[what] = count
     logger.info("sparsever: %d dense linear layers of the %s on sparsever's dense_linear (linear_kernel)", count,
                 what)

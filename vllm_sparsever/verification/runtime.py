@@ -123,8 +123,10 @@ class SparseVerificationRuntime:
         # ffn.dense_kernel resolved at start (verification/setup.py); with "sparsever", dense steps of up
         # to ffn_dense_op_max_tokens tokens run the FFN op at keep = I.
         self.ffn_dense_kernel = ffn_dense_kernel
-        # linear_kernel resolved at start: "sparsever" = the target's dense linears on dense_linear.
+        # linear_kernel resolved at start: "sparsever" = the target's dense linears on dense_linear;
+        # how many layers of each model ("target", "draft model") run it.
         self.linear_kernel = linear_kernel
+        self.linear_layers: dict[str, int] = {}
         self.ffn_dense_op_max_tokens = 0
         # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
         # records the largest difference (slow; for tests and debugging only).
@@ -287,6 +289,7 @@ class SparseVerificationRuntime:
             "ffn_gate": sorted(self.ffn_gates),
             "ffn_dense_kernel": self.ffn_dense_kernel,
             "linear_kernel": self.linear_kernel,
+            "linear_layers": dict(self.linear_layers),
             "ffn_dense_op_max_tokens": self.ffn_dense_op_max_tokens,
         }
 
