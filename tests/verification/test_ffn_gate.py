@@ -145,6 +145,8 @@ def test_dense_kernel_auto(monkeypatch, capability, dtype):
     monkeypatch.setattr(ffn, "is_cpu_platform", lambda: True)
     slow_16bit = capability == "AVX2" and dtype != torch.float32
     assert ffn.resolve_dense_kernel("auto", False, "copy", dtype) == ("sparsever" if slow_16bit else "vllm")
+    # the stock MLP's linears on dense_linear (linear_kernel "sparsever") beat the op at keep = I
+    assert ffn.resolve_dense_kernel("auto", False, "copy", dtype, "sparsever") == "vllm"
     assert ffn.resolve_dense_kernel("auto", True, "shared", dtype) == "sparsever"
     assert ffn.resolve_dense_kernel("auto", True, "copy", dtype) == "vllm"
     assert ffn.resolve_dense_kernel("vllm", False, "copy", dtype) == "vllm"

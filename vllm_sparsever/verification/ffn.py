@@ -250,8 +250,10 @@ def shared_dense_op_max_tokens(dtype: torch.dtype) -> int:
     return 4
 
 
-def resolve_dense_kernel(choice: str, enabled: bool, weights: str, dtype: torch.dtype) -> str:
-    """`ffn.dense_kernel` in force for a target of `dtype` (config.py has the rule)."""
+def resolve_dense_kernel(choice: str, enabled: bool, weights: str, dtype: torch.dtype,
+                         linear_kernel: str = "vllm") -> str:
+    """`ffn.dense_kernel` in force for a target of `dtype` whose linears run `linear_kernel` (resolved;
+    config.py has the rule)."""
     if choice == "sparsever" and not is_cpu_platform():
         raise RuntimeError("ffn.dense_kernel: 'sparsever' runs on CPU only (allowed here: 'auto', 'vllm')")
     if choice != "auto":
@@ -260,8 +262,10 @@ def resolve_dense_kernel(choice: str, enabled: bool, weights: str, dtype: torch.
         return "vllm"
     if enabled:  # the op beats torch's linear on plain weights at few tokens; "copy" keeps vLLM's packed MLP
         return "sparsever" if weights == "shared" else "vllm"
+    # The stock MLP on dense_linear (linear_kernel "sparsever") beats the op at keep = I, which also
+    # scores and orders every neuron (bench/results/verify_step_qwen-zen3-linear-sparsever-mlp-stock_*).
     slow_16bit_linear = dtype in (torch.bfloat16, torch.float16) and torch.backends.cpu.get_cpu_capability() != "AVX512"
-    return "sparsever" if slow_16bit_linear else "vllm"
+    return "sparsever" if slow_16bit_linear and linear_kernel != "sparsever" else "vllm"
 
 
 def resolve_gate(gate: str, w_gate: torch.Tensor, weights: str = "copy") -> str:

@@ -42,15 +42,15 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
             f"attention.anchor_layers: layer {anchors[-1]} does not exist (allowed: 0..{num_layers - 1})"
         )
     from vllm_sparsever.verification.ffn import resolve_dense_kernel
-
-    ffn_dense = resolve_dense_kernel(config.ffn.dense_kernel, config.ffn.enabled, config.ffn.weights,
-                                     model_config.dtype)
-    if ffn_dense == "sparsever" and not config.ffn.enabled:  # the op reads the plain weights: no packed copy
-        config = dataclasses.replace(config, ffn=dataclasses.replace(config.ffn, weights="shared"))
     from vllm_sparsever.verification.linear import resolve_linear_kernel
 
+    linear_kernel = resolve_linear_kernel(config.linear_kernel, model_config.dtype)
+    ffn_dense = resolve_dense_kernel(config.ffn.dense_kernel, config.ffn.enabled, config.ffn.weights,
+                                     model_config.dtype, linear_kernel)
+    if ffn_dense == "sparsever" and not config.ffn.enabled:  # the op reads the plain weights: no packed copy
+        config = dataclasses.replace(config, ffn=dataclasses.replace(config.ffn, weights="shared"))
     runtime = SparseVerificationRuntime(config, profile, source, num_layers, ffn_dense_kernel=ffn_dense,
-                                        linear_kernel=resolve_linear_kernel(config.linear_kernel, model_config.dtype))
+                                        linear_kernel=linear_kernel)
     install_runtime(runtime)
     # Trees need the tree-mask kernel; dense verify steps may run sparsever's kernel (dense_kernel).
     if config.attention.enabled or config.tree.enabled or config.attention.dense_kernel != "vllm":
