@@ -40,6 +40,18 @@ def test_runner_loads_the_drafter_through_drafter_load_model(runner_classes):
         assert "drafter" in names and "load_model" in names, cls
 
 
+def test_runner_sets_use_async_scheduling():
+    """`async_scheduling(runner)` reads `runner.use_async_scheduling`, set by the runner's constructor
+    (a rename would make it read False and let a late proposer start under async scheduling)."""
+    import inspect
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "self.use_async_scheduling = " in inspect.getsource(GPUModelRunner.__init__)
+    assert compat_runner.async_scheduling(SimpleNamespace(use_async_scheduling=True))
+    assert not compat_runner.async_scheduling(SimpleNamespace(use_async_scheduling=False))
+
+
 def _input_batch(max_num_reqs=4, block_size=32, max_blocks=8):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
