@@ -68,7 +68,7 @@ def plain_linears(what: str = "target") -> Iterator[None]:
     with cpu_gemm_dispatch_override(dispatch):
         yield
     runtime = get_runtime()
-    if runtime is not None:
+    if runtime is not None and count:  # (an n-gram "drafter" loads no model)
         runtime.linear_layers[what] = count
     logger.info("sparsever: %d dense linear layers of the %s on sparsever's dense_linear (linear_kernel)", count,
                 what)
