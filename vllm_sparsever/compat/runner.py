@@ -4,6 +4,7 @@ Private symbols touched:
 - runner methods overridden by `SparseverRunnerMixin` (table `RUNNER_HOOKS`): `load_model`,
   `execute_model`, `_prepare_inputs`, `_model_forward`, `_sample`, `propose_draft_token_ids`,
   `sample_tokens` of `GPUModelRunner` / `CPUModelRunner`;
+- `runner.use_async_scheduling` (`async_scheduling`: a proposer that proposes late needs it off);
 - `runner.input_batch` (`InputBatch`): `req_ids`, `num_reqs`, `num_computed_tokens_cpu`,
   `block_table[0]` (KV cache group 0) with `.get_cpu_tensor()` and `.block_size`;
 - `SchedulerOutput.scheduled_spec_decode_tokens` (req id -> draft tokens being verified) and
