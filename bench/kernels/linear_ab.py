@@ -2,8 +2,8 @@
 
 For each projection of a model (attention QKV and output, MLP gate/up and down, LM head) and token
 count, in one process and in turn per round: vLLM-CPU's linear as it prepares it at load
-(`dispatch_cpu_unquantized_gemm`: oneDNN, sgl-kernel or torch's linear, whichever it picks on this
-CPU; the path is recorded), and `dense_linear` over the plain weight on each of its paths (weights
+(`run.py`'s `vllm_cpu_linear`: oneDNN, sgl-kernel or torch's linear, whichever it picks on this CPU;
+the path is recorded), and `dense_linear` over the plain weight on each of its paths (weights
 streamed; fp32 panels for ATen's fp32 GEMM) and on its default choice. Best of rounds per cell;
 ratios are vLLM's time / ours. Weights rotate over enough copies that each call reads them from DRAM.
 
@@ -34,21 +34,6 @@ STREAM_MAX = "SPARSEVER_CPU_LINEAR_STREAM_MAX"
 PATHS = {"ours": None, "ours_stream": "1000000", "ours_panels": "0"}
 
 
-def stock_linear(weight):
-    """vLLM-CPU's linear for `weight` and the path its dispatch picked."""
-    import torch
-    import vllm.model_executor.layers.utils as layer_utils
-
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
-    layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-    code = getattr(layer.cpu_linear, "__code__", None)
-    names = set(code.co_names) if code is not None else set()
-    path = ("onednn" if "onednn_mm" in names else "sgl" if "weight_packed_linear_cpu" in names
-            else "zentorch" if "zentorch_linear_unary" in names else "torch linear")
-    return (lambda x: layer.cpu_linear(x, layer.weight, None)), path
-
-
 def best_ms(call, reps: int) -> float:
     """The best of `reps` timed calls `call(i)` after one warm-up (i picks the weight copy)."""
     call(0)
@@ -73,6 +58,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
+    from kernels.run import vllm_cpu_linear
     from spec_decode import RESULTS, hardware, versions
     from vllm_sparsever import _custom_ops as ops
 
@@ -94,15 +80,15 @@ def main(argv=None) -> int:
             for name, (n, k) in shapes.items():
                 copies = max(1, min(4, int(256e6 // (n * k * 2))))  # > L3, within memory
                 weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
-                stocks = [stock_linear(w.clone()) for w in weights]
-                paths[name] = stocks[0][1]
+                stocks = [vllm_cpu_linear(w.clone()) for w in weights]
+                paths[name] = stocks[0].kind
                 for t in tokens_of[name]:
                     x = torch.randn(t, k, generator=gen).to(dtype)
                     reps = args.reps if n * k * t < 5e8 else 2
                     order = ["vllm", *PATHS] if rnd % 2 == 0 else [*PATHS, "vllm"]
                     for which in order:
                         if which == "vllm":
-                            call = lambda i: stocks[i % copies][0](x)  # noqa: E731
+                            call = lambda i: stocks[i % copies](x)  # noqa: E731
                         else:
                             call = lambda i: ops.dense_linear(x, weights[i % copies])  # noqa: E731
                             if PATHS[which] is not None:
