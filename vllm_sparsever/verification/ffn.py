@@ -264,8 +264,9 @@ def resolve_dense_kernel(choice: str, enabled: bool, weights: str, dtype: torch.
         return "sparsever" if weights == "shared" else "vllm"
     # The stock MLP on dense_linear (linear_kernel "sparsever") beats the op at keep = I, which also
     # scores and orders every neuron (bench/results/verify_step_qwen-zen3-linear-sparsever-mlp-stock_*).
-    slow_16bit_linear = dtype in (torch.bfloat16, torch.float16) and torch.backends.cpu.get_cpu_capability() != "AVX512"
-    return "sparsever" if slow_16bit_linear and linear_kernel != "sparsever" else "vllm"
+    from vllm_sparsever.verification.linear import slow_16bit_cpu_linear
+
+    return "sparsever" if slow_16bit_cpu_linear(dtype) and linear_kernel != "sparsever" else "vllm"
 
 
 def resolve_gate(gate: str, w_gate: torch.Tensor, weights: str = "copy") -> str:
@@ -341,7 +342,7 @@ def install_ffn(model: nn.Module, architecture: str, gate: str = "auto", weights
 
 
 @contextlib.contextmanager
-def keep_mlp_weights(mode: str = "copy", linear=None) -> Iterator[None]:
+def keep_mlp_weights(mode: str = "copy", linear=torch.nn.functional.linear) -> Iterator[None]:
     """While the target loads on CPU: keep the MLP linears' plain weights ("copy": besides vLLM's
     packed ones; "shared": instead of them, run by `linear(x, weight, bias)`, default torch's)."""
     if not is_cpu_platform():
@@ -351,7 +352,7 @@ def keep_mlp_weights(mode: str = "copy", linear=None) -> Iterator[None]:
     def dispatch(layer, remove_weight, stock) -> None:
         if layer_prefix(layer).endswith(_MLP_LINEAR_SUFFIXES) and layer.weight.ndim == 2:
             if mode == "shared":
-                use_plain_cpu_linear(layer, *([linear] if linear is not None else []))
+                use_plain_cpu_linear(layer, linear)
                 return
             layer._sparsever_plain_weight = layer.weight.data  # survives the packing's removal
         stock(layer, remove_weight)

@@ -66,8 +66,9 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
 def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterator[None]:
     """Hooks active while the target loads; they are exited before the drafter loads."""
     with contextlib.ExitStack() as stack:
-        plain_linear = None
-        if runtime.linear_kernel == "sparsever":
+        sparsever_linears = runtime.linear_kernel == "sparsever"
+        plain_linear = nn.functional.linear  # what runs the MLP's plain ("shared") weights
+        if sparsever_linears:
             from vllm_sparsever.verification.linear import plain_linears, sparsever_cpu_linear
 
             stack.enter_context(plain_linears())
@@ -84,7 +85,7 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
 
         # The draft model loads as stock vLLM would load it (close the hooks right before), except
         # that its dense linears too run dense_linear under linear_kernel "sparsever".
-        during = (lambda: plain_linears("draft model")) if plain_linear is not None else None
+        during = (lambda: plain_linears("draft model")) if sparsever_linears else None
         stack.callback(intercept_drafter_load(runner, before_load=stack.close, during_load=during))
         yield
 
