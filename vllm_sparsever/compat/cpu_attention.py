@@ -17,7 +17,10 @@ Private symbols touched:
   transposed (`[D, bs]` per block and head), V row-major (`[bs, D]`); other ISAs (AMX) pack tiles;
 - `vllm.config.get_layers_from_vllm_config`, `vllm.model_executor.layers.attention.Attention`,
   `vllm.v1.attention.backend.AttentionType`;
-- `vllm.v1.attention.backends.registry.register_backend(AttentionBackendEnum.CPU_ATTN, path)`.
+- `vllm.v1.attention.backends.registry.register_backend(AttentionBackendEnum.CPU_ATTN, path)`, and
+  the selector's memo of chosen classes `vllm.v1.attention.selector._cached_get_attn_backend`
+  (`functools.cache`), cleared on registration: an engine started earlier in the same process
+  (vLLM's in-process engine) would otherwise hand the next one its stock class.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 __all__ = [
     "AttentionType", "CPUAttentionBackend", "CPUAttentionBackendImpl", "CPUAttentionMetadataBuilder",
-    "attention_layers", "attention_over_block_table", "builder_isa", "impl_supports_sparse",
+    "attention_layers", "attention_impls", "attention_over_block_table", "builder_isa", "impl_supports_sparse",
     "layer_isa", "layer_kv_scales", "register_cpu_attention_backend", "scheduler_metadata",
     "set_builder_isa", "split_kv_enabled", "stock_kv_halves", "write_kv_cache",
 ]
@@ -188,6 +191,13 @@ def attention_over_block_table(*, query: torch.Tensor, key_cache: torch.Tensor, 
 
 def register_cpu_attention_backend(backend_cls: type) -> None:
     """Make vLLM pick `backend_cls` for CPU_ATTN in this process (every worker registers it)."""
+    from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, f"{backend_cls.__module__}.{backend_cls.__qualname__}")
+    selector._cached_get_attn_backend.cache_clear()
+
+
+def attention_impls(model: torch.nn.Module) -> list[Any]:
+    """The backend implementation (`Attention.impl`) each of a model's attention layers runs."""
+    return [m.impl for m in model.modules() if isinstance(m, Attention)]

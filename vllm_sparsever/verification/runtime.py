@@ -102,6 +102,8 @@ class SparseVerificationRuntime:
             "ffn": config.ffn.enabled or ffn_dense_kernel == "sparsever",
             "moe": config.moe.enabled,
         }
+        # Whether start-up registered sparsever's CPU attention backend (verification/setup.py).
+        self.sparse_attention_backend = False
         # Dense verify steps on sparsever's kernel may be switched off at run time and back on.
         self.dense_kernel_at_start = config.attention.dense_kernel
         self.stats: Counter[str] = Counter()

@@ -57,9 +57,28 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
         from vllm_sparsever.verification.attention import register_sparse_attention_backend
 
         register_sparse_attention_backend()
+        runtime.sparse_attention_backend = True
     if config.any_sparsity:
         logger.info("sparsever: sparse verification %s", runtime.describe())
     return runtime
+
+
+def check_attention_backend(model: nn.Module, runtime: SparseVerificationRuntime) -> None:
+    """Refuse to start when the target's attention layers did not get the backend registered for
+    them: trees would then attend causally and emit wrong tokens."""
+    if not runtime.sparse_attention_backend:
+        return
+    from vllm_sparsever.compat.cpu_attention import CPUAttentionBackendImpl, attention_impls
+    from vllm_sparsever.verification.attention import SparseverCPUAttentionImpl
+
+    stock = [type(impl).__name__ for impl in attention_impls(model)
+             if isinstance(impl, CPUAttentionBackendImpl) and not isinstance(impl, SparseverCPUAttentionImpl)]
+    if stock:
+        raise RuntimeError(
+            f"sparsever: the target's attention layers run vLLM's {stock[0]}, not sparsever's CPU attention "
+            "backend, which attention sparsity, tree.enabled and attention.dense_kernel need; another "
+            "attention backend was chosen for this process before sparsever registered its own"
+        )
 
 
 @contextlib.contextmanager
@@ -93,6 +112,7 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
 def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, architecture: str) -> dict[str, int]:
     """Wrap the target's FFN / MoE blocks for the sparsities enabled at start."""
     installed: dict[str, int] = {}
+    check_attention_backend(model, runtime)
     if runtime.started_with["attention"]:
         from vllm_sparsever.compat.cpu_attention import attention_layer_names
 
