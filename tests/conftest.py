@@ -1,5 +1,7 @@
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 # Offline test engines run in the test process (vLLM's in-process engine core and worker): each start
 # skips two process spawns with their imports. Tests of the process layout (registration in every
-# process, TP, Ray, serving, the CLI's clean exit) run vLLM's default multiprocess engine instead:
-# `multiprocess_engine` below.
+# process, Ray, the CLI's clean exit) run vLLM's default multiprocess engine instead, and so do
+# engines that other engines may outlive (`multiprocess_engine` below).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
@@ -31,6 +33,30 @@ def _let_vllm_scan_llvmlite() -> None:
 
 
 _let_vllm_scan_llvmlite()
+
+
+@contextlib.contextmanager
+def multiprocess_engine() -> Iterator[None]:
+    """Engines started inside run vLLM's default multiprocess engine core. An in-process engine's
+    shutdown tears down the process's distributed groups (`EngineCore.shutdown`), which breaks any
+    other in-process engine still alive: a module that keeps an engine while it starts and stops
+    others uses `multiprocess_engines`, and a session-wide reference engine this."""
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+
+
+@pytest.fixture(scope="module")
+def multiprocess_engines() -> Iterator[None]:
+    """`multiprocess_engine` for a whole module (`pytestmark = pytest.mark.usefixtures(...)`)."""
+    with multiprocess_engine():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +100,9 @@ def _plain_greedy_outputs(tiny_target):
 
     from tiny_models import prompts
 
-    llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512,
-              max_num_seqs=8, seed=0)
+    with multiprocess_engine():  # first asked for while a test module may hold an in-process engine
+        llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512,
+                  max_num_seqs=8, seed=0)
     try:
         outs = llm.generate(prompts(GREEDY_PROMPTS),
                             SamplingParams(temperature=0.0, max_tokens=GREEDY_MAX_TOKENS))

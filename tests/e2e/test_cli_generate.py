@@ -16,7 +16,8 @@ def test_generate_ends_without_engine_warning(tiny_target, tiny_draft, tmp_path)
         [sys.executable, "-m", "vllm_sparsever.cli", "generate", "--model", str(tiny_target), "--draft-model",
          str(tiny_draft), "--dtype", "float32", "--max-model-len", "256", "--max-tokens", "8",
          "--no-chat-template", "--prompt", "The quick brown fox", "--metrics-json", str(metrics)],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1"))  # as users run it
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokens/s:" in proc.stdout and metrics.exists()
     assert "exited unexpectedly" not in proc.stderr, proc.stderr[-3000:]

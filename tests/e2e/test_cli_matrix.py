@@ -31,9 +31,13 @@ def models(tmp_path_factory):
     }
 
 
-def _run(*argv: str) -> subprocess.CompletedProcess:
+def _run(*argv: str, kind: str) -> subprocess.CompletedProcess:
+    # On the first kind each command runs vLLM's default multiprocess engine, as users get it (its
+    # clean exit is what the checks below are about); on the others in-process, as the tests' engines.
+    multiprocess = "1" if kind == KINDS[0] else os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     proc = subprocess.run([sys.executable, "-m", "vllm_sparsever.cli", *argv], capture_output=True, text=True,
-                          timeout=900, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+                          timeout=900, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1",
+                                                VLLM_ENABLE_V1_MULTIPROCESSING=multiprocess))
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "exited unexpectedly" not in proc.stderr, proc.stderr[-3000:]
     assert "force killing" not in proc.stderr, proc.stderr[-3000:]  # the engine exited on its own
@@ -47,7 +51,7 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_generate(models, kind, tmp_path):
     out = tmp_path / "metrics.json"
-    proc = _run("generate", "--model", str(models[kind]), "--max-tokens", "8", "--metrics-json", str(out))
+    proc = _run("generate", "--model", str(models[kind]), "--max-tokens", "8", "--metrics-json", str(out), kind=kind)
     _ok(proc)
     assert json.loads(out.read_text())["num_tokens"] > 0
     if kind == "qwen2-short":  # the default --max-model-len (2048) is clamped to the model's, and said
@@ -59,7 +63,7 @@ def test_calibrate(models, kind, tmp_path):
     from vllm_sparsever.verification.profile import CalibrationProfile
 
     out = tmp_path / "profile.json"
-    proc = _run("calibrate", str(models[kind]), "--output", str(out), "--num-windows", "2", "--no-progress")
+    proc = _run("calibrate", str(models[kind]), "--output", str(out), "--num-windows", "2", "--no-progress", kind=kind)
     _ok(proc)
     profile = CalibrationProfile.load(out)
     assert profile.num_layers == 2
@@ -75,7 +79,7 @@ def test_train_exits(models, kind, tmp_path):
     assert architecture in SUPPORTED_ARCHITECTURES  # every kind built here (MoE blocks differ in the MLP only)
     out = tmp_path / "heads"
     _ok(_run("train-exits", str(models[kind]), "--output", str(out), "--num-prompts", "4",
-             "--num-heldout-prompts", "2", "--max-new-tokens", "16", "--time-budget", "2", "--no-progress"))
+             "--num-heldout-prompts", "2", "--max-new-tokens", "16", "--time-budget", "2", "--no-progress", kind=kind))
     manifest = ExitHeadManifest.load(out)
     assert manifest.num_hidden_layers == 2 and manifest.heads
 
@@ -86,7 +90,7 @@ def test_train_eagle(models, kind, tmp_path):
     proc = _run("train-eagle", str(models[kind]), "--output", str(out), "--num-prompts", "4",
                 "--num-heldout-prompts", "2", "--max-new-tokens", "16", "--epochs", "1", "--draft-vocab", "64",
                 "--samples-per-prompt", "2",
-                "--time-budget", "2", "--no-progress")
+                "--time-budget", "2", "--no-progress", kind=kind)
     if kind in ("mixtral", "qwen2-moe"):  # vLLM's EAGLE-3 drafter reads no MoE target's layer outputs
         assert proc.returncode == 2 and "MODEL: vLLM's EAGLE-3 drafter reads" in proc.stderr, proc.stderr[-2000:]
         return
@@ -101,7 +105,7 @@ def test_profile_verify(models, kind, tmp_path):
     from vllm_sparsever.adaptive.cost import VerifyCostProfile
 
     out = tmp_path / "cost.json"
-    proc = _run("profile-verify", str(models[kind]), "--quick", "--out", str(out))
+    proc = _run("profile-verify", str(models[kind]), "--quick", "--out", str(out), kind=kind)
     _ok(proc)
     profile = VerifyCostProfile.load(out)
     assert profile.coef and all(v == v for v in profile.fit_error.values())

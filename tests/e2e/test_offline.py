@@ -44,11 +44,13 @@ def _run(model: Path, speculative_config: dict | None, num_prompts: int = NUM_PR
 
 
 @pytest.fixture(scope="module")
-def registration_log(tmp_path_factory):
+def registration_log(tmp_path_factory, monkeypatch_module):
+    """Registrations of the engines started with it: vLLM's default multiprocess engine (front end,
+    engine core, workers), which users run, where the other tests here start theirs in-process."""
     path = tmp_path_factory.mktemp("reg") / "registrations.txt"
-    os.environ["VLLM_SPARSEVER_REGISTRATION_LOG"] = str(path)
-    yield path
-    os.environ.pop("VLLM_SPARSEVER_REGISTRATION_LOG", None)
+    monkeypatch_module.setenv("VLLM_SPARSEVER_REGISTRATION_LOG", str(path))
+    monkeypatch_module.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    return path
 
 
 @pytest.fixture(scope="module")

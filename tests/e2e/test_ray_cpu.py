@@ -120,7 +120,8 @@ def test_llm_over_two_ray_nodes_equals_plain_greedy_and_a_killed_worker_fails_fa
     ray_cluster, tiny_target, tiny_draft, plain_greedy, tmp_path
 ):
     out = tmp_path / "ray_llm.json"
-    env = {**os.environ, "VLLM_SPARSEVER_RAY_CPU": "1", "RAY_ADDRESS": ray_cluster["address"]}
+    env = {**os.environ, "VLLM_SPARSEVER_RAY_CPU": "1", "RAY_ADDRESS": ray_cluster["address"],
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default engine: a killed worker is an EngineDeadError
     job = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("ray_llm_job.py")), str(tiny_target),
          str(tiny_draft), str(out)],

@@ -13,7 +13,8 @@ import pytest
 
 from tiny_models import make_tiny_llama, prompts
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+# Engines here outlive others started and stopped beside them (conftest.multiprocess_engine).
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.usefixtures("multiprocess_engines")]
 
 NUM_LAYERS = 4
 # ~700-token prompts: 5-6 KV blocks of 128, so top-1 selection (+ sink + local) skips blocks.

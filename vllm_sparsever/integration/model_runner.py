@@ -33,7 +33,8 @@ from vllm_sparsever.verification.tree import TreeAcceptance
 
 
 class SparseverRunnerMixin:
-    """Mixed in front of a vLLM V1 model runner class (see `make_runner_class`)."""
+    """Mixed in front of a vLLM V1 model runner class (see `make_runner_class`). The worker reads
+    and switches the public `sparsever_*` state (metrics, resets, the hierarchy switch)."""
 
     sparsever_config: SparseverConfig
     sparsever_plan: VerificationPlan | None
@@ -45,15 +46,15 @@ class SparseverRunnerMixin:
         self._sparsever_step = 0
         self.sparsever_runtime = start_sparse_verification(config, self.vllm_config)
         self.sparsever_proposer = make_proposer(config, self.model_config.max_model_len)
-        self._sparsever_hierarchy = self.sparsever_proposer if config.early_exit.enabled else None
+        self.sparsever_hierarchy = self.sparsever_proposer if config.early_exit.enabled else None
         proposer = self.sparsever_proposer
         check_scheduling(config, proposer, async_scheduling(self))
         self._sparsever_cuts_vllm_drafts = proposer is not None and proposer.cuts_vllm_drafts
         self._sparsever_propose_late = proposer is not None and proposer.proposes_late
-        self._sparsever_trees = TreeAcceptance()
-        self._sparsever_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (query indices)
+        self.sparsever_trees = TreeAcceptance()
+        self.sparsever_tree_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (query indices)
         # The full level of a hierarchy over the sparse target verifies densely.
-        self._sparsever_dense_full = config.early_exit.enabled and config.early_exit.intermediate == "sparse"
+        self.sparsever_dense_full = config.early_exit.enabled and config.early_exit.intermediate == "sparse"
         honour_logits_params(self)
 
     @property
@@ -101,7 +102,7 @@ class SparseverRunnerMixin:
             kwargs["positions"] = positions
         with active_plan(plan):
             if reuse is not None and not args and set(kwargs) >= {"input_ids", "positions"}:
-                return self._sparsever_hierarchy.forward_from_streams(reuse, kwargs["positions"])
+                return self.sparsever_hierarchy.forward_from_streams(reuse, kwargs["positions"])
             return super()._model_forward(*args, **kwargs)
 
     def _sample(self, *args: Any, **kwargs: Any) -> Any:
@@ -111,10 +112,10 @@ class SparseverRunnerMixin:
             if plan is not None and plan.tree is not None:
                 from vllm_sparsever.compat.runner import sample_call_args
 
-                self._sparsever_paths = self._sparsever_trees.accept(self, plan, *sample_call_args(args, kwargs),
+                self.sparsever_tree_paths = self.sparsever_trees.accept(self, plan, *sample_call_args(args, kwargs),
                                                                      output)
             if plan is not None and plan.is_verify_step:  # here: vLLM proposes the next drafts later in the step
-                paths, self._sparsever_paths = self._sparsever_paths, {}
+                paths, self.sparsever_tree_paths = self.sparsever_tree_paths, {}
                 self._sparsever_steps.observe_acceptance(self.sparsever_proposer, plan, output, paths)
         return output
 
@@ -158,41 +159,15 @@ class SparseverRunnerMixin:
                 set_draft_token_ids(self, self.sparsever_proposer.propose(draft_step(self, sampled[1])))
 
     def sparsever_drafting_stats(self, split: bool = False) -> dict[str, Any]:
-        """The proposer's counters per level (drafter, hierarchy), merged or per level."""
+        """The proposer's counters per level (drafter, hierarchy) and the trees', merged or per level."""
         if self.sparsever_proposer is None:
             return {}
         levels = self.sparsever_proposer.stats_by_level()
         if self.sparsever_config.tree.enabled:
-            levels["tree_verify"] = self._sparsever_trees.stats.summary()
+            levels["tree_verify"] = self.sparsever_trees.stats.summary()
         if split:
             return levels
         return {k: v for level in levels.values() for k, v in level.items()}
-
-    def sparsever_reset_metrics(self) -> None:
-        """Zero every counter: steps, sparsity, tree acceptance, the proposers' (not what EVICT learned)."""
-        self._sparsever_steps.reset_metrics()
-        self.sparsever_runtime.reset_stats()
-        self._sparsever_trees.reset_stats()
-        levels = (self.sparsever_proposer, self._sparsever_hierarchy)
-        for proposer in {id(p): p for p in levels if p is not None}.values():
-            proposer.reset_stats()
-
-    def sparsever_request_state(self) -> dict[str, int]:
-        """Per-request entries held: the proposer's, and this step's accepted tree paths."""
-        proposer = self.sparsever_proposer
-        return {**(proposer.request_state() if proposer is not None else {}), "tree_paths": len(self._sparsever_paths)}
-
-    def sparsever_set_hierarchy(self, enabled: bool) -> bool:
-        """Switch hierarchical verification set up at start off (its drafter alone proposes a round
-        of drafts per step; sparse sections then verify at the full level) or back on. For
-        benchmarks comparing both in one engine."""
-        hierarchy = self._sparsever_hierarchy
-        if hierarchy is None:
-            raise ValueError("early_exit.enabled: hierarchical verification was off at start, so it cannot be "
-                             "switched at run time (allowed: start with early_exit.enabled=true)")
-        self.sparsever_proposer = hierarchy if enabled else hierarchy.drafter  # (proposes late as before)
-        self._sparsever_dense_full = enabled and self.sparsever_config.early_exit.intermediate == "sparse"
-        return enabled
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -211,7 +186,7 @@ class SparseverRunnerMixin:
             block_table=batch.block_table_cpu,
             block_size=batch.block_size,
             device=self.device,
-            sparsify=not self._sparsever_dense_full,
+            sparsify=not self.sparsever_dense_full,
             **self.sparsever_runtime.step_planners(),
         )
 

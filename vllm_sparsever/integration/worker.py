@@ -62,7 +62,10 @@ class _SparseverWorkerMixin:
         after every request has finished, only the layers of the loaded model remain."""
         import sys
 
-        state = self.model_runner.sparsever_request_state()
+        runner = self.model_runner
+        proposer = runner.sparsever_proposer
+        state = {**(proposer.request_state() if proposer is not None else {}),
+                 "tree_paths": len(runner.sparsever_tree_paths)}
         for name, module, registry in (("ffn_layers", "vllm_sparsever.verification.ffn", "LAYERS"),
                                        ("moe_blocks", "vllm_sparsever.verification.moe", "BLOCKS")):
             loaded = sys.modules.get(module)
@@ -78,15 +81,31 @@ class _SparseverWorkerMixin:
         return summary
 
     def reset_sparsever_metrics(self) -> None:
-        self.model_runner.sparsever_reset_metrics()
+        """Zero every counter: steps, sparsity, tree acceptance, the proposers' (not what EVICT learned)."""
+        runner = self.model_runner
+        runner.sparsever_steps.reset_metrics()
+        runner.sparsever_runtime.reset_stats()
+        runner.sparsever_trees.reset_stats()
+        levels = (runner.sparsever_proposer, runner.sparsever_hierarchy)
+        for proposer in {id(p): p for p in levels if p is not None}.values():
+            proposer.reset_stats()
 
     def sparsever_set_sparsity(self, sections: dict[str, Any]) -> dict[str, Any]:
         """Switch the attention/ffn/moe sections at run time (within what was set up at start)."""
         return self.model_runner.sparsever_runtime.set_sections(sections)
 
     def sparsever_set_hierarchy(self, enabled: bool) -> bool:
-        """Switch hierarchical verification (set up at start) off or on at run time (benchmarks)."""
-        return self.model_runner.sparsever_set_hierarchy(enabled)
+        """Switch hierarchical verification set up at start off (its drafter alone proposes a round
+        of drafts per step; sparse sections then verify at the full level) or back on. For
+        benchmarks comparing both in one engine."""
+        runner = self.model_runner
+        hierarchy = runner.sparsever_hierarchy
+        if hierarchy is None:
+            raise ValueError("early_exit.enabled: hierarchical verification was off at start, so it cannot be "
+                             "switched at run time (allowed: start with early_exit.enabled=true)")
+        runner.sparsever_proposer = hierarchy if enabled else hierarchy.drafter  # (proposes late as before)
+        runner.sparsever_dense_full = enabled and runner.sparsever_config.early_exit.intermediate == "sparse"
+        return enabled
 
     def sparsever_call(self, target: str, *args: Any) -> Any:
         """Runs `module:function(worker, *args)` in this worker: how offline tools (e.g.
