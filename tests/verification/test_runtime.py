@@ -97,3 +97,23 @@ def test_dense_kernel_switches_off_and_back_but_not_on_from_vllm():
     rt = SparseVerificationRuntime(_config(attention={"dense_kernel": "vllm"}))
     with pytest.raises(SparseverConfigError, match="attention.dense_kernel"):
         rt.set_sections({"attention": {"dense_kernel": "sparsever"}})
+
+
+def test_start_refuses_a_target_without_sparsevers_attention_backend(monkeypatch):
+    # A target whose attention layers got vLLM's stock CPU backend (another backend chosen for the
+    # process first) would verify trees without their mask: start-up refuses it.
+    from vllm_sparsever.compat import cpu_attention
+    from vllm_sparsever.verification.attention import SparseverCPUAttentionImpl
+    from vllm_sparsever.verification.setup import check_attention_backend
+
+    rt = SparseVerificationRuntime(_config(tree=True))
+    stock = object.__new__(cpu_attention.CPUAttentionBackendImpl)
+    ours = object.__new__(SparseverCPUAttentionImpl)
+    impls = [ours, stock]
+    monkeypatch.setattr(cpu_attention, "attention_impls", lambda model: impls)
+    check_attention_backend(None, rt)  # the backend was not registered: nothing to check
+    rt.sparse_attention_backend = True
+    with pytest.raises(RuntimeError, match="CPUAttentionBackendImpl, not sparsever's CPU attention backend"):
+        check_attention_backend(None, rt)
+    impls[1] = ours
+    check_attention_backend(None, rt)
