@@ -8,7 +8,7 @@ from vllm_sparsever.config import SparseverConfig, SparseverConfigError
 from vllm_sparsever.compat.engine_args import engine_args_cls, uses_cuda_graphs
 from vllm_sparsever.verification.moe import distinct_experts
 from vllm_sparsever.verification.runtime import SparseVerificationRuntime
-from vllm_sparsever.verification.support import check_cuda_graphs
+from vllm_sparsever.verification.support import check_cpu_only_kernels, check_cuda_graphs
 
 
 def _config(**sections) -> SparseverConfig:
@@ -23,6 +23,16 @@ def test_sparse_ffn_moe_refused_under_cuda_graphs(section):
         check_cuda_graphs(config, platform_is_cpu=False, cuda_graphs=True)
     check_cuda_graphs(config, platform_is_cpu=False, cuda_graphs=False)  # eager on a GPU: allowed
     check_cuda_graphs(config, platform_is_cpu=True, cuda_graphs=True)  # vLLM-CPU captures no graphs
+
+
+@pytest.mark.parametrize("field", ["linear_kernel", "ffn.dense_kernel"])
+def test_cpu_only_kernels_refused_on_a_gpu_before_start(field):
+    section, _, name = field.rpartition(".")
+    config = _config(**({section: {name: "sparsever"}} if section else {name: "sparsever"}))
+    with pytest.raises(SparseverConfigError, match=rf"^{field}: 'sparsever' runs on CPU only .*'auto', 'vllm'"):
+        check_cpu_only_kernels(config, platform_is_cpu=False)
+    check_cpu_only_kernels(config, platform_is_cpu=True)
+    check_cpu_only_kernels(_config(), platform_is_cpu=False)  # "auto": resolved per platform
 
 
 def test_dense_verification_allowed_under_cuda_graphs():

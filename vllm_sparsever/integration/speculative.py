@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_sparsever.config import METHOD_NAME, VLLM_DRAFTERS, SparseverConfig, SparseverConfigError
-from vllm_sparsever.verification.support import check_cuda_graphs, check_sparsity_supported
+from vllm_sparsever.verification.support import check_cpu_only_kernels, check_cuda_graphs, check_sparsity_supported
 
 ADDITIONAL_CONFIG_KEY = "sparsever"
 WORKER_CLS = "vllm_sparsever.integration.worker.SparseverWorker"
@@ -79,6 +79,7 @@ def _create_speculative_config(engine_args, call_vllm, target_model_config, targ
     from vllm_sparsever.compat.engine_args import uses_cuda_graphs
 
     check_cuda_graphs(config, current_platform.is_cpu(), uses_cuda_graphs(engine_args))
+    check_cpu_only_kernels(config, current_platform.is_cpu())
     if config.draft_source == "early_exit" or config.early_exit.uses_heads:
         from vllm_sparsever.drafting.self_draft import resolve_self_draft
 

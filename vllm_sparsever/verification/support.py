@@ -49,6 +49,15 @@ def check_sparsity_supported(config: SparseverConfig, model_config: Any) -> None
             )
 
 
+def check_cpu_only_kernels(config: SparseverConfig, platform_is_cpu: bool) -> None:
+    """Refuse, before start, the lossless kernel choices that exist for CPUs only."""
+    if platform_is_cpu:
+        return
+    for field, value in (("linear_kernel", config.linear_kernel), ("ffn.dense_kernel", config.ffn.dense_kernel)):
+        if value == "sparsever":
+            raise SparseverConfigError(f"{field}: 'sparsever' runs on CPU only (allowed on this platform: 'auto', 'vllm')")
+
+
 def check_cuda_graphs(config: SparseverConfig, platform_is_cpu: bool, cuda_graphs: bool) -> None:
     """Refuse sparse FFN/MoE verification under CUDA graphs. The wrappers decide per step in Python
     (the step's plan, run-time switches, fallbacks) around opaque ops; a captured graph would replay
