@@ -13,6 +13,8 @@ import pytest
 
 from tiny_models import make_tiny_llama, prompts
 
+from vllm_sparsever.compat.engine import shutdown_llm
+
 # Engines here outlive others started and stopped beside them (conftest.multiprocess_engine).
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.usefixtures("multiprocess_engines")]
 
@@ -62,6 +64,7 @@ def sparse_llm(target4):
     # target on vLLM's): "all off" below is then lossless through it, prefill and verify steps alike.
     llm = _start(target4, {"attention": {**ATTENTION, "kernel": "sparsever"}, "ffn": FFN, "linear_kernel": "sparsever"})
     yield llm, target4
+    shutdown_llm(llm)  # explicitly: a finalizer's shutdown at teardown may force-kill a slow engine core
     del llm
     gc.collect()
 
@@ -91,6 +94,7 @@ def _plain_greedy(target, prompt_list, max_tokens=24):
         outs = llm.generate(prompt_list, SamplingParams(temperature=0.0, max_tokens=max_tokens))
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
+        shutdown_llm(llm)
         del llm
         gc.collect()
 
@@ -181,6 +185,7 @@ FFN_INPUT_SPARSE = {**FFN, "gate": "input_sparse", "gate_input_keep_ratio": 0.5,
 def vllm_kernel_llm(target4):
     llm = _start(target4, {"attention": {**ATTENTION, "kernel": "vllm"}, "ffn": FFN_INPUT_SPARSE})
     yield llm
+    shutdown_llm(llm)  # explicitly: a finalizer's shutdown at teardown may force-kill a slow engine core
     del llm
     gc.collect()
 
@@ -220,6 +225,7 @@ def test_plan_follows_the_target_when_the_draft_has_other_shapes(target4, tiny_d
     try:
         _, metrics = _run(llm, LONG_PROMPTS, attention={**ATTENTION, "kernel": "vllm"})
     finally:
+        shutdown_llm(llm)
         del llm
         gc.collect()
     s = metrics["sparsity"]
@@ -255,6 +261,7 @@ def tp_llm(target4):
                  distributed_executor_backend="mp",
                  env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     yield llm
+    shutdown_llm(llm)  # explicitly: a finalizer's shutdown at teardown may force-kill a slow engine core
     del llm
     gc.collect()
 
