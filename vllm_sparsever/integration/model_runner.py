@@ -112,8 +112,8 @@ class SparseverRunnerMixin:
             if plan is not None and plan.tree is not None:
                 from vllm_sparsever.compat.runner import sample_call_args
 
-                self.sparsever_tree_paths = self.sparsever_trees.accept(self, plan, *sample_call_args(args, kwargs),
-                                                                     output)
+                self.sparsever_tree_paths = self.sparsever_trees.accept(
+                    self, plan, *sample_call_args(args, kwargs), output)
             if plan is not None and plan.is_verify_step:  # here: vLLM proposes the next drafts later in the step
                 paths, self.sparsever_tree_paths = self.sparsever_tree_paths, {}
                 self._sparsever_steps.observe_acceptance(self.sparsever_proposer, plan, output, paths)
