@@ -41,15 +41,9 @@ def multiprocess_engine() -> Iterator[None]:
     shutdown tears down the process's distributed groups (`EngineCore.shutdown`), which breaks any
     other in-process engine still alive: a module that keeps an engine while it starts and stops
     others uses `multiprocess_engines`, and a session-wide reference engine this."""
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
 @pytest.fixture(scope="module")
