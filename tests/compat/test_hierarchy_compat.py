@@ -61,12 +61,13 @@ def test_draft_step_histories_and_request_limits_of_a_real_input_batch():
             block_ids=([i],), num_computed_tokens=len(prompt), output_token_ids=output,
         )
         batch.add_request(states[f"r{i}"])
-    runner = SimpleNamespace(input_batch=batch, requests=states)
-    step = compat_runner.draft_step(runner, [[15], []])
+    runner = SimpleNamespace(input_batch=batch, requests=states, model_config=SimpleNamespace(max_model_len=256))
+    step = compat_runner.draft_step(runner, [[15], []], lookahead=3, depth=3)
     assert step.req_ids == ["r0", "r1"] and step.sampled == [[15], []]
     assert step.history(0).tolist() == [11, 12, 13, 14, 15]
     assert step.history(1).tolist() == [21, 22]
-    assert step.allocated_slots.tolist() == [32, 32]  # one block each
+    assert compat_runner.allocated_slots(runner).tolist() == [32, 32]  # one block each
+    assert step.budgets.tolist() == [3, 0] and step.slot_limited == 0  # r1 sampled nothing
     first, second = step.limits_of([0, 1])
     assert first.stop_token_ids == {7, 2} and first.remaining_tokens == 8  # 2 of 10 emitted
     assert second.stop_token_ids == {3} and second.remaining_tokens is None  # ignore_eos: no EOS

@@ -123,10 +123,13 @@ def test_slot_bookkeeping_of_a_real_input_batch():
     from tests.compat.test_runner import _input_batch
 
     batch = _input_batch(block_size=32)
-    runner = SimpleNamespace(input_batch=batch)
-    step = compat_runner.draft_step(runner, [[1], [2]])
-    assert step.allocated_slots.tolist() == [64, 32]  # 2 blocks, 1 block
+    runner = SimpleNamespace(input_batch=batch, model_config=SimpleNamespace(max_model_len=60))
+    assert compat_runner.allocated_slots(runner).tolist() == [64, 32]  # 2 blocks, 1 block
+    step = compat_runner.draft_step(runner, [[1], [2]], lookahead=30, depth=3)
     assert step.num_tokens.tolist() == [41, 6]  # prompt lengths
+    # Budgets past each sampled token (positions 40, 5): row 0 up to max_model_len (60 - 40 - 1),
+    # row 1 up to its allocated slots (32 - 5), counted as slot-limited.
+    assert step.budgets.tolist() == [19, 27] and step.slot_limited == 1 and step.depth == 3
 
 
 def test_attention_group_and_builder_interface():

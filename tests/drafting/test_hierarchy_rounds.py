@@ -6,21 +6,24 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from vllm_sparsever.compat.runner import DraftStep, request_limits
+from vllm_sparsever.compat.runner import DraftStep, draft_budgets, request_limits
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
 
 POSITION = 5  # the sampled token's position
 
 
-def _step(sampled=10, max_tokens=100, stops=(99,)) -> DraftStep:
-    """One request, row 0, that sampled `sampled` at POSITION (its limits read as compat reads a runner's)."""
+def _step(h, sampled=10, max_tokens=100, stops=(99,)) -> DraftStep:
+    """One request, row 0, that sampled `sampled` at POSITION, with the budget of hierarchy `h`'s
+    lookahead (its limits read as compat reads a runner's)."""
     params = SimpleNamespace(all_stop_token_ids=set(stops), stop_token_ids=[], ignore_eos=False, max_tokens=max_tokens)
     num_tokens = np.array([POSITION + 1])
     runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["r0"], num_tokens_no_spec=num_tokens),
                              requests={"r0": SimpleNamespace(sampling_params=params, num_prompt_tokens=3)})
     tokens = np.array([list(range(1, POSITION + 1)) + [sampled]])
-    return DraftStep(req_ids=["r0"], sampled=[[sampled]], num_tokens=num_tokens, allocated_slots=np.array([64]),
+    budgets, slot_limited = draft_budgets([[sampled]], num_tokens, np.array([64]), h.lookahead, max_model_len=1000)
+    assert budgets.tolist() == [h.lookahead] and slot_limited == 0
+    return DraftStep(req_ids=["r0"], sampled=[[sampled]], num_tokens=num_tokens, budgets=budgets, depth=h.cap,
                      token_ids=tokens, limits_of=lambda rows: request_limits(runner, rows))
 
 
@@ -32,8 +35,10 @@ class Drafter:
     def __init__(self):
         self.calls = []
 
-    def requests(self, step, reserve):
-        return DraftRequests(rows=[0], tokens=[step.sampled[0][-1]], positions=[POSITION], budgets=[reserve],
+    def requests(self, step, cap=None):
+        assert cap is None  # the hierarchy drafts within the step's budgets
+        return DraftRequests(rows=[0], tokens=[step.sampled[0][-1]], positions=[POSITION],
+                             budgets=[int(step.budgets[0])],
                              req_ids=["r0"], histories=[step.history(0)])
 
     def draft(self, sub, pending):
@@ -68,7 +73,7 @@ class Verifier:
 def test_rounds_accumulate_pending_tokens_up_to_the_cap():
     drafter = Drafter()
     h = HierarchicalProposer(drafter, Verifier(wrong={13}), cap=6, rounds=3)
-    out = h.propose(_step())
+    out = h.propose(_step(h))
     # Round 1: drafts 11 12 13, the verifier keeps 11 12 and corrects 13 -> 113. Round 2 from 113
     # (position 8): drafts 114 115 116, all kept, plus a bonus 117: capped at 6 pending tokens.
     assert out == [[11, 12, 113, 114, 115, 116]]
@@ -78,18 +83,18 @@ def test_rounds_accumulate_pending_tokens_up_to_the_cap():
 
 def test_rounds_stop_at_a_stop_token_and_at_max_tokens():
     h = HierarchicalProposer(Drafter(), Verifier(), cap=8, rounds=3)
-    assert h.propose(_step(stops=(12,))) == [[11, 12]]  # nothing after the stop token
+    assert h.propose(_step(h, stops=(12,))) == [[11, 12]]  # nothing after the stop token
     assert h.stats.stopped_at_stop_token == 1
     # Pending + the full target's own token must not pass max_tokens: 6 committed tokens, 3 of
     # them the prompt, so 3 emitted of 6 and at most 2 pending.
     h = HierarchicalProposer(Drafter(), Verifier(), cap=8, rounds=3)
-    assert h.propose(_step(max_tokens=6)) == [[11, 12]]
+    assert h.propose(_step(h, max_tokens=6)) == [[11, 12]]
     assert h.stats.stopped_at_max_tokens == 1
 
 
 def test_reuse_drops_the_verifier_correction_and_keeps_the_streams_of_the_rest():
     h = HierarchicalProposer(Drafter(), Verifier(wrong={13}), cap=8, rounds=1, reuse=True)
-    out = h.propose(_step())
+    out = h.propose(_step(h))
     # Kept 11 12, correction 113 dropped: no pass ran it through the first layers.
     assert out == [[11, 12]]
     assert h.stats.reuse_dropped_corrections == 1

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -226,27 +226,59 @@ class DraftStep:
     """A step's input to sparsever's proposers, read from vLLM's state once the step's tokens are
     sampled and committed (`draft_step`). Per batch row: its request, the tokens sampled this step,
     its token count (prompt + accepted output, drafts excluded; the sampled token is the last) and
-    the KV slots allocated to it. The arrays view vLLM's buffers: read them within the step."""
+    its draft budget: the positions from its sampled token on that its drafting may write this step (the
+    proposer's lookahead, cut by max_model_len and the KV slots allocated to it; 0: it drafts
+    nothing). For the whole step: `depth`, the draft levels to propose (the fixed cap, or the depth
+    EVICT planned, `Proposer.plan_depth`; 0: skip drafting). The arrays view vLLM's buffers: read
+    them within the step."""
 
     req_ids: list[str]
     sampled: list[list[int]]
     num_tokens: np.ndarray
-    allocated_slots: np.ndarray
+    budgets: np.ndarray
+    depth: int
     token_ids: np.ndarray  # [max_num_reqs, max_model_len]: the rows' tokens
     limits_of: Callable[[list[int]], list[RequestLimits]]  # see request_limits
+    slot_limited: int = 0  # rows whose allocated KV slots cut the lookahead (should stay 0)
 
     def history(self, row: int) -> np.ndarray:
         """The committed tokens of batch row `row` (prompt + accepted output, no drafts)."""
         return self.token_ids[row, : int(self.num_tokens[row])]
 
+    def with_depth(self, depth: int) -> "DraftStep":
+        return replace(self, depth=depth)
 
-def draft_step(runner: Any, sampled_token_ids: list[list[int]]) -> DraftStep:
-    """The proposers' input of this step (`runner.input_batch` after the step's bookkeeping)."""
+
+def draft_budgets(sampled: list[list[int]], num_tokens: np.ndarray, allocated: np.ndarray, lookahead: int,
+                  max_model_len: int) -> tuple[np.ndarray, int]:
+    """Per batch row, the positions from its sampled token on that its drafting may write (0 for a row
+    that sampled nothing), and how many rows the allocated KV slots cut: the scheduler reserves
+    `lookahead` slots for sparsever's proposers (`integration.speculative.self_draft_lookahead`)."""
+    budgets = np.zeros(len(sampled), dtype=np.int64)
+    slot_limited = 0
+    for row, tokens in enumerate(sampled):
+        if not tokens:
+            continue
+        position = int(num_tokens[row]) - 1  # where the token sampled this step sits
+        budget = min(lookahead, max_model_len - position - 1)
+        if int(allocated[row]) - position < budget:  # never write K/V past a request's allocated slots
+            budget = int(allocated[row]) - position
+            slot_limited += 1
+        budgets[row] = max(0, budget)
+    return budgets, slot_limited
+
+
+def draft_step(runner: Any, sampled_token_ids: list[list[int]], lookahead: int, depth: int) -> DraftStep:
+    """The proposers' input of this step (`runner.input_batch` after the step's bookkeeping):
+    budgets for a proposer that writes up to `lookahead` positions per request, `depth` levels."""
     batch = runner.input_batch
     n = batch.num_reqs
-    return DraftStep(req_ids=list(batch.req_ids[:n]), sampled=sampled_token_ids,
-                     num_tokens=batch.num_tokens_no_spec[:n], allocated_slots=allocated_slots(runner),
-                     token_ids=batch.token_ids_cpu, limits_of=lambda rows: request_limits(runner, rows))
+    num_tokens = batch.num_tokens_no_spec[:n]
+    budgets, slot_limited = draft_budgets(sampled_token_ids, num_tokens, allocated_slots(runner), lookahead,
+                                          runner.model_config.max_model_len)
+    return DraftStep(req_ids=list(batch.req_ids[:n]), sampled=sampled_token_ids, num_tokens=num_tokens,
+                     budgets=budgets, depth=depth, token_ids=batch.token_ids_cpu,
+                     limits_of=lambda rows: request_limits(runner, rows), slot_limited=slot_limited)
 
 
 class TargetView:

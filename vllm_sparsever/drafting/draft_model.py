@@ -97,8 +97,8 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
     def request_state(self) -> dict[str, int]:
         return {**super().request_state(), "draft_kv": len(self._kv)}
 
-    def requests(self, step: DraftStep, reserve: int) -> DraftRequests:
-        reqs = super().requests(step, reserve)
+    def requests(self, step: DraftStep, cap: int | None = None) -> DraftRequests:
+        reqs = super().requests(step, cap)
         live = set(step.req_ids)
         for req_id in [r for r in self._kv if r not in live]:  # finished or preempted
             del self._kv[req_id]

@@ -32,31 +32,21 @@ class DraftRequests:
         return DraftRequests(**(picked | changed))
 
 
-def collect_draft_requests(step: DraftStep, reserve: int, max_model_len: int) -> tuple[DraftRequests, int]:
-    """The rows that sampled a token this step, with at most `reserve` positions each to write
-    from their sampled token on (limited by max_model_len and the allocated KV slots); and how many
-    rows the allocated slots limited (should stay 0: the scheduler reserves lookahead slots for
-    sparsever's drafters, see `integration.speculative.self_draft_lookahead`)."""
+def collect_draft_requests(step: DraftStep, cap: int | None = None) -> DraftRequests:
+    """The rows of `step` with a draft budget, each budget cut to `cap` (None: the step's budget,
+    the positions the proposer's lookahead allows)."""
     out = DraftRequests([], [], [], [], [], [])
-    slot_limited = 0
-    for row, sampled in enumerate(step.sampled):
-        if not sampled:
-            continue
-        position = int(step.num_tokens[row]) - 1  # where the token sampled this step sits
-        budget = min(reserve, max_model_len - position - 1)
-        allocated = int(step.allocated_slots[row])  # never write K/V past a request's allocated slots
-        if allocated - position < budget:
-            budget = allocated - position
-            slot_limited += 1
+    for row, budget in enumerate(step.budgets):
+        budget = int(budget) if cap is None else min(int(budget), cap)
         if budget <= 0:
             continue
         out.rows.append(row)
-        out.tokens.append(sampled[-1])
-        out.positions.append(position)
+        out.tokens.append(step.sampled[row][-1])
+        out.positions.append(int(step.num_tokens[row]) - 1)  # where the token sampled this step sits
         out.budgets.append(budget)
         out.req_ids.append(step.req_ids[row])
         out.histories.append(step.history(row))
-    return out, slot_limited
+    return out
 
 
 class RoundDrafter(Proposer):
@@ -81,10 +71,15 @@ class RoundDrafter(Proposer):
     def reset_stats(self) -> None:
         self.stats = type(self.stats)()
 
-    def requests(self, step: DraftStep, reserve: int) -> DraftRequests:
-        reqs, slot_limited = collect_draft_requests(step, reserve, self.max_model_len)
-        self.stats.slot_limited += slot_limited
-        return reqs
+    @property
+    def lookahead(self) -> int:
+        return self.num_speculative_tokens
+
+    def requests(self, step: DraftStep, cap: int | None = None) -> DraftRequests:
+        """The requests to draft for this step, their budgets cut to `cap` (counts the rows the
+        allocated KV slots limited: call once per step)."""
+        self.stats.slot_limited += step.slot_limited
+        return collect_draft_requests(step, cap)
 
     def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
         raise NotImplementedError
@@ -92,7 +87,7 @@ class RoundDrafter(Proposer):
     def propose(self, step: DraftStep) -> list[list[int]]:
         """On its own (hierarchical verification switched off at run time): drafts per batch row
         (as vLLM's n-gram drafter returns them)."""
-        reqs = self.requests(step, self.num_speculative_tokens)
+        reqs = self.requests(step, min(self.num_speculative_tokens, step.depth))
         drafts: list[list[int]] = [[] for _ in step.sampled]
         for row, tokens in zip(reqs.rows, self.draft(reqs), strict=True):
             drafts[row] = tokens

@@ -113,12 +113,8 @@ class EarlyExitModel:
         """The residual stream after the first `exit_layer` layers for `query_lens[i]` consecutive
         tokens of batch row `rows[i]` (tokens/positions flattened request after request), writing
         those layers' K/V at the tokens' positions (or at `kv_positions`, under `tree_mask`)."""
-        from vllm_sparsever.compat.forward_context import query_forward_context
-        from vllm_sparsever.plan import tree_attention
+        from vllm_sparsever.drafting.queries import run_query
 
         assert self._stack is not None, "EarlyExitModel.load() was not called"
-        names = self._stack.attention_layer_names[:exit_layer]
-        metadata, slots = self._target.attention_context(names, rows, positions, query_lens, kv_positions=kv_positions)
-        with query_forward_context(metadata, self._target.vllm_config, int(tokens.numel()), slots), \
-                tree_attention(tree_mask):
-            return self._stack.run_layers(exit_layer, tokens, positions)
+        return run_query(self._target, self._stack, rows, tokens, positions, query_lens, num_layers=exit_layer,
+                         kv_positions=kv_positions, tree_mask=tree_mask)

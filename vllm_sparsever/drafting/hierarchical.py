@@ -145,6 +145,10 @@ class HierarchicalProposer(Proposer):
     def proposes_late(self) -> bool:
         return self.drafter.proposes_late
 
+    @property
+    def lookahead(self) -> int:
+        return self.cap + self.round_tokens  # up to cap pending tokens, then a round of drafts
+
     def load(self, target: Any) -> None:
         self.target = target
         self.drafter.load(target)
@@ -167,7 +171,7 @@ class HierarchicalProposer(Proposer):
 
     def propose(self, step: DraftStep) -> list[list[int]]:
         """Pending tokens per batch row, to be verified by the full target as this step's drafts."""
-        reqs = self.drafter.requests(step, reserve=self.cap + self.round_tokens)
+        reqs = self.drafter.requests(step)
         n = len(reqs.rows)
         limits = step.limits_of(reqs.rows)
         # Pending tokens past max_tokens would be verified for nothing: all accepted plus the full

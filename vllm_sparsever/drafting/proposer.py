@@ -33,8 +33,22 @@ class Proposer:
         """After the target loaded: keep `target`, the part of the runner drafting may use."""
         raise NotImplementedError
 
+    @property
+    def lookahead(self) -> int:
+        """KV positions from a request's sampled token on that its drafting may write in a step (the
+        scheduler reserves them: `integration.speculative.self_draft_lookahead`); the step's
+        per-request budgets are cut from it."""
+        raise NotImplementedError
+
+    def plan_depth(self, step: DraftStep) -> int:
+        """The draft levels for `step` (its `depth` is the fixed cap): EVICT's plan where the proposer
+        prices drafts, else the cap; 0 skips drafting. The runner hands the result back in
+        `propose`'s step."""
+        return step.depth
+
     def propose(self, step: DraftStep) -> list[list[int]]:
-        """The next step's drafts per batch row of `step` (what vLLM sampled and committed)."""
+        """The next step's drafts per batch row of `step` (what vLLM sampled and committed), within
+        each row's budget and the step's depth."""
         raise NotImplementedError
 
     def plan_before_vllm_drafts(self) -> int:

@@ -31,18 +31,27 @@ def split_by_lengths(flat: list[int], lens: list[int]) -> list[list[int]]:
     return out
 
 
-def final_hidden(target: Any, stack: Any, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor,
-                 lens: list[int], *, kv_positions: torch.Tensor | None = None,
-                 tree_mask: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
-    """Every layer of `stack` (a compat.model.DecoderStack) and its final norm over the query tokens
-    of batch rows `rows`, attending to and writing the target's KV cache (`target`: a
-    compat.runner.TargetView). Tree queries (draft trees) give the slots' positions (`kv_positions`)
-    and their ancestor mask (`tree_mask`)."""
+def run_query(target: Any, stack: Any, rows: Any, tokens: torch.Tensor, positions: torch.Tensor,
+              lens: list[int], *, num_layers: int | None = None, kv_positions: torch.Tensor | None = None,
+              tree_mask: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """The first `num_layers` layers of `stack` (a compat.model.DecoderStack; None: every layer and
+    the final norm) over the query tokens of batch rows `rows` (`lens[i]` consecutive tokens each,
+    flattened request after request), attending to and writing the target's KV cache (`target`: a
+    compat.runner.TargetView). Returns the residual stream after those layers (the normed hidden
+    states after all). Tree queries (draft trees) give the slots' positions (`kv_positions`) and
+    their ancestor mask (`tree_mask`)."""
     from vllm_sparsever.compat.forward_context import query_forward_context
     from vllm_sparsever.plan import tree_attention
 
-    metadata, slots = target.attention_context(stack.attention_layer_names, torch.tensor(rows, dtype=torch.long),
-                                               positions, lens, kv_positions=kv_positions, block_table=block_table)
-    with query_forward_context(metadata, target.vllm_config, int(tokens.numel()), slots), \
-            tree_attention(tree_mask):
-        return stack.run_all(tokens, positions)
+    names = stack.attention_layer_names if num_layers is None else stack.attention_layer_names[:num_layers]
+    rows = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long)
+    metadata, slots = target.attention_context(names, rows, positions, lens, kv_positions=kv_positions,
+                                               block_table=block_table)
+    with query_forward_context(metadata, target.vllm_config, int(tokens.numel()), slots), tree_attention(tree_mask):
+        return stack.run_all(tokens, positions) if num_layers is None else stack.run_layers(num_layers, tokens, positions)
+
+
+def final_hidden(target: Any, stack: Any, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor,
+                 lens: list[int], **query: Any) -> torch.Tensor:
+    """Every layer of `stack` and its final norm over the query tokens (`run_query`)."""
+    return run_query(target, stack, rows, tokens, positions, lens, **query)

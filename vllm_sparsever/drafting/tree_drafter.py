@@ -19,7 +19,7 @@ import torch
 
 from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.compat.runner import DraftStep
-from vllm_sparsever.drafting.drafter import DraftRequests
+from vllm_sparsever.drafting.drafter import DraftRequests, collect_draft_requests
 from vllm_sparsever.drafting.tree import TreeGrowth
 from vllm_sparsever.plan import DraftTree
 
@@ -107,23 +107,32 @@ class TreeDrafting:
 
     # ---- proposing ------------------------------------------------------------------------
 
+    def plan_depth(self, step: DraftStep) -> int:
+        """The tree's levels for this step: EVICT's plan (0: skip drafting), else the tree's depth
+        (chains without EVICT: the cap)."""
+        if self.tree is None:
+            return super().plan_depth(step)
+        if self.evict is None:
+            return min(step.depth, self.tree.depth)
+        reqs = collect_draft_requests(step, self.num_speculative_tokens)
+        if not reqs.rows:
+            return 0
+        return self.plan_levels(list(reqs.positions), self._draft_shape(reqs), self._catch_up_tokens(reqs))
+
     def propose_trees(self, step: DraftStep) -> list[list[int]]:
+        """Trees of `step.depth` levels at most (`plan_depth`), each within its request's budget."""
         start = time.perf_counter()
         self._trees.clear()
         reqs = self.requests(step, self.num_speculative_tokens)
         drafts: list[list[int]] = [[] for _ in step.sampled]
-        if not reqs.rows:
+        levels = min(step.depth, self.tree.depth)
+        if not reqs.rows or levels <= 0:
             return drafts
         # A request's verify step has its root (last committed token) at `position`: the context
         # before it is `position` tokens.
         contexts = list(reqs.positions)
         shape = self._draft_shape(reqs)
         catch_up = self._catch_up_tokens(reqs) if self.evict is not None else 0
-        levels = shape.cap
-        if self.evict is not None:
-            levels = self.plan_levels(contexts, shape, catch_up)
-            if levels == 0:
-                return drafts
         trees, passes = self.grow_trees(reqs, levels, shape, catch_up)
         for k, row in enumerate(reqs.rows):
             if len(trees[k]) and not trees[k].is_chain() and not self.target.tree_sampling_supported(row):

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from vllm_sparsever.compat.runner import (TargetView, async_scheduling, batch_num_rows, draft_step,
-                                         finished_request_ids, input_batch_view, sampled_tokens, scheduled_drafts)
+                                         finished_request_ids, input_batch_view, sampled_tokens, scheduled_drafts,
+                                         set_draft_token_ids)
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.drafting.factory import check_scheduling, make_proposer
 from vllm_sparsever.integration.step_recorder import StepRecorder
@@ -130,7 +131,7 @@ class SparseverRunnerMixin:
             if self._sparsever_propose_late:
                 return [[] for _ in range(batch_num_rows(self))]  # the real drafts: sample_tokens
             if self.sparsever_proposer is not None:
-                return self.sparsever_proposer.propose(draft_step(self, sampled_token_ids))
+                return self._sparsever_propose(sampled_token_ids)
             return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
 
     def sample_tokens(self, grammar_output: Any) -> Any:
@@ -151,12 +152,16 @@ class SparseverRunnerMixin:
     def _propose_after_bookkeeping(self, output: Any) -> None:
         """Draft-model drafting, or EVICT's cut of vLLM's drafts, for the next step, from this
         step's committed tokens (see `_sparsever_propose_late`)."""
-        from vllm_sparsever.compat.runner import set_draft_token_ids
-
         sampled = sampled_tokens(output)
         if sampled is not None:
             with self._sparsever_steps.timing("draft"):
-                set_draft_token_ids(self, self.sparsever_proposer.propose(draft_step(self, sampled[1])))
+                set_draft_token_ids(self, self._sparsever_propose(sampled[1]))
+
+    def _sparsever_propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """The proposer's drafts from this step's input, its budgets and its planned depth."""
+        proposer = self.sparsever_proposer
+        step = draft_step(self, sampled_token_ids, proposer.lookahead, self.sparsever_config.num_speculative_tokens)
+        return proposer.propose(step.with_depth(proposer.plan_depth(step)))
 
     def sparsever_drafting_stats(self, split: bool = False) -> dict[str, Any]:
         """The proposer's counters per level (drafter, hierarchy) and the trees', merged or per level."""

@@ -15,6 +15,19 @@ logger = logging.getLogger(__name__)
 # check that the plugin is active in the front end, engine core and every worker).
 REGISTRATION_LOG_ENV = "VLLM_SPARSEVER_REGISTRATION_LOG"
 
+# Every VLLM_SPARSEVER_* variable the package reads (listed in docs/configuration.md), declared to
+# vLLM's environment check so that it neither warns nor, under --fail-on-environ-validation, refuses.
+ENVIRONMENT_VARIABLES = (
+    "VLLM_SPARSEVER_HOME",
+    "VLLM_SPARSEVER_ALLOW_UNTESTED_VLLM",
+    "VLLM_SPARSEVER_CHECK_REFERENCE",
+    "VLLM_SPARSEVER_METRICS_DIR",
+    "VLLM_SPARSEVER_RAY_CPU",
+    "VLLM_SPARSEVER_RAY_RESOURCE",
+    "VLLM_SPARSEVER_REGISTRATION_LOG",
+    "VLLM_SPARSEVER_STATS_SAMPLE_EVERY",
+)
+
 _done = False
 
 
@@ -23,11 +36,13 @@ def register_all() -> None:
     if _done:
         return
     from vllm_sparsever.compat import check_vllm_version
+    from vllm_sparsever.compat.envs import declare_environment_variables
     from vllm_sparsever.integration.speculative import install_speculative_config_hook
 
     # Before any hook: on a vLLM version the compat contracts were not checked against, every
     # process stops here with one clear message instead of failing somewhere inside vLLM.
     check_vllm_version()
+    declare_environment_variables(ENVIRONMENT_VARIABLES)
     install_speculative_config_hook()
     from vllm_sparsever.compat.sampling import allow_min_p_and_logit_bias
 

@@ -33,15 +33,6 @@ class SparseverRayCpuPlatform(_CpuPlatform):
             check_ray_parallel_config(parallel_config)
             parallel_config.ray_runtime_env = with_worker_setup(parallel_config.ray_runtime_env)
 
-    @classmethod
-    def validate_environ(cls, hard_fail: bool) -> None:
-        # vLLM flags every unknown VLLM_* variable; ours are documented (docs/serving.md) and expected.
-        saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("VLLM_SPARSEVER_")}
-        try:
-            super().validate_environ(hard_fail)
-        finally:
-            os.environ.update(saved)
-
 
 def check_ray_parallel_config(parallel_config: Any) -> None:
     if not uses_ray_v2_executor():

@@ -1,0 +1,103 @@
+"""Draft budgets as the proposer's input: per-request budgets from the step (KV slots, max_model_len)
+and the step's depth (the cap, or EVICT's plan) bound what a proposer drafts (no engine)."""
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+
+from vllm_sparsever.compat.runner import DraftStep, draft_budgets
+from vllm_sparsever.drafting.drafter import RoundDrafter, collect_draft_requests
+from vllm_sparsever.drafting.tree_drafter import TreeDrafting
+
+
+def _step(sampled, num_tokens, allocated, lookahead, depth, max_model_len=1000) -> DraftStep:
+    num_tokens = np.array(num_tokens)
+    budgets, slot_limited = draft_budgets(sampled, num_tokens, np.array(allocated), lookahead, max_model_len)
+    tokens = np.zeros((len(sampled), max(num_tokens) + 1), dtype=np.int64)
+    for row, s in enumerate(sampled):
+        if s:
+            tokens[row, num_tokens[row] - 1] = s[-1]
+    return DraftStep(req_ids=[f"r{i}" for i in range(len(sampled))], sampled=sampled, num_tokens=num_tokens,
+                     budgets=budgets, depth=depth, token_ids=tokens, limits_of=lambda rows: [],
+                     slot_limited=slot_limited)
+
+
+def test_budgets_are_cut_by_max_model_len_and_allocated_slots():
+    # Sampled tokens at positions 9, 9, 9 and one row that sampled nothing (mid-prefill).
+    budgets, slot_limited = draft_budgets([[1], [2], [], [3]], np.array([10, 10, 10, 10]),
+                                          np.array([100, 12, 100, 100]), lookahead=5, max_model_len=1000)
+    assert budgets.tolist() == [5, 3, 0, 5] and slot_limited == 1  # row 1: slots 9, 10, 11 only
+    budgets, slot_limited = draft_budgets([[1]], np.array([10]), np.array([100]), lookahead=5, max_model_len=13)
+    assert budgets.tolist() == [3] and slot_limited == 0  # max_model_len 13: up to position 12
+
+
+def test_collect_draft_requests_cuts_budgets_to_a_cap_and_skips_empty_rows():
+    step = _step([[7], [], [8]], [4, 3, 6], [64, 64, 8], lookahead=4, depth=4)
+    reqs = collect_draft_requests(step)
+    assert reqs.rows == [0, 2] and reqs.tokens == [7, 8] and reqs.positions == [3, 5]
+    assert reqs.budgets == [4, 3] and reqs.req_ids == ["r0", "r2"]
+    assert collect_draft_requests(step, cap=2).budgets == [2, 2]
+
+
+@dataclass
+class _Stats:
+    slot_limited: int = 0
+
+    def summary(self):
+        return {"slot_limited": self.slot_limited}
+
+
+class _Counting(RoundDrafter):
+    """Drafts `position + 1, position + 2, ...` up to each request's budget."""
+
+    def draft(self, reqs, pending=None):
+        return [[p + 1 + j for j in range(b)] for p, b in zip(reqs.positions, reqs.budgets)]
+
+
+def test_a_chain_proposer_drafts_within_the_budget_and_the_steps_depth():
+    drafter = _Counting(_Stats(), num_speculative_tokens=4, max_model_len=1000)
+    assert drafter.lookahead == 4
+    step = _step([[7], [8]], [4, 6], [64, 8], lookahead=drafter.lookahead, depth=4)
+    assert drafter.plan_depth(step) == 4  # no EVICT: the cap
+    assert drafter.propose(step) == [[4, 5, 6, 7], [6, 7, 8]]  # row 1: slots 5, 6, 7 left
+    assert drafter.stats.slot_limited == 1
+    assert drafter.propose(step.with_depth(1)) == [[4], [6]]
+    assert drafter.propose(step.with_depth(0)) == [[], []]
+
+
+class _TreeCounting(TreeDrafting, _Counting):
+    """A tree drafter whose EVICT plans a fixed depth and grows chains as deep as it is told."""
+
+    def __init__(self, planned):
+        super().__init__(_Stats(), num_speculative_tokens=4, max_model_len=1000)
+        self.init_trees(None, SimpleNamespace(), 4)  # adaptive on: chains as one-branch trees
+        self.evict = SimpleNamespace(plan_depth=lambda contexts, shape, catch_up: planned)
+        self.grown_levels = []
+        self.target = SimpleNamespace(tree_sampling_supported=lambda row: True)
+
+    def grow_trees(self, reqs, levels, shape, catch_up_tokens=0):
+        from vllm_sparsever.plan import DraftTree
+
+        self.grown_levels.append(levels)
+        chains = [c[:levels] for c in self.draft(reqs)]
+        return [DraftTree(c, list(range(-1, len(c) - 1)), [1.0] * len(c)) for c in chains], []
+
+
+def test_evicts_planned_depth_is_handed_in_with_the_step(monkeypatch):
+    import vllm_sparsever.drafting.tree_drafter as tree_drafter
+
+    monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)  # one rank, no TP group
+    drafter = _TreeCounting(planned=2)
+    drafter.evict.truncate = lambda trees, contexts, draft_time_s, mask: trees
+    drafter.evict.observe_drafting = lambda rows, passes, seconds: None
+    drafter.evict.clock = SimpleNamespace(draft_s=lambda rows, passes: 0.0)
+    drafter.evict.stats = SimpleNamespace(drafted_depths={})
+    step = _step([[7]], [4], [64], lookahead=4, depth=4)
+    depth = drafter.plan_depth(step)
+    assert depth == 2
+    assert drafter.propose_trees(step.with_depth(depth)) == [[4, 5]]
+    assert drafter.grown_levels == [2]
+    # A step handed depth 0 (EVICT skips drafting) drafts nothing and grows nothing.
+    assert drafter.propose_trees(step.with_depth(0)) == [[]]
+    assert drafter.grown_levels == [2]
