@@ -1,5 +1,6 @@
 """sparsever's environment variables pass vLLM's environment check (compat/envs.py)."""
 
+import os
 import re
 from pathlib import Path
 
@@ -17,6 +18,9 @@ def test_declared_variables_pass_vllms_environment_check(monkeypatch):
 
     declare_environment_variables(ENVIRONMENT_VARIABLES)
     assert callable(envs.environment_variables["VLLM_SPARSEVER_HOME"])
+    for name in list(os.environ):  # what vLLM itself left undeclared (its CPU worker sets VLLM_DIST_IDENT)
+        if name.startswith("VLLM_") and name not in envs.environment_variables:
+            monkeypatch.delenv(name)
     monkeypatch.setenv("VLLM_SPARSEVER_HOME", "/tmp/somewhere")
     assert envs.environment_variables["VLLM_SPARSEVER_HOME"]() == "/tmp/somewhere"
     current_platform.validate_environ(hard_fail=True)  # --fail-on-environ-validation: no error
