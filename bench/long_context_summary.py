@@ -16,7 +16,9 @@
   a machine without an end-to-end run, from a kernel run and `bench/verify_step.py` (one engine, no
   prefill). Where sparsever's engine also runs decode steps on its own kernels (`linear_kernel`), the
   third run is the same benchmark with vLLM's (`--spec-json '{"linear_kernel": "vllm"}'`): `decode_1`
-  then comes from it (a plain vLLM decode step), and `decode_1_sparsever_engine` is sparsever's.
+  then comes from it (a plain vLLM decode step), and `decode_1_sparsever_engine` is sparsever's;
+  `--other-e2e` adds that machine's end-to-end runs (`contexts`, as above; a family the run left out
+  is null).
 """
 
 from __future__ import annotations
@@ -84,6 +86,46 @@ def other_machine(kernels_path: Path, verify_path: Path, plain_path: Path | None
     }
 
 
+def merged_rows(paths: list[Path]) -> tuple[list[dict], list[dict]]:
+    """The runs of lossless_sparse.py JSON files and their summary rows, a later file's (context,
+    mode) rows replacing an earlier file's."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    merged: dict[tuple[int, str], dict] = {}
+    for path, run in zip(paths, runs):
+        for row in run["summary"]:
+            merged[(row["context"], row["mode"])] = row | {"source": str(path.relative_to(ROOT))}
+    return runs, list(merged.values())
+
+
+def e2e_contexts(rows: list[dict]) -> tuple[dict, dict]:
+    """(contexts, verify_step_ms) keyed by nominal context; a method family the run left out
+    (vLLM's draft_model, the approximate or vLLM-kernel modes) is None."""
+    contexts, ms = {}, {}
+    for ctx in sorted({r["context"] for r in rows}):
+        at = {r["mode"]: r for r in rows if r["context"] == ctx}
+        lossless = max((at[m] for m in LOSSLESS if m in at), key=lambda r: r["tokens_per_s"])
+        approx = max((at[m] for m in APPROXIMATE if m in at), key=lambda r: r["tokens_per_s"], default=None)
+        plain, draft_model = at["autoregressive"]["tokens_per_s"], at.get("vllm-draft_model", {}).get("tokens_per_s")
+        key = nominal(ctx)
+        contexts[key] = {
+            "autoregressive_tok_s": plain,
+            "draft_model_tok_s": draft_model,
+            "best_lossless": {"mode": lossless["mode"], "tok_s": lossless["tokens_per_s"]},
+            "best_approximate": approx and {"mode": approx["mode"], "tok_s": approx["tokens_per_s"]},
+            "prompt_context_tokens": ctx,
+            "tok_s_by_mode": {m: r["tokens_per_s"] for m, r in at.items()},
+            "source_by_mode": {m: r["source"] for m, r in at.items()},
+            "best_lossless_vs_autoregressive": lossless["tokens_per_s"] / plain,
+            "best_lossless_vs_draft_model": draft_model and lossless["tokens_per_s"] / draft_model,
+        }
+        ms[key] = {
+            "decode_1": 1e3 / plain,
+            "verify_4_vllm_kernel": at.get("dense-vllm-kernel", {}).get("verify_ms_per_step"),
+            "verify_4_sparsever_kernel": at.get("dense", {}).get("verify_ms_per_step"),
+        }
+    return contexts, ms
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--e2e", required=True, type=Path, action="append",
@@ -98,41 +140,17 @@ def main() -> int:
                          "same verify_step run with vLLM's linears (decode_1 then comes from it): its "
                          "verify_step_ms and roof_fraction go under other_machines (the main keys stay the "
                          "--e2e machine's)")
+    ap.add_argument("--other-e2e", type=Path, action="append", default=[],
+                    help="a lossless_sparse.py JSON of the last --other-machine (repeat to merge): its "
+                         "end-to-end tokens/s go under that machine's `contexts`")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "summary" / "long_context.json")
     args = ap.parse_args()
     args.e2e = [p.resolve() for p in args.e2e]
     args.kernels = args.kernels.resolve()
     kernels = json.loads(args.kernels.read_text())
-    runs = [json.loads(p.read_text()) for p in args.e2e]
+    runs, rows = merged_rows(args.e2e)
     e2e = runs[0]
-    merged: dict[tuple[int, str], dict] = {}
-    for path, run in zip(args.e2e, runs):
-        for row in run["summary"]:
-            merged[(row["context"], row["mode"])] = row | {"source": str(path.relative_to(ROOT))}
-    rows = list(merged.values())
-
-    contexts, ms = {}, {}
-    for ctx in sorted({r["context"] for r in rows}):
-        at = {r["mode"]: r for r in rows if r["context"] == ctx}
-        lossless = max((at[m] for m in LOSSLESS if m in at), key=lambda r: r["tokens_per_s"])
-        approx = max((at[m] for m in APPROXIMATE if m in at), key=lambda r: r["tokens_per_s"])
-        key = nominal(ctx)
-        contexts[key] = {
-            "autoregressive_tok_s": at["autoregressive"]["tokens_per_s"],
-            "draft_model_tok_s": at["vllm-draft_model"]["tokens_per_s"],
-            "best_lossless": {"mode": lossless["mode"], "tok_s": lossless["tokens_per_s"]},
-            "best_approximate": {"mode": approx["mode"], "tok_s": approx["tokens_per_s"]},
-            "prompt_context_tokens": ctx,
-            "tok_s_by_mode": {m: r["tokens_per_s"] for m, r in at.items()},
-            "source_by_mode": {m: r["source"] for m, r in at.items()},
-            "best_lossless_vs_autoregressive": lossless["tokens_per_s"] / at["autoregressive"]["tokens_per_s"],
-            "best_lossless_vs_draft_model": lossless["tokens_per_s"] / at["vllm-draft_model"]["tokens_per_s"],
-        }
-        ms[key] = {
-            "decode_1": 1e3 / at["autoregressive"]["tokens_per_s"],
-            "verify_4_vllm_kernel": at["dense-vllm-kernel"]["verify_ms_per_step"],
-            "verify_4_sparsever_kernel": at["dense"]["verify_ms_per_step"],
-        }
+    contexts, ms = e2e_contexts(rows)
     amx = kernels["roof"].get("amx", False)
     variant, roof = kernel_roof_fraction(kernels)
     verify_32k = ms.get("32768", {})
@@ -154,6 +172,16 @@ def main() -> int:
         if len(paths) not in (2, 3):
             ap.error("--other-machine: KERNELS VERIFY_STEP [PLAIN_VERIFY_STEP]")
     summary["other_machines"] = [other_machine(*(p.resolve() for p in paths)) for paths in args.other_machine]
+    if args.other_e2e:
+        if not summary["other_machines"]:
+            ap.error("--other-e2e: give the machine's --other-machine runs too")
+        other_runs, other_rows = merged_rows([p.resolve() for p in args.other_e2e])
+        other = summary["other_machines"][-1]
+        other["contexts"], _ = e2e_contexts(other_rows)
+        other["aims_met"]["best_lossless_ge_1.3x_autoregressive"] = {
+            k: v["best_lossless_vs_autoregressive"] >= 1.3 for k, v in other["contexts"].items()}
+        other["command"] += "".join(f"  +  {r['command']}" for r in other_runs)
+        other["sources"]["e2e"] = [str(p.resolve().relative_to(ROOT)) for p in args.other_e2e]
     aims = {
         **kernel_and_step_aims(roof, verify_32k),
         "best_lossless_ge_1.3x_autoregressive": {k: v["best_lossless_vs_autoregressive"] >= 1.3 for k, v in contexts.items()},
