@@ -326,6 +326,9 @@ def main(argv=None) -> int:
     if args.evict == []:  # bare --evict: over the run's drafter
         args.evict = [args.drafter]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    # A long prompt's prefill chunk can outlast vLLM's 300-s step timeout on a CPU without AVX-512
+    # (bench/results/README.md, "Long context on an AVX2 CPU").
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
     from vllm_sparsever.cli import resolve_model
     from vllm_sparsever.models.limits import model_max_len
 
