@@ -97,3 +97,53 @@ def test_bad_options_are_named_before_any_work(model_dir, options, words):
         train_eagle(str(model_dir), TrainEagleOptions(**options, prompt_rows=[{"id": "a", "prompt": "w1"}]))
     for word in words:
         assert word in str(err.value)
+
+
+def test_python_source_chunks_hold_out_other_files_and_stop_at_their_counts():
+    from vllm_sparsever.data.python_source import EXCLUDED_DIRS, python_source_chunks, stdlib_root
+
+    class Chars:  # a character-level tokenizer: chunk sizes are exact and cheap
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) % 1000 for c in text]}
+
+    train, heldout = python_source_chunks(Chars(), train_tokens=3000, heldout_tokens=1000, chunk_tokens=256, seed=1)
+    for part, want in ((train, 3000), (heldout, 1000)):
+        total = sum(len(c["token_ids"]) for c in part)
+        assert want <= total < want + 256, (want, total)
+        assert all(64 <= len(c["token_ids"]) <= 256 for c in part)
+    assert not {c["id"] for c in train} & {c["id"] for c in heldout}
+    assert all(not EXCLUDED_DIRS.intersection(c["id"].split("/")[:-1]) for c in train + heldout)
+    # A chunk is the file's text from a line start.
+    first = heldout[0]
+    text = (stdlib_root() / first["id"]).read_text(encoding="utf-8")
+    chunk = "".join(chr(i) for i in first["token_ids"]) if all(i < 128 for i in first["token_ids"]) else None
+    if chunk is not None:
+        at = text.find(chunk)
+        assert at == 0 or text[at - 1] == "\n"
+    # Seeded: the same chunks again, other chunks under another seed.
+    assert python_source_chunks(Chars(), 3000, 1000, 256, seed=1) == (train, heldout)
+    assert python_source_chunks(Chars(), 3000, 1000, 256, seed=2)[0] != train
+
+
+def test_code_text_and_all_positions_are_trained_and_reported(workdir, model_dir):
+    head = train_tiny_eagle3(workdir / "head_code", model_dir, draft_vocab=DRAFT_VOCAB, epochs=2,
+                             train_positions="all", code_tokens=600, code_heldout_tokens=200)
+    record = json.loads((head / MANIFEST_NAME).read_text())
+    code = record["data"]["code"]
+    assert code["train_files"] and code["heldout_files"] and not set(code["train_files"]) & set(code["heldout_files"])
+    # Every position of the code and of the generated sequences (prompts included) is trained.
+    assert record["train_tokens"] - record["data"]["train_tokens_generated_text"] >= 600 - len(code["train_files"])
+    assert "prompts teacher-forced" in record["data"]["positions"]
+    assert set(record["heldout_code"]) == {"untrained", "trained"}
+    assert record["heldout_code"]["trained"]["positions"] >= 200 - 3 * len(code["heldout_files"])
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"train_positions": "prompt"}, ["--train-positions", "generated, all"]),
+    ({"code_tokens": -1}, ["--code-tokens", "at least 0"]),
+])
+def test_bad_text_options_are_named(model_dir, options, words):
+    with pytest.raises(TrainEagleError) as err:
+        train_eagle(str(model_dir), TrainEagleOptions(**options, prompt_rows=[{"id": "a", "prompt": "w1"}]))
+    for word in words:
+        assert word in str(err.value)

@@ -3,7 +3,9 @@
 The target is frozen (Hugging Face transformers, CPU, fp32). Steps:
 
 1. text: the target's own continuations of the calibration prompts, as `train-exits` makes them
-   (same options, same cache: `<model>/exit_heads/generated.jsonl`; held-out articles disjoint).
+   (same options, same cache: `<model>/exit_heads/generated.jsonl`; held-out articles disjoint);
+   with `code_tokens`, chunks of Python source too (data/python_source.py; held-out files disjoint),
+   read teacher-forced, which costs a forward pass but no generation.
 2. features: one fp32 forward pass of the target per sequence gives, at every position, the
    residual streams vLLM hands an EAGLE-3 head (`aux_layers`: 0 = the embeddings, l = after
    decoder layer l) and the final-normed hidden state (the teacher's logits come from it).
@@ -11,7 +13,8 @@ The target is frozen (Hugging Face transformers, CPU, fp32). Steps:
    Step 1 at base position s reads token s+1 and the target's streams at s; step k > 1 reads
    token s+k and the head's own output of step k-1. Step 1 attends causally to step 1's keys;
    step k also to its own earlier steps at the same base. Each step is trained towards the
-   target's distribution at s+k (KL over the draft vocabulary), on generated positions only.
+   target's distribution at s+k (KL over the draft vocabulary), on generated positions only
+   (`train_positions="all"`: the prompts' positions too; every position of the Python source).
    The LM head starts as the target's rows of the draft vocabulary and stays frozen; the token
    embeddings are the target's (not saved: vLLM shares them).
 4. report: per step, the held-out top-1 agreement with the target (the head's token mapped to the
@@ -36,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_sparsever.data.python_source import LICENSE as PYTHON_SOURCE_LICENSE
+from vllm_sparsever.data.python_source import python_source_chunks
 from vllm_sparsever.offline.train_exits import (
     GENERATED_NAME,
     TrainExitsError,
@@ -56,6 +61,8 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Later steps weigh less: a chain stops at its first rejected draft.
 STEP_WEIGHT_DECAY = 0.8
+TRAIN_POSITIONS = ("generated", "all")
+CODE_CHUNK_TOKENS = 512
 
 
 class TrainEagleError(TrainExitsError):
@@ -69,6 +76,9 @@ class TrainEagleOptions:
     intermediate_size: int | None = None  # the head's MLP width; None: the target's
     ttt_steps: int = 3
     samples_per_prompt: int = 4  # continuations sampled per training prompt (the data set is small)
+    train_positions: str = "generated"  # or "all": the prompts' positions too (teacher-forced)
+    code_tokens: int = 0  # Python source chunks added to the training text (data/python_source.py)
+    code_heldout_tokens: int = 4096  # held-out Python source, from other files (with code_tokens > 0)
     num_prompts: int | None = None
     num_heldout_prompts: int = 8
     max_prompt_tokens: int = 256
@@ -120,6 +130,11 @@ def validate(options: TrainEagleOptions, config: dict[str, Any]) -> tuple[int, .
     vocab = int(config["vocab_size"])
     if options.draft_vocab is not None and not 1 <= options.draft_vocab:
         raise TrainEagleError(f"--draft-vocab: at least 1 (at most the vocabulary, {vocab}), got {options.draft_vocab}")
+    if options.train_positions not in TRAIN_POSITIONS:
+        raise TrainEagleError(f"--train-positions: one of {', '.join(TRAIN_POSITIONS)}, got {options.train_positions!r}")
+    for flag, value in (("--code-tokens", options.code_tokens), ("--code-heldout-tokens", options.code_heldout_tokens)):
+        if value < 0:
+            raise TrainEagleError(f"{flag}: at least 0, got {value}")
     for flag, value in (("--ttt-steps", options.ttt_steps), ("--epochs", options.epochs),
                         ("--samples-per-prompt", options.samples_per_prompt)):
         if value < 1:
@@ -288,7 +303,9 @@ class Sequence:
 
 
 def extract_features(model, seqs: list[dict[str, Any]], aux_layers: tuple[int, ...], desc: str,
-                     show_progress: bool) -> list[Sequence]:
+                     show_progress: bool, all_positions: bool = False) -> list[Sequence]:
+    """One fp32 forward pass per sequence. Trained (and evaluated) positions: those whose next token
+    was generated, or with `all_positions` every position."""
     from tqdm.auto import tqdm
 
     body = model.model
@@ -314,7 +331,7 @@ def extract_features(model, seqs: list[dict[str, Any]], aux_layers: tuple[int, .
                 argmax = (final @ lm_head.T).argmax(-1)
             aux = torch.cat([captured[a] for a in aux_layers], dim=-1)
             out.append(Sequence(ids[0].clone(), aux.to(torch.bfloat16), final.to(torch.bfloat16), argmax.clone(),
-                                len(prompt) - 1))
+                                0 if all_positions else len(prompt) - 1))
     finally:
         for h in handles:
             h.remove()
@@ -436,6 +453,7 @@ class TrainEagleResult:
     planned_steps: int
     stopped_by_budget: bool
     seconds: dict[str, float]
+    code: dict[str, Any] | None = None  # held-out Python source: {"untrained": ..., "trained": ...}
 
 
 def _rotary(config: dict[str, Any], head_dim: int) -> nn.Module:
@@ -471,20 +489,29 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
     seqs, hf_model = target_text(model_dir, train_rows + heldout_rows, text, heads_dir(model_dir) / GENERATED_NAME)
     seconds["generate"] = time.monotonic() - t0
     heldout_ids = {r["id"] for r in heldout_rows}
+    all_positions = options.train_positions == "all"
+    train_seqs = [s for s in seqs if s["id"] not in heldout_ids]
+    code_train, code_heldout = python_code(model_dir, options)
 
     t0 = time.monotonic()
     if hf_model is None:
         hf_model, _ = load_target(model_dir)
-    train = extract_features(hf_model, [s for s in seqs if s["id"] not in heldout_ids], aux_layers,
-                             "features (train)", options.show_progress)
+    train = extract_features(hf_model, train_seqs, aux_layers, "features (train)", options.show_progress,
+                             all_positions=all_positions)
+    generated_tokens = sum(len(s.tokens) - s.first for s in train)
+    train += extract_features(hf_model, code_train, aux_layers, "features (code)", options.show_progress,
+                              all_positions=True) if code_train else []
     heldout = extract_features(hf_model, [s for s in seqs if s["id"] in heldout_ids], aux_layers,
                                "features (held-out)", options.show_progress)
+    heldout_code = extract_features(hf_model, code_heldout, aux_layers, "features (held-out code)",
+                                    options.show_progress, all_positions=True) if code_heldout else []
     seconds["features"] = time.monotonic() - t0
 
     vocab = int(config["vocab_size"])
     eos_ids = eos_token_ids(hf_model.generation_config)
-    # The draft vocabulary: the training text's most frequent tokens (EOS first), in id order.
-    ranked = rank_tokens([s["generated_ids"] for s in seqs if s["id"] not in heldout_ids], always=eos_ids)
+    # The draft vocabulary: the trained positions' most frequent tokens (EOS first), in id order.
+    ranked = rank_tokens([s["prompt_ids"] + s["generated_ids"] if all_positions else s["generated_ids"]
+                          for s in train_seqs] + [s["generated_ids"] for s in code_train], always=eos_ids)
     if options.draft_vocab is None or options.draft_vocab >= vocab:
         draft_ids = torch.arange(vocab)
     else:
@@ -504,6 +531,7 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
 
     t0 = time.monotonic()
     before = evaluate(head, embed, heldout, options.ttt_steps, draft_ids)
+    code = {"untrained": evaluate(head, embed, heldout_code, options.ttt_steps, draft_ids)} if heldout_code else None
     seconds["evaluate"] = time.monotonic() - t0
     t0 = time.monotonic()
     steps, planned, stopped, epoch_loss = train_head(head, embed, train, options,
@@ -511,6 +539,8 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
     seconds["train"] = time.monotonic() - t0
     t0 = time.monotonic()
     after = evaluate(head, embed, heldout, options.ttt_steps, draft_ids)
+    if code is not None:
+        code["trained"] = evaluate(head, embed, heldout_code, options.ttt_steps, draft_ids)
     seconds["evaluate"] += time.monotonic() - t0
 
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -547,7 +577,12 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
                      "aux_layers": list(aux_layers), "draft_vocab_size": len(draft_ids),
                      "intermediate_size": intermediate},
         "data": {"train_ids": [r["id"] for r in train_rows], "heldout_ids": [r["id"] for r in heldout_rows],
-                 "positions": "generated tokens only"},
+                 "positions": ("every position of the generated sequences (prompts teacher-forced)" if all_positions
+                               else "generated tokens only"),
+                 "train_tokens_generated_text": generated_tokens,
+                 "code": {"source": PYTHON_SOURCE_LICENSE, "positions": "every position (teacher-forced)",
+                          "train_files": [s["id"] for s in code_train],
+                          "heldout_files": [s["id"] for s in code_heldout]} if code_train or code_heldout else None},
         "loss": "KL(target || head) over the draft vocabulary per training-time-test step, weights "
                 f"{STEP_WEIGHT_DECAY}^(k-1); LM head frozen (the target's rows), embeddings the target's",
         "train_tokens": sum(len(s.tokens) - s.first for s in train),
@@ -555,13 +590,29 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
         "steps": steps, "planned_steps": planned, "stopped_by_time_budget": stopped,
         "train_loss_per_epoch": [round(v, 4) for v in epoch_loss],
         "heldout": {"untrained": before, "trained": after},
+        "heldout_code": code,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
         "torch": torch.__version__, "threads": torch.get_num_threads(),
     }
     (output_dir / MANIFEST_NAME).write_text(json.dumps(record, indent=1) + "\n")
     return TrainEagleResult(model_dir=model_dir, output_dir=output_dir, before=before, after=after,
                             train_tokens=record["train_tokens"], heldout_tokens=record["heldout_tokens"],
-                            steps=steps, planned_steps=planned, stopped_by_budget=stopped, seconds=seconds)
+                            steps=steps, planned_steps=planned, stopped_by_budget=stopped, seconds=seconds,
+                            code=code)
+
+
+def python_code(model_dir: str, options: TrainEagleOptions) -> tuple[list[dict], list[dict]]:
+    """(training, held-out) Python source chunks as sequences (a one-token prompt), none without
+    `code_tokens`."""
+    if not options.code_tokens:
+        return [], []
+    from transformers import AutoTokenizer
+
+    train, heldout = python_source_chunks(AutoTokenizer.from_pretrained(model_dir), options.code_tokens,
+                                          options.code_heldout_tokens, CODE_CHUNK_TOKENS, seed=options.seed)
+    as_seq = lambda c: {"id": f"code:{c['id']}", "prompt_ids": c["token_ids"][:1],  # noqa: E731
+                        "generated_ids": c["token_ids"][1:]}
+    return [as_seq(c) for c in train], [as_seq(c) for c in heldout]
 
 
 def summary(result: TrainEagleResult) -> str:
@@ -574,6 +625,9 @@ def summary(result: TrainEagleResult) -> str:
         "held-out top-1 agreement with the target per draft step (teacher-forced):",
         f"  untrained: {per_step(result.before)}  (mean accepted prefix {result.before['mean_accepted_prefix']:.2f})",
         f"  trained:   {per_step(result.after)}  (mean accepted prefix {result.after['mean_accepted_prefix']:.2f})",
+        *([f"held-out Python source: untrained {per_step(result.code['untrained'])}, trained "
+           f"{per_step(result.code['trained'])}  (mean accepted prefix "
+           f"{result.code['trained']['mean_accepted_prefix']:.2f})"] if result.code else []),
         f"use it: --speculative-config '{{\"method\": \"sparsever\", \"draft_source\": \"eagle3\", "
         f"\"model\": \"{result.output_dir}\", \"num_speculative_tokens\": 3}}'",
     ])

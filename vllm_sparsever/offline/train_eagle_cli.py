@@ -21,6 +21,11 @@ _KNOBS = {
     "--ttt-steps": ("ttt_steps", positive_int, "draft steps unrolled while training (default: 3)"),
     "--samples-per-prompt": ("samples_per_prompt", positive_int,
                              "continuations sampled per training prompt (default: 4)"),
+    "--code-tokens": ("code_tokens", int,
+                      "tokens of Python source (the standard library's, teacher-forced: no generation) "
+                      "added to the training text (default: 0)"),
+    "--code-heldout-tokens": ("code_heldout_tokens", int,
+                              "held-out Python source tokens, from other files (default: 4096)"),
     **TEXT_KNOBS,
     "--epochs": ("epochs", positive_int, "passes over the training text (default: 4)"),
     "--lr": ("lr", float, "AdamW peak learning rate (default: 2e-3)"),
@@ -44,6 +49,9 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
                         "default: vLLM's 2, L/2, L-3)")
     for flag, (dest, kind, text) in _KNOBS.items():
         parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+    parser.add_argument("--train-positions", choices=("generated", "all"), default=None,
+                        help="positions trained on in the generated sequences: the generated tokens, or "
+                        "the prompts' too, teacher-forced (default: generated)")
     add_text_flags(parser)
     parser.set_defaults(func=_cmd_train_eagle)
     return parser
@@ -64,6 +72,8 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
         given["aux_layers"] = tuple(args.aux_layers)
     if args.generator:
         given["generator"] = args.generator
+    if args.train_positions:
+        given["train_positions"] = args.train_positions
     options = TrainEagleOptions(**given, regenerate=args.regenerate, show_progress=not args.no_progress)
     try:
         result = train_eagle(model, options)
