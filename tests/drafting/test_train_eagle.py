@@ -141,9 +141,68 @@ def test_code_text_and_all_positions_are_trained_and_reported(workdir, model_dir
 @pytest.mark.parametrize("options, words", [
     ({"train_positions": "prompt"}, ["--train-positions", "generated, all"]),
     ({"code_tokens": -1}, ["--code-tokens", "at least 0"]),
+    ({"feature_scale": "std"}, ["--feature-scale", "rms, none"]),
 ])
 def test_bad_text_options_are_named(model_dir, options, words):
     with pytest.raises(TrainEagleError) as err:
         train_eagle(str(model_dir), TrainEagleOptions(**options, prompt_rows=[{"id": "a", "prompt": "w1"}]))
     for word in words:
         assert word in str(err.value)
+
+
+def test_a_head_trained_on_scaled_streams_saves_the_scale_into_fc(model_dir):
+    """Trained on streams / RMS, saved to read the raw streams: the loaded head (no scale) drafts
+    the same logits as the training head."""
+    from vllm_sparsever.offline.train_eagle import Eagle3Head, _rotary, load_head
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads, head_dim = config["num_key_value_heads"], config.get("head_dim") or hidden // heads
+    torch.manual_seed(3)
+    head = Eagle3Head(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=48, num_aux=3,
+                      eps=1e-6, rotary=_rotary(config, head_dim), lm_head=torch.randn(DRAFT_VOCAB, hidden))
+    head.aux_inv_scale.copy_(torch.rand(3 * hidden) * 10 + 0.01)
+    embed = torch.nn.Embedding(config["vocab_size"], hidden)
+    tokens, aux = torch.randint(0, config["vocab_size"], (9,)), torch.randn(9, 3 * hidden)
+    want = head.chain(embed, tokens, aux, 2)
+    from safetensors.torch import save_file
+
+    out = model_dir.parent / "scaled_head"
+    out.mkdir(exist_ok=True)
+    save_file(head.state_for_vllm(), str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({
+        "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "intermediate_size": 48, "rms_norm_eps": 1e-6, "draft_vocab_size": DRAFT_VOCAB,
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 5]}))
+    loaded, _, _ = load_head(out, config)
+    assert torch.equal(loaded.aux_inv_scale, torch.ones(3 * hidden))
+    got = loaded.chain(embed, tokens, aux, 2)
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_features_are_cached_by_tokens_and_layers(tmp_path, model_dir):
+    from vllm_sparsever.offline.train_eagle import FEATURES_DIRNAME, cached_features
+    from vllm_sparsever.offline.train_exits import load_target
+
+    (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
+    model, _ = load_target(str(model_dir))
+    seqs = [{"id": "a", "prompt_ids": [1, 2, 3], "generated_ids": [4, 5, 6, 7]}]
+    first = cached_features(tmp_path, model, seqs, (1, 3, 5), "", False)
+    assert len(list((tmp_path / FEATURES_DIRNAME).glob("*.pt"))) == 1
+
+    class NoModel:  # a hit must not run the target
+        def __getattr__(self, name):
+            raise AssertionError("the target ran on a cache hit")
+
+    again = cached_features(tmp_path, NoModel(), seqs, (1, 3, 5), "", False)
+    assert len(again) == 1 and again[0].first == first[0].first
+    for name in ("tokens", "aux", "final", "target_argmax"):
+        assert torch.equal(getattr(again[0], name), getattr(first[0], name))
+    # Every position, from the same entry.
+    assert cached_features(tmp_path, NoModel(), seqs, (1, 3, 5), "", False, all_positions=True)[0].first == 0
+    # Other tokens or other layers are another entry.
+    other = cached_features(tmp_path, model, [{**seqs[0], "generated_ids": [4, 5, 6, 8]}], (1, 3, 5), "", False)
+    assert other[0].tokens[-1] == 8
+    cached_features(tmp_path, model, seqs, (0, 2, 4), "", False)
+    assert len(list((tmp_path / FEATURES_DIRNAME).glob("*.pt"))) == 3

@@ -8,7 +8,9 @@ The target is frozen (Hugging Face transformers, CPU, fp32). Steps:
    read teacher-forced, which costs a forward pass but no generation.
 2. features: one fp32 forward pass of the target per sequence gives, at every position, the
    residual streams vLLM hands an EAGLE-3 head (`aux_layers`: 0 = the embeddings, l = after
-   decoder layer l) and the final-normed hidden state (the teacher's logits come from it).
+   decoder layer l) and the final-normed hidden state (the teacher's logits come from it). They
+   are cached in `<model>/eagle3_features/`, keyed by the sequences' tokens and the layers, so
+   recipes compared on the same text pay for the forward passes once.
 3. training (EAGLE-3's training-time test): the head runs `ttt_steps` steps as it will in vLLM.
    Step 1 at base position s reads token s+1 and the target's streams at s; step k > 1 reads
    token s+k and the head's own output of step k-1. Step 1 attends causally to step 1's keys;
@@ -16,7 +18,11 @@ The target is frozen (Hugging Face transformers, CPU, fp32). Steps:
    target's distribution at s+k (KL over the draft vocabulary), on generated positions only
    (`train_positions="all"`: the prompts' positions too; every position of the Python source).
    The LM head starts as the target's rows of the draft vocabulary and stays frozen; the token
-   embeddings are the target's (not saved: vLLM shares them).
+   embeddings are the target's (not saved: vLLM shares them). With `feature_scale="rms"` the head
+   trains on streams divided per dimension by their RMS over the training text (the later layers'
+   streams are several times the early ones', and a few dimensions tens of times the rest, which
+   Adam's per-weight steps turn into badly scaled updates); the scale is folded into `fc` on save,
+   so the saved head reads the raw streams as vLLM hands them.
 4. report: per step, the held-out top-1 agreement with the target (the head's token mapped to the
    target's vocabulary against the target's argmax over the full vocabulary), and the mean length
    of the agreeing prefix of a chain of `ttt_steps` (teacher-forced).
@@ -32,6 +38,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +69,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Later steps weigh less: a chain stops at its first rejected draft.
 STEP_WEIGHT_DECAY = 0.8
 TRAIN_POSITIONS = ("generated", "all")
+FEATURE_SCALES = ("rms", "none")
+FEATURES_DIRNAME = "eagle3_features"
 CODE_CHUNK_TOKENS = 512
 
 
@@ -89,6 +98,7 @@ class TrainEagleOptions:
     epochs: int = 4
     lr: float = 2e-3
     weight_decay: float = 0.0
+    feature_scale: str = "rms"  # or "none": train on the raw streams (see the module docstring)
     time_budget_min: float = 55.0  # the whole job; training stops early to stay inside it
     generator: str = "vllm"
     generation_dtype: str = "auto"  # see train_exits.generation_dtype_here
@@ -130,6 +140,8 @@ def validate(options: TrainEagleOptions, config: dict[str, Any]) -> tuple[int, .
     vocab = int(config["vocab_size"])
     if options.draft_vocab is not None and not 1 <= options.draft_vocab:
         raise TrainEagleError(f"--draft-vocab: at least 1 (at most the vocabulary, {vocab}), got {options.draft_vocab}")
+    if options.feature_scale not in FEATURE_SCALES:
+        raise TrainEagleError(f"--feature-scale: one of {', '.join(FEATURE_SCALES)}, got {options.feature_scale!r}")
     if options.train_positions not in TRAIN_POSITIONS:
         raise TrainEagleError(f"--train-positions: one of {', '.join(TRAIN_POSITIONS)}, got {options.train_positions!r}")
     for flag, value in (("--code-tokens", options.code_tokens), ("--code-heldout-tokens", options.code_heldout_tokens)):
@@ -183,9 +195,15 @@ class Eagle3Head(nn.Module):
         self.norm = _RMSNorm(hidden, eps)
         self.rotary = rotary
         self.register_buffer("lm_head", lm_head.float().contiguous(), persistent=False)  # frozen
+        # The streams are divided by this before `fc` while training; folded into `fc` on save.
+        self.register_buffer("aux_inv_scale", torch.ones(num_aux * hidden), persistent=False)
         for linear in (self.fc, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
                        self.down_proj):
             nn.init.normal_(linear.weight, std=0.02)
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """vLLM's `combine_hidden_states`: the target's streams to the head's hidden size."""
+        return self.fc(aux * self.aux_inv_scale)
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              past: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -222,7 +240,7 @@ class Eagle3Head(nn.Module):
         bases = torch.arange(t - 1)
         causal = bases[None, :] <= bases[:, None]
         diagonal = torch.eye(t - 1, dtype=torch.bool)
-        hidden = self.fc(aux[:-1])
+        hidden = self.combine(aux[:-1])
         past: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         logits = []
         for k in range(1, steps + 1):
@@ -244,7 +262,7 @@ class Eagle3Head(nn.Module):
         to feed to later steps instead (to follow another drafter's chain)."""
         n = tokens.shape[0] - 1
         bases = torch.arange(n)
-        logits, hidden, keys, values = self.step(embed(tokens[1:]), self.fc(aux[:n]), bases, [],
+        logits, hidden, keys, values = self.step(embed(tokens[1:]), self.combine(aux[:n]), bases, [],
                                                  bases[None, :] <= bases[:, None])
         drafts, step_logits = [int(logits[-1].argmax())], [logits[-1]]
         past = [(keys, values, torch.ones(1, n, dtype=torch.bool))]
@@ -266,6 +284,7 @@ class Eagle3Head(nn.Module):
         state = {f"{names[name.rsplit('.', 1)[0]]}.weight": p.detach().contiguous().clone()
                  for name, p in self.named_parameters()}
         state["lm_head.weight"] = self.lm_head.contiguous().clone()
+        state["fc.weight"] = (state["fc.weight"] * self.aux_inv_scale[None, :]).contiguous()
         return state
 
 
@@ -340,6 +359,44 @@ def extract_features(model, seqs: list[dict[str, Any]], aux_layers: tuple[int, .
     return out
 
 
+def cached_features(model_dir: str | Path, model, seqs: list[dict[str, Any]], aux_layers: tuple[int, ...], desc: str,
+                    show_progress: bool, all_positions: bool = False) -> list[Sequence]:
+    """`extract_features`, cached in `<model>/eagle3_features/` under a key of the target's weights
+    file, the layers and every sequence's tokens (`model` runs only on a miss)."""
+    import hashlib
+
+    weights = Path(model_dir) / "model.safetensors"
+    stat = weights.stat() if weights.exists() else None
+    key = hashlib.sha256(json.dumps({
+        "weights": [stat.st_size, int(stat.st_mtime)] if stat else None, "aux_layers": list(aux_layers),
+        "seqs": [[s.get("id"), s["prompt_ids"], s["generated_ids"]] for s in seqs]}).encode()).hexdigest()[:20]
+    path = Path(model_dir) / FEATURES_DIRNAME / f"{key}.pt"
+    out = None
+    if path.exists():
+        try:
+            out = [Sequence(**row) for row in torch.load(path, weights_only=True)]
+        except Exception:  # a stale or unreadable file: compute again
+            out = None
+    if out is None:
+        out = extract_features(model, seqs, aux_layers, desc, show_progress)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(".partial")
+        torch.save([asdict(s) for s in out], part)
+        part.replace(path)
+    if all_positions:
+        for s in out:
+            s.first = 0
+    return out
+
+
+def stream_rms(seqs: list[Sequence]) -> torch.Tensor:
+    """Per dimension of the concatenated streams, the RMS over every position but the first (the
+    attention sink's streams are a hundred times the rest)."""
+    total = sum(s.aux[1:].float().pow(2).sum(0) for s in seqs)
+    count = sum(max(0, s.aux.shape[0] - 1) for s in seqs)
+    return (total / max(1, count)).sqrt().clamp(min=1e-6)
+
+
 # ---- training and evaluation -------------------------------------------------------------------
 
 
@@ -380,12 +437,14 @@ def train_head(head: Eagle3Head, embed: nn.Module, train: list[Sequence], option
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
             logits = head.chain(embed, seq.tokens, seq.aux.float(), options.ttt_steps)
+            # Every step's targets are positions first..T-1 (step k's bases shifted by k): one teacher.
+            teacher_all = _teacher_logp(seq, torch.arange(seq.first, seq.tokens.shape[0]), head.lm_head)
             loss = torch.zeros(())
             for k, step_logits in enumerate(logits, start=1):
                 bases = _step_targets(seq, k)
                 if len(bases) == 0:
                     continue
-                teacher = _teacher_logp(seq, bases + k, head.lm_head)
+                teacher = teacher_all[bases + k - seq.first]
                 student = F.log_softmax(step_logits[bases], dim=-1)
                 loss = loss + weights[k - 1] * (teacher.exp() * (teacher - student)).sum(-1).mean()
             loss.backward()
@@ -501,15 +560,12 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
     t0 = time.monotonic()
     if hf_model is None:
         hf_model, _ = load_target(model_dir)
-    train = extract_features(hf_model, train_seqs, aux_layers, "features (train)", options.show_progress,
-                             all_positions=all_positions)
+    features = partial(cached_features, model_dir, hf_model, aux_layers=aux_layers, show_progress=options.show_progress)
+    train = features(train_seqs, desc="features (train)", all_positions=all_positions)
     generated_tokens = sum(len(s.tokens) - s.first for s in train)
-    train += extract_features(hf_model, code_train, aux_layers, "features (code)", options.show_progress,
-                              all_positions=True) if code_train else []
-    heldout = extract_features(hf_model, [s for s in seqs if s["id"] in heldout_ids], aux_layers,
-                               "features (held-out)", options.show_progress)
-    heldout_code = extract_features(hf_model, code_heldout, aux_layers, "features (held-out code)",
-                                    options.show_progress, all_positions=True) if code_heldout else []
+    train += features(code_train, desc="features (code)", all_positions=True) if code_train else []
+    heldout = features([s for s in seqs if s["id"] in heldout_ids], desc="features (held-out)")
+    heldout_code = features(code_heldout, desc="features (held-out code)", all_positions=True) if code_heldout else []
     seconds["features"] = time.monotonic() - t0
 
     vocab = int(config["vocab_size"])
@@ -531,6 +587,8 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
     eps = float(config.get("rms_norm_eps", 1e-6))
     head = Eagle3Head(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate,
                       num_aux=len(aux_layers), eps=eps, rotary=_rotary(config, head_dim), lm_head=lm_head)
+    if options.feature_scale == "rms":
+        head.aux_inv_scale.copy_(1.0 / stream_rms(train))
     embed = embed.float().requires_grad_(False)
     del hf_model
 

@@ -52,6 +52,9 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     parser.add_argument("--train-positions", choices=("generated", "all"), default=None,
                         help="positions trained on in the generated sequences: the generated tokens, or "
                         "the prompts' too, teacher-forced (default: generated)")
+    parser.add_argument("--feature-scale", choices=("rms", "none"), default=None,
+                        help="train on the target's streams divided per dimension by their RMS (folded into "
+                        "the saved head), or raw (default: rms)")
     add_text_flags(parser)
     parser.set_defaults(func=_cmd_train_eagle)
     return parser
@@ -74,6 +77,8 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
         given["generator"] = args.generator
     if args.train_positions:
         given["train_positions"] = args.train_positions
+    if args.feature_scale:
+        given["feature_scale"] = args.feature_scale
     options = TrainEagleOptions(**given, regenerate=args.regenerate, show_progress=not args.no_progress)
     try:
         result = train_eagle(model, options)
