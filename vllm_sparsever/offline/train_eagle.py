@@ -534,7 +534,6 @@ def text_rows(options: TrainEagleOptions) -> tuple[list[dict], list[dict]]:
 
 
 def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEagleResult:
-    from vllm_sparsever.drafting.draft_vocab import rank_tokens
     from vllm_sparsever.drafting.exit_head import heads_dir
 
     options = options or TrainEagleOptions()
@@ -569,27 +568,15 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
     seconds["features"] = time.monotonic() - t0
 
     vocab = int(config["vocab_size"])
-    eos_ids = eos_token_ids(hf_model.generation_config)
-    # The draft vocabulary: the trained positions' most frequent tokens (EOS first), in id order.
-    ranked = rank_tokens([s["prompt_ids"] + s["generated_ids"] if all_positions else s["generated_ids"]
-                          for s in train_seqs] + [s["generated_ids"] for s in code_train], always=eos_ids)
-    if options.draft_vocab is None or options.draft_vocab >= vocab:
-        draft_ids = torch.arange(vocab)
-    else:
-        extra = torch.tensor([t for t in range(vocab) if t not in set(ranked.tolist())], dtype=torch.long)
-        draft_ids = torch.cat([ranked, extra])[: options.draft_vocab].sort().values
-    embed = hf_model.get_input_embeddings()
-    lm_head = hf_model.get_output_embeddings().weight.detach().float()[draft_ids]
-    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
+    draft_ids = draft_vocabulary(
+        [s["prompt_ids"] + s["generated_ids"] if all_positions else s["generated_ids"] for s in train_seqs]
+        + [s["generated_ids"] for s in code_train], vocab, options.draft_vocab, eos_token_ids(hf_model.generation_config))
     intermediate = options.intermediate_size or int(config["intermediate_size"])
-    eps = float(config.get("rms_norm_eps", 1e-6))
-    head = Eagle3Head(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate,
-                      num_aux=len(aux_layers), eps=eps, rotary=_rotary(config, head_dim), lm_head=lm_head)
+    head = new_head(config, len(aux_layers), intermediate,
+                    hf_model.get_output_embeddings().weight.detach().float()[draft_ids])
     if options.feature_scale == "rms":
         head.aux_inv_scale.copy_(1.0 / stream_rms(train))
-    embed = embed.float().requires_grad_(False)
+    embed = hf_model.get_input_embeddings().float().requires_grad_(False)
     del hf_model
 
     t0 = time.monotonic()
@@ -606,30 +593,7 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
         code["trained"] = evaluate(head, embed, heldout_code, options.ttt_steps, draft_ids)
     seconds["evaluate"] += time.monotonic() - t0
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    state = head.state_for_vllm()
-    trimmed = len(draft_ids) < vocab
-    if trimmed:
-        state["d2t"] = draft_ids - torch.arange(len(draft_ids))  # vLLM: target id = draft id + d2t[draft id]
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[draft_ids] = True
-        state["t2d"] = t2d
-    from safetensors.torch import save_file
-
-    save_file(state, str(output_dir / "model.safetensors"))
-    # The rotary settings must be the target's (transformers 5 writes them as `rope_parameters`): the
-    # head was trained with them, and vLLM builds the head's rotary embedding from this config.
-    keys = ("vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "bos_token_id",
-            "eos_token_id")
-    head_config = {
-        "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": head_dim, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": eps,
-        "tie_word_embeddings": False, "torch_dtype": "float32", "draft_vocab_size": len(draft_ids),
-        "target_hidden_size": hidden, "eagle_aux_hidden_state_layer_ids": list(aux_layers),
-        **{k: config[k] for k in keys if config.get(k) is not None},
-    }
-    (output_dir / "config.json").write_text(json.dumps(head_config, indent=1) + "\n")
+    save_head(output_dir, head, draft_ids, config, aux_layers)
     seconds["total"] = time.monotonic() - start
     record = {
         "tool": "vllm-sparsever train-eagle",
@@ -662,6 +626,57 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
                             train_tokens=record["train_tokens"], heldout_tokens=record["heldout_tokens"],
                             steps=steps, planned_steps=planned, stopped_by_budget=stopped, seconds=seconds,
                             code=code)
+
+
+def draft_vocabulary(texts: list[list[int]], vocab: int, size: int | None, always: list[int]) -> torch.Tensor:
+    """The draft vocabulary, in id order: the `size` most frequent tokens of `texts` (`always`
+    first; then the lowest unused ids if the texts have fewer), or the whole vocabulary."""
+    from vllm_sparsever.drafting.draft_vocab import rank_tokens
+
+    if size is None or size >= vocab:
+        return torch.arange(vocab)
+    ranked = rank_tokens(texts, always=always)
+    extra = torch.tensor([t for t in range(vocab) if t not in set(ranked.tolist())], dtype=torch.long)
+    return torch.cat([ranked, extra])[:size].sort().values
+
+
+def new_head(config: dict[str, Any], num_aux: int, intermediate: int, lm_head: torch.Tensor) -> Eagle3Head:
+    """An untrained head for the target `config`, its LM head `lm_head` (the draft vocabulary's rows)."""
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    return Eagle3Head(hidden=hidden, heads=heads, kv_heads=int(config.get("num_key_value_heads") or heads),
+                      head_dim=head_dim, intermediate=intermediate, num_aux=num_aux,
+                      eps=float(config.get("rms_norm_eps", 1e-6)), rotary=_rotary(config, head_dim), lm_head=lm_head)
+
+
+def save_head(output_dir: Path, head: Eagle3Head, draft_ids: torch.Tensor, config: dict[str, Any],
+              aux_layers: tuple[int, ...]) -> None:
+    """`config.json` + `model.safetensors` in vLLM's EAGLE-3 format."""
+    from safetensors.torch import save_file
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    vocab = int(config["vocab_size"])
+    state = head.state_for_vllm()
+    if len(draft_ids) < vocab:
+        state["d2t"] = draft_ids - torch.arange(len(draft_ids))  # vLLM: target id = draft id + d2t[draft id]
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[draft_ids] = True
+        state["t2d"] = t2d
+    save_file(state, str(output_dir / "model.safetensors"))
+    # The rotary settings must be the target's (transformers 5 writes them as `rope_parameters`): the
+    # head was trained with them, and vLLM builds the head's rotary embedding from this config.
+    keys = ("vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "bos_token_id",
+            "eos_token_id")
+    head_config = {
+        "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": int(config["hidden_size"]),
+        "intermediate_size": head.down_proj.in_features, "num_attention_heads": head.heads,
+        "num_key_value_heads": head.kv_heads, "head_dim": head.head_dim, "num_hidden_layers": 1, "hidden_act": "silu",
+        "rms_norm_eps": head.norm.eps, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "draft_vocab_size": len(draft_ids), "target_hidden_size": int(config["hidden_size"]),
+        "eagle_aux_hidden_state_layer_ids": list(aux_layers),
+        **{k: config[k] for k in keys if config.get(k) is not None},
+    }
+    (output_dir / "config.json").write_text(json.dumps(head_config, indent=1) + "\n")
 
 
 def python_code(model_dir: str, options: TrainEagleOptions) -> tuple[list[dict], list[dict]]:
