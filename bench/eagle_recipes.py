@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--recipes", nargs="+", required=True)
     p.add_argument("--aux", default="2/14/25", help="default layers, joined by /")
-    p.add_argument("--scale", default="rms", choices=("rms", "none"))
+    p.add_argument("--scale", default="none", choices=("rms", "none"))
     p.add_argument("--positions", default="generated", choices=("generated", "all"))
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--epochs", type=int, default=5)

@@ -20,9 +20,9 @@ The target is frozen (Hugging Face transformers, CPU, fp32). Steps:
    The LM head starts as the target's rows of the draft vocabulary and stays frozen; the token
    embeddings are the target's (not saved: vLLM shares them). With `feature_scale="rms"` the head
    trains on streams divided per dimension by their RMS over the training text (the later layers'
-   streams are several times the early ones', and a few dimensions tens of times the rest, which
-   Adam's per-weight steps turn into badly scaled updates); the scale is folded into `fc` on save,
-   so the saved head reads the raw streams as vLLM hands them.
+   streams are several times the early ones', a few dimensions tens of times the rest); the scale
+   is folded into `fc` on save, so the saved head reads the raw streams as vLLM hands them. Measured
+   worse than the raw streams at equal steps (bench/results/README.md), so not the default.
 4. report: per step, the held-out top-1 agreement with the target (the head's token mapped to the
    target's vocabulary against the target's argmax over the full vocabulary), and the mean length
    of the agreeing prefix of a chain of `ttt_steps` (teacher-forced).
@@ -98,7 +98,7 @@ class TrainEagleOptions:
     epochs: int = 4
     lr: float = 2e-3
     weight_decay: float = 0.0
-    feature_scale: str = "rms"  # or "none": train on the raw streams (see the module docstring)
+    feature_scale: str = "none"  # or "rms": streams scaled per dimension while training (module docstring)
     time_budget_min: float = 55.0  # the whole job; training stops early to stay inside it
     generator: str = "vllm"
     generation_dtype: str = "auto"  # see train_exits.generation_dtype_here

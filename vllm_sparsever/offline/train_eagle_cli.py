@@ -54,7 +54,7 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
                         "the prompts' too, teacher-forced (default: generated)")
     parser.add_argument("--feature-scale", choices=("rms", "none"), default=None,
                         help="train on the target's streams divided per dimension by their RMS (folded into "
-                        "the saved head), or raw (default: rms)")
+                        "the saved head), or raw (default: none)")
     add_text_flags(parser)
     parser.set_defaults(func=_cmd_train_eagle)
     return parser
