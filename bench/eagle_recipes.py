@@ -44,6 +44,15 @@ def parse_recipe(text: str, defaults: dict) -> tuple[str, dict]:
     return name, recipe
 
 
+def recipe_manifest(name: str, result: dict, feature_seconds: float) -> dict:
+    """A saved recipe head's record, in the keys bench/drafters.py reads from train-eagle's manifest."""
+    return {"tool": "bench/eagle_recipes.py", "recipe": name, "settings": result["recipe"],
+            "steps": result["steps"], "train_tokens": result["train_positions"],
+            "heldout": {"trained": result["heldout"]},
+            "seconds": {"features": feature_seconds, "train": result["train_seconds"],
+                        "total": feature_seconds + result["train_seconds"]}}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -71,13 +80,14 @@ def main(argv=None) -> int:
     from vllm_sparsever.cli import resolve_model
     from vllm_sparsever.drafting.exit_head import heads_dir
     from vllm_sparsever.offline.train_eagle import (
-        Sequence,
+        MANIFEST_NAME,
         TrainEagleOptions,
         cached_features,
         draft_vocabulary,
         evaluate,
         new_head,
         save_head,
+        select_layers,
         stream_rms,
         text_rows,
         train_head,
@@ -87,7 +97,6 @@ def main(argv=None) -> int:
     started = dt.datetime.now(dt.timezone.utc)
     target = resolve_model(args.target)
     config = read_config(target)
-    hidden = int(config["hidden_size"])
     options = TrainEagleOptions()
     train_rows, heldout_rows = text_rows(options)
     held = {r["id"] for r in heldout_rows}
@@ -108,21 +117,12 @@ def main(argv=None) -> int:
     lm_head_full = hf_model.get_output_embeddings().weight.detach().float()
     embed = hf_model.get_input_embeddings().float().requires_grad_(False)
 
-    def select(rows: list, aux: tuple[int, ...], every: bool) -> list:
-        idx = [union.index(a) for a in aux]
-        out = []
-        for s in rows:
-            t = s.aux.shape[0]
-            out.append(Sequence(s.tokens, s.aux.view(t, len(union), hidden)[:, idx].reshape(t, -1), s.final,
-                                s.target_argmax, 0 if every else s.first))
-        return out
-
     results = {}
     begun = time.monotonic()
     for i, (name, r) in enumerate(recipes.items()):
         every = r["positions"] == "all"
-        train = select(train_all, r["aux"], every)
-        heldout = select(heldout_all, r["aux"], False)
+        train = select_layers(train_all, union, r["aux"], every)
+        heldout = select_layers(heldout_all, union, r["aux"])
         texts = [s["prompt_ids"] + s["generated_ids"] if every else s["generated_ids"] for s in train_rows_seqs]
         draft_ids = draft_vocabulary(texts, int(config["vocab_size"]), r["draft_vocab"], eos)
         torch.manual_seed(0)
@@ -138,7 +138,9 @@ def main(argv=None) -> int:
                          "train_positions": sum(len(s.tokens) - s.first for s in train),
                          "loss_per_epoch": [round(v, 3) for v in epoch_loss], "heldout": scores}
         if args.save:
-            save_head(Path(target) / "eagle3_recipes" / name, head, draft_ids, config, r["aux"])
+            out = Path(target) / "eagle3_recipes" / name
+            save_head(out, head, draft_ids, config, r["aux"])
+            (out / MANIFEST_NAME).write_text(json.dumps(recipe_manifest(name, results[name], feature_seconds), indent=1))
         done = time.monotonic() - begun
         print(f"[{i + 1}/{len(recipes)}] {name}: {json.dumps(scores)}; {train_seconds:.0f} s; "
               f"about {done / (i + 1) * (len(recipes) - i - 1) / 60:.0f} min left", flush=True)

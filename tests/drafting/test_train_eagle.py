@@ -181,28 +181,37 @@ def test_a_head_trained_on_scaled_streams_saves_the_scale_into_fc(model_dir):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-def test_features_are_cached_by_tokens_and_layers(tmp_path, model_dir):
-    from vllm_sparsever.offline.train_eagle import FEATURES_DIRNAME, cached_features
+def test_features_are_cached_per_text_and_grow_by_layers(tmp_path, model_dir):
+    from vllm_sparsever.offline.train_eagle import FEATURES_DIRNAME, cached_features, extract_features
     from vllm_sparsever.offline.train_exits import load_target
 
     (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
     model, _ = load_target(str(model_dir))
     seqs = [{"id": "a", "prompt_ids": [1, 2, 3], "generated_ids": [4, 5, 6, 7]}]
     first = cached_features(tmp_path, model, seqs, (1, 3, 5), "", False)
-    assert len(list((tmp_path / FEATURES_DIRNAME).glob("*.pt"))) == 1
+    files = lambda: sorted((tmp_path / FEATURES_DIRNAME).glob("*.pt"))  # noqa: E731
+    assert len(files()) == 1
 
     class NoModel:  # a hit must not run the target
         def __getattr__(self, name):
             raise AssertionError("the target ran on a cache hit")
 
-    again = cached_features(tmp_path, NoModel(), seqs, (1, 3, 5), "", False)
-    assert len(again) == 1 and again[0].first == first[0].first
-    for name in ("tokens", "aux", "final", "target_argmax"):
-        assert torch.equal(getattr(again[0], name), getattr(first[0], name))
+    def same(a, b):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert x.first == y.first
+            for name in ("tokens", "aux", "final", "target_argmax"):
+                assert torch.equal(getattr(x, name), getattr(y, name)), name
+
+    same(cached_features(tmp_path, NoModel(), seqs, (1, 3, 5), "", False), first)
     # Every position, from the same entry.
     assert cached_features(tmp_path, NoModel(), seqs, (1, 3, 5), "", False, all_positions=True)[0].first == 0
-    # Other tokens or other layers are another entry.
+    # Other layers: computed once and added to the same file; any subset is then a hit, in its order.
+    cached_features(tmp_path, model, seqs, (0, 2, 6), "", False)
+    assert len(files()) == 1
+    same(cached_features(tmp_path, NoModel(), seqs, (1, 3, 5), "", False), first)
+    same(cached_features(tmp_path, NoModel(), seqs, (2, 5, 6), "", False),
+         extract_features(model, seqs, (2, 5, 6), "", False))
+    # Other tokens: another file.
     other = cached_features(tmp_path, model, [{**seqs[0], "generated_ids": [4, 5, 6, 8]}], (1, 3, 5), "", False)
-    assert other[0].tokens[-1] == 8
-    cached_features(tmp_path, model, seqs, (0, 2, 4), "", False)
-    assert len(list((tmp_path / FEATURES_DIRNAME).glob("*.pt"))) == 3
+    assert other[0].tokens[-1] == 8 and len(files()) == 2

@@ -361,31 +361,47 @@ def extract_features(model, seqs: list[dict[str, Any]], aux_layers: tuple[int, .
 
 def cached_features(model_dir: str | Path, model, seqs: list[dict[str, Any]], aux_layers: tuple[int, ...], desc: str,
                     show_progress: bool, all_positions: bool = False) -> list[Sequence]:
-    """`extract_features`, cached in `<model>/eagle3_features/` under a key of the target's weights
-    file, the layers and every sequence's tokens (`model` runs only on a miss)."""
+    """`extract_features`, cached in `<model>/eagle3_features/`: one file per text (a key of the
+    target's weights file and every sequence's tokens) holding the layers computed so far. Layers
+    already there are read back; others are computed together with them (`model` runs only then)
+    and the file rewritten with the union, so recipes over other layers share one file."""
     import hashlib
 
     weights = Path(model_dir) / "model.safetensors"
     stat = weights.stat() if weights.exists() else None
     key = hashlib.sha256(json.dumps({
-        "weights": [stat.st_size, int(stat.st_mtime)] if stat else None, "aux_layers": list(aux_layers),
+        "weights": [stat.st_size, int(stat.st_mtime)] if stat else None,
         "seqs": [[s.get("id"), s["prompt_ids"], s["generated_ids"]] for s in seqs]}).encode()).hexdigest()[:20]
     path = Path(model_dir) / FEATURES_DIRNAME / f"{key}.pt"
-    out = None
+    stored = None
     if path.exists():
         try:
-            out = [Sequence(**row) for row in torch.load(path, weights_only=True)]
-        except Exception:  # a stale or unreadable file: compute again
-            out = None
-    if out is None:
-        out = extract_features(model, seqs, aux_layers, desc, show_progress)
+            stored = torch.load(path, weights_only=True)
+            stored = (tuple(stored["layers"]), [Sequence(**row) for row in stored["seqs"]])
+        except Exception:  # an unreadable or older file: compute again
+            stored = None
+    if stored is None or not set(aux_layers) <= set(stored[0]):
+        layers = tuple(sorted(set(aux_layers) | set(stored[0] if stored else ())))
+        stored = (layers, extract_features(model, seqs, layers, desc, show_progress))
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_suffix(".partial")
-        torch.save([asdict(s) for s in out], part)
+        torch.save({"layers": list(layers), "seqs": [asdict(s) for s in stored[1]]}, part)
         part.replace(path)
-    if all_positions:
-        for s in out:
-            s.first = 0
+    return select_layers(stored[1], stored[0], aux_layers, all_positions)
+
+
+def select_layers(seqs: list[Sequence], layers: tuple[int, ...], wanted: tuple[int, ...],
+                  all_positions: bool = False) -> list[Sequence]:
+    """The sequences' streams of the `wanted` layers (a subset of their `layers`, in that order);
+    with `all_positions` every position trained (`first` = 0)."""
+    if tuple(wanted) == tuple(layers) and not all_positions:
+        return seqs
+    idx = [layers.index(a) for a in wanted]
+    out = []
+    for s in seqs:
+        t = s.aux.shape[0]
+        aux = s.aux.view(t, len(layers), -1)[:, idx].reshape(t, -1)
+        out.append(Sequence(s.tokens, aux, s.final, s.target_argmax, 0 if all_positions else s.first))
     return out
 
 
