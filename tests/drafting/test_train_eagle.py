@@ -79,8 +79,8 @@ def test_training_raises_held_out_agreement(head):
     assert record["train_loss_per_epoch"][-1] < record["train_loss_per_epoch"][0]
 
 
-def test_default_aux_layers_are_vllms_where_they_are_distinct():
-    assert default_aux_layers(28) == (2, 14, 25)
+def test_default_aux_layers_end_at_the_last_layer_where_they_are_distinct():
+    assert default_aux_layers(28) == (2, 14, 28)
     assert default_aux_layers(2) == (0, 1, 2)
     assert len(set(default_aux_layers(4))) == 3
 

@@ -71,6 +71,7 @@ STEP_WEIGHT_DECAY = 0.8
 TRAIN_POSITIONS = ("generated", "all")
 FEATURE_SCALES = ("rms", "none")
 FEATURES_DIRNAME = "eagle3_features"
+DEFAULT_MAX_INTERMEDIATE = 2048
 CODE_CHUNK_TOKENS = 512
 
 
@@ -80,12 +81,13 @@ class TrainEagleError(TrainExitsError):
 
 @dataclass
 class TrainEagleOptions:
-    aux_layers: tuple[int, ...] | None = None  # None: vLLM's default (2, L/2, L-3), spread on small targets
-    draft_vocab: int | None = 32768  # the N most frequent tokens of the training text; None: all
-    intermediate_size: int | None = None  # the head's MLP width; None: the target's
+    aux_layers: tuple[int, ...] | None = None  # None: (2, L/2, L), spread on small targets
+    # The head's size: on a CPU's hour, a smaller head's cheaper steps teach it more (bench/results/README.md).
+    draft_vocab: int | None = 8192  # the N most frequent tokens of the training text; None: all
+    intermediate_size: int | None = None  # the head's MLP width; None: the target's, at most 2048
     ttt_steps: int = 3
     samples_per_prompt: int = 4  # continuations sampled per training prompt (the data set is small)
-    train_positions: str = "generated"  # or "all": the prompts' positions too (teacher-forced)
+    train_positions: str = "all"  # or "generated": the generated tokens only (the prompts are teacher-forced)
     code_tokens: int = 0  # Python source chunks added to the training text (data/python_source.py)
     code_heldout_tokens: int = 4096  # held-out Python source, from other files (with code_tokens > 0)
     num_prompts: int | None = None
@@ -95,7 +97,7 @@ class TrainEagleOptions:
     min_new_tokens: int = 0
     temperature: float = 0.7
     seed: int = 0
-    epochs: int = 4
+    epochs: int = 5
     lr: float = 2e-3
     weight_decay: float = 0.0
     feature_scale: str = "none"  # or "rms": streams scaled per dimension while training (module docstring)
@@ -119,8 +121,10 @@ def head_dir(model_dir: str | Path) -> Path:
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """vLLM's default (2, L/2, L-3) where it names three distinct layers; else three spread over 0..L."""
-    layers = (2, num_layers // 2, num_layers - 3)
+    """(2, L/2, L) where that names three distinct layers, else three spread over 0..L. vLLM's own
+    default is (2, L/2, L-3); the last layer's output, which vLLM hands a head as well, taught the
+    heads trained here more at equal steps (bench/results/README.md)."""
+    layers = (2, num_layers // 2, num_layers)
     if len(set(layers)) == 3 and min(layers) >= 0:
         return layers
     return tuple(sorted({round(i * num_layers / 2) for i in range(3)}))
@@ -587,7 +591,7 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
     draft_ids = draft_vocabulary(
         [s["prompt_ids"] + s["generated_ids"] if all_positions else s["generated_ids"] for s in train_seqs]
         + [s["generated_ids"] for s in code_train], vocab, options.draft_vocab, eos_token_ids(hf_model.generation_config))
-    intermediate = options.intermediate_size or int(config["intermediate_size"])
+    intermediate = options.intermediate_size or min(DEFAULT_MAX_INTERMEDIATE, int(config["intermediate_size"]))
     head = new_head(config, len(aux_layers), intermediate,
                     hf_model.get_output_embeddings().weight.detach().float()[draft_ids])
     if options.feature_scale == "rms":

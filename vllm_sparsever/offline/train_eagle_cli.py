@@ -15,9 +15,10 @@ _KNOBS = {
     "--time-budget": ("time_budget_min", float,
                       "minutes for the whole job; training stops early to stay inside (default: 55)"),
     "--draft-vocab": ("draft_vocab", positive_int,
-                      "draft vocabulary: the N most frequent tokens of the training text (default: 32768; "
+                      "draft vocabulary: the N most frequent tokens of the training text (default: 8192; "
                       "the whole vocabulary if it is smaller)"),
-    "--intermediate-size": ("intermediate_size", positive_int, "the head's MLP width (default: the target's)"),
+    "--intermediate-size": ("intermediate_size", positive_int,
+                            "the head's MLP width (default: the target's, at most 2048)"),
     "--ttt-steps": ("ttt_steps", positive_int, "draft steps unrolled while training (default: 3)"),
     "--samples-per-prompt": ("samples_per_prompt", positive_int,
                              "continuations sampled per training prompt (default: 4)"),
@@ -27,7 +28,7 @@ _KNOBS = {
     "--code-heldout-tokens": ("code_heldout_tokens", int,
                               "held-out Python source tokens, from other files (default: 4096)"),
     **TEXT_KNOBS,
-    "--epochs": ("epochs", positive_int, "passes over the training text (default: 4)"),
+    "--epochs": ("epochs", positive_int, "passes over the training text (default: 5)"),
     "--lr": ("lr", float, "AdamW peak learning rate (default: 2e-3)"),
     "--output": ("output_dir", str, "head folder (default: <model>/eagle3_head)"),
 }  # fmt: skip
@@ -46,12 +47,12 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     parser.add_argument("model", help="built model name or model folder (as given to vLLM)")
     parser.add_argument("--aux-layers", type=int, nargs="+", default=None,
                         help="target layers whose outputs the head reads, 0..num_layers (0 = the embeddings; "
-                        "default: vLLM's 2, L/2, L-3)")
+                        "default: 2, L/2, L; vLLM's own default is 2, L/2, L-3)")
     for flag, (dest, kind, text) in _KNOBS.items():
         parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
     parser.add_argument("--train-positions", choices=("generated", "all"), default=None,
                         help="positions trained on in the generated sequences: the generated tokens, or "
-                        "the prompts' too, teacher-forced (default: generated)")
+                        "the prompts' too, teacher-forced (default: all)")
     parser.add_argument("--feature-scale", choices=("rms", "none"), default=None,
                         help="train on the target's streams divided per dimension by their RMS (folded into "
                         "the saved head), or raw (default: none)")
