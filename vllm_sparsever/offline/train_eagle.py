@@ -9,8 +9,8 @@ The target is frozen (Hugging Face transformers, CPU, fp32). Steps:
 2. features: one fp32 forward pass of the target per sequence gives, at every position, the
    residual streams vLLM hands an EAGLE-3 head (`aux_layers`: 0 = the embeddings, l = after
    decoder layer l) and the final-normed hidden state (the teacher's logits come from it). They
-   are cached in `<model>/eagle3_features/`, keyed by the sequences' tokens and the layers, so
-   recipes compared on the same text pay for the forward passes once.
+   are cached in `<model>/eagle3_features/`, one file per text holding every layer computed so
+   far, so recipes compared on the same text pay for the forward passes once.
 3. training (EAGLE-3's training-time test): the head runs `ttt_steps` steps as it will in vLLM.
    Step 1 at base position s reads token s+1 and the target's streams at s; step k > 1 reads
    token s+k and the head's own output of step k-1. Step 1 attends causally to step 1's keys;
@@ -370,6 +370,7 @@ def cached_features(model_dir: str | Path, model, seqs: list[dict[str, Any]], au
     already there are read back; others are computed together with them (`model` runs only then)
     and the file rewritten with the union, so recipes over other layers share one file."""
     import hashlib
+    import pickle
 
     weights = Path(model_dir) / "model.safetensors"
     stat = weights.stat() if weights.exists() else None
@@ -382,7 +383,7 @@ def cached_features(model_dir: str | Path, model, seqs: list[dict[str, Any]], au
         try:
             stored = torch.load(path, weights_only=True)
             stored = (tuple(stored["layers"]), [Sequence(**row) for row in stored["seqs"]])
-        except Exception:  # an unreadable or older file: compute again
+        except (OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError):  # unreadable or older: recompute
             stored = None
     if stored is None or not set(aux_layers) <= set(stored[0]):
         layers = tuple(sorted(set(aux_layers) | set(stored[0] if stored else ())))
