@@ -37,28 +37,24 @@ def main(argv=None) -> int:
     import torch
 
     from vllm_sparsever.cli import resolve_model
-    from vllm_sparsever.drafting.exit_head import heads_dir
     from vllm_sparsever.offline.train_eagle import (
         MANIFEST_NAME,
         TrainEagleOptions,
         evaluate,
         extract_features,
+        generated_text,
         load_head,
         python_code,
-        text_rows,
     )
-    from vllm_sparsever.offline.train_exits import GENERATED_NAME, read_config, target_text
+    from vllm_sparsever.offline.train_exits import read_config
 
     started = dt.datetime.now(dt.timezone.utc)
     target = resolve_model(args.target)
     config = read_config(target)
     options = TrainEagleOptions(code_tokens=1, code_heldout_tokens=args.code_heldout_tokens)
     # The rows train-eagle generates with its defaults, so that their cached text is found.
-    train_rows, heldout_rows = text_rows(options)
-    held = {r["id"] for r in heldout_rows}
-    seqs, hf_model = target_text(target, train_rows + heldout_rows, options.text_options(),
-                                 heads_dir(target) / GENERATED_NAME)
-    seqs = [s for s in seqs if s["id"] in held]
+    text = generated_text(target, options)
+    heldout_rows, seqs, hf_model = text.heldout_rows, text.heldout, text.model
     _, code_rows = python_code(target, options)
     if hf_model is None:
         from vllm_sparsever.offline.train_exits import load_target

@@ -78,39 +78,35 @@ def main(argv=None) -> int:
     import torch
 
     from vllm_sparsever.cli import resolve_model
-    from vllm_sparsever.drafting.exit_head import heads_dir
     from vllm_sparsever.offline.train_eagle import (
         MANIFEST_NAME,
         TrainEagleOptions,
         cached_features,
         draft_vocabulary,
         evaluate,
+        generated_text,
         new_head,
         save_head,
         select_layers,
         stream_rms,
-        text_rows,
         train_head,
     )
-    from vllm_sparsever.offline.train_exits import GENERATED_NAME, eos_token_ids, load_target, read_config, target_text
+    from vllm_sparsever.offline.train_exits import eos_token_ids, load_target, read_config
 
     started = dt.datetime.now(dt.timezone.utc)
     target = resolve_model(args.target)
     config = read_config(target)
     options = TrainEagleOptions()
-    train_rows, heldout_rows = text_rows(options)
-    held = {r["id"] for r in heldout_rows}
-    seqs, hf_model = target_text(target, train_rows + heldout_rows, options.text_options(),
-                                 heads_dir(target) / GENERATED_NAME)
+    text = generated_text(target, options)
+    train_rows, heldout_rows, train_rows_seqs, hf_model = text.train_rows, text.heldout_rows, text.train, text.model
     if hf_model is None:
         hf_model, _ = load_target(target)
     union = tuple(sorted({a for r in recipes.values() for a in r["aux"]}))
     if any(not 0 <= a <= int(config["num_hidden_layers"]) for a in union):
         raise SystemExit(f"--recipes: aux layers in 0..{config['num_hidden_layers']}, got {list(union)}")
-    train_rows_seqs = [s for s in seqs if s["id"] not in held]
     t0 = time.monotonic()
     train_all = cached_features(target, hf_model, train_rows_seqs, union, "features (train)", True)
-    heldout_all = cached_features(target, hf_model, [s for s in seqs if s["id"] in held], union,
+    heldout_all = cached_features(target, hf_model, text.heldout, union,
                                   "features (held-out)", True)
     feature_seconds = time.monotonic() - t0
     eos = eos_token_ids(hf_model.generation_config)

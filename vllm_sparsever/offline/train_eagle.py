@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -554,27 +554,43 @@ def text_rows(options: TrainEagleOptions) -> tuple[list[dict], list[dict]]:
              for row in train_rows for k in range(options.samples_per_prompt)], heldout_rows)
 
 
-def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEagleResult:
+class GeneratedText(NamedTuple):
+    train_rows: list[dict]
+    heldout_rows: list[dict]
+    train: list[dict]  # the training rows' sequences (prompt_ids, generated_ids)
+    heldout: list[dict]
+    model: Any  # the target, if generating the text loaded it; else None
+
+
+def generated_text(model_dir: str, options: TrainEagleOptions) -> GeneratedText:
+    """train-eagle's text for `options`: the target's continuations of `text_rows`, generated once
+    and cached in `<model>/exit_heads/generated.jsonl` (shared with train-exits)."""
     from vllm_sparsever.drafting.exit_head import heads_dir
 
+    train_rows, heldout_rows = text_rows(options)
+    seqs, model = target_text(model_dir, train_rows + heldout_rows, options.text_options(),
+                              heads_dir(model_dir) / GENERATED_NAME)
+    held = {r["id"] for r in heldout_rows}
+    return GeneratedText(train_rows, heldout_rows, [s for s in seqs if s["id"] not in held],
+                         [s for s in seqs if s["id"] in held], model)
+
+
+def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEagleResult:
     options = options or TrainEagleOptions()
     start = time.monotonic()
     deadline = start + options.time_budget_min * 60.0
     model_dir = resolve_model_dir(model)
     config = read_config(model_dir)
     aux_layers = validate(options, config)
-    text = options.text_options()
-    train_rows, heldout_rows = text_rows(options)
     output_dir = Path(options.output_dir) if options.output_dir else head_dir(model_dir)
     torch.manual_seed(options.seed)
     seconds: dict[str, float] = {}
 
     t0 = time.monotonic()
-    seqs, hf_model = target_text(model_dir, train_rows + heldout_rows, text, heads_dir(model_dir) / GENERATED_NAME)
+    text = generated_text(model_dir, options)
+    train_rows, heldout_rows, train_seqs, hf_model = text.train_rows, text.heldout_rows, text.train, text.model
     seconds["generate"] = time.monotonic() - t0
-    heldout_ids = {r["id"] for r in heldout_rows}
     all_positions = options.train_positions == "all"
-    train_seqs = [s for s in seqs if s["id"] not in heldout_ids]
     code_train, code_heldout = python_code(model_dir, options)
 
     t0 = time.monotonic()
@@ -584,7 +600,7 @@ def train_eagle(model: str, options: TrainEagleOptions | None = None) -> TrainEa
     train = features(train_seqs, desc="features (train)", all_positions=all_positions)
     generated_tokens = sum(len(s.tokens) - s.first for s in train)
     train += features(code_train, desc="features (code)", all_positions=True) if code_train else []
-    heldout = features([s for s in seqs if s["id"] in heldout_ids], desc="features (held-out)")
+    heldout = features(text.heldout, desc="features (held-out)")
     heldout_code = features(code_heldout, desc="features (held-out code)", all_positions=True) if code_heldout else []
     seconds["features"] = time.monotonic() - t0
 
