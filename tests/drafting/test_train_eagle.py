@@ -20,6 +20,7 @@ from vllm_sparsever.offline.train_eagle import (
     TrainEagleError,
     TrainEagleOptions,
     default_aux_layers,
+    text_rows,
     train_eagle,
 )
 
@@ -142,6 +143,7 @@ def test_code_text_and_all_positions_are_trained_and_reported(workdir, model_dir
     ({"train_positions": "prompt"}, ["--train-positions", "generated, all"]),
     ({"code_tokens": -1}, ["--code-tokens", "at least 0"]),
     ({"feature_scale": "std"}, ["--feature-scale", "rms, none"]),
+    ({"text": "books"}, ["--text", "calibration, chat"]),
 ])
 def test_bad_text_options_are_named(model_dir, options, words):
     with pytest.raises(TrainEagleError) as err:
@@ -215,3 +217,26 @@ def test_features_are_cached_per_text_and_grow_by_layers(tmp_path, model_dir):
     # Other tokens: another file.
     other = cached_features(tmp_path, model, [{**seqs[0], "generated_ids": [4, 5, 6, 8]}], (1, 3, 5), "", False)
     assert other[0].tokens[-1] == 8 and len(files()) == 2
+
+
+def test_chat_text_leaves_out_the_benchmarks_prompts_and_spans_every_category(monkeypatch):
+    import vllm_sparsever.data as data
+    from vllm_sparsever.offline.train_eagle import CHAT_CATEGORIES, EVALUATION_PROMPTS
+
+    sizes = dict(zip(CHAT_CATEGORIES, (30, 200, 40)))
+    rows = {c: [{"id": str(i), **({"turns": [f"{c} {i}", "2nd"]} if c == "mt_bench" else {"prompt": f"{c} {i}"})}
+                for i in range(n)] for c, n in sizes.items()}
+    monkeypatch.setattr(data, "load_prompts", lambda category, n=None, root=None: rows[category][:n])
+
+    train, heldout = text_rows(TrainEagleOptions(text="chat", num_heldout_prompts=5, num_prompts=30,
+                                                 samples_per_prompt=1))
+    assert len(train) == 30 and len(heldout) == 5
+    index = lambda r: int(r["id"].split(":")[1])  # noqa: E731
+    # The benchmarks take each category's first prompts: never trained on or held out.
+    assert min(index(r) for r in train + heldout) >= EVALUATION_PROMPTS
+    assert not {r["id"] for r in train} & {r["id"] for r in heldout}
+    # Interleaved: --num-prompts and the held-out prompts take from every category.
+    for part in (train, heldout):
+        assert {r["id"].split(":")[0] for r in part} == set(CHAT_CATEGORIES)
+    # mt_bench's first turn is the prompt.
+    assert all(r["prompt"] == f"{r['id'].split(':')[0]} {index(r)}" for r in train + heldout)

@@ -3,7 +3,9 @@
 The target is frozen (Hugging Face transformers, CPU, fp32). Steps:
 
 1. text: the target's own continuations of the calibration prompts, as `train-exits` makes them
-   (same options, same cache: `<model>/exit_heads/generated.jsonl`; held-out articles disjoint);
+   (same options, same cache: `<model>/exit_heads/generated.jsonl`; held-out articles disjoint), or
+   with `text="chat"` its answers to chat, math and code prompts (`chat_prompt_rows`; the
+   benchmarks' prompts left out);
    with `code_tokens`, chunks of Python source too (data/python_source.py; held-out files disjoint),
    read teacher-forced, which costs a forward pass but no generation.
 2. features: one fp32 forward pass of the target per sequence gives, at every position, the
@@ -73,6 +75,12 @@ FEATURE_SCALES = ("rms", "none")
 FEATURES_DIRNAME = "eagle3_features"
 DEFAULT_MAX_INTERMEDIATE = 2048
 CODE_CHUNK_TOKENS = 512
+TEXTS = ("calibration", "chat")
+# text="chat": the target's answers to chat, math and code prompts. Each category's first
+# EVALUATION_PROMPTS are the benchmarks' prompts (bench/drafters.py takes the first few), never trained on.
+CHAT_CATEGORIES = ("mt_bench", "gsm8k", "humaneval")
+EVALUATION_PROMPTS = 16
+CHAT_GENERATED_NAME = "generated_chat.jsonl"
 
 
 class TrainEagleError(TrainExitsError):
@@ -86,6 +94,7 @@ class TrainEagleOptions:
     draft_vocab: int | None = 8192  # the N most frequent tokens of the training text; None: all
     intermediate_size: int | None = None  # the head's MLP width; None: the target's, at most 2048
     ttt_steps: int = 3
+    text: str = "calibration"  # or "chat": answers to chat, math and code prompts (CHAT_CATEGORIES)
     samples_per_prompt: int = 4  # continuations sampled per training prompt (the data set is small)
     train_positions: str = "all"  # or "generated": the generated tokens only (the prompts are teacher-forced)
     code_tokens: int = 0  # Python source chunks added to the training text (data/python_source.py)
@@ -146,6 +155,8 @@ def validate(options: TrainEagleOptions, config: dict[str, Any]) -> tuple[int, .
         raise TrainEagleError(f"--draft-vocab: at least 1 (at most the vocabulary, {vocab}), got {options.draft_vocab}")
     if options.feature_scale not in FEATURE_SCALES:
         raise TrainEagleError(f"--feature-scale: one of {', '.join(FEATURE_SCALES)}, got {options.feature_scale!r}")
+    if options.text not in TEXTS:
+        raise TrainEagleError(f"--text: one of {', '.join(TEXTS)}, got {options.text!r}")
     if options.train_positions not in TRAIN_POSITIONS:
         raise TrainEagleError(f"--train-positions: one of {', '.join(TRAIN_POSITIONS)}, got {options.train_positions!r}")
     for flag, value in (("--code-tokens", options.code_tokens), ("--code-heldout-tokens", options.code_heldout_tokens)):
@@ -546,10 +557,36 @@ def _rotary(config: dict[str, Any], head_dim: int) -> nn.Module:
                                             **{k: config[k] for k in keys if config.get(k) is not None}))
 
 
+def _interleave(pools: list[list[dict]]) -> list[dict]:
+    return [pool[i] for i in range(max(map(len, pools), default=0)) for pool in pools if i < len(pool)]
+
+
+def chat_prompt_rows(num_heldout: int) -> list[dict]:
+    """The prompts of text="chat": each of CHAT_CATEGORIES after its first EVALUATION_PROMPTS,
+    interleaved so that `--num-prompts` takes from every category; the held-out prompts (the
+    next few of each category) last, where `split_prompts` takes them."""
+    from vllm_sparsever.data import load_prompts
+
+    pools = []
+    for category in CHAT_CATEGORIES:
+        try:
+            rows = load_prompts(category)[EVALUATION_PROMPTS:]
+        except FileNotFoundError as exc:  # DataNotBuiltError names the build command
+            raise TrainEagleError(f"--text chat: {exc}") from None
+        pools.append([{"id": f"{category}:{r['id']}", "prompt": r.get("prompt") or (r.get("turns") or [""])[0]}
+                      for r in rows])
+    per_category = -(-num_heldout // len(pools))
+    heldout = _interleave([pool[:per_category] for pool in pools])[:num_heldout]
+    return _interleave([pool[per_category:] for pool in pools]) + heldout
+
+
 def text_rows(options: TrainEagleOptions) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows) of the generated text: several sampled continuations per
     training prompt, one per held-out prompt. The generated text's cache is keyed by exactly these."""
-    train_rows, heldout_rows = split_prompts(options.text_options())
+    text_options = options.text_options()
+    if options.text == "chat" and options.prompt_rows is None:
+        text_options.prompt_rows = chat_prompt_rows(options.num_heldout_prompts)
+    train_rows, heldout_rows = split_prompts(text_options)
     return ([{**row, "id": f"{row['id']}#{k}"} if k else row
              for row in train_rows for k in range(options.samples_per_prompt)], heldout_rows)
 
@@ -564,12 +601,12 @@ class GeneratedText(NamedTuple):
 
 def generated_text(model_dir: str, options: TrainEagleOptions) -> GeneratedText:
     """train-eagle's text for `options`: the target's continuations of `text_rows`, generated once
-    and cached in `<model>/exit_heads/generated.jsonl` (shared with train-exits)."""
+    and cached in `<model>/exit_heads/` (the calibration text's file is shared with train-exits)."""
     from vllm_sparsever.drafting.exit_head import heads_dir
 
     train_rows, heldout_rows = text_rows(options)
-    seqs, model = target_text(model_dir, train_rows + heldout_rows, options.text_options(),
-                              heads_dir(model_dir) / GENERATED_NAME)
+    name = CHAT_GENERATED_NAME if options.text == "chat" else GENERATED_NAME
+    seqs, model = target_text(model_dir, train_rows + heldout_rows, options.text_options(), heads_dir(model_dir) / name)
     held = {r["id"] for r in heldout_rows}
     return GeneratedText(train_rows, heldout_rows, [s for s in seqs if s["id"] not in held],
                          [s for s in seqs if s["id"] in held], model)

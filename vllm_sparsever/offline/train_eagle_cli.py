@@ -39,7 +39,7 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         "train-eagle",
         help="train an EAGLE-3 draft head (self-distillation on the model's own text), in vLLM's format",
         description="Generates text with the target from the calibration prompts (wikipedia; the same "
-        "cached text as train-exits), then trains a one-layer EAGLE-3 head to draft the target's tokens "
+        "cached text as train-exits) or, with --text chat, from chat, math and code prompts, then trains a one-layer EAGLE-3 head to draft the target's tokens "
         "from its hidden states (HF transformers, CPU, fp32, target frozen). Reports the held-out "
         "agreement per draft step and writes <model>/eagle3_head/, which vLLM's method 'eagle3' and "
         "sparsever's draft_source 'eagle3' load.",
@@ -53,6 +53,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     parser.add_argument("--train-positions", choices=("generated", "all"), default=None,
                         help="positions trained on in the generated sequences: the generated tokens, or "
                         "the prompts' too, teacher-forced (default: all)")
+    parser.add_argument("--text", choices=("calibration", "chat"), default=None,
+                        help="what the target writes to train on: continuations of the calibration articles, "
+                        "or answers to chat, math and code prompts (mt_bench, gsm8k, humaneval; each one's "
+                        "first 16, the benchmarks' prompts, left out) (default: calibration)")
     parser.add_argument("--feature-scale", choices=("rms", "none"), default=None,
                         help="train on the target's streams divided per dimension by their RMS (folded into "
                         "the saved head), or raw (default: none)")
@@ -80,6 +84,8 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
         given["train_positions"] = args.train_positions
     if args.feature_scale:
         given["feature_scale"] = args.feature_scale
+    if args.text:
+        given["text"] = args.text
     options = TrainEagleOptions(**given, regenerate=args.regenerate, show_progress=not args.no_progress)
     try:
         result = train_eagle(model, options)
