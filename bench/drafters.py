@@ -138,6 +138,27 @@ def main(argv=None) -> int:
     return 0
 
 
+def aims(summary: dict) -> dict:
+    """Issue 27's aims, each as the measured ratio and whether it is met."""
+    out = {}
+    b1, b8 = summary.get("batch_1"), summary.get("batch_8")
+    if b1:
+        out["batch_1_sparsever_best_over_draft_model"] = _aim(b1["sparsever_best"]["tok_s"], b1["draft_model_tok_s"], 1.3)
+    if b8:
+        out["batch_8_sparsever_best_over_autoregressive"] = _aim(b8["sparsever_best"]["tok_s"],
+                                                                b8["autoregressive_tok_s"], 1.0)
+    for key, entry in (("batch_1", b1), ("batch_8", b8)):
+        if entry and entry.get("sparsever_evict_tok_s"):
+            out[f"{key}_evict_over_vllm_eagle3_best"] = _aim(entry["sparsever_evict_tok_s"],
+                                                            entry["vllm_eagle3_best_tok_s"], 1.0)
+    return out
+
+
+def _aim(tok_s: float, baseline: float, at_least: float) -> dict:
+    ratio = tok_s / baseline
+    return {"ratio": round(ratio, 3), "at_least": at_least, "met": ratio >= at_least}
+
+
 def write_summary(record: dict, results: dict, base: Path, manifest: dict) -> dict:
     """bench/results/summary/drafters.json with the keys issue 27 names."""
     path = RESULTS / "summary" / "drafters.json"
@@ -155,7 +176,10 @@ def write_summary(record: dict, results: dict, base: Path, manifest: dict) -> di
         summary[key] = {**where, "autoregressive_tok_s": entries["autoregressive"]["tok_s"],
                         "draft_model_tok_s": entries[dm]["tok_s"], "vllm_eagle3_best_tok_s": eagle_tok_s,
                         "sparsever_best": {"mode": sv, "tok_s": sv_tok_s,
-                                           "mean_acceptance_length": entries[sv]["mean_acceptance_length"] or 1.0}}
+                                           "mean_acceptance_length": entries[sv]["mean_acceptance_length"] or 1.0},
+                        "sparsever_evict_tok_s": (entries.get("sparsever-eagle3-evict") or {}).get("tok_s")}
+    summary["dtype"] = record["args"]["dtype"]
+    summary["aims"] = aims(summary)
     seconds = (manifest.get("seconds") or {}).get("total")
     trained = ((manifest.get("heldout") or {}).get("trained") or {}).get("agreement_per_step") or [None]
     summary["head"] = {"train_minutes": seconds / 60 if seconds else None, "heldout_top1_agreement": trained[0]}

@@ -240,3 +240,12 @@ def test_chat_text_leaves_out_the_benchmarks_prompts_and_spans_every_category(mo
         assert {r["id"].split(":")[0] for r in part} == set(CHAT_CATEGORIES)
     # mt_bench's first turn is the prompt.
     assert all(r["prompt"] == f"{r['id'].split(':')[0]} {index(r)}" for r in train + heldout)
+
+
+def test_chat_text_has_its_own_defaults_and_flags_override_them():
+    from vllm_sparsever.offline.train_eagle import CHAT_DEFAULTS
+
+    chat = TrainEagleOptions.for_text("chat")
+    assert all(getattr(chat, k) == v for k, v in CHAT_DEFAULTS.items()) and chat.text == "chat"
+    assert TrainEagleOptions.for_text("chat", epochs=7).epochs == 7
+    assert TrainEagleOptions.for_text("calibration") == TrainEagleOptions()

@@ -81,6 +81,10 @@ TEXTS = ("calibration", "chat")
 CHAT_CATEGORIES = ("mt_bench", "gsm8k", "humaneval")
 EVALUATION_PROMPTS = 16
 CHAT_GENERATED_NAME = "generated_chat.jsonl"
+# text="chat"'s own defaults, the measured run (bench/results/README.md): its pool of prompts is large,
+# so one answer per prompt and fewer passes; generating the answers takes most of the hour.
+CHAT_DEFAULTS = {"num_prompts": 150, "samples_per_prompt": 1, "max_new_tokens": 320, "epochs": 3,
+                 "time_budget_min": 65.0}
 
 
 class TrainEagleError(TrainExitsError):
@@ -117,6 +121,11 @@ class TrainEagleOptions:
     output_dir: str | None = None  # None: <model>/eagle3_head
     show_progress: bool = True
     prompt_rows: list[dict[str, Any]] | None = field(default=None, repr=False)
+
+    @classmethod
+    def for_text(cls, text: str = "calibration", **given: Any) -> TrainEagleOptions:
+        """Options for `text` (one of TEXTS): the text's own defaults where `given` leaves a field unset."""
+        return cls(text=text, **{**(CHAT_DEFAULTS if text == "chat" else {}), **given})
 
     def text_options(self) -> TrainExitsOptions:
         """The text part, as train-exits has it (so both share the cached text)."""
