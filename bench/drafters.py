@@ -143,7 +143,8 @@ def aims(summary: dict) -> dict:
     out = {}
     b1, b8 = summary.get("batch_1"), summary.get("batch_8")
     if b1:
-        out["batch_1_sparsever_best_over_draft_model"] = _aim(b1["sparsever_best"]["tok_s"], b1["draft_model_tok_s"], 1.3)
+        out["batch_1_sparsever_best_over_draft_model"] = _aim(b1["sparsever_best"]["tok_s"],
+                                                              b1["draft_model_tok_s"], 1.3)
     if b8:
         out["batch_8_sparsever_best_over_autoregressive"] = _aim(b8["sparsever_best"]["tok_s"],
                                                                 b8["autoregressive_tok_s"], 1.0)

@@ -82,7 +82,7 @@ CHAT_CATEGORIES = ("mt_bench", "gsm8k", "humaneval")
 EVALUATION_PROMPTS = 16
 CHAT_GENERATED_NAME = "generated_chat.jsonl"
 # text="chat"'s own defaults, the measured run (bench/results/README.md): its pool of prompts is large,
-# so one answer per prompt and fewer passes; generating the answers takes most of the hour.
+# so one answer per prompt and fewer passes; generating the answers is the largest part of the hour.
 CHAT_DEFAULTS = {"num_prompts": 150, "samples_per_prompt": 1, "max_new_tokens": 320, "epochs": 3,
                  "time_budget_min": 65.0}
 

@@ -39,10 +39,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         "train-eagle",
         help="train an EAGLE-3 draft head (self-distillation on the model's own text), in vLLM's format",
         description="Generates text with the target from the calibration prompts (wikipedia; the same "
-        "cached text as train-exits) or, with --text chat, from chat, math and code prompts, then trains a one-layer EAGLE-3 head to draft the target's tokens "
-        "from its hidden states (HF transformers, CPU, fp32, target frozen). Reports the held-out "
-        "agreement per draft step and writes <model>/eagle3_head/, which vLLM's method 'eagle3' and "
-        "sparsever's draft_source 'eagle3' load.",
+        "cached text as train-exits) or, with --text chat, from chat, math and code prompts, then trains "
+        "a one-layer EAGLE-3 head to draft the target's tokens from its hidden states (HF transformers, "
+        "CPU, fp32, target frozen). Reports the held-out agreement per draft step and writes "
+        "<model>/eagle3_head/, which vLLM's method 'eagle3' and sparsever's draft_source 'eagle3' load.",
     )
     parser.add_argument("model", help="built model name or model folder (as given to vLLM)")
     parser.add_argument("--aux-layers", type=int, nargs="+", default=None,
@@ -56,8 +56,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     parser.add_argument("--text", choices=("calibration", "chat"), default=None,
                         help="what the target writes to train on: continuations of the calibration articles, "
                         "or answers to chat, math and code prompts (mt_bench, gsm8k, humaneval; each one's "
-                        "first 16, the benchmarks' prompts, left out; its defaults: 150 prompts, one 320-token answer "
-                        "each, 3 epochs, a 65-minute budget) (default: calibration)")
+                        "first 16, the benchmarks' prompts, left out; its defaults: 150 prompts, one "
+                        "320-token answer each, 3 epochs, a 65-minute budget) (default: calibration)")
     parser.add_argument("--feature-scale", choices=("rms", "none"), default=None,
                         help="train on the target's streams divided per dimension by their RMS (folded into "
                         "the saved head), or raw (default: none)")
