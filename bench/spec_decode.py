@@ -214,8 +214,7 @@ def load_workload(args, tokenizer_path: str) -> list[dict[str, Any]]:
     rows = []
     for category in args.categories:
         for row in load_prompts(category, n=args.num_prompts):
-            prompt = row.get("prompt") or (row.get("turns") or [""])[0]
-            rows.append({"category": category, "id": row["id"], "prompt": prompt, "context": None})
+            rows.append({"category": category, "id": row["id"], "prompt": row["prompt"], "context": None})
     if args.contexts:
         from vllm_sparsever.data.long_context import long_context_prompts
 

@@ -224,7 +224,8 @@ def test_chat_text_leaves_out_the_benchmarks_prompts_and_spans_every_category(mo
     from vllm_sparsever.offline.train_eagle import CHAT_CATEGORIES, EVALUATION_PROMPTS
 
     sizes = dict(zip(CHAT_CATEGORIES, (30, 200, 40)))
-    rows = {c: [{"id": str(i), **({"turns": [f"{c} {i}", "2nd"]} if c == "mt_bench" else {"prompt": f"{c} {i}"})}
+    # As the data builders write them: every row has its `prompt` (mt_bench's first turn).
+    rows = {c: [{"id": str(i), "prompt": f"{c} {i}", **({"turns": [f"{c} {i}", "2nd"]} if c == "mt_bench" else {})}
                 for i in range(n)] for c, n in sizes.items()}
     monkeypatch.setattr(data, "load_prompts", lambda category, n=None, root=None: rows[category][:n])
 
@@ -238,7 +239,7 @@ def test_chat_text_leaves_out_the_benchmarks_prompts_and_spans_every_category(mo
     # Interleaved: --num-prompts and the held-out prompts take from every category.
     for part in (train, heldout):
         assert {r["id"].split(":")[0] for r in part} == set(CHAT_CATEGORIES)
-    # mt_bench's first turn is the prompt.
+    # Each row keeps its data set's prompt.
     assert all(r["prompt"] == f"{r['id'].split(':')[0]} {index(r)}" for r in train + heldout)
 
 

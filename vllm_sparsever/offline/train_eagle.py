@@ -582,8 +582,7 @@ def chat_prompt_rows(num_heldout: int) -> list[dict]:
             rows = load_prompts(category)[EVALUATION_PROMPTS:]
         except FileNotFoundError as exc:  # DataNotBuiltError names the build command
             raise TrainEagleError(f"--text chat: {exc}") from None
-        pools.append([{"id": f"{category}:{r['id']}", "prompt": r.get("prompt") or (r.get("turns") or [""])[0]}
-                      for r in rows])
+        pools.append([{"id": f"{category}:{r['id']}", "prompt": r["prompt"]} for r in rows])
     per_category = -(-num_heldout // len(pools))
     heldout = _interleave([pool[:per_category] for pool in pools])[:num_heldout]
     return _interleave([pool[per_category:] for pool in pools]) + heldout
