@@ -37,6 +37,24 @@ def test_eagle_heads_map_to_vllms_method_with_the_head_as_model(source):
     assert cfg.to_vllm_speculative_kwargs() == {"method": source, "model": "/m/head", "num_speculative_tokens": 3}
 
 
+@pytest.mark.parametrize("source", ["eagle", "eagle3"])
+def test_the_sparse_hierarchy_runs_over_eagle_heads(source):
+    """The hierarchy over an EAGLE head: vLLM still loads the head (its method), sparsever drafts
+    with it in rounds, and the scheduler reserves the hierarchy's lookahead slots."""
+    from types import SimpleNamespace
+
+    from vllm_sparsever.integration.speculative import self_draft_lookahead
+
+    cfg = SparseverConfig.from_dict({"method": "sparsever", "draft_source": source, "model": "/m/head",
+                                     "num_speculative_tokens": 4, "ffn": {"enabled": True},
+                                     "early_exit": {"enabled": True, "intermediate": "sparse", "round_tokens": 2}})
+    assert cfg.to_vllm_speculative_kwargs() == {"method": source, "model": "/m/head", "num_speculative_tokens": 4}
+    assert self_draft_lookahead(SimpleNamespace(additional_config={"sparsever": cfg.to_dict()})) == 4 + 2
+    chains = SparseverConfig.from_dict({"method": "sparsever", "draft_source": source, "model": "/m/head",
+                                        "num_speculative_tokens": 4})
+    assert self_draft_lookahead(SimpleNamespace(additional_config={"sparsever": chains.to_dict()})) == 0
+
+
 def test_mtp_maps_to_vllms_method_without_a_model():
     cfg = SparseverConfig.from_dict({"method": "sparsever", "draft_source": "mtp", "num_speculative_tokens": 1})
     assert cfg.to_vllm_speculative_kwargs() == {"method": "mtp", "num_speculative_tokens": 1}
@@ -70,7 +88,9 @@ def test_serialization_round_trip():
         ({"num_speculative_tokens": 3, "draft_source": "eagle3"}, ["model", "required", "eagle3 head"]),
         ({"num_speculative_tokens": 3, "draft_source": "mtp", "model": "h"}, ["model", "must be omitted", "mtp"]),
         ({"num_speculative_tokens": 3, "draft_source": "eagle", "model": "h", "early_exit": {"enabled": True}},
-         ["early_exit.enabled", "eagle", "'draft_model', 'ngram', 'early_exit'"]),
+         ["early_exit.intermediate", "eagle head", "'sparse'", "'early_exit'"]),
+        ({"num_speculative_tokens": 3, "draft_source": "mtp", "early_exit": {"enabled": True}},
+         ["early_exit.enabled", "mtp", "'draft_model', 'ngram', 'early_exit', 'eagle', 'eagle3'"]),
         ({"num_speculative_tokens": 3, "draft_source": "eagle3", "model": "h", "tree": {"enabled": True}},
          ["tree.enabled", "draft_source='eagle3'"]),
         ({"num_speculative_tokens": 3, "draft_source": "draft_model"}, ["model", "required"]),

@@ -257,7 +257,8 @@ class EarlyExitConfig:
     # drafts; the tokens it accepts (plus its correction) are pending, and the full target verifies
     # all pending tokens (at most num_speculative_tokens) in one pass after `full_verify_every`
     # rounds, when the cap is reached, or at a stop token / max_tokens. Drafts come from any
-    # draft_source (the self-drafter, n-gram prompt lookup, or the draft model, run in rounds).
+    # draft_source but 'mtp' (the self-drafter, n-gram prompt lookup, the draft model, or an EAGLE /
+    # EAGLE-3 head, run in rounds; a head only over intermediate 'sparse', whose states it reads).
     enabled: bool = False
     # The intermediate verifier: "early_exit" = the first `verify_layer` layers plus their head
     # (None = the deepest trained head); "sparse" = the whole target with the enabled sparse
@@ -309,6 +310,8 @@ class EarlyExitConfig:
 # vLLM's model-based drafters that vLLM runs as they are (sparsever verifies their drafts): an EAGLE /
 # EAGLE-3 head (`model`: its folder), or the target's own multi-token-prediction layers.
 VLLM_DRAFTERS = ("eagle", "eagle3", "mtp")
+# vLLM drafters whose head sparsever runs itself in the hierarchy (drafting/eagle_head.py).
+EAGLE_HEAD_SOURCES = ("eagle", "eagle3")
 DRAFT_SOURCES = ("draft_model", "ngram", "early_exit", *VLLM_DRAFTERS)
 INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
 TREE_DRAFT_SOURCES = ("draft_model", "early_exit")  # drafters with probabilities to grow trees by
@@ -458,11 +461,17 @@ class SparseverConfig:
                     f"or early_exit.enabled with intermediate='early_exit'), got draft_source="
                     f"{self.draft_source!r}"
                 )
-        if ee.enabled and self.draft_source in VLLM_DRAFTERS:
+        if ee.enabled and self.draft_source in VLLM_DRAFTERS and self.draft_source not in EAGLE_HEAD_SOURCES:
             raise SparseverConfigError(
                 f"early_exit.enabled: hierarchical verification drafts in rounds after pending tokens, which "
                 f"vLLM's {self.draft_source} drafter cannot do; allowed draft_source with early_exit.enabled: "
-                "'draft_model', 'ngram', 'early_exit'"
+                "'draft_model', 'ngram', 'early_exit', 'eagle', 'eagle3'"
+            )
+        if ee.enabled and self.draft_source in EAGLE_HEAD_SOURCES and ee.intermediate != "sparse":
+            raise SparseverConfigError(
+                f"early_exit.intermediate: an {self.draft_source} head drafts each round from the target's states of "
+                f"the pending tokens, which only the sparse target computes (allowed with draft_source="
+                f"{self.draft_source!r}: 'sparse'), got {ee.intermediate!r}"
             )
         if ee.enabled and ee.intermediate == "sparse" and not self.any_sparsity:
             raise SparseverConfigError(

@@ -1,5 +1,6 @@
 """vLLM internals sparsever's EAGLE support relies on: which targets vLLM's EAGLE-3 drafter can read
-(compat.model.eagle3_target_supported), and the aux-layer config key the trained heads carry."""
+(compat.model.eagle3_target_supported), the aux-layer config key the trained heads carry, and what
+sparsever uses to run a head itself in the hierarchy (compat.drafter.EagleHead, pass_states)."""
 
 import inspect
 
@@ -98,3 +99,70 @@ def test_the_drafters_depth_per_step_is_the_scheduler_outputs_num_spec_tokens_to
     assert copy.num_spec_tokens_to_schedule == 2 and copy is not out and out.num_spec_tokens_to_schedule == 0
     with pytest.raises(ValueError):
         with_draft_depth(object(), 6, 5)
+
+
+def test_the_runner_hands_its_drafter_the_steps_hidden_states_and_aux_streams():
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_sparsever.compat.drafter import pass_states
+
+    params = list(inspect.signature(GPUModelRunner.propose_draft_token_ids).parameters)
+    assert params[:7] == ["self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                          "sample_hidden_states", "aux_hidden_states"]
+    hidden, aux = torch.zeros(3, 2), [torch.ones(3, 2), 2 * torch.ones(3, 2)]
+    assert pass_states((None, hidden, None, aux), {}, aux=False) is hidden
+    assert pass_states((None, hidden, None, aux), {}, aux=True)[0].tolist() == [1, 1, 2, 2]
+    assert pass_states((), {"aux_hidden_states": aux}, aux=True).shape == (3, 4)
+    assert pass_states((None, hidden, None, None), {}, aux=True) is None
+
+
+@pytest.mark.parametrize("module, cls", [("vllm.model_executor.models.llama_eagle3", "Eagle3LlamaForCausalLM"),
+                                         ("vllm.model_executor.models.llama_eagle", "EagleLlamaForCausalLM")])
+def test_eagle_heads_take_tokens_positions_and_target_states(module, cls):
+    import importlib
+
+    head = getattr(importlib.import_module(module), cls)
+    assert list(inspect.signature(head.forward).parameters)[1:4] == ["input_ids", "positions", "hidden_states"]
+    assert callable(head.compute_logits)
+    if cls.startswith("Eagle3"):
+        assert callable(head.combine_hidden_states)
+        # A trimmed draft vocabulary is mapped back to the target's inside compute_logits.
+        assert "logits_new[:, targets] = logits" in inspect.getsource(head.compute_logits)
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    init = inspect.getsource(SpecDecodeBaseProposer.__init__)
+    assert "self.method = self.speculative_config.method" in init
+    assert "self.use_heterogeneous_vocab: bool = (" in init
+
+
+def test_eagle_head_wraps_the_runners_drafter():
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_sparsever.compat.drafter import EagleHead
+
+    attn = SimpleNamespace(attn=SimpleNamespace(layer_name="model.layers.2.self_attn.attn"))
+
+    class _Model:
+        model = SimpleNamespace(layers=[SimpleNamespace(self_attn=attn)])
+
+        def __call__(self, input_ids, positions, hidden_states):
+            return hidden_states + 1
+
+        def combine_hidden_states(self, h):
+            return h[:, :2]
+
+    for method, combined in (("eagle3", [[1.0, 2.0]]), ("eagle", [[1.0, 2.0, 3.0, 4.0]])):
+        drafter = SimpleNamespace(method=method, model=_Model(), use_heterogeneous_vocab=False)
+        head = EagleHead(SimpleNamespace(drafter=drafter))
+        assert head.layer_names == ["model.layers.2.self_attn.attn"] and head.reads_aux_streams == (method == "eagle3")
+        assert head.combine(torch.tensor([[1.0, 2.0, 3.0, 4.0]])).tolist() == combined
+        for_logits, for_next = head.forward(torch.tensor([1]), torch.tensor([0]), torch.zeros(1, 2))
+        assert for_logits is for_next  # a head returning one tensor feeds it to both
+    with pytest.raises(ValueError, match="allowed: eagle, eagle3"):
+        EagleHead(SimpleNamespace(drafter=SimpleNamespace(method="mtp")))
+    with pytest.raises(ValueError, match="heterogeneous vocabulary"):
+        EagleHead(SimpleNamespace(drafter=SimpleNamespace(method="eagle3", model=_Model(),
+                                                          use_heterogeneous_vocab=True)))

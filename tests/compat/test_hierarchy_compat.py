@@ -68,6 +68,8 @@ def test_draft_step_histories_and_request_limits_of_a_real_input_batch():
     assert step.history(1).tolist() == [21, 22]
     assert compat_runner.allocated_slots(runner).tolist() == [32, 32]  # one block each
     assert step.budgets.tolist() == [3, 0] and step.slot_limited == 0  # r1 sampled nothing
+    # Where each row's scheduled tokens start and what they are (the target states an EAGLE head reads).
+    assert compat_runner.step_token_layout(runner, np.array([2, 0])) == [("r0", 3, [14, 15]), ("r1", 2, [])]
     first, second = step.limits_of([0, 1])
     assert first.stop_token_ids == {7, 2} and first.remaining_tokens == 8  # 2 of 10 emitted
     assert second.stop_token_ids == {3} and second.remaining_tokens is None  # ignore_eos: no EOS

@@ -75,8 +75,30 @@ def test_decoder_stack_reads_a_vllm_like_model():
     assert torch.equal(stack.run_all(torch.tensor([3]), torch.tensor([0])), torch.full((1, 4), 70.0))
     # From the stream entering layer 1 (3, what run_layers(1) gave): h=6, r=3; norm(9) * 10.
     assert torch.equal(stack.run_from(1, out, torch.tensor([0])), torch.full((1, 4), 90.0))
+    # An EAGLE-3 head's inputs: the streams entering layers 0, 1 and 2 (= after the last): 1, 3, 7.
+    normed, aux = stack.run_all(torch.tensor([3]), torch.tensor([0]), aux_layers=(0, 1, 2))
+    assert torch.equal(normed, torch.full((1, 4), 70.0)) and [float(a[0, 0]) for a in aux] == [1.0, 3.0, 7.0]
     with pytest.raises(ValueError, match="decoder stack"):
         compat_model.decoder_stack(SimpleNamespace(model=SimpleNamespace()))
+
+
+@pytest.mark.parametrize("module, model_cls", [("vllm.model_executor.models.llama", "LlamaModel"),
+                                               ("vllm.model_executor.models.qwen2", "Qwen2Model")])
+def test_models_collect_the_stream_entering_each_aux_layer(module, model_cls):
+    """What DecoderStack.run_all(aux_layers=...) computes: vLLM's forward collects, for each layer
+    index in `aux_hidden_state_layers` (on the inner model), the stream entering that layer."""
+    import importlib
+
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    forward = inspect.getsource(getattr(importlib.import_module(module), model_cls).forward)
+    assert "aux_hidden_states, self.start_layer, hidden_states, residual" in forward
+    assert "aux_hidden_states, idx + 1, hidden_states, residual" in forward
+    add = inspect.getsource(EagleModelMixin._maybe_add_hidden_state)
+    assert "if layer_idx in self.aux_hidden_state_layers:" in add
+    assert "hidden_states + residual if residual is not None else hidden_states" in add
+    model = SimpleNamespace(model=SimpleNamespace(aux_hidden_state_layers=(20, 2, 11)))
+    assert compat_model.aux_hidden_state_layers(model) == (2, 11, 20)
 
 
 def test_vllm_attention_layer_has_layer_name():

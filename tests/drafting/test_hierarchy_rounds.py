@@ -31,6 +31,7 @@ class Drafter:
     """Drafts `next_of[t]` chains: after token t, the tokens t+1, t+2, ..."""
 
     num_speculative_tokens = 3
+    wants_target_states = False
 
     def __init__(self):
         self.calls = []
@@ -101,3 +102,40 @@ def test_reuse_drops_the_verifier_correction_and_keeps_the_streams_of_the_rest()
     saved = h._reusable["r0"]
     assert saved.first_position == POSITION and saved.token_ids == (10, 11, 12)
     assert saved.states.flatten().tolist() == [5.0, 6.0, 7.0]  # the streams of positions 5, 6, 7
+
+
+class StatesDrafter(Drafter):
+    """A drafter that reads the target's states (an EAGLE head): records what it is handed."""
+
+    wants_target_states = True
+    state_layers = (1, 2)
+
+    def __init__(self):
+        super().__init__()
+        self.observed = []
+
+    def observe_target_states(self, req_id, first, tokens, states):
+        self.observed.append((req_id, first, list(tokens), states[:, 0].tolist()))
+
+
+class SparseVerifier(Verifier):
+    name = "sparse"
+
+    def predict(self, rows, seqs, firsts, with_states=False, state_layers=None):
+        assert with_states and state_layers == (1, 2)
+        return Verifier.predict(self, rows, seqs, firsts, with_streams=True)
+
+
+def test_a_drafter_reading_target_states_gets_each_intermediate_pass_states():
+    """Before each next round, the EAGLE head is handed the sparse target's states of the tokens the
+    intermediate pass ran ([last pending token, drafts]), so it can draft after the pending tokens."""
+    import pytest
+
+    drafter = StatesDrafter()
+    h = HierarchicalProposer(drafter, SparseVerifier(wrong={13}), cap=6, rounds=3)
+    assert h.wants_target_states and h.state_layers == (1, 2)
+    assert h.propose(_step(h)) == [[11, 12, 113, 114, 115, 116]]
+    assert drafter.observed == [("r0", 5, [10, 11, 12, 13], [5.0, 6.0, 7.0, 8.0]),
+                                ("r0", 8, [113, 114, 115, 116], [8.0, 9.0, 10.0, 11.0])]
+    with pytest.raises(ValueError, match="only the sparse target"):
+        HierarchicalProposer(StatesDrafter(), Verifier(), cap=6, rounds=3)

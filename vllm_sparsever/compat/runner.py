@@ -172,6 +172,18 @@ def scheduled_token_ids(runner: Any, row: int, start: int, n: int) -> list[int]:
     return runner.input_batch.token_ids_cpu[row, start: start + n].tolist()
 
 
+def step_token_layout(runner: Any, num_scheduled_tokens: np.ndarray) -> list[tuple[str, int, list[int]]]:
+    """Per batch row, in the order the step's tokens are laid out: (request id, the position of its
+    first scheduled token, the scheduled token ids). Read in `_prepare_inputs`, before bookkeeping."""
+    batch = runner.input_batch
+    out = []
+    for row in range(batch.num_reqs):
+        n = int(num_scheduled_tokens[row])
+        start = int(batch.num_computed_tokens_cpu[row])
+        out.append((batch.req_ids[row], start, scheduled_token_ids(runner, row, start, n)))
+    return out
+
+
 def set_draft_token_ids(runner: Any, drafts: list[list[int]]) -> None:
     """Make `drafts` (per batch row) the drafts `take_draft_token_ids()` hands the scheduler for
     this step, replacing what the runner's own proposal left there. vLLM's `draft_model` method
@@ -311,6 +323,12 @@ class TargetView:
 
     def draft_model(self) -> Any:
         return draft_model(self._runner)
+
+    def eagle_head(self) -> Any:
+        """The EAGLE / EAGLE-3 head vLLM loaded, as sparsever runs it (compat.drafter.EagleHead)."""
+        from vllm_sparsever.compat.drafter import EagleHead
+
+        return EagleHead(self._runner)
 
     def batch(self) -> BatchView:
         return input_batch_view(self._runner)

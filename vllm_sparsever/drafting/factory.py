@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_sparsever.config import VLLM_DRAFTERS, SparseverConfig
+from vllm_sparsever.config import EAGLE_HEAD_SOURCES, VLLM_DRAFTERS, SparseverConfig
 from vllm_sparsever.drafting.proposer import Proposer
 
 
@@ -19,7 +19,8 @@ def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | Non
     """sparsever's proposer, or None when vLLM's drafter proposes as it is (draft model, n-gram, EAGLE;
     with adaptive, EVICT cuts an EAGLE head's chains, drafting/vllm_drafter.py):
     the self-drafter for draft_source='early_exit'; with early_exit.enabled, the hierarchy over the
-    drafter (self-drafter or prompt lookup) and the intermediate verifier (layers resolved in the
+    drafter (self-drafter, prompt lookup, draft model, or an EAGLE head sparsever runs itself) and the
+    intermediate verifier (layers resolved in the
     front end, see resolve_self_draft)."""
     from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
 
@@ -61,6 +62,10 @@ def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | Non
 
         drafter = SelfDraftProposer(model, exit_layer=ee.draft_layer, num_speculative_tokens=round_tokens,
                                     confidence=ee.draft_confidence, max_model_len=max_model_len, **trees)
+    elif config.draft_source in EAGLE_HEAD_SOURCES:
+        from vllm_sparsever.drafting.eagle_head import EagleHeadDrafter
+
+        drafter = EagleHeadDrafter(num_speculative_tokens=round_tokens, max_model_len=max_model_len)
     elif config.draft_source == "draft_model":
         from vllm_sparsever.drafting.draft_model import DraftModelDrafter
 

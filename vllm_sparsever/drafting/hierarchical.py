@@ -1,6 +1,7 @@
 """Hierarchical verification (HiSpec): drafter -> intermediate verifier -> full target.
 
-Each round, the drafter (the self-drafter, n-gram prompt lookup, or the draft model) proposes up to `round_tokens`
+Each round, the drafter (the self-drafter, n-gram prompt lookup, the draft model, or an EAGLE /
+EAGLE-3 head: drafting/eagle_head.py) proposes up to `round_tokens`
 drafts per request; the intermediate verifier (drafting/intermediate.py: the target's first L_v
 layers plus their exit head, or the whole target with sparse verification) runs [last pending
 token, drafts] in one pass and keeps the drafts it agrees with (greedy) plus its own next token
@@ -85,9 +86,13 @@ class HierarchicalStats:
 class HierarchicalProposer(Proposer):
     def __init__(self, drafter: Any, verifier: Any, *, cap: int, rounds: int, reuse: bool = False) -> None:
         """`drafter`: `requests()`/`draft()` (SelfDraftProposer, PromptLookupDrafter,
-        DraftModelDrafter); `verifier`: `predict()` (EarlyExitVerifier, SparseTargetVerifier)."""
+        DraftModelDrafter, EagleHeadDrafter: it reads the sparse verifier's states); `verifier`:
+        `predict()` (EarlyExitVerifier, SparseTargetVerifier)."""
         if reuse and verifier.name != "early_exit":
             raise ValueError("reuse of hidden states needs the early-exit intermediate verifier (the target's own layers)")
+        if drafter.wants_target_states and verifier.name != "sparse":
+            raise ValueError("an EAGLE head drafts from the target's states of the pending tokens, which only the "
+                             "sparse target as intermediate verifier computes")
         self.drafter = drafter
         self.verifier = verifier
         self.cap = cap
@@ -144,6 +149,17 @@ class HierarchicalProposer(Proposer):
     @property
     def proposes_late(self) -> bool:
         return self.drafter.proposes_late
+
+    @property
+    def wants_target_states(self) -> bool:
+        return self.drafter.wants_target_states
+
+    @property
+    def state_layers(self) -> tuple[int, ...] | None:
+        return self.drafter.state_layers
+
+    def observe_target_states(self, req_id: str, first_position: int, token_ids: list[int], states: Any) -> None:
+        self.drafter.observe_target_states(req_id, first_position, token_ids, states)
 
     @property
     def lookahead(self) -> int:
@@ -247,6 +263,10 @@ class HierarchicalProposer(Proposer):
             predicted, ran = self.verifier.predict(*args, with_streams=True)
             for j, stream in zip(which, ran, strict=True):
                 streams[j] = stream
+        elif self.drafter.wants_target_states:  # an EAGLE head drafts the next round from them
+            predicted, states = self.verifier.predict(*args, with_states=True, state_layers=self.drafter.state_layers)
+            for j, seq, state in zip(which, args[1], states, strict=True):
+                self.drafter.observe_target_states(sub.req_ids[j], sub.positions[j], seq, state)
         else:
             predicted = self.verifier.predict(*args)
         self.stats.intermediate_passes += 1

@@ -64,7 +64,11 @@ class SparseTargetVerifier:
         self._stack = decoder_stack(target.model)
 
     @torch.inference_mode()
-    def predict(self, rows: list[int], seqs: list[list[int]], first_positions: list[int]) -> list[list[int]]:
+    def predict(self, rows: list[int], seqs: list[list[int]], first_positions: list[int], *,
+                with_states: bool = False, state_layers: tuple[int, ...] | None = None) -> Any:
+        """Predictions per request; `with_states`: (predictions, per request the target's states of
+        its tokens an EAGLE head reads: the streams entering `state_layers` concatenated (EAGLE-3),
+        or with None the final hidden states (EAGLE))."""
         from vllm_sparsever.plan import VerifyLevel, active_plan, build_verification_plan
         from vllm_sparsever.verification.runtime import get_runtime
 
@@ -89,7 +93,12 @@ class SparseTargetVerifier:
             verify_plain_rows=True,
             **runtime.step_planners(),
         )
+        aux_layers = state_layers if with_states else None
         with active_plan(plan):
-            normed = final_hidden(target, stack, rows, tokens, positions, lens)
-        logits = stack.compute_logits(normed)
-        return split_by_lengths(logits.argmax(dim=-1).tolist(), lens)
+            out = final_hidden(target, stack, rows, tokens, positions, lens, aux_layers=aux_layers)
+        normed, aux = out if aux_layers is not None else (out, None)
+        preds = split_by_lengths(stack.compute_logits(normed).argmax(dim=-1).tolist(), lens)
+        if not with_states:
+            return preds
+        states = normed if aux is None else torch.cat(aux, dim=-1)
+        return preds, list(states.split(lens))

@@ -1,7 +1,8 @@
 """The proposer protocol: what the runner calls on sparsever's proposer, declared once.
 
 One proposer class per method, as vLLM's `v1/spec_decode`: the draft model (draft_model.py), n-gram
-prompt lookup (prompt_lookup.py), the target's own early exit (self_draft.py), and hierarchical
+prompt lookup (prompt_lookup.py), the target's own early exit (self_draft.py), an EAGLE head run by
+sparsever (eagle_head.py), and hierarchical
 verification over one of them (hierarchical.py). `factory.make_proposer` builds the one a config asks
 for. Proposers are driven by the runner once per step; the defaults here are those of a proposer
 that drafts chains and learns nothing from verification.
@@ -28,6 +29,9 @@ class Proposer:
     # cut of vLLM's drafts): the runner calls `propose` after the step's bookkeeping (sample_tokens),
     # which needs synchronous scheduling.
     proposes_late = False
+    # True for a proposer that drafts from the target's states (an EAGLE head in the hierarchy): the
+    # runner hands it every target pass's states of the step's tokens (observe_target_states).
+    wants_target_states = False
 
     def load(self, target: TargetView) -> None:
         """After the target loaded: keep `target`, the part of the runner drafting may use."""
@@ -89,6 +93,16 @@ class Proposer:
         MoE target: (tokens, distinct experts) per request and layer), wired by the runner after `load`;
         None: not wanted."""
         return None
+
+    @property
+    def state_layers(self) -> tuple[int, ...] | None:
+        """(wants_target_states) The target layers whose incoming streams it reads (EAGLE-3), or None:
+        the final hidden states (EAGLE)."""
+        return None
+
+    def observe_target_states(self, req_id: str, first_position: int, token_ids: list[int], states: Any) -> None:
+        """(wants_target_states) The target's states of `token_ids` at positions `first_position`, ...
+        of request `req_id`, from the step's full pass."""
 
     def streams_for_step(self, num_scheduled_tokens: Any) -> tuple[int, Any] | None:
         """(layer, residual streams of every scheduled token) when the full pass about to run may

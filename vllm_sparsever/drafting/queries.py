@@ -33,13 +33,15 @@ def split_by_lengths(flat: list[int], lens: list[int]) -> list[list[int]]:
 
 def run_query(target: Any, stack: Any, rows: Any, tokens: torch.Tensor, positions: torch.Tensor,
               lens: list[int], *, num_layers: int | None = None, kv_positions: torch.Tensor | None = None,
-              tree_mask: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
+              tree_mask: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+              aux_layers: tuple[int, ...] | None = None) -> Any:
     """The first `num_layers` layers of `stack` (a compat.model.DecoderStack; None: every layer and
     the final norm) over the query tokens of batch rows `rows` (`lens[i]` consecutive tokens each,
     flattened request after request), attending to and writing the target's KV cache (`target`: a
     compat.runner.TargetView). Returns the residual stream after those layers (the normed hidden
     states after all). Tree queries (draft trees) give the slots' positions (`kv_positions`) and
-    their ancestor mask (`tree_mask`)."""
+    their ancestor mask (`tree_mask`). `aux_layers` (every layer only): (normed, the streams entering
+    those layers), DecoderStack.run_all."""
     from vllm_sparsever.compat.forward_context import query_forward_context
     from vllm_sparsever.plan import tree_attention
 
@@ -48,7 +50,9 @@ def run_query(target: Any, stack: Any, rows: Any, tokens: torch.Tensor, position
     metadata, slots = target.attention_context(names, rows, positions, lens, kv_positions=kv_positions,
                                                block_table=block_table)
     with query_forward_context(metadata, target.vllm_config, int(tokens.numel()), slots), tree_attention(tree_mask):
-        return stack.run_all(tokens, positions) if num_layers is None else stack.run_layers(num_layers, tokens, positions)
+        if num_layers is None:
+            return stack.run_all(tokens, positions, aux_layers)
+        return stack.run_layers(num_layers, tokens, positions)
 
 
 def final_hidden(target: Any, stack: Any, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor,

@@ -23,7 +23,7 @@ import numpy as np
 
 from vllm_sparsever.compat.runner import (TargetView, async_scheduling, batch_num_rows, draft_step,
                                          finished_request_ids, input_batch_view, sampled_tokens, scheduled_drafts,
-                                         set_draft_token_ids)
+                                         set_draft_token_ids, step_token_layout)
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.drafting.factory import check_scheduling, make_proposer
 from vllm_sparsever.integration.step_recorder import StepRecorder
@@ -52,6 +52,9 @@ class SparseverRunnerMixin:
         check_scheduling(config, proposer, async_scheduling(self))
         self._sparsever_cuts_vllm_drafts = proposer is not None and proposer.cuts_vllm_drafts
         self._sparsever_propose_late = proposer is not None and proposer.proposes_late
+        # An EAGLE head sparsever runs (hierarchy) reads the target's states of every step's tokens.
+        self._sparsever_wants_states = proposer is not None and proposer.wants_target_states
+        self._sparsever_layout: list[tuple[str, int, list[int]]] = []
         self.sparsever_trees = TreeAcceptance()
         self.sparsever_tree_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (query indices)
         # The full level of a hierarchy over the sparse target verifies densely.
@@ -90,6 +93,8 @@ class SparseverRunnerMixin:
         proposer = self.sparsever_proposer
         self._sparsever_reuse = (proposer.streams_for_step(num_scheduled_tokens) if proposer is not None
                                  else None)
+        if self._sparsever_wants_states:
+            self._sparsever_layout = step_token_layout(self, num_scheduled_tokens)
         return result
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -129,6 +134,8 @@ class SparseverRunnerMixin:
                 scheduler_output = with_draft_depth(scheduler_output, depth, self.sparsever_config.num_speculative_tokens)
                 return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
             if self._sparsever_propose_late:
+                if self._sparsever_wants_states:
+                    self._observe_target_states(args, kwargs)
                 return [[] for _ in range(batch_num_rows(self))]  # the real drafts: sample_tokens
             if self.sparsever_proposer is not None:
                 return self._sparsever_propose(sampled_token_ids)
@@ -148,6 +155,20 @@ class SparseverRunnerMixin:
         self._sparsever_steps.finish_step(plan, sample_tokens_s, drafted_inside, output, self.sparsever_proposer,
                                           self.sparsever_runtime, self.sparsever_drafting_stats)
         return output
+
+    def _observe_target_states(self, args: tuple, kwargs: dict) -> None:
+        """The step's target states, per request, to the proposer (an EAGLE head it runs)."""
+        from vllm_sparsever.compat.drafter import pass_states
+
+        proposer = self.sparsever_proposer
+        layout, self._sparsever_layout = self._sparsever_layout, []
+        states = pass_states(args, kwargs, aux=proposer.state_layers is not None)
+        if states is None:
+            return
+        offset = 0
+        for req_id, first, tokens in layout:
+            proposer.observe_target_states(req_id, first, tokens, states[offset: offset + len(tokens)])
+            offset += len(tokens)
 
     def _propose_after_bookkeeping(self, output: Any) -> None:
         """Draft-model drafting, or EVICT's cut of vLLM's drafts, for the next step, from this

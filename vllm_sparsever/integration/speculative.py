@@ -30,9 +30,11 @@ def self_draft_lookahead(vllm_config: Any) -> int:
     - 1 tree nodes after the root."""
     additional = getattr(vllm_config, "additional_config", None) or {}
     data = additional.get(ADDITIONAL_CONFIG_KEY)
-    if not data or data.get("draft_source") in VLLM_DRAFTERS:  # vLLM reserves its drafter's slots
+    if not data:
         return 0
     early_exit = data.get("early_exit") or {}
+    if data.get("draft_source") in VLLM_DRAFTERS and not early_exit.get("enabled"):
+        return 0  # vLLM reserves its drafter's slots
     tree = (data.get("tree") or {}).get("enabled") or (data.get("adaptive") or {}).get("enabled")
     if data.get("draft_source") != "early_exit" and not early_exit.get("enabled") and not tree:
         return 0
