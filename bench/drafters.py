@@ -9,7 +9,8 @@ on chat and code prompts, side by side in one run.
 Methods (one engine each, the order rotated every round so drift hits all alike; tok/s summed over
 the categories, chat: mt_bench, code: humaneval): autoregressive; vLLM `draft_model` (the 0.5B
 draft) at k=3; vLLM `eagle3` with the head at each --eagle-ks; sparsever over the same head, a fixed
-chain at each --eagle-ks and EVICT chains (cap --evict-k). Reports tok/s, mean acceptance length,
+chain at each --eagle-ks, EVICT chains and EVICT-cut trees (EAGLE-2 style, grown by sparsever; cap
+--evict-k nodes). --methods runs a subset. Reports tok/s, mean acceptance length,
 and for sparsever's engines the share of step time spent drafting and verifying. Writes
 bench/results/drafters_<tag>_<stamp>.json/.md and bench/results/summary/drafters.json.
 """
@@ -43,6 +44,16 @@ def methods(args, head: str) -> list[Method]:
     out.append(Method("sparsever-eagle3-evict", True, False,
                       lambda a, d: {"method": "sparsever", "draft_source": "eagle3", "model": head,
                                     "num_speculative_tokens": a.evict_k, "adaptive": {"enabled": True}}))
+    # EAGLE-2 style trees from the head, grown by sparsever and cut by EVICT.
+    out.append(Method("sparsever-eagle3-evict-tree", True, False,
+                      lambda a, d: {"method": "sparsever", "draft_source": "eagle3", "model": head,
+                                    "num_speculative_tokens": a.evict_k, "tree": {"enabled": True},
+                                    "adaptive": {"enabled": True}}))
+    if args.methods:
+        unknown = sorted(set(args.methods) - {m.name for m in out})
+        if unknown:
+            raise SystemExit(f"--methods: unknown {unknown} (allowed: {', '.join(m.name for m in out)})")
+        out = [m for m in out if m.name in args.methods]
     return out
 
 
@@ -71,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eagle-ks", type=int, nargs="+", default=[3, 5])
     p.add_argument("--evict-k", type=int, default=6, help="EVICT chains: the cap")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="run only these methods (names as in the results; default: all)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--compile", action="store_true")
@@ -85,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.methods and not args.no_summary:
+        raise SystemExit("--methods: a run of some methods writes no summary (add --no-summary)")
     from vllm_sparsever.cli import resolve_model
     from vllm_sparsever.offline.train_eagle import MANIFEST_NAME, head_dir
 
@@ -174,11 +189,13 @@ def write_summary(record: dict, results: dict, base: Path, manifest: dict) -> di
         dm = next(n for n in entries if n.startswith("draft_model-k"))
         _, eagle_tok_s = best(entries, "vllm-eagle3-k")
         sv, sv_tok_s = best(entries, "sparsever-eagle3")
+        evict = [n for n in entries if n.startswith("sparsever-eagle3-evict")]  # chains, trees
+        evict_mode, evict_tok_s = best(entries, "sparsever-eagle3-evict") if evict else (None, None)
         summary[key] = {**where, "autoregressive_tok_s": entries["autoregressive"]["tok_s"],
                         "draft_model_tok_s": entries[dm]["tok_s"], "vllm_eagle3_best_tok_s": eagle_tok_s,
                         "sparsever_best": {"mode": sv, "tok_s": sv_tok_s,
                                            "mean_acceptance_length": entries[sv]["mean_acceptance_length"] or 1.0},
-                        "sparsever_evict_tok_s": (entries.get("sparsever-eagle3-evict") or {}).get("tok_s")}
+                        "sparsever_evict_tok_s": evict_tok_s, "sparsever_evict_mode": evict_mode}
     summary["dtype"] = record["args"]["dtype"]
     summary["aims"] = aims(summary)
     seconds = (manifest.get("seconds") or {}).get("total")

@@ -38,7 +38,7 @@ def test_eagle_heads_map_to_vllms_method_with_the_head_as_model(source):
 
 
 @pytest.mark.parametrize("source", ["eagle", "eagle3"])
-def test_the_sparse_hierarchy_runs_over_eagle_heads(source):
+def test_the_sparse_hierarchy_and_trees_run_over_eagle_heads(source):
     """The hierarchy over an EAGLE head: vLLM still loads the head (its method), sparsever drafts
     with it in rounds, and the scheduler reserves the hierarchy's lookahead slots."""
     from types import SimpleNamespace
@@ -51,8 +51,12 @@ def test_the_sparse_hierarchy_runs_over_eagle_heads(source):
     assert cfg.to_vllm_speculative_kwargs() == {"method": source, "model": "/m/head", "num_speculative_tokens": 4}
     assert self_draft_lookahead(SimpleNamespace(additional_config={"sparsever": cfg.to_dict()})) == 4 + 2
     chains = SparseverConfig.from_dict({"method": "sparsever", "draft_source": source, "model": "/m/head",
-                                        "num_speculative_tokens": 4})
+                                        "num_speculative_tokens": 4, "adaptive": {"enabled": True}})
     assert self_draft_lookahead(SimpleNamespace(additional_config={"sparsever": chains.to_dict()})) == 0
+    # Trees from the head: sparsever grows them (up to num_speculative_tokens nodes after the root).
+    trees = SparseverConfig.from_dict({"method": "sparsever", "draft_source": source, "model": "/m/head",
+                                       "num_speculative_tokens": 6, "tree": {"enabled": True}})
+    assert self_draft_lookahead(SimpleNamespace(additional_config={"sparsever": trees.to_dict()})) == 6
 
 
 def test_mtp_maps_to_vllms_method_without_a_model():
@@ -91,8 +95,8 @@ def test_serialization_round_trip():
          ["early_exit.intermediate", "eagle head", "'sparse'", "'early_exit'"]),
         ({"num_speculative_tokens": 3, "draft_source": "mtp", "early_exit": {"enabled": True}},
          ["early_exit.enabled", "mtp", "'draft_model', 'ngram', 'early_exit', 'eagle', 'eagle3'"]),
-        ({"num_speculative_tokens": 3, "draft_source": "eagle3", "model": "h", "tree": {"enabled": True}},
-         ["tree.enabled", "draft_source='eagle3'"]),
+        ({"num_speculative_tokens": 3, "draft_source": "mtp", "tree": {"enabled": True}},
+         ["tree.enabled", "draft_source='mtp'", "'eagle3'"]),
         ({"num_speculative_tokens": 3, "draft_source": "draft_model"}, ["model", "required"]),
         ({"num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, ["prompt_lookup_min", "<="]),
         ({"num_speculative_tokens": 3, "model": "d", "prompt_lookup_max": 2}, ["prompt_lookup_max", "ngram"]),

@@ -314,7 +314,7 @@ VLLM_DRAFTERS = ("eagle", "eagle3", "mtp")
 EAGLE_HEAD_SOURCES = ("eagle", "eagle3")
 DRAFT_SOURCES = ("draft_model", "ngram", "early_exit", *VLLM_DRAFTERS)
 INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
-TREE_DRAFT_SOURCES = ("draft_model", "early_exit")  # drafters with probabilities to grow trees by
+TREE_DRAFT_SOURCES = ("draft_model", "early_exit", "eagle", "eagle3")  # drafters with probabilities to grow trees by
 # EVICT chains from n-gram matches too (calibrated per depth), and vLLM's drafters' chains (their probabilities)
 ADAPTIVE_DRAFT_SOURCES = ("draft_model", "ngram", "early_exit", "eagle", "eagle3", "mtp")
 

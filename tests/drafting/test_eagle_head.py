@@ -65,13 +65,15 @@ class _Head:
 
     def __init__(self):
         self.passes = []
+        self.hidden_in = []
 
     def combine(self, states):
         return states
 
     def forward(self, input_ids, positions, hidden_states):
         self.passes.append((positions.tolist(), input_ids.tolist()))
-        return (input_ids + positions).float().unsqueeze(1), hidden_states
+        self.hidden_in.append(hidden_states.clone())
+        return (input_ids + positions).float().unsqueeze(1), hidden_states + 100
 
     def compute_logits(self, hidden):
         return torch.nn.functional.one_hot(hidden[:, 0].long() % VOCAB, VOCAB).float()
@@ -121,7 +123,7 @@ def test_a_request_without_the_states_of_its_last_tokens_gets_no_drafts(drafter)
     assert d.draft(_reqs([1, 2, 3, 4])) == [[]]  # position 2's state missing
     assert d.stats.missing_states == 2 and not head.passes
     d.forget({"r"})
-    assert d.request_state() == {"eagle_head_records": 0}
+    assert d.request_state() == {"draft_trees": 0, "eagle_head_records": 0}
 
 
 def test_the_last_position_always_runs_its_output_drafts(drafter):
@@ -131,3 +133,39 @@ def test_the_last_position_always_runs_its_output_drafts(drafter):
     head.passes.clear()
     d.draft(_reqs([1, 2, 3, 4], budget=1))  # nothing new: the K/V holds, position 2 reruns
     assert head.passes == [([2], [4])]
+
+
+def test_trees_run_each_node_a_slot_before_its_own_fed_its_parents_hidden_state(monkeypatch):
+    """EAGLE-2 style trees: the root's pass is the catch-up, then one pass per level over the nodes
+    so far, each node at its depth's position - 1 (the head reads the state before it and the node
+    as next token), K/V one slot before the node's, its parent's head state as input."""
+    from vllm_sparsever.config import DraftTreeConfig
+
+    head = _Head()
+    contexts = []
+    target = SimpleNamespace(device=torch.device("cpu"), vllm_config=None, model=None, eagle_head=lambda: head,
+                             attention_context=lambda names, rows, positions, lens, kv_positions=None:
+                             contexts.append((positions.tolist(), None if kv_positions is None
+                                              else kv_positions.tolist())) or ({}, {}))
+    monkeypatch.setattr("vllm_sparsever.compat.forward_context.query_forward_context", lambda *a: nullcontext())
+    d = EagleHeadDrafter(num_speculative_tokens=4, max_model_len=1024,
+                         tree=DraftTreeConfig(enabled=True, branching=2, expand=1, depth=3))
+    d.load(target)
+    prompt = [3, 1, 4, 1, 5]
+    d.observe_target_states("r", 0, prompt, _states(prompt, 0))
+    history = prompt + [9]  # the root, at position 5
+    reqs = d.requests(SimpleNamespace(req_ids=["r"], slot_limited=0, sampled=[[9]], budgets=np.array([4]),
+                                      num_tokens=np.array([6]), history=lambda row: np.asarray(history)))
+    trees, passes = d.grow_trees(reqs, 3, None)
+    tree = trees[0]
+    assert head.passes[0] == ([0, 1, 2, 3, 4], [1, 4, 1, 5, 9])  # the root's pass: catch-up up to it
+    best = (9 + 4) % VOCAB  # the head's favourite after the root
+    assert tree.tokens[0] == best and tree.parents[0] == -1
+    # Level 1: the expanded child of the root, at the root's position (5), K/V at slot 5.
+    assert head.passes[1] == ([5], [best]) and contexts[1] == ([5], [5])
+    assert torch.equal(head.hidden_in[1], head.hidden_in[0][-1:] + 100)  # the root's output state
+    # Level 2: that node again (its K/V under the tree mask), then its expanded child, fed the node's output.
+    child = (best + 5) % VOCAB
+    assert head.passes[2] == ([5, 6], [best, child]) and contexts[2] == ([5, 6], [5, 6])
+    assert torch.equal(head.hidden_in[2][1:], head.hidden_in[1] + 100)
+    assert len(passes) == 3 and d.stats.missing_states == 0

@@ -55,8 +55,7 @@ def eagle_head(target, tmp_path_factory) -> Path:
 
 
 def _spec(source: str, head: Path, **extra) -> dict:
-    return {"method": "sparsever", "draft_source": source, "model": str(head), "num_speculative_tokens": NUM_SPEC,
-            **extra}
+    return {"method": "sparsever", "draft_source": source, "model": str(head), "num_speculative_tokens": NUM_SPEC} | extra
 
 
 def _run(target: Path, spec: dict | None, *, sample: bool = False, long: bool = False, **engine_kwargs):
@@ -269,6 +268,34 @@ def test_the_hierarchys_eagle3_head_drafts_what_vllms_drafter_drafts(plain, targ
     assert len(both) >= 10, (len(both), len(rounds))
     same = sum(theirs[: len(ours)] == ours for theirs, ours in both)
     assert same >= 0.9 * len(both), f"{same} of {len(both)} chains identical"
+
+
+def test_eagle3_trees_equal_plain_greedy_and_evict_cuts_them(plain, target, eagle3_head, tmp_path_factory):
+    """EAGLE-2 style dynamic trees from the EAGLE-3 head, grown by sparsever (each node fed its
+    parent's head state), verified in one target pass under the ancestor mask: greedy output equals
+    plain greedy, batch 6, with every level grown (and sampled output follows plain sampling), and
+    with EVICT cutting the trees (synthetic cost profile)."""
+    from e2e.test_trees import _cost_profile
+
+    tree = {"enabled": True, "branching": 2, "expand": 2, "depth": 3}
+    greedy, m, sampled = _run(target, _spec("eagle3", eagle3_head, num_speculative_tokens=6, tree=tree),
+                              sample=True, async_scheduling=False)
+    _assert_same(plain[0], greedy)
+    assert_follows_plain_sampling(sampled, plain[1], "eagle3 tree", SAMPLES, SAMPLE_TOKENS)
+    head, d, t = m["eagle_head"], m["tree_drafting"], m["tree_verify"]
+    assert head["eagle_head_missing_states"] == 0 and head["eagle_head_forward_passes"] > 0, head
+    assert d["tree_drafted"] > 0 and d["tree_draft_nodes_grown"] > d["tree_draft_nodes"] > 0, d
+    # Deeper than the root's two children: the level passes ran, each node fed its parent's state.
+    assert d["tree_draft_nodes"] > 2 * d["tree_drafted"] and d["tree_draft_levels"] >= t["tree_verify_steps"], d
+    assert t["tree_verify_trees"] > 0 and t["tree_accepted_tokens"] > 0, t
+
+    profile = _cost_profile(tmp_path_factory.mktemp("cost") / "cost.json", per_token_s=1e-3)
+    spec = _spec("eagle3", eagle3_head, num_speculative_tokens=6, tree=tree,
+                 adaptive={"enabled": True, "cost_profile": profile, "guard": False})
+    greedy, m, _ = _run(target, spec, async_scheduling=False)
+    _assert_same(plain[0], greedy)
+    assert m["evict"]["evict_truncated_steps"] > 0 and m["tree_verify"]["tree_verify_trees"] > 0, m["evict"]
+    assert m["eagle_head"]["eagle_head_missing_states"] == 0 and m["num_accepted_tokens"] > 0
 
 
 @pytest.fixture(scope="module")

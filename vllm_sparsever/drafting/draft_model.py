@@ -143,7 +143,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         last = torch.tensor(lens, device=device).cumsum(0) - 1
         return torch.softmax(self._stack.compute_logits(normed[last]).float(), dim=-1).topk(k, dim=-1)
 
-    def _tree_level_top(self, rows, tokens, positions, kv_positions, lens, tree_mask, wanted, k):
+    def _tree_level_top(self, rows, tokens, positions, kv_positions, lens, tree_mask, wanted, k, topologies):
         normed = final_hidden(self.target, self._stack, rows, tokens, positions, lens,
                               kv_positions=kv_positions, tree_mask=tree_mask)
         self.stats.forward_passes += 1

@@ -30,6 +30,7 @@ import torch
 
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.queries import flatten_queries
+from vllm_sparsever.drafting.tree_drafter import TreeDrafting
 
 
 @dataclass
@@ -123,17 +124,25 @@ class HeadRecord:
             self.states_base += cut
 
 
-class EagleHeadDrafter(RoundDrafter):
+class EagleHeadDrafter(TreeDrafting, RoundDrafter):
     level = "eagle_head"
     proposes_late = True  # from the committed tokens and the step's target states
     wants_target_states = True
 
-    def __init__(self, *, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None,
+                 adaptive: Any = None) -> None:
+        """`tree`/`adaptive`: DraftTreeConfig/AdaptiveVerificationConfig to draft trees (EAGLE-2 style,
+        EVICT-cut with adaptive), or None for chains in rounds (the hierarchy's drafter)."""
         super().__init__(EagleHeadStats(), num_speculative_tokens=num_speculative_tokens,
                          max_model_len=max_model_len)
         self.head: Any = None  # compat.drafter.EagleHead
         self.aux_layers: tuple[int, ...] | None = None  # EAGLE-3: the target layers whose streams it reads
         self._records: dict[str, HeadRecord] = {}
+        # Trees, per batch row of the step: the head's hidden state after the root, and after each node
+        # of the last level's query (a node's children read their parent's).
+        self._root_hidden: dict[int, torch.Tensor] = {}
+        self._node_hidden: dict[int, torch.Tensor] = {}
+        self.init_trees(tree, adaptive, num_speculative_tokens)
 
     def load(self, target: Any) -> None:
         from vllm_sparsever.compat.model import aux_hidden_state_layers
@@ -152,18 +161,56 @@ class EagleHeadDrafter(RoundDrafter):
         return self.aux_layers
 
     def forget(self, req_ids: set[str]) -> None:
+        super().forget(req_ids)
         for req_id in req_ids:
             self._records.pop(req_id, None)
 
     def request_state(self) -> dict[str, int]:
-        return {"eagle_head_records": len(self._records)}
+        return {**super().request_state(), "eagle_head_records": len(self._records)}
 
     def requests(self, step: Any, cap: int | None = None) -> DraftRequests:
         reqs = super().requests(step, cap)
         live = set(step.req_ids)
         for req_id in [r for r in self._records if r not in live]:  # finished or preempted
             del self._records[req_id]
-        return reqs
+        if self.tree is None:
+            return reqs
+        # Trees: a request without the states of its last tokens gets no tree (hierarchy rounds
+        # find out per round, in `draft`).
+        keep = [i for i in range(len(reqs.rows)) if self._catch_up(reqs, i, []) is not None]
+        self.stats.missing_states += len(reqs.rows) - len(keep)
+        return reqs.subset(keep) if len(keep) < len(reqs.rows) else reqs
+
+    def propose(self, step: Any) -> list[list[int]]:
+        if self.tree is None:
+            return super().propose(step)
+        start = time.perf_counter()
+        drafts = self.propose_trees(step)
+        self.stats.draft_tokens += sum(len(d) for d in drafts)
+        self.stats.draft_time_s += time.perf_counter() - start
+        return drafts
+
+    def _catch_up(self, reqs: DraftRequests, i: int, pending: list[int]) -> tuple[int, list[int], Any] | None:
+        """Request `i`'s head pass up to its last token (committed tokens, then `pending`): (first
+        position, the next token at each position, the target's states there), or None when those
+        states are missing."""
+        record = self._records.get(reqs.req_ids[i])
+        if record is None:
+            return None
+        history = reqs.histories[i]
+        committed = len(history)
+        length = committed + len(pending)
+        last = reqs.positions[i]
+        assert length - 1 == last, "pending tokens must end at the request's position"
+
+        def token_at(p: int) -> int:
+            return int(history[p]) if p < committed else pending[p - committed]
+
+        found = record.states_for(min(record.kv_valid(token_at, length), last - 1), last, token_at)
+        if found is None:
+            return None
+        first, states = found
+        return first, [token_at(p + 1) for p in range(first, last)], states
 
     @torch.inference_mode()
     def observe_target_states(self, req_id: str, first_position: int, token_ids: list[int],
@@ -183,28 +230,14 @@ class EagleHeadDrafter(RoundDrafter):
         active, next_tokens, firsts, hidden = [], [], [], []
         for i in range(len(reqs.rows)):
             budget = min(self.num_speculative_tokens, reqs.budgets[i])
-            record = self._records.get(reqs.req_ids[i])
-            if budget <= 0 or record is None:
-                if budget > 0:
-                    self.stats.missing_states += 1
+            if budget <= 0:
                 continue
-            history, extra = reqs.histories[i], pending[i]
-            committed = len(history)
-            length = committed + len(extra)
-            last = reqs.positions[i]
-            assert length - 1 == last, "pending tokens must end at the request's position"
-
-            def token_at(p: int, history=history, extra=extra, committed=committed) -> int:
-                return int(history[p]) if p < committed else extra[p - committed]
-
-            valid = record.kv_valid(token_at, length)
-            found = record.states_for(min(valid, last - 1), last, token_at)
-            if found is None:
+            run = self._catch_up(reqs, i, pending[i])
+            if run is None:
                 self.stats.missing_states += 1
                 continue
-            first, states = found
-            run_next = [token_at(p + 1) for p in range(first, last)]
-            record.ran(first, run_next, committed - 1)
+            first, run_next, states = run
+            self._records[reqs.req_ids[i]].ran(first, run_next, len(reqs.histories[i]) - 1)
             active.append((i, budget))
             next_tokens.append(run_next)
             firsts.append(first)
@@ -214,7 +247,6 @@ class EagleHeadDrafter(RoundDrafter):
         while active:  # one pass per draft position; requests leave at their budget
             tokens, out_hidden, last_positions = self._predict([reqs.rows[i] for i, _ in active], next_tokens,
                                                                firsts, hidden)
-            self.stats.forward_passes += 1
             still, next_tokens, next_firsts, next_hidden = [], [], [], []
             for j, ((i, budget), token) in enumerate(zip(active, tokens, strict=True)):
                 drafts[i].append(token)
@@ -228,19 +260,78 @@ class EagleHeadDrafter(RoundDrafter):
         self.stats.draft_time_s += time.perf_counter() - start_time
         return drafts
 
+    # ---- trees (TreeDrafting) ----------------------------------------------------------------
+
+    def _catch_up_tokens(self, reqs: DraftRequests) -> int:
+        total = 0
+        for i in range(len(reqs.rows)):
+            run = self._catch_up(reqs, i, [])
+            total += 0 if run is None else len(run[1]) - 1
+        return total
+
+    def _tree_root_top(self, reqs: DraftRequests, idx: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's catch-up pass, ending at the position before its root (the root is the
+        next token there): the head's top-k after the root, and (kept per batch row) its hidden
+        state for the root's children."""
+        rows, next_tokens, firsts, hidden = [], [], [], []
+        for i in idx:
+            first, run_next, states = self._catch_up(reqs, i, [])  # (requests() kept those with states)
+            self._records[reqs.req_ids[i]].ran(first, run_next, len(reqs.histories[i]) - 1)
+            rows.append(reqs.rows[i])
+            next_tokens.append(run_next)
+            firsts.append(first)
+            hidden.append(states)
+            self.stats.catch_up_tokens += len(run_next) - 1
+        self.stats.rounds += 1
+        tokens, positions, lens = flatten_queries(next_tokens, firsts, self.target.device)
+        for_logits, for_next = self._head_pass(rows, tokens, positions, lens, torch.cat(hidden))
+        last = torch.tensor(lens, device=tokens.device).cumsum(0) - 1
+        self._root_hidden = {row: for_next[j: j + 1] for row, j in zip(rows, last.tolist(), strict=True)}
+        self._node_hidden = {}
+        return torch.softmax(self.head.compute_logits(for_logits[last]).float(), dim=-1).topk(k, dim=-1)
+
+    def _tree_level_top(self, rows, tokens, positions, kv_positions, lens, tree_mask, wanted, k, topologies):
+        """A level's pass over the growing trees' expanded nodes and frontiers under the tree mask.
+        The head runs a node one position before the node's own (it reads the state there and the
+        node as next token) and keeps its K/V one slot before the node's (the root's slot is free:
+        the head's K/V ends before it); a node is fed its parent's hidden state from the last pass
+        (the expanded nodes lead each query, in the last query's order)."""
+        from vllm_sparsever.plan import tree_attention
+
+        inputs = []
+        for row, topology in zip(rows, topologies, strict=True):
+            previous = self._node_hidden.get(row)
+            inputs.extend(self._root_hidden[row] if parent < 0 else previous[parent: parent + 1]
+                          for parent in topology.parents)
+        with tree_attention(tree_mask):
+            for_logits, for_next = self._head_pass(rows, tokens, positions - 1, lens, torch.cat(inputs),
+                                                   kv_positions=kv_positions - 1)
+        for row, nodes in zip(rows, for_next.split(lens), strict=True):
+            self._node_hidden[row] = nodes
+        return torch.softmax(self.head.compute_logits(for_logits[wanted]).float(), dim=-1).topk(k, dim=-1)
+
+    # ---- head passes ------------------------------------------------------------------------
+
     def _predict(self, rows: list[int], next_tokens: list[list[int]], firsts: list[int],
                  hidden: list[torch.Tensor]) -> tuple[list[int], torch.Tensor, list[int]]:
-        """One head pass: per request, `next_tokens[i]` at positions `firsts[i]`, ... with the
+        """One chain pass: per request, `next_tokens[i]` at positions `firsts[i]`, ... with the
         states `hidden[i]`; returns each request's greedy draft after its last position, the head's
         hidden state there (fed to the next draft step) and that position."""
-        from vllm_sparsever.compat.forward_context import query_forward_context
-
-        device = self.target.device
-        tokens, positions, lens = flatten_queries(next_tokens, firsts, device)
-        metadata, slots = self.target.attention_context(self.head.layer_names, torch.tensor(rows, dtype=torch.long),
-                                                        positions, lens)
-        with query_forward_context(metadata, self.target.vllm_config, int(tokens.numel()), slots):
-            for_logits, for_next = self.head.forward(tokens, positions, torch.cat(hidden))
-        last = torch.tensor(lens, device=device).cumsum(0) - 1
+        tokens, positions, lens = flatten_queries(next_tokens, firsts, self.target.device)
+        for_logits, for_next = self._head_pass(rows, tokens, positions, lens, torch.cat(hidden))
+        last = torch.tensor(lens, device=tokens.device).cumsum(0) - 1
         ids = self.head.compute_logits(for_logits[last]).argmax(dim=-1).tolist()
         return ids, for_next[last], positions[last].tolist()
+
+    def _head_pass(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor, lens: list[int],
+                   hidden: torch.Tensor, kv_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over `lens[i]` query tokens of batch row `rows[i]` (flattened), on the target's
+        KV cache: (hidden states for the logits, hidden states for the next draft step)."""
+        from vllm_sparsever.compat.forward_context import query_forward_context
+
+        metadata, slots = self.target.attention_context(self.head.layer_names, torch.tensor(rows, dtype=torch.long),
+                                                        positions, lens, kv_positions=kv_positions)
+        with query_forward_context(metadata, self.target.vllm_config, int(tokens.numel()), slots):
+            out = self.head.forward(tokens, positions, hidden)
+        self.stats.forward_passes += 1
+        return out

@@ -33,6 +33,12 @@ def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | Non
         # (checked at start: no hierarchy with trees)
         return DraftModelDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
                                  **trees)
+    if config.draft_source in EAGLE_HEAD_SOURCES and config.tree.enabled:
+        from vllm_sparsever.drafting.eagle_head import EagleHeadDrafter
+
+        # EAGLE-2 style trees: sparsever grows them with the head itself (vLLM's proposer drafts chains).
+        return EagleHeadDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
+                                **trees)
     if config.draft_source in VLLM_DRAFTERS and config.adaptive.enabled:
         from vllm_sparsever.drafting.vllm_drafter import VllmDrafterChains
 

@@ -154,7 +154,7 @@ class SelfDraftProposer(TreeDrafting, RoundDrafter):
             torch.tensor([reqs.tokens[i] for i in idx], dtype=torch.long, device=device),
             torch.tensor([reqs.positions[i] for i in idx], dtype=torch.long, device=device), [1] * len(idx), k)
 
-    def _tree_level_top(self, rows, tokens, positions, kv_positions, lens, tree_mask, wanted, k):
+    def _tree_level_top(self, rows, tokens, positions, kv_positions, lens, tree_mask, wanted, k, topologies):
         self.stats.forward_passes += 1
         return self.model.top_tokens(self.exit_layer, torch.tensor(rows, dtype=torch.long), tokens, positions, lens,
                                      k, wanted=wanted, kv_positions=kv_positions, tree_mask=tree_mask)

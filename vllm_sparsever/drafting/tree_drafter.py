@@ -6,7 +6,8 @@ needs vLLM's own sampler the tree's best path as a chain, lets EVICT (adaptive/e
 step's trees, and hands vLLM the nodes (parents first) as drafts; `topologies()` tells the
 runner's plan how they hang together, `observe_acceptance()` calibrates EVICT.
 
-Drafters: the draft model (drafting/draft_model.py) and the self-drafter (drafting/self_draft.py).
+Drafters: the draft model (drafting/draft_model.py), the self-drafter (drafting/self_draft.py) and an
+EAGLE / EAGLE-3 head sparsever runs itself (drafting/eagle_head.py).
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ class TreeDrafting:
             mask = None if all(t.is_chain for t in topologies) else stacked_tree_mask(topologies).to(device)
             top_p, top_t = self._tree_level_top(
                 [reqs.rows[i] for i in live], as_long(tokens), as_long(positions), as_long(kv_positions), lens,
-                mask, as_long(wanted), cfg.branching)
+                mask, as_long(wanted), cfg.branching, topologies)
             self.tree_stats.levels += 1
             offset = 0
             for i in live:
@@ -294,8 +295,9 @@ class TreeDrafting:
 
     def _tree_level_top(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor,
                         kv_positions: torch.Tensor, lens: list[int], tree_mask: torch.Tensor,
-                        wanted: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k after the query tokens `wanted` of a level's tree query (K/V at `kv_positions`)."""
+                        wanted: torch.Tensor, k: int, topologies: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k after the query tokens `wanted` of a level's tree query (K/V at `kv_positions`;
+        `topologies[r]`: request r's query nodes' parents, -1 for the root's children)."""
         raise NotImplementedError
 
 

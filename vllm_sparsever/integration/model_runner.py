@@ -55,6 +55,7 @@ class SparseverRunnerMixin:
         # An EAGLE head sparsever runs (hierarchy) reads the target's states of every step's tokens.
         self._sparsever_wants_states = proposer is not None and proposer.wants_target_states
         self._sparsever_layout: list[tuple[str, int, list[int]]] = []
+        self._sparsever_state_paths: dict[str, list[int]] = {}
         self.sparsever_trees = TreeAcceptance()
         self.sparsever_tree_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (query indices)
         # The full level of a hierarchy over the sparse target verifies densely.
@@ -122,6 +123,7 @@ class SparseverRunnerMixin:
                     self, plan, *sample_call_args(args, kwargs), output)
             if plan is not None and plan.is_verify_step:  # here: vLLM proposes the next drafts later in the step
                 paths, self.sparsever_tree_paths = self.sparsever_tree_paths, {}
+                self._sparsever_state_paths = paths  # (an EAGLE head's states: the accepted path's)
                 self._sparsever_steps.observe_acceptance(self.sparsever_proposer, plan, output, paths)
         return output
 
@@ -162,13 +164,19 @@ class SparseverRunnerMixin:
 
         proposer = self.sparsever_proposer
         layout, self._sparsever_layout = self._sparsever_layout, []
+        paths, self._sparsever_state_paths = self._sparsever_state_paths, {}
         states = pass_states(args, kwargs, aux=proposer.state_layers is not None)
         if states is None:
             return
         offset = 0
         for req_id, first, tokens in layout:
-            proposer.observe_target_states(req_id, first, tokens, states[offset: offset + len(tokens)])
+            rows = states[offset: offset + len(tokens)]
             offset += len(tokens)
+            path = paths.get(req_id)
+            if path is not None:  # a verified tree: the root, then the accepted nodes hold the positions after it
+                keep = [0, *path]
+                tokens, rows = [tokens[j] for j in keep], rows[keep]
+            proposer.observe_target_states(req_id, first, tokens, rows)
 
     def _propose_after_bookkeeping(self, output: Any) -> None:
         """Draft-model drafting, or EVICT's cut of vLLM's drafts, for the next step, from this

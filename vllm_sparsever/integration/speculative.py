@@ -33,8 +33,9 @@ def self_draft_lookahead(vllm_config: Any) -> int:
     if not data:
         return 0
     early_exit = data.get("early_exit") or {}
-    if data.get("draft_source") in VLLM_DRAFTERS and not early_exit.get("enabled"):
-        return 0  # vLLM reserves its drafter's slots
+    if data.get("draft_source") in VLLM_DRAFTERS and not early_exit.get("enabled") and \
+            not (data.get("tree") or {}).get("enabled"):
+        return 0  # vLLM's drafter drafts (EVICT may cut its chains): vLLM reserves its slots
     tree = (data.get("tree") or {}).get("enabled") or (data.get("adaptive") or {}).get("enabled")
     if data.get("draft_source") != "early_exit" and not early_exit.get("enabled") and not tree:
         return 0
