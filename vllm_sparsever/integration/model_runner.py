@@ -10,7 +10,8 @@ the runner's per-step hooks only, and each delegates:
   streams where the hierarchy has them;
 - `_sample`: tree acceptance (verification/tree.py) and the proposer told what was accepted;
 - `propose_draft_token_ids`, `sample_tokens`: sparsever's proposer (drafting/factory.py) proposes
-  instead of vLLM's drafter where one is configured; every step's times and acceptance go to the
+  instead of vLLM's drafter where one is configured (an EAGLE head it runs is first handed the step's
+  target states, laid out per request in `_prepare_inputs`); every step's times and acceptance go to the
   step recorder (step_recorder.py) and from there to the metrics.
 """
 
@@ -52,7 +53,7 @@ class SparseverRunnerMixin:
         check_scheduling(config, proposer, async_scheduling(self))
         self._sparsever_cuts_vllm_drafts = proposer is not None and proposer.cuts_vllm_drafts
         self._sparsever_propose_late = proposer is not None and proposer.proposes_late
-        # An EAGLE head sparsever runs (hierarchy) reads the target's states of every step's tokens.
+        # An EAGLE head sparsever runs (hierarchy, trees) reads the target's states of every step's tokens.
         self._sparsever_wants_states = proposer is not None and proposer.wants_target_states
         self._sparsever_layout: list[tuple[str, int, list[int]]] = []
         self._sparsever_state_paths: dict[str, list[int]] = {}
