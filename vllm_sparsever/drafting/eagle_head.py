@@ -212,6 +212,25 @@ class EagleHeadDrafter(TreeDrafting, RoundDrafter):
         first, states = found
         return first, [token_at(p + 1) for p in range(first, last)], states
 
+    def _start_runs(self, reqs: DraftRequests, idx: list[int], pending: list[list[int]]) -> tuple[list[int], ...]:
+        """The catch-up runs of requests `idx` (`_catch_up`), recorded as run: (the requests that have
+        one, and per such request its next tokens, first position and states); the others are
+        counted as missing their states."""
+        ran, next_tokens, firsts, hidden = [], [], [], []
+        for i in idx:
+            run = self._catch_up(reqs, i, pending[i])
+            if run is None:
+                self.stats.missing_states += 1
+                continue
+            first, run_next, states = run
+            self._records[reqs.req_ids[i]].ran(first, run_next, len(reqs.histories[i]) - 1)
+            ran.append(i)
+            next_tokens.append(run_next)
+            firsts.append(first)
+            hidden.append(states)
+            self.stats.catch_up_tokens += len(run_next) - 1
+        return ran, next_tokens, firsts, hidden
+
     @torch.inference_mode()
     def observe_target_states(self, req_id: str, first_position: int, token_ids: list[int],
                               states: torch.Tensor) -> None:
@@ -227,22 +246,10 @@ class EagleHeadDrafter(TreeDrafting, RoundDrafter):
         start_time = time.perf_counter()
         pending = pending or [[] for _ in reqs.rows]
         drafts: list[list[int]] = [[] for _ in reqs.rows]
-        active, next_tokens, firsts, hidden = [], [], [], []
-        for i in range(len(reqs.rows)):
-            budget = min(self.num_speculative_tokens, reqs.budgets[i])
-            if budget <= 0:
-                continue
-            run = self._catch_up(reqs, i, pending[i])
-            if run is None:
-                self.stats.missing_states += 1
-                continue
-            first, run_next, states = run
-            self._records[reqs.req_ids[i]].ran(first, run_next, len(reqs.histories[i]) - 1)
-            active.append((i, budget))
-            next_tokens.append(run_next)
-            firsts.append(first)
-            hidden.append(states)
-            self.stats.catch_up_tokens += len(run_next) - 1
+        budgets = [min(self.num_speculative_tokens, b) for b in reqs.budgets]
+        ran, next_tokens, firsts, hidden = self._start_runs(
+            reqs, [i for i, b in enumerate(budgets) if b > 0], pending)
+        active = [(i, budgets[i]) for i in ran]
         self.stats.rounds += 1
         while active:  # one pass per draft position; requests leave at their budget
             tokens, out_hidden, last_positions = self._predict([reqs.rows[i] for i, _ in active], next_tokens,
@@ -273,15 +280,9 @@ class EagleHeadDrafter(TreeDrafting, RoundDrafter):
         """Each request's catch-up pass, ending at the position before its root (the root is the
         next token there): the head's top-k after the root, and (kept per batch row) its hidden
         state for the root's children."""
-        rows, next_tokens, firsts, hidden = [], [], [], []
-        for i in idx:
-            first, run_next, states = self._catch_up(reqs, i, [])  # (requests() kept those with states)
-            self._records[reqs.req_ids[i]].ran(first, run_next, len(reqs.histories[i]) - 1)
-            rows.append(reqs.rows[i])
-            next_tokens.append(run_next)
-            firsts.append(first)
-            hidden.append(states)
-            self.stats.catch_up_tokens += len(run_next) - 1
+        ran, next_tokens, firsts, hidden = self._start_runs(reqs, idx, [[] for _ in reqs.rows])
+        assert ran == idx, "requests() keeps only requests with the states of their last tokens"
+        rows = [reqs.rows[i] for i in idx]
         self.stats.rounds += 1
         tokens, positions, lens = flatten_queries(next_tokens, firsts, self.target.device)
         for_logits, for_next = self._head_pass(rows, tokens, positions, lens, torch.cat(hidden))
