@@ -345,3 +345,23 @@ def test_tree_config():
             SparseverConfig.from_dict(raw)
         for word in words:
             assert word in str(info.value), (raw, str(info.value))
+
+
+def test_draft_vocab_config():
+    base = {"method": "sparsever", "model": "d", "num_speculative_tokens": 4}
+    for section in ({"adaptive": {"enabled": True}}, {"tree": {"enabled": True}}):
+        cfg = SparseverConfig.from_dict({**base, **section, "draft_vocab": 32768})
+        assert cfg.draft_vocab == 32768
+        assert "draft_vocab" not in cfg.to_vllm_speculative_kwargs()
+    bad = [
+        ({**base, "adaptive": True, "draft_vocab": 0}, ["draft_vocab", ">= 1"]),
+        ({**base, "adaptive": True, "draft_vocab": "all"}, ["draft_vocab", "integer"]),
+        ({**base, "draft_vocab": 1024}, ["draft_vocab", "adaptive.enabled, tree.enabled or early_exit.enabled"]),
+        ({"method": "sparsever", "num_speculative_tokens": 4, "adaptive": True, "draft_vocab": 1024},
+         ["draft_vocab", "draft_source='draft_model'", "early_exit.draft_vocab"]),
+    ]
+    for raw, words in bad:
+        with pytest.raises(SparseverConfigError) as info:
+            SparseverConfig.from_dict(raw)
+        for word in words:
+            assert word in str(info.value), (raw, str(info.value))

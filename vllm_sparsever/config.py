@@ -332,6 +332,11 @@ class SparseverConfig:
     model: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    # draft_source='draft_model' with sparsever's drafter (adaptive, tree or early_exit enabled): the
+    # draft model drafts over this many lowest token ids plus the stop tokens and every token of the
+    # live requests (drafting/draft_vocab.py), reading that part of its LM head only. Lossless. None:
+    # the whole vocabulary. (The self-drafter's is early_exit.draft_vocab.)
+    draft_vocab: int | None = None
     attention: AttentionSparsityConfig = field(default_factory=AttentionSparsityConfig)
     ffn: FFNSparsityConfig = field(default_factory=FFNSparsityConfig)
     moe: MoESparsityConfig = field(default_factory=MoESparsityConfig)
@@ -447,6 +452,18 @@ class SparseverConfig:
                     f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
                 )
         ee = self.early_exit
+        if self.draft_vocab is not None:
+            _check_int("draft_vocab", self.draft_vocab, minimum=1)
+            if self.draft_source != "draft_model":
+                raise SparseverConfigError(
+                    "draft_vocab: only valid with draft_source='draft_model' (the self-drafter's is "
+                    f"early_exit.draft_vocab), got draft_source={self.draft_source!r}"
+                )
+            if not (self.adaptive.enabled or self.tree.enabled or ee.enabled):
+                raise SparseverConfigError(
+                    "draft_vocab: vLLM's own draft_model proposer drafts over the whole vocabulary; sparsever "
+                    "runs the draft model with adaptive.enabled, tree.enabled or early_exit.enabled (set one)"
+                )
         if self.draft_source != "early_exit":
             for name in ("draft_layer", "draft_vocab", "draft_confidence"):
                 default = 0.0 if name == "draft_confidence" else None

@@ -37,3 +37,58 @@ def test_lm_head_rows_single_rank(vllm_env):
     # Logits over the trimmed rows equal the full logits at those ids.
     h = torch.randn(3, 4)
     assert torch.allclose(h @ rows.T, (h @ weight.T)[:, ids])
+
+
+def _head(vocab=50, hidden=8, soft_cap=None, scale=1.0):
+    from vllm_sparsever.compat.model import PlainLMHead
+
+    return PlainLMHead(weight=torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)),
+                       soft_cap=soft_cap, scale=scale)
+
+
+def test_plain_lm_head_matches_vllms_logits_processor(vllm_env):
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_sparsever.compat.model import plain_lm_head
+
+    weight = torch.randn(40, 8)
+    processor = LogitsProcessor(40, org_vocab_size=37, scale=0.5, soft_cap=3.0)
+    lm_head = SimpleNamespace(weight=weight, bias=None)
+    head = plain_lm_head(SimpleNamespace(lm_head=lm_head, logits_processor=processor))
+    assert head.weight.shape[0] == 37  # vocabulary padding dropped
+    hidden = torch.randn(3, 8)
+    full = torch.tanh(hidden @ weight[:37].T / 3.0) * 3.0 * 0.5  # what compute_logits returns
+    ids = torch.tensor([36, 0, 5])
+    assert torch.allclose(head.logits(hidden, head.weight[ids]), full[:, ids], atol=1e-6)
+    with pytest.raises(ValueError, match="bias"):
+        plain_lm_head(SimpleNamespace(lm_head=SimpleNamespace(weight=weight, bias=torch.zeros(40)),
+                                      logits_processor=processor))
+
+
+def test_context_vocab_drafts_low_ids_stop_tokens_and_the_requests_tokens():
+    import numpy as np
+
+    from vllm_sparsever.drafting.draft_vocab import ContextDraftVocab
+
+    head = _head(soft_cap=5.0, scale=2.0)
+    vocab = ContextDraftVocab(head, 10, always=(45, 3, 99))  # 3 is below 10, 99 outside the vocabulary
+    vocab.update(["a", "b"], [np.array([1, 30, 12, 30]), np.array([4, 5])])
+    assert vocab.ids.tolist() == list(range(10)) + [12, 30, 45]
+    hidden = torch.randn(4, 8)
+    full = head.logits(hidden, head.weight)
+    # Logits of the drafted ids equal the full head's at those ids; argmax/top map back to token ids.
+    assert torch.allclose(vocab.logits(hidden), full[:, vocab.ids], atol=1e-5)
+    best = full[:, vocab.ids].argmax(-1)
+    assert vocab.argmax(hidden) == vocab.ids[best].tolist()
+    probs, ids = vocab.top(hidden, 3)
+    assert ids[:, 0].tolist() == vocab.ids[best].tolist()
+    assert torch.allclose(probs.sum(-1), torch.softmax(full[:, vocab.ids], -1).topk(3, -1).values.sum(-1))
+    # New tokens of a live request join; a finished request's leave; an unchanged batch reuses the rows.
+    vocab.update(["a", "b"], [np.array([1, 30, 12, 30, 20]), np.array([4, 5])])
+    assert vocab.ids.tolist()[10:] == [12, 20, 30, 45] and vocab.rebuilds == 2
+    vocab.update(["b"], [np.array([4, 5, 6])])
+    assert vocab.ids.tolist()[10:] == [45] and vocab.rebuilds == 3
+    vocab.update(["b"], [np.array([4, 5, 6, 7])])
+    assert vocab.rebuilds == 3
+    with pytest.raises(ValueError, match="between 1 and the draft model's vocabulary"):
+        ContextDraftVocab(head, 51)

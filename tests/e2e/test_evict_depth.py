@@ -87,3 +87,35 @@ def test_depth_follows_the_drafters_cost_and_stays_lossless(plain_greedy, runs):
     assert (e_costly["evict_skipped_drafting_steps"] + e_costly["evict_plain_check_steps"]
             == planned_costly.get(0, 0)), info
     assert e_costly["evict_nodes_drafted"] < 0.5 * e_cheap["evict_nodes_drafted"], info
+
+
+def test_draft_vocab_chains_stay_lossless(plain_greedy, tiny_target, tmp_path):
+    """`draft_vocab`: the draft model (here the target itself, always right over the whole vocabulary)
+    drafts over the lowest ids, the stop tokens and the requests' own tokens only; output stays the
+    target's."""
+    from vllm import LLM, SamplingParams
+
+    from e2e.test_trees import _cost_profile
+    from vllm_sparsever.metrics import get_metrics
+
+    size = 8
+    spec = {"method": "sparsever", "model": str(tiny_target), "num_speculative_tokens": 3, "draft_vocab": size,
+            "adaptive": {"enabled": True, "guard": False, "depth": "cap",
+                         "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)}}
+    llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
+              speculative_config=spec, async_scheduling=False)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        outs = llm.generate(prompts(NUM_PROMPTS), params, use_tqdm=False)
+        metrics = get_metrics(llm)
+        vocab = len(llm.get_tokenizer())
+    finally:
+        del llm
+        gc.collect()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [tokens for tokens, _ in plain_greedy]
+    info = json.dumps(metrics, default=str)
+    # The last step's set: the low ids, EOS and the last live request's tokens, far from the whole vocabulary.
+    assert size < metrics["draft_model"]["draft_model_vocab_tokens"] < vocab, info
+    # Over the whole vocabulary this draft is right on every token (the cheap drafter above: > 90%
+    # accepted); over the trimmed set it proposes the set's best token where the target's is outside it.
+    assert 0 < metrics["num_accepted_tokens"] < 0.8 * metrics["num_draft_tokens"], info

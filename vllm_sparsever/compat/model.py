@@ -12,7 +12,8 @@ Private symbols touched (vLLM model classes, `vllm/model_executor/models/{llama,
   platforms whose `use_all_gather()` is true, CPU included);
 - `model.lm_head.weight` (`ParallelLMHead` / tied `VocabParallelEmbedding`: rank r holds rows
   [r * n, (r + 1) * n) of the vocabulary padded at its end, so the all-gathered weight's first
-  `vocab_size` rows are the vocabulary in order);
+  `vocab_size` rows are the vocabulary in order), `model.logits_processor`'s `soft_cap`, `scale`
+  and `org_vocab_size` (what `compute_logits` applies after the head: `plain_lm_head`);
 - `model.model.aux_hidden_state_layers` (the layers whose incoming streams the forward returns for
   an EAGLE-3 head, set by vLLM's runner; the residual stream entering layer i, i = len(layers): the
   stream before the final norm);
@@ -118,6 +119,45 @@ def aux_hidden_state_layers(model: Any) -> tuple[int, ...]:
     """The layers whose incoming residual streams the target's forward collects for an EAGLE-3 head
     (vLLM's `SupportsEagle3.set_aux_hidden_state_layers` stores them on the inner model), in order."""
     return tuple(sorted(getattr(model.model, "aux_hidden_state_layers", ())))
+
+
+@dataclass(frozen=True)
+class PlainLMHead:
+    """An LM head whose logits for any subset of tokens can be computed from its weight rows alone:
+    the whole vocabulary's weight (every TP rank holds all of it) and what vLLM's logits processor
+    does after the product."""
+
+    weight: torch.Tensor  # [vocab_size, hidden]
+    soft_cap: float | None
+    scale: float
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`compute_logits(hidden)[:, ids]` given `rows = weight[ids]` (float32)."""
+        logits = torch.nn.functional.linear(hidden, rows).float()
+        if self.soft_cap is not None:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        return logits
+
+
+def plain_lm_head(model: Any) -> PlainLMHead:
+    """`model`'s LM head as a PlainLMHead (the weight gathered across TP ranks once); ValueError
+    when its logits need more than the weight rows (a bias, a quantized head, logits as input)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+
+    head, processor = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or processor is None:
+        raise ValueError(f"{type(model).__name__}: no lm_head.weight / logits_processor")
+    if not weight.dtype.is_floating_point or getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}: the LM head is quantized or has a bias")
+    if getattr(processor, "logits_as_input", False):
+        raise ValueError(f"{type(model).__name__}: its logits processor takes logits as input")
+    if get_tensor_model_parallel_world_size() > 1:
+        weight = tensor_model_parallel_all_gather(weight.contiguous(), dim=0)
+    return PlainLMHead(weight=weight[: int(processor.org_vocab_size)], soft_cap=processor.soft_cap,
+                       scale=float(processor.scale))
 
 
 def lm_head_rows(model, token_ids: torch.Tensor) -> torch.Tensor:

@@ -324,6 +324,18 @@ class TargetView:
     def draft_model(self) -> Any:
         return draft_model(self._runner)
 
+    def stop_token_ids(self) -> set[int]:
+        """The target's end-of-sequence tokens (its config's and its generation config's)."""
+        config = self.model_config
+        ids: set[int] = set()
+        for value in (getattr(config.hf_text_config, "eos_token_id", None),
+                      config.try_get_generation_config().get("eos_token_id")):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return ids
+
     def eagle_head(self) -> Any:
         """The EAGLE / EAGLE-3 head vLLM loaded, as sparsever runs it (compat.drafter.EagleHead)."""
         from vllm_sparsever.compat.drafter import EagleHead

@@ -13,6 +13,9 @@ With `tree` or `adaptive` (config sections), it drafts a dynamic tree per reques
 chain (drafting/tree_drafter.py): the catch-up pass ends at the request's last token (the root),
 then one pass per level over the nodes expanded so far under the tree mask. It then proposes on
 its own (no hierarchy), after `sample_tokens` like in a hierarchy.
+
+With `draft_vocab` it drafts over part of the vocabulary (drafting/draft_vocab.py,
+`ContextDraftVocab`): the LM head is a large share of a small draft model's bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.drafting.draft_vocab import ContextDraftVocab
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.queries import final_hidden, flatten_queries
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
@@ -37,6 +41,7 @@ class DraftModelStats:
     catch_up_tokens: int = 0  # tokens run to bring the draft's KV up to date (prompts included)
     draft_tokens: int = 0
     slot_limited: int = 0  # see SelfDraftStats.slot_limited
+    vocab_tokens: int = 0  # draft_vocab: the token ids the last draft was taken from (0: all)
     draft_time_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -74,20 +79,32 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
     proposes_late = True  # from the committed tokens (vLLM's own draft_model proposes from device tensors)
 
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None,
-                 adaptive: Any = None) -> None:
+                 adaptive: Any = None, draft_vocab: int | None = None) -> None:
         """`tree`/`adaptive`: DraftTreeConfig/AdaptiveVerificationConfig to draft trees (EVICT-cut
-        with adaptive), or None for chains in rounds."""
+        with adaptive), or None for chains in rounds. `draft_vocab`: draft over the lowest this many
+        token ids plus the context's (None: the whole vocabulary)."""
         super().__init__(DraftModelStats(), num_speculative_tokens=num_speculative_tokens,
                          max_model_len=max_model_len)
         self._stack: Any = None
         self._kv: dict[str, _DraftKV] = {}
+        self._draft_vocab = draft_vocab
+        self._vocab: ContextDraftVocab | None = None
         self.init_trees(tree, adaptive, num_speculative_tokens)
 
     def load(self, target: Any) -> None:
-        from vllm_sparsever.compat.model import decoder_stack
+        from vllm_sparsever.compat.model import decoder_stack, plain_lm_head
 
         super().load(target)
-        self._stack = decoder_stack(target.draft_model())
+        model = target.draft_model()
+        self._stack = decoder_stack(model)
+        if self._draft_vocab is not None:
+            from vllm_sparsever.config import SparseverConfigError
+
+            try:
+                self._vocab = ContextDraftVocab(plain_lm_head(model), self._draft_vocab,
+                                                always=target.stop_token_ids())
+            except ValueError as e:
+                raise SparseverConfigError(f"draft_vocab: {e}") from e
 
     def forget(self, req_ids: set[str]) -> None:
         super().forget(req_ids)
@@ -102,7 +119,16 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         live = set(step.req_ids)
         for req_id in [r for r in self._kv if r not in live]:  # finished or preempted
             del self._kv[req_id]
+        if self._vocab is not None:
+            self._vocab.update(reqs.req_ids, reqs.histories)
+            self.stats.vocab_tokens = self._vocab.num_tokens
         return reqs
+
+    def _top(self, normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's top-k (probabilities, token ids) after each row of `normed`."""
+        if self._vocab is not None:
+            return self._vocab.top(normed, k)
+        return torch.softmax(self._stack.compute_logits(normed).float(), dim=-1).topk(k, dim=-1)
 
     def propose(self, step: DraftStep) -> list[list[int]]:
         start = time.perf_counter()
@@ -141,13 +167,13 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
             root = reqs.positions[i]
             self._kv[reqs.req_ids[i]] = _DraftKV(length=root + 1, tail_start=root + 1, tail=[])
         last = torch.tensor(lens, device=device).cumsum(0) - 1
-        return torch.softmax(self._stack.compute_logits(normed[last]).float(), dim=-1).topk(k, dim=-1)
+        return self._top(normed[last], k)
 
     def _tree_level_top(self, rows, tokens, positions, kv_positions, lens, tree_mask, wanted, k, topologies):
         normed = final_hidden(self.target, self._stack, rows, tokens, positions, lens,
                               kv_positions=kv_positions, tree_mask=tree_mask)
         self.stats.forward_passes += 1
-        return torch.softmax(self._stack.compute_logits(normed[wanted]).float(), dim=-1).topk(k, dim=-1)
+        return self._top(normed[wanted], k)
 
     @torch.inference_mode()
     def draft(self, reqs: DraftRequests, pending: list[list[int]] | None = None) -> list[list[int]]:
@@ -204,5 +230,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         tokens, positions, lens = flatten_queries(seqs, firsts, device)
         normed = final_hidden(self.target, self._stack, rows, tokens, positions, lens)
         last = torch.tensor(lens, device=device).cumsum(0) - 1
+        if self._vocab is not None:
+            return self._vocab.argmax(normed[last])
         return self._stack.compute_logits(normed[last]).argmax(dim=-1).tolist()
 
