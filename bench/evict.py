@@ -3,6 +3,8 @@ EVICT (chains and trees that choose their own depth), on chat and code prompts, 
 
     python bench/evict.py                                  # Qwen pair at batch 1 and 8, the MoE target
     python bench/evict.py --batch-sizes 1 --no-moe --rounds 2
+    python bench/evict.py --no-moe --batch-sizes 1 --draft-vocab 32768 --no-summary \
+        --methods autoregressive draft_model-k3 sparsever-evict-chain sparsever-evict-chain-vocab32768
 
 Qwen pair (target + same-family draft model): autoregressive, vLLM `draft_model` at k = --ks,
 sparsever EVICT chain (up to --evict-chain-k drafts) and EVICT tree (draft model). MoE target (no
@@ -42,6 +44,19 @@ def qwen_methods(args) -> list[Method]:
     out.append(Method("sparsever-evict-tree", True, True,
                       lambda a, d: {"method": "sparsever", "model": d, "num_speculative_tokens": a.tree_nodes,
                                     "tree": tree, "adaptive": {"enabled": True}}))
+    for n in args.draft_vocab:  # the same, the draft model drafting over part of the vocabulary
+        out.append(Method(f"sparsever-evict-chain-vocab{n}", True, True,
+                          lambda a, d, n=n: {"method": "sparsever", "model": d, "draft_vocab": n,
+                                             "num_speculative_tokens": a.evict_chain_k, "adaptive": {"enabled": True}}))
+        out.append(Method(f"sparsever-evict-tree-vocab{n}", True, True,
+                          lambda a, d, n=n: {"method": "sparsever", "model": d, "draft_vocab": n,
+                                             "num_speculative_tokens": a.tree_nodes, "tree": tree,
+                                             "adaptive": {"enabled": True}}))
+    if args.methods:
+        unknown = set(args.methods) - {m.name for m in out}
+        if unknown:
+            raise SystemExit(f"--methods: unknown {sorted(unknown)}; allowed: {[m.name for m in out]}")
+        out = [m for m in out if m.name in args.methods]
     return out
 
 
@@ -197,8 +212,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--draft-vocab", type=int, nargs="*", default=[], metavar="N",
+                   help="also run the EVICT chain and tree with the draft model's draft_vocab N")
+    p.add_argument("--methods", nargs="*", default=None,
+                   help="run only these Qwen methods (autoregressive first if given; needs --no-summary)")
+    p.add_argument("--no-summary", action="store_true", help="leave bench/results/summary/evict.json as it is")
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
+    if args.methods and not args.no_summary:
+        p.error("--methods runs a subset: add --no-summary (the summary compares every method)")
     args.contexts, args.num_long_prompts = [], 0
     return args
 
@@ -249,8 +271,11 @@ def main(argv=None) -> int:
             if key.startswith("batch_"):
                 md += [markdown(f"{name}: {Path(sec['target']).name}", int(key[6:]), entries), ""]
     base.with_suffix(".md").write_text("\n".join(md))
-    summary = write_summary(record, results, base)
     print("\n".join(md))
+    if args.no_summary:
+        print(f"results: {base}.json / .md (summary left as it was)")
+        return 0
+    summary = write_summary(record, results, base)
     print(json.dumps(summary, indent=1))
     print(f"results: {base}.json / .md; summary: {RESULTS / 'summary' / 'evict.json'}")
     return 0
