@@ -47,21 +47,27 @@ def _head(vocab=50, hidden=8, soft_cap=None, scale=1.0):
 
 
 def test_plain_lm_head_matches_vllms_logits_processor(vllm_env):
+    """Contract: compat.model.plain_lm_head reproduces vLLM's `compute_logits` (LogitsProcessor over a
+    ParallelLMHead: padding dropped, soft cap, scale) from weight rows alone."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     from vllm_sparsever.compat.model import plain_lm_head
 
-    weight = torch.randn(40, 8)
-    processor = LogitsProcessor(40, org_vocab_size=37, scale=0.5, soft_cap=3.0)
-    lm_head = SimpleNamespace(weight=weight, bias=None)
+    torch.manual_seed(0)
+    lm_head = ParallelLMHead(37, 8, params_dtype=torch.float32)  # padded to 64 rows
+    lm_head.weight.data.normal_()
+    lm_head.quant_method.process_weights_after_loading(lm_head)  # as the model loader does
+    processor = LogitsProcessor(37, scale=0.5, soft_cap=3.0)
     head = plain_lm_head(SimpleNamespace(lm_head=lm_head, logits_processor=processor))
-    assert head.weight.shape[0] == 37  # vocabulary padding dropped
+    assert head.weight.shape[0] == 37
     hidden = torch.randn(3, 8)
-    full = torch.tanh(hidden @ weight[:37].T / 3.0) * 3.0 * 0.5  # what compute_logits returns
+    full = processor(lm_head, hidden)
+    assert full.shape == (3, 37)
     ids = torch.tensor([36, 0, 5])
-    assert torch.allclose(head.logits(hidden, head.weight[ids]), full[:, ids], atol=1e-6)
+    assert torch.allclose(head.logits(hidden, head.weight[ids]), full[:, ids], atol=1e-5)
     with pytest.raises(ValueError, match="bias"):
-        plain_lm_head(SimpleNamespace(lm_head=SimpleNamespace(weight=weight, bias=torch.zeros(40)),
+        plain_lm_head(SimpleNamespace(lm_head=ParallelLMHead(37, 8, bias=True, params_dtype=torch.float32),
                                       logits_processor=processor))
 
 

@@ -131,9 +131,11 @@ class PlainLMHead:
     soft_cap: float | None
     scale: float
 
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """`compute_logits(hidden)[:, ids]` given `rows = weight[ids]` (float32)."""
-        logits = torch.nn.functional.linear(hidden, rows).float()
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor,
+               linear: Any = torch.nn.functional.linear) -> torch.Tensor:
+        """`compute_logits(hidden)[:, ids]` given `rows = weight[ids]` (float32); `linear(x, weight, bias)`
+        computes the product."""
+        logits = linear(hidden, rows, None).float()
         if self.soft_cap is not None:
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         if self.scale != 1.0:

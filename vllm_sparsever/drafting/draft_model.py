@@ -98,11 +98,15 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         model = target.draft_model()
         self._stack = decoder_stack(model)
         if self._draft_vocab is not None:
+            from vllm_sparsever import _custom_ops as ops
             from vllm_sparsever.config import SparseverConfigError
+            from vllm_sparsever.verification.linear import slow_16bit_cpu_linear
 
             try:
-                self._vocab = ContextDraftVocab(plain_lm_head(model), self._draft_vocab,
-                                                always=target.stop_token_ids())
+                head = plain_lm_head(model)
+                # torch's 16-bit linear is the slow one on CPUs without AVX-512 (verification/linear.py)
+                linear = ops.dense_linear if slow_16bit_cpu_linear(head.weight.dtype) else torch.nn.functional.linear
+                self._vocab = ContextDraftVocab(head, self._draft_vocab, always=target.stop_token_ids(), linear=linear)
             except ValueError as e:
                 raise SparseverConfigError(f"draft_vocab: {e}") from e
 
