@@ -14,7 +14,9 @@ A second engine without speculative decoding then runs the same prompts (`autore
 `--vllm-draft-model K` a third, vLLM's own `draft_model` method with K drafts (`vllm-draft_model`),
 and with `--evict [DRAFTER ...]` one more per drafter: sparsever's EVICT chains (up to `--cap`
 drafts, dense verification; needs `vllm-sparsever profile-verify TARGET` first) over the draft model
-(`evict-chain`) or n-gram lookup (`evict-ngram`). Engines run one after another, each shut down
+(`evict-chain`), the draft model over `--draft-vocab` token ids (`evict-chain-vocab`), that and
+attending to `--draft-window` recent positions (`evict-chain-vocab-window`), or n-gram lookup
+(`evict-ngram`). Engines run one after another, each shut down
 before the next starts; every engine runs each prompt after an untimed warm-up on it (prefilled
 into the prefix cache, and a few steps: as in a running server, EVICT has then measured steps).
 
@@ -26,6 +28,8 @@ hierarchy's batch shapes differ from dense verification's, so near-ties can flip
     python bench/lossless_sparse.py --contexts 8192 32000 --num-prompts 3 --tag qwen
     python bench/lossless_sparse.py --drafter draft_model --tag qwen-draft
     python bench/lossless_sparse.py --drafter draft_model --modes dense --evict draft_model ngram
+    python bench/lossless_sparse.py --drafter draft_model --modes --contexts 8192 --num-prompts 2 \
+        --evict draft_model draft_model-vocab draft_model-vocab-window
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
 
 MODES = ("dense", "sparse-hier", "sparse-approx", "dense-vllm-kernel")
-EVICT_MODES = {"draft_model": "evict-chain", "ngram": "evict-ngram"}  # --evict drafter -> mode
+EVICT_MODES = {"draft_model": "evict-chain", "draft_model-vocab": "evict-chain-vocab",  # --evict drafter -> mode
+               "draft_model-vocab-window": "evict-chain-vocab-window", "ngram": "evict-ngram"}
 LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", *EVICT_MODES.values())
 WARM_UP_TOKENS = 8
 
@@ -62,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--evict", nargs="*", choices=sorted(EVICT_MODES), default=None, metavar="DRAFTER",
                    help="also run EVICT chains over these drafters (draft_model, ngram; bare: --drafter's), "
                         "an engine each")
+    p.add_argument("--draft-vocab", type=int, default=32768, help="draft_vocab of the *-vocab EVICT drafters")
+    p.add_argument("--draft-window", type=int, default=1024,
+                   help="draft_attention_window of the draft_model-vocab-window EVICT drafter")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32000])
     p.add_argument("--num-prompts", type=int, default=3, help="long documents per context")
     p.add_argument("--task", choices=["summarize", "qa"], default="summarize")
@@ -96,6 +104,10 @@ def start_engine(args, target: str, max_len: int, speculative: bool = True, vllm
                         prompt_lookup_max=args.prompt_lookup_max)
         else:
             spec.update(model=resolve_model(args.draft))
+            if "vocab" in evict:
+                spec["draft_vocab"] = args.draft_vocab
+            if "window" in evict:
+                spec["draft_attention_window"] = args.draft_window
     elif vllm_draft_model:
         spec = {"method": "draft_model", "model": resolve_model(args.draft),
                 "num_speculative_tokens": vllm_draft_model}

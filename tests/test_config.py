@@ -347,18 +347,22 @@ def test_tree_config():
             assert word in str(info.value), (raw, str(info.value))
 
 
-def test_draft_vocab_config():
+def test_draft_model_vocab_and_window_config():
     base = {"method": "sparsever", "model": "d", "num_speculative_tokens": 4}
     for section in ({"adaptive": {"enabled": True}}, {"tree": {"enabled": True}}):
-        cfg = SparseverConfig.from_dict({**base, **section, "draft_vocab": 32768})
-        assert cfg.draft_vocab == 32768
-        assert "draft_vocab" not in cfg.to_vllm_speculative_kwargs()
+        cfg = SparseverConfig.from_dict({**base, **section, "draft_vocab": 32768, "draft_attention_window": 1024})
+        assert cfg.draft_vocab == 32768 and cfg.draft_attention_window == 1024
+        assert not {"draft_vocab", "draft_attention_window"} & set(cfg.to_vllm_speculative_kwargs())
     bad = [
         ({**base, "adaptive": True, "draft_vocab": 0}, ["draft_vocab", ">= 1"]),
         ({**base, "adaptive": True, "draft_vocab": "all"}, ["draft_vocab", "integer"]),
         ({**base, "draft_vocab": 1024}, ["draft_vocab", "adaptive.enabled, tree.enabled or early_exit.enabled"]),
         ({"method": "sparsever", "num_speculative_tokens": 4, "adaptive": True, "draft_vocab": 1024},
          ["draft_vocab", "draft_source='draft_model'", "early_exit.draft_vocab"]),
+        ({**base, "adaptive": True, "draft_attention_window": 0}, ["draft_attention_window", ">= 1"]),
+        ({**base, "draft_attention_window": 512}, ["draft_attention_window", "adaptive.enabled"]),
+        ({"method": "sparsever", "num_speculative_tokens": 4, "adaptive": True, "draft_attention_window": 512},
+         ["draft_attention_window", "draft_source='draft_model'"]),
     ]
     for raw, words in bad:
         with pytest.raises(SparseverConfigError) as info:

@@ -337,6 +337,10 @@ class SparseverConfig:
     # live requests (drafting/draft_vocab.py), reading that part of its LM head only. Lossless. None:
     # the whole vocabulary. (The self-drafter's is early_exit.draft_vocab.)
     draft_vocab: int | None = None
+    # draft_source='draft_model' under sparsever's drafter, as draft_vocab: the draft model's chain passes
+    # (and a tree's root pass) attend to the context's first KV block and its last N positions only
+    # (StreamingLLM-style sink + window, whole blocks). Lossless (drafts only). None: the whole context.
+    draft_attention_window: int | None = None
     attention: AttentionSparsityConfig = field(default_factory=AttentionSparsityConfig)
     ffn: FFNSparsityConfig = field(default_factory=FFNSparsityConfig)
     moe: MoESparsityConfig = field(default_factory=MoESparsityConfig)
@@ -452,17 +456,19 @@ class SparseverConfig:
                     f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
                 )
         ee = self.early_exit
-        if self.draft_vocab is not None:
-            _check_int("draft_vocab", self.draft_vocab, minimum=1)
+        for name in ("draft_vocab", "draft_attention_window"):
+            if getattr(self, name) is None:
+                continue
+            _check_int(name, getattr(self, name), minimum=1)
             if self.draft_source != "draft_model":
+                other = " (the self-drafter's is early_exit.draft_vocab)" if name == "draft_vocab" else ""
                 raise SparseverConfigError(
-                    "draft_vocab: only valid with draft_source='draft_model' (the self-drafter's is "
-                    f"early_exit.draft_vocab), got draft_source={self.draft_source!r}"
+                    f"{name}: only valid with draft_source='draft_model'{other}, got draft_source={self.draft_source!r}"
                 )
             if not (self.adaptive.enabled or self.tree.enabled or ee.enabled):
                 raise SparseverConfigError(
-                    "draft_vocab: vLLM's own draft_model proposer drafts over the whole vocabulary; sparsever "
-                    "runs the draft model with adaptive.enabled, tree.enabled or early_exit.enabled (set one)"
+                    f"{name}: vLLM's own draft_model proposer runs the draft model as it is; sparsever runs it "
+                    "with adaptive.enabled, tree.enabled or early_exit.enabled (set one)"
                 )
         if self.draft_source != "early_exit":
             for name in ("draft_layer", "draft_vocab", "draft_confidence"):

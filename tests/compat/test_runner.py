@@ -187,3 +187,22 @@ def test_target_load_hooks_close_before_the_drafter_loads(linear_kernel):
     assert seen == ([True, False] if linear_kernel == "vllm" else [False, True])
     assert "load_model" not in vars(runner.drafter)
     assert layer_utils.dispatch_cpu_unquantized_gemm is stock
+
+
+def test_windowed_block_table_keeps_the_sink_and_the_recent_blocks():
+    from vllm_sparsever.compat.runner import windowed_block_table
+
+    table = torch.arange(100, 110, dtype=torch.int32).repeat(3, 1)  # 10 blocks of 4 positions per request
+    seq_lens = torch.tensor([40, 40, 9], dtype=torch.int32)
+    firsts = torch.tensor([39, 20, 8])  # a decode-like query; a run of queries from 20; a short request
+    out, lens = windowed_block_table(table, seq_lens, firsts, 4, sink=1, recent=8)
+    # Request 0: block 0, then blocks 8-9 (positions 32-39 hold the last 8); 4 + 8 positions read.
+    assert out[0, :3].tolist() == [100, 108, 109] and int(lens[0]) == 12
+    # Request 1: its queries start at 20 (block 5): blocks 5-9 follow the sink.
+    assert out[1, :6].tolist() == [100, 105, 106, 107, 108, 109] and int(lens[1]) == 4 + 20
+    # Request 2: the window reaches back to the sink: unchanged.
+    assert torch.equal(out[2], table[2]) and int(lens[2]) == 9
+    assert torch.equal(table, torch.arange(100, 110, dtype=torch.int32).repeat(3, 1))  # not written in place
+    # The queries keep their places at the end: each position p >= the window's start maps to p - offset.
+    offset = (8 - 1) * 4
+    assert int(lens[0]) - 1 == 39 - offset

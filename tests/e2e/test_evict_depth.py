@@ -89,10 +89,11 @@ def test_depth_follows_the_drafters_cost_and_stays_lossless(plain_greedy, runs):
     assert e_costly["evict_nodes_drafted"] < 0.5 * e_cheap["evict_nodes_drafted"], info
 
 
-def test_draft_vocab_chains_stay_lossless(plain_greedy, tiny_target, tmp_path):
+def test_draft_vocab_and_window_stay_lossless(plain_greedy, tiny_target, tmp_path):
     """`draft_vocab`: the draft model (here the target itself, always right over the whole vocabulary)
-    drafts over the lowest ids, the stop tokens and the requests' own tokens only; output stays the
-    target's."""
+    drafts over the lowest ids, the stop tokens and the requests' own tokens only; with
+    `draft_attention_window` (1 position, blocks of 16) its passes read the first block and the
+    queries' own blocks only. Output stays the target's."""
     from vllm import LLM, SamplingParams
 
     from e2e.test_trees import _cost_profile
@@ -100,10 +101,11 @@ def test_draft_vocab_chains_stay_lossless(plain_greedy, tiny_target, tmp_path):
 
     size = 8
     spec = {"method": "sparsever", "model": str(tiny_target), "num_speculative_tokens": 3, "draft_vocab": size,
+            "draft_attention_window": 1,
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)}}
     llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
-              speculative_config=spec, async_scheduling=False)
+              speculative_config=spec, async_scheduling=False, block_size=16)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
         outs = llm.generate(prompts(NUM_PROMPTS), params, use_tqdm=False)

@@ -377,15 +377,17 @@ class TargetView:
 
     def attention_context(self, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor,
                           query_lens: list[int], kv_positions: torch.Tensor | None = None,
-                          block_table: torch.Tensor | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+                          block_table: torch.Tensor | None = None,
+                          window: tuple[int, int] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """`query_attention_context` over this runner's attention groups and batch."""
         return query_attention_context(self._runner, layer_names, rows, positions, query_lens,
-                                       kv_positions=kv_positions, block_table=block_table)
+                                       kv_positions=kv_positions, block_table=block_table, window=window)
 
 
 def query_attention_context(
     runner: Any, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor, query_lens: list[int],
     kv_positions: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Attention metadata and slot mapping for `query_lens[i]` consecutive query tokens of batch
     row `rows[i]`, whose positions are `positions` (flattened, request after request), each token
@@ -395,6 +397,9 @@ def query_attention_context(
     tokens: context length + query index, their positions being context length + depth).
     `block_table` [rows, blocks] (CPU int32): rows index it instead of the batch's block tables
     (synthetic requests: the verify-cost profiler, offline/profile_verify.py).
+    `window` (sink, recent): the queries attend to the KV blocks holding the first `sink` positions
+    and those from `recent` positions before the request's end (and from its first query token on),
+    read through a compacted block table (`windowed_block_table`); K/V are written where they belong.
     """
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -425,19 +430,23 @@ def query_attention_context(
             table_cpu = table.get_cpu_tensor() if block_table is None else block_table
             block = table_cpu[token_rows, pos_cpu // bs].long()
             slot = block * bs + pos_cpu % bs
+            read_table, read_lens = table_cpu[rows.cpu().long()], seq_lens
+            if window is not None:
+                firsts = pos_cpu[query_start_loc[:-1].long()]
+                read_table, read_lens = windowed_block_table(read_table, seq_lens, firsts, bs, *window)
             common = CommonAttentionMetadata(
                 query_start_loc=query_start_loc.to(device),
                 query_start_loc_cpu=query_start_loc,
-                seq_lens=seq_lens.to(device),
+                seq_lens=read_lens.to(device),
                 num_reqs=num_reqs,
                 num_actual_tokens=num_tokens,
                 max_query_len=int(lens.max()),
-                max_seq_len=int(seq_lens.max()),
-                block_table_tensor=table_cpu[rows.cpu().long()].to(device),
+                max_seq_len=int(read_lens.max()),
+                block_table_tensor=read_table.to(device),
                 slot_mapping=slot.to(device),
                 causal=True,
                 positions=positions,
-                seq_lens_cpu_upper_bound=seq_lens,
+                seq_lens_cpu_upper_bound=read_lens,
             )
             metadata = group.get_metadata_builder().build(common_prefix_len=0, common_attn_metadata=common)
             for name in names:
@@ -447,6 +456,26 @@ def query_attention_context(
     if wanted:
         raise ValueError(f"attention layers not in the runner's attention groups: {sorted(wanted)}")
     return per_layer, slots
+
+
+def windowed_block_table(table: torch.Tensor, seq_lens: torch.Tensor, first_queries: torch.Tensor, block_size: int,
+                         sink: int, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block table, sequence lengths) that read, per request, only the blocks holding positions
+    < `sink` and those from min(first query position, seq_len - `recent`) on, in order: queries at the
+    end of a sequence attend causally to that part of it (StreamingLLM's sink + recent window, on
+    whole blocks). `table` [reqs, blocks] (CPU), `seq_lens` / `first_queries` [reqs]."""
+    out, lens = table.clone(), seq_lens.clone()
+    num_sink = -(-sink // block_size)
+    for i in range(int(table.shape[0])):
+        length = int(seq_lens[i])
+        start = min(int(first_queries[i]), max(0, length - recent)) // block_size
+        if start <= num_sink:
+            continue
+        last = (length - 1) // block_size
+        kept = torch.cat([table[i, :num_sink], table[i, start: last + 1]])
+        out[i, : kept.numel()] = kept
+        lens[i] = num_sink * block_size + length - start * block_size
+    return out, lens
 
 
 @dataclass(frozen=True)

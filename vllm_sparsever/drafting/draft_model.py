@@ -15,7 +15,10 @@ then one pass per level over the nodes expanded so far under the tree mask. It t
 its own (no hierarchy), after `sample_tokens` like in a hierarchy.
 
 With `draft_vocab` it drafts over part of the vocabulary (drafting/draft_vocab.py,
-`ContextDraftVocab`): the LM head is a large share of a small draft model's bytes.
+`ContextDraftVocab`): the LM head is a large share of a small draft model's bytes. With
+`draft_attention_window` its chain passes (and a tree's root pass) attend to the context's first
+block and its last N positions only (StreamingLLM-style): at long context the draft's attention
+reads more bytes than its weights.
 """
 
 from __future__ import annotations
@@ -79,16 +82,19 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
     proposes_late = True  # from the committed tokens (vLLM's own draft_model proposes from device tensors)
 
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None,
-                 adaptive: Any = None, draft_vocab: int | None = None) -> None:
+                 adaptive: Any = None, draft_vocab: int | None = None,
+                 attention_window: int | None = None) -> None:
         """`tree`/`adaptive`: DraftTreeConfig/AdaptiveVerificationConfig to draft trees (EVICT-cut
         with adaptive), or None for chains in rounds. `draft_vocab`: draft over the lowest this many
-        token ids plus the context's (None: the whole vocabulary)."""
+        token ids plus the context's (None: the whole vocabulary). `attention_window`: the recent
+        positions the draft attends to besides the first block (None: the whole context)."""
         super().__init__(DraftModelStats(), num_speculative_tokens=num_speculative_tokens,
                          max_model_len=max_model_len)
         self._stack: Any = None
         self._kv: dict[str, _DraftKV] = {}
         self._draft_vocab = draft_vocab
         self._vocab: ContextDraftVocab | None = None
+        self._window = (1, attention_window) if attention_window is not None else None  # (sink, recent)
         self.init_trees(tree, adaptive, num_speculative_tokens)
 
     def load(self, target: Any) -> None:
@@ -165,7 +171,8 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self.stats.rounds += 1
         device = self.target.device
         tokens, positions, lens = flatten_queries(seqs, firsts, device)
-        normed = final_hidden(self.target, self._stack, [reqs.rows[i] for i in idx], tokens, positions, lens)
+        normed = final_hidden(self.target, self._stack, [reqs.rows[i] for i in idx], tokens, positions, lens,
+                              window=self._window)
         self.stats.forward_passes += 1
         for i in idx:  # the draft's K/V now holds the committed tokens, root included; nodes are scratch
             root = reqs.positions[i]
@@ -232,7 +239,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         `firsts[i]`..., writing the draft's K/V there)."""
         device = self.target.device
         tokens, positions, lens = flatten_queries(seqs, firsts, device)
-        normed = final_hidden(self.target, self._stack, rows, tokens, positions, lens)
+        normed = final_hidden(self.target, self._stack, rows, tokens, positions, lens, window=self._window)
         last = torch.tensor(lens, device=device).cumsum(0) - 1
         if self._vocab is not None:
             return self._vocab.argmax(normed[last])

@@ -32,7 +32,8 @@ def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | Non
 
         # (checked at start: no hierarchy with trees)
         return DraftModelDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
-                                 draft_vocab=config.draft_vocab, **trees)
+                                 draft_vocab=config.draft_vocab, attention_window=config.draft_attention_window,
+                                 **trees)
     if config.draft_source in EAGLE_HEAD_SOURCES and config.tree.enabled:
         from vllm_sparsever.drafting.eagle_head import EagleHeadDrafter
 
@@ -76,7 +77,7 @@ def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | Non
         from vllm_sparsever.drafting.draft_model import DraftModelDrafter
 
         drafter = DraftModelDrafter(num_speculative_tokens=round_tokens, max_model_len=max_model_len,
-                                    draft_vocab=config.draft_vocab)
+                                    draft_vocab=config.draft_vocab, attention_window=config.draft_attention_window)
     else:
         from vllm_sparsever.drafting.prompt_lookup import PromptLookupDrafter
 

@@ -34,21 +34,22 @@ def split_by_lengths(flat: list[int], lens: list[int]) -> list[list[int]]:
 def run_query(target: Any, stack: Any, rows: Any, tokens: torch.Tensor, positions: torch.Tensor,
               lens: list[int], *, num_layers: int | None = None, kv_positions: torch.Tensor | None = None,
               tree_mask: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-              aux_layers: tuple[int, ...] | None = None) -> Any:
+              aux_layers: tuple[int, ...] | None = None, window: tuple[int, int] | None = None) -> Any:
     """The first `num_layers` layers of `stack` (a compat.model.DecoderStack; None: every layer and
     the final norm) over the query tokens of batch rows `rows` (`lens[i]` consecutive tokens each,
     flattened request after request), attending to and writing the target's KV cache (`target`: a
     compat.runner.TargetView). Returns the residual stream after those layers (the normed hidden
     states after all). Tree queries (draft trees) give the slots' positions (`kv_positions`) and
     their ancestor mask (`tree_mask`). `aux_layers` (every layer only): (normed, the streams entering
-    those layers), DecoderStack.run_all."""
+    those layers), DecoderStack.run_all. `window` (sink, recent): attend to that part of the context
+    only (compat.runner.windowed_block_table)."""
     from vllm_sparsever.compat.forward_context import query_forward_context
     from vllm_sparsever.plan import tree_attention
 
     names = stack.attention_layer_names if num_layers is None else stack.attention_layer_names[:num_layers]
     rows = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long)
     metadata, slots = target.attention_context(names, rows, positions, lens, kv_positions=kv_positions,
-                                               block_table=block_table)
+                                               block_table=block_table, window=window)
     with query_forward_context(metadata, target.vllm_config, int(tokens.numel()), slots), tree_attention(tree_mask):
         if num_layers is None:
             return stack.run_all(tokens, positions, aux_layers)
