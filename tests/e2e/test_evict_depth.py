@@ -89,32 +89,38 @@ def test_depth_follows_the_drafters_cost_and_stays_lossless(plain_greedy, runs):
     assert e_costly["evict_nodes_drafted"] < 0.5 * e_cheap["evict_nodes_drafted"], info
 
 
-def test_draft_vocab_and_window_stay_lossless(plain_greedy, tiny_target, tmp_path):
-    """`draft_vocab`: the draft model (here the target itself, always right over the whole vocabulary)
-    drafts over the lowest ids, the stop tokens and the requests' own tokens only; with
-    `draft_attention_window` (1 position, blocks of 16) its passes read the first block and the
-    queries' own blocks only. Output stays the target's."""
+def _greedy(target, texts: list[str], **engine) -> tuple[list[list[int]], dict, int]:
     from vllm import LLM, SamplingParams
 
-    from e2e.test_trees import _cost_profile
     from vllm_sparsever.metrics import get_metrics
 
+    llm = LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
+              block_size=32, **engine)
+    try:
+        outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        metrics = get_metrics(llm) if "speculative_config" in engine else {}
+        return [list(o.outputs[0].token_ids) for o in outs], metrics, len(llm.get_tokenizer())
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
+    """`draft_vocab`: the draft model (here the target itself, always right over the whole vocabulary)
+    drafts over the lowest ids, the stop tokens and the requests' own tokens only; with
+    `draft_attention_window` (1 position, blocks of 32) its passes past the second block read the
+    first block and the queries' own blocks only. Output stays the target's."""
+    from e2e.test_trees import _cost_profile
+
+    texts = prompts(NUM_PROMPTS, length=60)  # ~60-100 tokens with the output: up to 4 blocks
     size = 8
     spec = {"method": "sparsever", "model": str(tiny_target), "num_speculative_tokens": 3, "draft_vocab": size,
             "draft_attention_window": 1,
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)}}
-    llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
-              speculative_config=spec, async_scheduling=False, block_size=16)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-        outs = llm.generate(prompts(NUM_PROMPTS), params, use_tqdm=False)
-        metrics = get_metrics(llm)
-        vocab = len(llm.get_tokenizer())
-    finally:
-        del llm
-        gc.collect()
-    assert [list(o.outputs[0].token_ids) for o in outs] == [tokens for tokens, _ in plain_greedy]
+    plain, _, _ = _greedy(tiny_target, texts)
+    outs, metrics, vocab = _greedy(tiny_target, texts, speculative_config=spec, async_scheduling=False)
+    assert outs == plain
     info = json.dumps(metrics, default=str)
     # The last step's set: the low ids, EOS and the last live request's tokens, far from the whole vocabulary.
     assert size < metrics["draft_model"]["draft_model_vocab_tokens"] < vocab, info
