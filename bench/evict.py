@@ -114,6 +114,7 @@ def aggregate(result: dict) -> dict:
             "skipped_drafting_share": evict.get("evict_skipped_drafting_steps", 0) / decisions if decisions else None,
             "probe_steps": evict.get("evict_probe_steps", 0),
             "plain_check_steps": evict.get("evict_plain_check_steps", 0),
+            "catch_up_deferred_steps": evict.get("evict_catch_up_deferred_steps", 0),
             "stopped_early_steps": evict.get("evict_stopped_early_steps", 0),
             "nodes_drafted": evict.get("evict_nodes_drafted", 0),
             "nodes_verified": evict.get("evict_nodes_kept", 0),

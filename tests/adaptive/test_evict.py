@@ -302,3 +302,31 @@ def test_fit_flags_non_monotone_points():
     profile = VerifyCostProfile(model="m", hardware="h", dtype="float32", measurements=ms).fit()
     assert len(profile.warnings) == 1 and "4 tokens took 90.0 ms" in profile.warnings[0]
     assert "rows=1 context=256" in profile.warnings[0]
+
+
+def test_guard_defers_a_long_catch_up_until_drafting_would_have_saved_its_cost():
+    """Rent or buy: a new long request (its prompt prefix-cached for the target, never run through the
+    draft) decodes plainly until the time drafting would have saved reaches the catch-up's measured
+    cost; then it drafts. Few catch-up tokens, or an unmeasured catch-up, are not deferred."""
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    evict = _measured(Evict(_profile(0.001), guard=True, depth_prior=0.9), 0.005)
+    shape = DraftShape(cap=3, budgets=(3,))
+    assert evict.plan_depth([256], shape, catch_up_tokens=5000) == 3  # catch-up cost never measured
+    evict.observe_catch_up(1000, 2.0)  # 2 ms a token: 10 s for 5000
+    assert evict.plan_depth([256], shape, catch_up_tokens=8) == 3
+    (plain_tokens, plain_s), (tokens, seconds) = evict._outlook([256], shape, 0, [1.0], [0.0], [1])[::3]
+    saved = plain_s - plain_tokens * seconds / tokens
+    expected = math.ceil(5000 * 0.002 / saved)
+    assert expected > 10
+    deferred = 0
+    while evict.plan_depth([256], shape, catch_up_tokens=5000) == 0 and deferred <= expected + 3:
+        deferred += 1
+    assert deferred == pytest.approx(expected - 1, abs=1)
+    assert evict.stats.catch_up_deferred_steps == deferred and evict.stats.skipped_drafting_steps == 0
+    # Drafting caught up: the next long catch-up (another new request) is deferred afresh.
+    assert evict.plan_depth([256], shape, catch_up_tokens=5000) == 0
+    # With the guard off, drafting is never deferred.
+    unguarded = _measured(Evict(_profile(0.001), guard=False, depth_prior=0.9), 0.005)
+    unguarded.observe_catch_up(1000, 2.0)
+    assert unguarded.plan_depth([256], shape, catch_up_tokens=5000) == 3

@@ -230,6 +230,7 @@ class EvictStats:
     skipped_drafting_steps: int = 0  # steps the guard skipped drafting in
     probe_steps: int = 0  # steps the guard drafted in although drafting did not pay, to re-measure
     plain_check_steps: int = 0  # steps the guard decoded plainly although drafting paid, to measure a plain step
+    catch_up_deferred_steps: int = 0  # steps decoded plainly although drafting paid, its catch-up not yet earned
     stopped_early_steps: int = 0  # drafting steps stopped before the planned depth (stopping rule)
     expected_tokens: float = 0.0  # sum over steps of the chosen expected emitted tokens
     predicted_verify_s: float = 0.0  # sum of the chosen predicted verify times (scaled)
@@ -246,6 +247,7 @@ class EvictStats:
             "evict_skipped_drafting_steps": self.skipped_drafting_steps,
             "evict_probe_steps": self.probe_steps,
             "evict_plain_check_steps": self.plain_check_steps,
+            "evict_catch_up_deferred_steps": self.catch_up_deferred_steps,
             "evict_stopped_early_steps": self.stopped_early_steps,
             "evict_expected_tokens": self.expected_tokens,
             "evict_predicted_verify_s": self.predicted_verify_s,
@@ -289,6 +291,7 @@ class Evict:
         # MoE targets: distinct experts per request's tokens (fed by the target's expert counter).
         self.experts = ExpertUnionModel(*profile.moe) if profile.moe else None
         self._skipped_s: dict[int, float] = {}  # guard, per batch size: plain time skipped since the last probe
+        self._catch_up_forgone_s = 0.0  # guard: time drafting would have saved while a catch-up was deferred
         self._skips: dict[int, int] = {}
         self._since_plain: dict[int, int] = {}  # guard: drafting steps since a plain step, per context band
 
@@ -387,6 +390,9 @@ class Evict:
             best = self._best(outlook, floor)
         if best and self.min_draft_tokens and shape.mask == "chain":
             best = max(best, min(self.min_draft_tokens, shape.cap))
+        if best and not floor and self._defer_catch_up(outlook, best, catch_up_tokens):
+            self.stats.catch_up_deferred_steps += 1
+            return self._planned(0)
         if best:
             self._skipped_s[rows], self._skips[rows] = 0.0, 0
             if not floor and self._plain_check_due(contexts):
@@ -411,6 +417,23 @@ class Evict:
         self._skipped_s[rows], self._skips[rows] = skipped_s, skips
         self.stats.skipped_drafting_steps += 1
         return self._planned(0)
+
+    def _defer_catch_up(self, outlook: list[tuple[float, float]], best: int, catch_up_tokens: int) -> bool:
+        """Guard, while drafting pays per step but the drafter must first catch up on many tokens (a
+        new long request's prompt, prefix-cached for the target but never run through the draft):
+        rent or buy. Decode plainly while the time drafting would have saved so far is below the
+        catch-up's measured cost, then draft: at most twice the better choice in hindsight, however
+        long the request turns out to be. An unmeasured catch-up is not deferred (it gets measured)."""
+        per_token_s = self.clock.catch_up_s_per_token
+        if catch_up_tokens < CATCH_UP_MIN_TOKENS or per_token_s is None:
+            self._catch_up_forgone_s = 0.0
+            return False
+        (plain_tokens, plain_s), (tokens, seconds) = outlook[0], outlook[best]
+        self._catch_up_forgone_s += max(plain_s - plain_tokens * seconds / tokens, 0.0)
+        if self._catch_up_forgone_s >= catch_up_tokens * per_token_s:
+            self._catch_up_forgone_s = 0.0
+            return False
+        return True
 
     def _plain_check_due(self, contexts: list[int]) -> bool:
         """Guard, while drafting pays: whether to decode this step plainly to measure a plain step in
