@@ -143,11 +143,18 @@ class PlainLMHead:
         return logits
 
 
+def _whole_vocabulary(weight: torch.Tensor) -> torch.Tensor:
+    """An LM head weight with every TP rank's vocabulary shard (all-gathered when sharded)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+
+    if get_tensor_model_parallel_world_size() > 1:
+        return tensor_model_parallel_all_gather(weight.contiguous(), dim=0)
+    return weight
+
+
 def plain_lm_head(model: Any) -> PlainLMHead:
     """`model`'s LM head as a PlainLMHead (the weight gathered across TP ranks once); ValueError
     when its logits need more than the weight rows (a bias, a quantized head, logits as input)."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
-
     head, processor = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
     weight = getattr(head, "weight", None)
     if weight is None or processor is None:
@@ -156,20 +163,14 @@ def plain_lm_head(model: Any) -> PlainLMHead:
         raise ValueError(f"{type(model).__name__}: the LM head is quantized or has a bias")
     if getattr(processor, "logits_as_input", False):
         raise ValueError(f"{type(model).__name__}: its logits processor takes logits as input")
-    if get_tensor_model_parallel_world_size() > 1:
-        weight = tensor_model_parallel_all_gather(weight.contiguous(), dim=0)
-    return PlainLMHead(weight=weight[: int(processor.org_vocab_size)], soft_cap=processor.soft_cap,
-                       scale=float(processor.scale))
+    return PlainLMHead(weight=_whole_vocabulary(weight)[: int(processor.org_vocab_size)],
+                       soft_cap=processor.soft_cap, scale=float(processor.scale))
 
 
 def lm_head_rows(model, token_ids: torch.Tensor) -> torch.Tensor:
     """A copy of the LM head rows of `token_ids` (the whole vocabulary gathered across TP ranks
     first, so every rank holds the same rows)."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
-
-    weight = model.lm_head.weight
-    if get_tensor_model_parallel_world_size() > 1:
-        weight = tensor_model_parallel_all_gather(weight.contiguous(), dim=0)
+    weight = _whole_vocabulary(model.lm_head.weight)
     return weight[token_ids.to(weight.device)].contiguous()
 
 
