@@ -81,6 +81,15 @@ def test_input_batch_view_reads_a_real_input_batch():
         view.num_reqs = 3
 
 
+def test_layers_block_table_reads_the_groups_block_table():
+    group = lambda names, gid: SimpleNamespace(layer_names=names, kv_cache_group_id=gid)  # noqa: E731
+    runner = SimpleNamespace(input_batch=_input_batch(),
+                             attn_groups=[[group(["t.0", "t.1"], 0)], [group(["d.0", "d.1"], 0)]])
+    table, block_size = compat_runner.layers_block_table(runner, ["d.0", "d.1"])
+    assert block_size == 32 and table[0, :2].tolist() == [7, 3] and table[1, 0] == 9
+    assert compat_runner.layers_block_table(runner, ["t.1", "d.0"]) is None  # two groups
+
+
 def test_scheduled_drafts_field_of_scheduler_output():
     from vllm.v1.core.sched.output import SchedulerOutput
 

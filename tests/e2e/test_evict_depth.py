@@ -89,17 +89,24 @@ def test_depth_follows_the_drafters_cost_and_stays_lossless(plain_greedy, runs):
     assert e_costly["evict_nodes_drafted"] < 0.5 * e_cheap["evict_nodes_drafted"], info
 
 
-def _greedy(target, texts: list[str], **engine) -> tuple[list[list[int]], dict, int]:
+def _greedy(target, texts: list[str], rounds: int = 1, **engine) -> tuple[list[list[list[int]]], list[dict], int]:
+    """Greedy outputs of `texts` and sparsever's metrics, per round (the same prompts again in one
+    engine: vLLM's prefix cache hands them the first round's blocks), and the vocabulary size."""
     from vllm import LLM, SamplingParams
 
-    from vllm_sparsever.metrics import get_metrics
+    from vllm_sparsever.metrics import get_metrics, reset_metrics
 
     llm = LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
-              block_size=32, **engine)
+              block_size=32, enable_prefix_caching=True, **engine)
     try:
-        outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-        metrics = get_metrics(llm) if "speculative_config" in engine else {}
-        return [list(o.outputs[0].token_ids) for o in outs], metrics, len(llm.get_tokenizer())
+        outs, metrics = [], []
+        for _ in range(rounds):
+            done = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+            outs.append([list(o.outputs[0].token_ids) for o in done])
+            if "speculative_config" in engine:
+                metrics.append(get_metrics(llm))
+                reset_metrics(llm)
+        return outs, metrics, len(llm.get_tokenizer())
     finally:
         del llm
         gc.collect()
@@ -118,12 +125,19 @@ def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
             "draft_attention_window": 1,
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)}}
-    plain, _, _ = _greedy(tiny_target, texts)
-    outs, metrics, vocab = _greedy(tiny_target, texts, speculative_config=spec, async_scheduling=False)
-    assert outs == plain
-    info = json.dumps(metrics, default=str)
+    (plain,), _, _ = _greedy(tiny_target, texts)
+    outs, rounds, vocab = _greedy(tiny_target, texts, rounds=2, speculative_config=spec, async_scheduling=False)
+    assert outs == [plain, plain]
+    metrics = rounds[0]
+    info = json.dumps(rounds, default=str)
     # The last step's set: the low ids, EOS and the last live request's tokens, far from the whole vocabulary.
     assert size < metrics["draft_model"]["draft_model_vocab_tokens"] < vocab, info
     # Over the whole vocabulary this draft is right on every token (the cheap drafter above: > 90%
     # accepted); over the trimmed set it proposes the set's best token where the target's is outside it.
     assert 0 < metrics["num_accepted_tokens"] < 0.8 * metrics["num_draft_tokens"], info
+    # The second round's prompts hit vLLM's prefix cache: the draft's K/V the first round left in
+    # those blocks serves them, so the draft runs at most the last partial block of each prompt.
+    first, second = rounds[0]["draft_model"], rounds[1]["draft_model"]
+    assert first["draft_model_shared_prefix_tokens"] == 0, info
+    assert second["draft_model_shared_prefix_tokens"] >= 32 * len(texts), info
+    assert second["draft_model_catch_up_tokens"] < first["draft_model_catch_up_tokens"] - 32 * len(texts), info

@@ -15,7 +15,8 @@ Private symbols touched:
 - self-drafting (`query_attention_context`): `runner.attn_groups` (`AttentionGroup.layer_names`,
   `.kv_cache_group_id`, `.kernel_block_size`, `.get_metadata_builder()`), the builder's
   `build(common_prefix_len, common_attn_metadata)`, `CommonAttentionMetadata`'s fields,
-  `input_batch.block_table[g]` (`get_cpu_tensor`, `block_size`, `num_blocks_per_row`),
+  `input_batch.block_table[g]` (`get_cpu_tensor`, `block_size`, `num_blocks_per_row`; also
+  `layers_block_table`: the draft model's blocks, whose K/V a prefix-cache hit may reuse),
   `input_batch.num_tokens_no_spec`, and `set_forward_context(..., slot_mapping=)` (per-layer slot
   mapping read by the attention layers' KV-cache write);
 - hierarchical verification: `runner.drafter.model` (the draft model vLLM's `draft_model` method
@@ -375,6 +376,10 @@ class TargetView:
 
         return step_contexts(self._runner)
 
+    def block_table(self, layer_names: list[str]) -> tuple[torch.Tensor, int] | None:
+        """`layers_block_table`: the block table and block size `layer_names` share, if one."""
+        return layers_block_table(self._runner, layer_names)
+
     def attention_context(self, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor,
                           query_lens: list[int], kv_positions: torch.Tensor | None = None,
                           block_table: torch.Tensor | None = None,
@@ -476,6 +481,18 @@ def windowed_block_table(table: torch.Tensor, seq_lens: torch.Tensor, first_quer
         out[i, : kept.numel()] = kept
         lens[i] = num_sink * block_size + length - start * block_size
     return out, lens
+
+
+def layers_block_table(runner: Any, layer_names: list[str]) -> tuple[torch.Tensor, int] | None:
+    """(block table [rows, blocks] on the CPU, block size) of the KV cache group that holds every
+    layer of `layer_names`; None where they span several groups."""
+    wanted = set(layer_names)
+    for groups in runner.attn_groups:
+        for group in groups:
+            if wanted <= set(group.layer_names):
+                table = runner.input_batch.block_table[group.kv_cache_group_id]
+                return table.get_cpu_tensor(), int(table.block_size)
+    return None
 
 
 @dataclass(frozen=True)

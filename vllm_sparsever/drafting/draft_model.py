@@ -31,6 +31,7 @@ import torch
 
 from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.drafting.draft_kv import DraftKV, SharedDraftBlocks
 from vllm_sparsever.drafting.draft_vocab import ContextDraftVocab
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.queries import final_hidden, flatten_queries
@@ -42,6 +43,7 @@ class DraftModelStats:
     rounds: int = 0  # draft() calls
     forward_passes: int = 0  # draft-model passes (catch-up passes included)
     catch_up_tokens: int = 0  # tokens run to bring the draft's KV up to date (prompts included)
+    shared_prefix_tokens: int = 0  # positions a request found its draft K/V at, in blocks an earlier one filled
     draft_tokens: int = 0
     slot_limited: int = 0  # see SelfDraftStats.slot_limited
     vocab_tokens: int = 0  # draft_vocab: the token ids the last draft was taken from (0: all)
@@ -50,31 +52,6 @@ class DraftModelStats:
     def summary(self) -> dict[str, Any]:
         return counters_summary(self, "draft_model_", {"draft_tokens": "draft_model_tokens",
                                                        "draft_time_s": "draft_model_time_s"})
-
-
-@dataclass
-class _DraftKV:
-    """A request's draft K/V: positions < `length` hold it; those below `tail_start` for committed
-    tokens (which never change), the rest for `tail` (tokens that were pending or drafts then)."""
-
-    length: int
-    tail_start: int
-    tail: list[int]
-
-    def valid_for(self, history: Any, pending: list[int]) -> int:
-        """How many leading positions hold K/V of the current sequence (`history`, the committed
-        tokens, then `pending`)."""
-        valid = min(self.length, self.tail_start)
-        committed, n = len(history), len(history) + len(pending)
-        for j, token in enumerate(self.tail):
-            position = self.tail_start + j
-            if position >= n:
-                break
-            current = int(history[position]) if position < committed else pending[position - committed]
-            if current != token:
-                break
-            valid = position + 1
-        return valid
 
 
 class DraftModelDrafter(TreeDrafting, RoundDrafter):
@@ -91,7 +68,8 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         super().__init__(DraftModelStats(), num_speculative_tokens=num_speculative_tokens,
                          max_model_len=max_model_len)
         self._stack: Any = None
-        self._kv: dict[str, _DraftKV] = {}
+        self._kv: dict[str, DraftKV] = {}
+        self._shared = SharedDraftBlocks()
         self._draft_vocab = draft_vocab
         self._vocab: ContextDraftVocab | None = None
         self._window = (1, attention_window) if attention_window is not None else None  # (sink, recent)
@@ -120,6 +98,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         super().forget(req_ids)
         for req_id in req_ids:
             self._kv.pop(req_id, None)
+            self._shared.forget(req_id)
 
     def request_state(self) -> dict[str, int]:
         return {**super().request_state(), "draft_kv": len(self._kv)}
@@ -129,6 +108,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         live = set(step.req_ids)
         for req_id in [r for r in self._kv if r not in live]:  # finished or preempted
             del self._kv[req_id]
+            self._shared.forget(req_id)
         if self._vocab is not None:
             self._vocab.update(reqs.req_ids, reqs.histories)
             self.stats.vocab_tokens = self._vocab.num_tokens
@@ -149,12 +129,48 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self.stats.draft_time_s += time.perf_counter() - start
         return drafts
 
+    # ---- where the draft's K/V is valid (drafting/draft_kv.py) ---------------------------------
+
+    def _valid(self, reqs: DraftRequests, i: int, pending: list[int]) -> int:
+        """How many leading positions of request `i` (its committed tokens, then `pending`) hold
+        the draft's K/V: those it ran, or on its first round those an earlier request left in the
+        blocks vLLM's prefix cache gave it."""
+        req_id, history = reqs.req_ids[i], reqs.histories[i]
+        kv = self._kv.get(req_id)
+        if kv is not None:
+            return kv.valid_for(history, pending)
+        blocks = self.target.block_table(self._stack.attention_layer_names)
+        if blocks is None:
+            return 0
+        table, block_size = blocks
+        matched = self._shared.matched(req_id, history, table[reqs.rows[i]], block_size)
+        if matched:
+            self._kv[req_id] = DraftKV(length=matched, tail_start=matched, tail=[])
+            self.stats.shared_prefix_tokens += matched
+        return matched
+
+    def _writing(self, rows: list[int], positions: torch.Tensor, lens: list[int]) -> None:
+        """A pass is about to write the draft's K/V at `positions` (flattened, `lens[i]` of batch
+        row `rows[i]`): the blocks it writes no longer hold what they were registered for."""
+        blocks = self.target.block_table(self._stack.attention_layer_names)
+        if blocks is None or not len(self._shared):
+            return
+        table, block_size = blocks
+        token_rows = torch.tensor(rows, dtype=torch.long).repeat_interleave(torch.tensor(lens))
+        self._shared.written(table[token_rows, positions.cpu().long() // block_size].unique().tolist())
+
+    def _committed(self, reqs: DraftRequests, i: int, length: int) -> None:
+        """Request `i`'s draft K/V holds its committed tokens at positions < `length`."""
+        blocks = self.target.block_table(self._stack.attention_layer_names)
+        if blocks is not None:
+            table, block_size = blocks
+            self._shared.record(reqs.req_ids[i], reqs.histories[i], length, table[reqs.rows[i]], block_size)
+
     # ---- trees (TreeDrafting) ----------------------------------------------------------------
 
     def _catch_up_start(self, reqs: DraftRequests, i: int) -> int:
         """The first position of request `i` whose draft K/V is stale."""
-        history, kv = reqs.histories[i], self._kv.get(reqs.req_ids[i])
-        return min(kv.valid_for(history, []) if kv is not None else 0, len(history) - 1)
+        return min(self._valid(reqs, i, []), len(reqs.histories[i]) - 1)
 
     def _catch_up_tokens(self, reqs: DraftRequests) -> int:
         return sum(len(reqs.histories[i]) - 1 - self._catch_up_start(reqs, i) for i in range(len(reqs.rows)))
@@ -171,16 +187,19 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self.stats.rounds += 1
         device = self.target.device
         tokens, positions, lens = flatten_queries(seqs, firsts, device)
-        normed = final_hidden(self.target, self._stack, [reqs.rows[i] for i in idx], tokens, positions, lens,
-                              window=self._window)
+        rows = [reqs.rows[i] for i in idx]
+        self._writing(rows, positions, lens)
+        normed = final_hidden(self.target, self._stack, rows, tokens, positions, lens, window=self._window)
         self.stats.forward_passes += 1
         for i in idx:  # the draft's K/V now holds the committed tokens, root included; nodes are scratch
             root = reqs.positions[i]
-            self._kv[reqs.req_ids[i]] = _DraftKV(length=root + 1, tail_start=root + 1, tail=[])
+            self._kv[reqs.req_ids[i]] = DraftKV(length=root + 1, tail_start=root + 1, tail=[])
+            self._committed(reqs, i, root + 1)
         last = torch.tensor(lens, device=device).cumsum(0) - 1
         return self._top(normed[last], k)
 
     def _tree_level_top(self, rows, tokens, positions, kv_positions, lens, tree_mask, wanted, k, topologies):
+        self._writing(list(rows), kv_positions, lens)
         normed = final_hidden(self.target, self._stack, rows, tokens, positions, lens,
                               kv_positions=kv_positions, tree_mask=tree_mask)
         self.stats.forward_passes += 1
@@ -203,9 +222,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
             committed = len(history)
             sequence_len = committed + len(pending[i])
             assert sequence_len - 1 == reqs.positions[i], "pending tokens must end at the request's position"
-            kv = self._kv.get(reqs.req_ids[i])
-            valid = kv.valid_for(history, pending[i]) if kv is not None else 0
-            first = min(valid, sequence_len - 1)  # the last token always runs: its logits draft
+            first = min(self._valid(reqs, i, pending[i]), sequence_len - 1)  # the last token runs: its logits draft
             tokens = [int(t) for t in history[first:]] + pending[i][max(0, first - committed):]
             active.append((i, budget))
             seqs.append(tokens)
@@ -229,7 +246,8 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
                 continue
             committed = reqs.positions[i] + 1 - len(pending[i])
             tail = pending[i] + drafts[i][:-1]
-            self._kv[reqs.req_ids[i]] = _DraftKV(length=committed + len(tail), tail_start=committed, tail=tail)
+            self._kv[reqs.req_ids[i]] = DraftKV(length=committed + len(tail), tail_start=committed, tail=tail)
+            self._committed(reqs, i, committed)
         self.stats.draft_tokens += sum(len(d) for d in drafts)
         self.stats.draft_time_s += time.perf_counter() - start
         return drafts
@@ -239,6 +257,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         `firsts[i]`..., writing the draft's K/V there)."""
         device = self.target.device
         tokens, positions, lens = flatten_queries(seqs, firsts, device)
+        self._writing(rows, positions, lens)
         normed = final_hidden(self.target, self._stack, rows, tokens, positions, lens, window=self._window)
         last = torch.tensor(lens, device=device).cumsum(0) - 1
         if self._vocab is not None:

@@ -1,0 +1,104 @@
+"""Where the draft model's K/V is valid: per request (the positions the drafter ran, `DraftKV`) and
+per KV block (`SharedDraftBlocks`: blocks vLLM's prefix cache hands a later request)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm_sparsever.drafting.draft_kv import DraftKV, SharedDraftBlocks
+from vllm_sparsever.drafting.draft_model import DraftModelDrafter
+from vllm_sparsever.drafting.drafter import DraftRequests
+
+
+def test_kv_of_accepted_pending_tokens_stays_valid():
+    # Written for committed [0..9] and then tail tokens 7, 8 at positions 10, 11 (pending + a draft).
+    kv = DraftKV(length=12, tail_start=10, tail=[7, 8])
+    history = np.arange(10)
+    assert kv.valid_for(history, [7, 8, 9]) == 12  # both still there, as pending
+    assert kv.valid_for(np.concatenate([history, [7, 8]]), [5]) == 12  # both committed since
+    assert kv.valid_for(np.concatenate([history, [7]]), [4]) == 11  # position 11 holds 4 now
+    assert kv.valid_for(np.concatenate([history, [3]]), []) == 10  # the first tail token was rejected
+
+
+def test_kv_never_claims_positions_the_sequence_does_not_have():
+    kv = DraftKV(length=12, tail_start=10, tail=[7, 8])
+    assert kv.valid_for(np.arange(10), [7]) == 11
+    assert kv.valid_for(np.arange(10), []) == 10
+    # Committed tokens are valid up to what was written, whatever came after.
+    assert DraftKV(length=6, tail_start=6, tail=[]).valid_for(np.arange(10), [1, 2]) == 6
+
+
+def test_a_later_request_finds_the_blocks_an_earlier_one_filled():
+    shared = SharedDraftBlocks()
+    prompt = np.arange(100, 111)  # 11 tokens, blocks of 4
+    shared.record("a", prompt, 11, [5, 6, 7], 4)  # blocks 5 and 6 filled; 7 holds 3 positions
+    assert len(shared) == 2
+    # The same prefix in the same blocks (a prefix-cache hit): both blocks; never the last token's.
+    assert shared.matched("b", prompt, [5, 6, 9], 4) == 8
+    assert shared.matched("b", prompt[:9], [5, 6, 9], 4) == 8
+    assert shared.matched("b", prompt[:8], [5, 6, 9], 4) == 4
+    # Another block id, or other tokens before or in a block: the K/V there is not this prefix's.
+    assert shared.matched("c", prompt, [5, 8, 9], 4) == 4
+    assert shared.matched("c", prompt, [6, 5, 9], 4) == 0
+    other = prompt.copy()
+    other[1] = 0
+    assert shared.matched("c", other, [5, 6, 9], 4) == 0
+    other = prompt.copy()
+    other[6] = 0
+    assert shared.matched("c", other, [5, 6, 9], 4) == 4
+
+
+def test_a_draft_write_into_a_block_drops_it_and_records_continue_where_they_stopped():
+    shared = SharedDraftBlocks()
+    tokens = np.arange(16)
+    shared.record("a", tokens, 6, [1, 2, 3, 4], 4)
+    assert shared.matched("x", tokens, [1, 2, 3, 4], 4) == 4
+    shared.record("a", tokens, 16, [1, 2, 3, 4], 4)  # the rest of "a" caught up
+    assert shared.matched("x", tokens, [1, 2, 3, 4], 4) == 12  # the last token's block never counts
+    shared.written([2])  # e.g. block 2 freed and handed to another request, whose draft wrote there
+    assert shared.matched("x", tokens, [1, 2, 3, 4], 4) == 4
+    shared.forget("a")
+    shared.record("a", tokens, 16, [1, 2, 3, 4], 4)  # recorded afresh from the first block
+    assert shared.matched("x", tokens, [1, 2, 3, 4], 4) == 12
+
+
+def _drafter(table: torch.Tensor, block_size: int) -> DraftModelDrafter:
+    drafter = DraftModelDrafter(num_speculative_tokens=3, max_model_len=64)
+    drafter.target = SimpleNamespace(block_table=lambda names: (table, block_size))
+    drafter._stack = SimpleNamespace(attention_layer_names=["draft.layers.0.attn"])
+    return drafter
+
+
+def _requests(rows, histories) -> DraftRequests:
+    n = len(rows)
+    return DraftRequests(rows=rows, tokens=[int(h[-1]) for h in histories],
+                         positions=[len(h) - 1 for h in histories], budgets=[3] * n,
+                         req_ids=[f"r{row}" for row in rows], histories=histories)
+
+
+def test_drafter_starts_a_prefix_cache_hit_after_the_shared_blocks():
+    table = torch.tensor([[5, 6, 7, 0], [5, 6, 9, 0], [5, 8, 9, 0]], dtype=torch.int32)
+    drafter = _drafter(table, 4)
+    history = np.arange(20, 31)  # 11 tokens
+    first = _requests([0], [history])
+    assert drafter._catch_up_start(first, 0) == 0  # nothing registered yet
+    drafter._committed(first, 0, 11)  # its catch-up ran: blocks 5 and 6 hold its prefix
+    later = _requests([1, 2], [history, history])
+    assert drafter._catch_up_start(later, 0) == 8  # row 1 shares both blocks
+    assert drafter._catch_up_start(later, 1) == 4  # row 2 shares the first only
+    assert drafter.stats.shared_prefix_tokens == 12
+    # A pass writing row 2's positions 4..7 (block 8) and row 1's 8..10 (block 9) drops nothing shared;
+    # one writing row 0's block 6 does.
+    drafter._writing([2, 1], torch.tensor([4, 5, 6, 7, 8, 9, 10]), [4, 3])
+    assert drafter._shared.matched("new", history, table[1], 4) == 8
+    drafter._writing([0], torch.tensor([6]), [1])
+    assert drafter._shared.matched("new", history, table[1], 4) == 4
+
+
+def test_drafter_without_one_block_table_for_the_draft_layers_matches_nothing():
+    drafter = _drafter(torch.zeros(1, 4, dtype=torch.int32), 4)
+    drafter.target = SimpleNamespace(block_table=lambda names: None)
+    requests = _requests([0], [np.arange(11)])
+    drafter._committed(requests, 0, 11)
+    assert drafter._catch_up_start(requests, 0) == 0 and len(drafter._shared) == 0

@@ -1,0 +1,93 @@
+"""Where the draft model's K/V is valid: per request (`DraftKV`, the positions the drafter ran) and
+per KV block (`SharedDraftBlocks`, the blocks it filled with a known prefix).
+
+The draft model's layers live in the target's KV cache and use its block tables (vLLM's
+`draft_model` method), so when vLLM's prefix cache hands a new request blocks the target computed
+for an earlier one (a shared system prompt, the next turn of a chat, a preempted request resumed),
+the draft's K/V for that prefix is there too if the drafter ran it then. The worker sees block ids,
+not vLLM's block hashes: each block the drafter filled with a request's committed tokens is
+registered under a key of the whole prefix through it (a hash chain, like vLLM's block hashes), and
+any other draft write into a block drops its key. A new request's leading blocks whose ids carry the
+key of its own prefix hold its draft K/V; the drafter runs only the rest (its catch-up).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+
+@dataclass
+class DraftKV:
+    """A request's draft K/V: positions < `length` hold it; those below `tail_start` for committed
+    tokens (which never change), the rest for `tail` (tokens that were pending or drafts then)."""
+
+    length: int
+    tail_start: int
+    tail: list[int]
+
+    def valid_for(self, history: Any, pending: list[int]) -> int:
+        """How many leading positions hold K/V of the current sequence (`history`, the committed
+        tokens, then `pending`)."""
+        valid = min(self.length, self.tail_start)
+        committed, n = len(history), len(history) + len(pending)
+        for j, token in enumerate(self.tail):
+            position = self.tail_start + j
+            if position >= n:
+                break
+            current = int(history[position]) if position < committed else pending[position - committed]
+            if current != token:
+                break
+            valid = position + 1
+        return valid
+
+
+def _chain(key: bytes, tokens: Any) -> bytes:
+    """The key of a prefix: that of the prefix before it, then its last block's tokens."""
+    return hashlib.blake2b(key + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+class SharedDraftBlocks:
+    """Which KV blocks hold the draft's K/V of which prefix (see the module docstring). Block ids
+    are those of the draft's KV cache group; `history` is a request's committed tokens."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, bytes] = {}  # block id -> key of the prefix its draft K/V ends
+        self._chains: dict[str, tuple[int, bytes]] = {}  # request -> (its leading blocks registered, last key)
+
+    def matched(self, req_id: str, history: Any, block_ids: Any, block_size: int) -> int:
+        """How many leading positions of request `req_id` hold the draft's K/V of its own tokens
+        in blocks an earlier request filled (whole blocks; the last token is never counted: its
+        pass drafts)."""
+        n, key = 0, b""
+        while (n + 1) * block_size <= len(history) - 1:
+            next_key = _chain(key, history[n * block_size: (n + 1) * block_size])
+            if self._keys.get(int(block_ids[n])) != next_key:
+                break
+            n, key = n + 1, next_key
+        self._chains[req_id] = (n, key)
+        return n * block_size
+
+    def record(self, req_id: str, history: Any, valid: int, block_ids: Any, block_size: int) -> None:
+        """Request `req_id`'s draft K/V now holds its committed tokens at positions < `valid`:
+        register its blocks that filled."""
+        n, key = self._chains.get(req_id, (0, b""))
+        while (n + 1) * block_size <= min(valid, len(history)):
+            key = _chain(key, history[n * block_size: (n + 1) * block_size])
+            self._keys[int(block_ids[n])] = key
+            n += 1
+        self._chains[req_id] = (n, key)
+
+    def written(self, block_ids: Iterable[int]) -> None:
+        """The drafter is writing into these blocks: what they held no longer counts."""
+        for block in block_ids:
+            self._keys.pop(int(block), None)
+
+    def forget(self, req_id: str) -> None:
+        self._chains.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._keys)
