@@ -337,9 +337,10 @@ class SparseverConfig:
     # live requests (drafting/draft_vocab.py), reading that part of its LM head only. Lossless. None:
     # the whole vocabulary. (The self-drafter's is early_exit.draft_vocab.)
     draft_vocab: int | None = None
-    # draft_source='draft_model' under sparsever's drafter, as draft_vocab: the draft model's chain passes
-    # (and a tree's root pass) attend to the context's first KV block and its last N positions only
-    # (StreamingLLM-style sink + window, whole blocks). Lossless (drafts only). None: the whole context.
+    # draft_source='draft_model' under sparsever's drafter, as draft_vocab: the draft model's passes
+    # attend to the context's first KV block and its last N positions only (StreamingLLM-style sink +
+    # window, whole blocks), and its catch-ups run no other stale position. Lossless (drafts only).
+    # None: the whole context.
     draft_attention_window: int | None = None
     attention: AttentionSparsityConfig = field(default_factory=AttentionSparsityConfig)
     ffn: FFNSparsityConfig = field(default_factory=FFNSparsityConfig)

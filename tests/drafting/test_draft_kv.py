@@ -63,8 +63,8 @@ def test_a_draft_write_into_a_block_drops_it_and_records_continue_where_they_sto
     assert shared.matched("x", tokens, [1, 2, 3, 4], 4) == 12
 
 
-def _drafter(table: torch.Tensor, block_size: int) -> DraftModelDrafter:
-    drafter = DraftModelDrafter(num_speculative_tokens=3, max_model_len=64)
+def _drafter(table: torch.Tensor, block_size: int, window: int | None = None) -> DraftModelDrafter:
+    drafter = DraftModelDrafter(num_speculative_tokens=3, max_model_len=64, attention_window=window)
     drafter.target = SimpleNamespace(block_table=lambda names: (table, block_size))
     drafter._stack = SimpleNamespace(attention_layer_names=["draft.layers.0.attn"])
     return drafter
@@ -82,11 +82,11 @@ def test_drafter_starts_a_prefix_cache_hit_after_the_shared_blocks():
     drafter = _drafter(table, 4)
     history = np.arange(20, 31)  # 11 tokens
     first = _requests([0], [history])
-    assert drafter._catch_up_start(first, 0) == 0  # nothing registered yet
+    assert drafter._catch_up(first, 0, [])[1] == 0  # nothing registered yet
     drafter._committed(first, 0, 11)  # its catch-up ran: blocks 5 and 6 hold its prefix
     later = _requests([1, 2], [history, history])
-    assert drafter._catch_up_start(later, 0) == 8  # row 1 shares both blocks
-    assert drafter._catch_up_start(later, 1) == 4  # row 2 shares the first only
+    assert drafter._catch_up(later, 0, [])[1] == 8  # row 1 shares both blocks
+    assert drafter._catch_up(later, 1, [])[1] == 4  # row 2 shares the first only
     assert drafter.stats.shared_prefix_tokens == 12
     # A pass writing row 2's positions 4..7 (block 8) and row 1's 8..10 (block 9) drops nothing shared;
     # one writing row 0's block 6 does.
@@ -101,4 +101,32 @@ def test_drafter_without_one_block_table_for_the_draft_layers_matches_nothing():
     drafter.target = SimpleNamespace(block_table=lambda names: None)
     requests = _requests([0], [np.arange(11)])
     drafter._committed(requests, 0, 11)
-    assert drafter._catch_up_start(requests, 0) == 0 and len(drafter._shared) == 0
+    assert drafter._catch_up(requests, 0, []) == (None, 0, -1) and len(drafter._shared) == 0
+
+
+def test_a_windowed_drafter_catches_up_on_its_first_block_and_its_window_only():
+    """With `draft_attention_window` the draft reads the first block and the blocks from the
+    window's start on, which only moves forward: the stale positions between are never run."""
+    table = torch.arange(16, dtype=torch.int32).reshape(2, 8)
+    drafter = _drafter(table, 4, window=6)
+    fresh = _requests([0], [np.arange(30)])  # 30 tokens: the window (6) starts in block 6 (position 24)
+    assert drafter._catch_up(fresh, 0, []) == ((0, 4), 24, 4)
+    assert drafter._catch_up_size(fresh, 0, []) == 4 + 29 - 24
+    # Pending tokens move the window on; a short sequence has nothing to skip.
+    assert drafter._catch_up(fresh, 0, [7, 8, 9]) == ((0, 4), 24, 4)
+    assert drafter._catch_up(_requests([0], [np.arange(12)]), 0, []) == (None, 0, -1)
+    # Its K/V valid up to 9: the rest of block 2 and blocks 3..5 are skipped, not the first block.
+    drafter._kv["r0"] = DraftKV(length=9, tail_start=9, tail=[])
+    assert drafter._catch_up(fresh, 0, []) == (None, 24, 9)
+    without = _drafter(table, 4)
+    assert without._catch_up(fresh, 0, []) == (None, 0, -1)
+
+
+def test_skipped_positions_are_never_registered_for_later_requests():
+    table = torch.arange(16, dtype=torch.int32).reshape(2, 8)
+    drafter = _drafter(table, 4, window=6)
+    history = np.arange(30)
+    requests = _requests([0], [history])
+    drafter._holes["r0"] = 4  # a catch-up ran blocks 0 and 6..7 only
+    drafter._committed(requests, 0, 30)
+    assert drafter._shared.matched("later", history, table[0], 4) == 4

@@ -135,9 +135,13 @@ def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
     # Over the whole vocabulary this draft is right on every token (the cheap drafter above: > 90%
     # accepted); over the trimmed set it proposes the set's best token where the target's is outside it.
     assert 0 < metrics["num_accepted_tokens"] < 0.8 * metrics["num_draft_tokens"], info
-    # The second round's prompts hit vLLM's prefix cache: the draft's K/V the first round left in
-    # those blocks serves them, so the draft runs at most the last partial block of each prompt.
+    # The window (1 position): a prompt's catch-up ran its first block and its last, skipping those
+    # between, which it never reads.
     first, second = rounds[0]["draft_model"], rounds[1]["draft_model"]
+    assert first["draft_model_window_skipped_tokens"] >= 32 * len(texts), info
+    # The second round's prompts hit vLLM's prefix cache: the draft's K/V the first round left in
+    # their first blocks serves them (the skipped ones are not registered), so their catch-ups run
+    # about one block less each (the decode steps' catch-ups vary with what was accepted).
     assert first["draft_model_shared_prefix_tokens"] == 0, info
-    assert second["draft_model_shared_prefix_tokens"] >= 32 * len(texts), info
-    assert second["draft_model_catch_up_tokens"] < first["draft_model_catch_up_tokens"] - 32 * len(texts), info
+    assert second["draft_model_shared_prefix_tokens"] == 32 * len(texts), info
+    assert second["draft_model_catch_up_tokens"] < first["draft_model_catch_up_tokens"] - 16 * len(texts), info

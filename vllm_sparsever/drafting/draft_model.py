@@ -3,11 +3,13 @@
 vLLM loads the draft model (its `draft_model` method: weights, and the draft's layers in the KV
 cache); this drafter runs it in rounds, after the hierarchy's pending tokens, which vLLM's own
 proposer cannot do (it drafts once per step from committed tokens). It keeps the draft model's KV
-itself: per request, which positions hold the draft's K/V for which tokens. Each round it first
-runs, in one pass, the tokens whose draft K/V is missing or stale (the whole prompt on a request's
-first round; afterwards the tokens the full or intermediate level changed), then drafts greedily one
-token per pass. Positions past the committed tokens are rewritten whenever their tokens change, so
-what the draft attends to is always the current sequence.
+itself (drafting/draft_kv.py): per request, which positions hold the draft's K/V for which tokens,
+and per KV block, which prefix the draft's K/V there is of, so a request vLLM's prefix cache hands
+blocks an earlier request filled starts after them. Each round it first runs, in one pass, the
+tokens whose draft K/V is missing or stale (the prompt on a request's first round, but for the
+blocks it shares; afterwards the tokens the full or intermediate level changed), then drafts
+greedily one token per pass. Positions past the committed tokens are rewritten whenever their
+tokens change, so what the draft attends to is always the current sequence.
 
 With `tree` or `adaptive` (config sections), it drafts a dynamic tree per request instead of a
 chain (drafting/tree_drafter.py): the catch-up pass ends at the request's last token (the root),
@@ -16,9 +18,10 @@ its own (no hierarchy), after `sample_tokens` like in a hierarchy.
 
 With `draft_vocab` it drafts over part of the vocabulary (drafting/draft_vocab.py,
 `ContextDraftVocab`): the LM head is a large share of a small draft model's bytes. With
-`draft_attention_window` its chain passes (and a tree's root pass) attend to the context's first
-block and its last N positions only (StreamingLLM-style): at long context the draft's attention
-reads more bytes than its weights.
+`draft_attention_window` its passes attend to the context's first block and its last N positions
+only (StreamingLLM-style): at long context the draft's attention reads more bytes than its
+weights. The window only moves forward, so a catch-up runs the first block and the window and
+skips the stale positions between, which no pass reads again.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class DraftModelStats:
     forward_passes: int = 0  # draft-model passes (catch-up passes included)
     catch_up_tokens: int = 0  # tokens run to bring the draft's KV up to date (prompts included)
     shared_prefix_tokens: int = 0  # positions a request found its draft K/V at, in blocks an earlier one filled
+    window_skipped_tokens: int = 0  # stale positions a catch-up skipped: behind the attention window for good
     draft_tokens: int = 0
     slot_limited: int = 0  # see SelfDraftStats.slot_limited
     vocab_tokens: int = 0  # draft_vocab: the token ids the last draft was taken from (0: all)
@@ -70,6 +74,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self._stack: Any = None
         self._kv: dict[str, DraftKV] = {}
         self._shared = SharedDraftBlocks()
+        self._holes: dict[str, int] = {}  # request -> where the positions its catch-ups skipped begin
         self._draft_vocab = draft_vocab
         self._vocab: ContextDraftVocab | None = None
         self._window = (1, attention_window) if attention_window is not None else None  # (sink, recent)
@@ -98,6 +103,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         super().forget(req_ids)
         for req_id in req_ids:
             self._kv.pop(req_id, None)
+            self._holes.pop(req_id, None)
             self._shared.forget(req_id)
 
     def request_state(self) -> dict[str, int]:
@@ -108,6 +114,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         live = set(step.req_ids)
         for req_id in [r for r in self._kv if r not in live]:  # finished or preempted
             del self._kv[req_id]
+            self._holes.pop(req_id, None)
             self._shared.forget(req_id)
         if self._vocab is not None:
             self._vocab.update(reqs.req_ids, reqs.histories)
@@ -160,29 +167,71 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self._shared.written(table[token_rows, positions.cpu().long() // block_size].unique().tolist())
 
     def _committed(self, reqs: DraftRequests, i: int, length: int) -> None:
-        """Request `i`'s draft K/V holds its committed tokens at positions < `length`."""
+        """Request `i`'s draft K/V holds its committed tokens at positions < `length` (skipped ones
+        aside: only the blocks before them are registered)."""
         blocks = self.target.block_table(self._stack.attention_layer_names)
         if blocks is not None:
             table, block_size = blocks
+            length = min(length, self._holes.get(reqs.req_ids[i], length))
             self._shared.record(reqs.req_ids[i], reqs.histories[i], length, table[reqs.rows[i]], block_size)
+
+    def _catch_up(self, reqs: DraftRequests, i: int, pending: list[int]) -> tuple[tuple[int, int] | None, int, int]:
+        """Where request `i`'s catch-up runs (its sequence: committed tokens, then `pending`):
+        (a span of its first block to run before, or None; the first position of the run that
+        ends at its last token; where the stale positions it skips begin, or -1). With
+        `draft_attention_window` the draft never reads again the positions between the first
+        block and the window's start, so a catch-up skips those."""
+        sequence_len = len(reqs.histories[i]) + len(pending)
+        valid = self._valid(reqs, i, pending)
+        first = min(valid, sequence_len - 1)  # the last token always runs: its logits draft
+        blocks = self.target.block_table(self._stack.attention_layer_names) if self._window else None
+        if blocks is None:
+            return None, first, -1
+        block_size = blocks[1]
+        window_start = (sequence_len - self._window[1]) // block_size * block_size  # as windowed_block_table
+        if window_start <= max(valid, block_size):
+            return None, first, -1
+        return ((valid, block_size) if valid < block_size else None), window_start, max(valid, block_size)
+
+    def _catch_up_size(self, reqs: DraftRequests, i: int, pending: list[int]) -> int:
+        sink, first, _ = self._catch_up(reqs, i, pending)
+        return len(reqs.histories[i]) + len(pending) - 1 - first + (0 if sink is None else sink[1] - sink[0])
+
+    def _catch_up_runs(self, reqs: DraftRequests, idx: list[int], pending: list[list[int]]) -> list[int]:
+        """Run the first-block spans of requests `idx`'s catch-ups (`_catch_up`) and note what
+        they skip; returns the first position of each one's run to its last token."""
+        firsts, sink_rows, sink_seqs, sink_firsts = [], [], [], []
+        for i, more in zip(idx, pending, strict=True):
+            sink, first, skipped_from = self._catch_up(reqs, i, more)
+            if sink is not None:
+                sink_rows.append(reqs.rows[i])
+                sink_seqs.append(_tokens(reqs.histories[i], more, *sink))
+                sink_firsts.append(sink[0])
+            if skipped_from >= 0:
+                req_id = reqs.req_ids[i]
+                self._holes[req_id] = min(self._holes.get(req_id, skipped_from), skipped_from)
+                self.stats.window_skipped_tokens += first - skipped_from
+            firsts.append(first)
+        if sink_rows:
+            tokens, positions, lens = flatten_queries(sink_seqs, sink_firsts, self.target.device)
+            self._writing(sink_rows, positions, lens)
+            final_hidden(self.target, self._stack, sink_rows, tokens, positions, lens)
+            self.stats.forward_passes += 1
+            self.stats.catch_up_tokens += sum(lens)
+        return firsts
 
     # ---- trees (TreeDrafting) ----------------------------------------------------------------
 
-    def _catch_up_start(self, reqs: DraftRequests, i: int) -> int:
-        """The first position of request `i` whose draft K/V is stale."""
-        return min(self._valid(reqs, i, []), len(reqs.histories[i]) - 1)
-
     def _catch_up_tokens(self, reqs: DraftRequests) -> int:
-        return sum(len(reqs.histories[i]) - 1 - self._catch_up_start(reqs, i) for i in range(len(reqs.rows)))
+        return sum(self._catch_up_size(reqs, i, []) for i in range(len(reqs.rows)))
 
     def _tree_root_top(self, reqs: DraftRequests, idx: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The catch-up pass of each request (its stale draft K/V, ending at the root)."""
-        seqs, firsts = [], []
-        for i in idx:
-            history, first = reqs.histories[i], self._catch_up_start(reqs, i)
+        seqs, firsts = [], self._catch_up_runs(reqs, idx, [[] for _ in idx])
+        for i, first in zip(idx, firsts, strict=True):
+            history = reqs.histories[i]
             assert len(history) - 1 == reqs.positions[i], "the root must be the request's last committed token"
             seqs.append([int(t) for t in history[first:]])
-            firsts.append(first)
             self.stats.catch_up_tokens += len(seqs[-1]) - 1
         self.stats.rounds += 1
         device = self.target.device
@@ -201,7 +250,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
     def _tree_level_top(self, rows, tokens, positions, kv_positions, lens, tree_mask, wanted, k, topologies):
         self._writing(list(rows), kv_positions, lens)
         normed = final_hidden(self.target, self._stack, rows, tokens, positions, lens,
-                              kv_positions=kv_positions, tree_mask=tree_mask)
+                              kv_positions=kv_positions, tree_mask=tree_mask, window=self._window)
         self.stats.forward_passes += 1
         return self._top(normed[wanted], k)
 
@@ -213,21 +262,15 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         pending = pending or [[] for _ in reqs.rows]
         drafts: list[list[int]] = [[] for _ in reqs.rows]
         # First pass per request: the tokens from its first stale draft position to its last token.
-        active, seqs, firsts = [], [], []
-        for i in range(len(reqs.rows)):
-            budget = min(self.num_speculative_tokens, reqs.budgets[i])
-            if budget <= 0:
-                continue
-            history = reqs.histories[i]
-            committed = len(history)
-            sequence_len = committed + len(pending[i])
+        active = [(i, min(self.num_speculative_tokens, reqs.budgets[i])) for i in range(len(reqs.rows))]
+        active = [(i, budget) for i, budget in active if budget > 0]
+        firsts = self._catch_up_runs(reqs, [i for i, _ in active], [pending[i] for i, _ in active])
+        seqs = []
+        for (i, _), first in zip(active, firsts, strict=True):
+            sequence_len = len(reqs.histories[i]) + len(pending[i])
             assert sequence_len - 1 == reqs.positions[i], "pending tokens must end at the request's position"
-            first = min(self._valid(reqs, i, pending[i]), sequence_len - 1)  # the last token runs: its logits draft
-            tokens = [int(t) for t in history[first:]] + pending[i][max(0, first - committed):]
-            active.append((i, budget))
-            seqs.append(tokens)
-            firsts.append(first)
-            self.stats.catch_up_tokens += len(tokens) - 1
+            seqs.append(_tokens(reqs.histories[i], pending[i], first, sequence_len))
+            self.stats.catch_up_tokens += len(seqs[-1]) - 1
         self.stats.rounds += 1
         while active:  # one pass per draft position; requests leave at their budget
             predicted = self._predict([reqs.rows[i] for i, _ in active], seqs, firsts)
@@ -264,3 +307,8 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
             return self._vocab.argmax(normed[last])
         return self._stack.compute_logits(normed[last]).argmax(dim=-1).tolist()
 
+
+def _tokens(history: Any, pending: list[int], start: int, end: int) -> list[int]:
+    """Positions `start`..`end` - 1 of a sequence: the committed tokens `history`, then `pending`."""
+    committed = len(history)
+    return [int(t) for t in history[start: min(end, committed)]] + pending[max(0, start - committed): end - committed]
