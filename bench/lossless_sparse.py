@@ -19,6 +19,9 @@ attending to `--draft-window` recent positions (`evict-chain-vocab-window`), or 
 (`evict-ngram`). Engines run one after another, each shut down
 before the next starts; every engine runs each prompt after an untimed warm-up on it (prefilled
 into the prefix cache, and a few steps: as in a running server, EVICT has then measured steps).
+With `--follow-ups N` (summarize task) N more questions on each document follow its prompt, timed
+the same way: their document blocks come from vLLM's prefix cache (and a draft model's K/V in
+them, for sparsever's drafter), as when a server is asked about a document again.
 
 Per mode and context: decode tokens/s (first to last output token, from vLLM's request stats, so
 prefill is out of it), ratio to dense, tokens per full verification, intermediate acceptance,
@@ -54,6 +57,13 @@ EVICT_MODES = {"draft_model": "evict-chain", "draft_model-vocab": "evict-chain-v
                "draft_model-vocab-window": "evict-chain-vocab-window", "ngram": "evict-ngram"}
 LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", *EVICT_MODES.values())
 WARM_UP_TOKENS = 8
+SUMMARY_ASK = "Summarize what happens in it in one paragraph."  # the summarize task's question (data/builders.py)
+FOLLOW_UPS = (  # --follow-ups: more questions on the same document
+    "Describe the main characters in it and what each of them wants.",
+    "Describe where it takes place and its mood in one paragraph.",
+    "Explain the main conflict in it in one paragraph.",
+    "Write what could happen right after it in one paragraph.",
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=3, help="long documents per context")
     p.add_argument("--task", choices=["summarize", "qa"], default="summarize")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--follow-ups", type=int, default=0, choices=range(len(FOLLOW_UPS) + 1), metavar="N",
+                   help=f"more questions on each document after its prompt (summarize task; at most {len(FOLLOW_UPS)})")
     p.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES),
                    help="the sparsever engine's modes (none: no such engine)")
     p.add_argument("--cap", type=int, default=8, help="num_speculative_tokens: n-gram k, and the hierarchy's cap")
@@ -291,6 +303,17 @@ def section_modes(args, section: str) -> list[str]:
     return list(args.modes) if section == "sparsever" else [section]
 
 
+def questions(row: dict[str, Any], follow_ups: int) -> list[tuple[str, str]]:
+    """(id, prompt) of a long-context row's prompt and `follow_ups` more questions on its document."""
+    out = [(row["id"], row["prompt"])]
+    if follow_ups:
+        if not row["prompt"].endswith(SUMMARY_ASK):
+            raise SystemExit(f"--follow-ups: {row['id']} is not a summarize prompt (use --task summarize)")
+        document = row["prompt"][: -len(SUMMARY_ASK)]
+        out += [(f"{row['id']}/follow-up-{k + 1}", document + FOLLOW_UPS[k]) for k in range(follow_ups)]
+    return out
+
+
 def run_engine(args, target: str, max_len: int, section: str, engine_kwargs: dict[str, Any], record: dict,
                partial: Path) -> None:
     """Start one engine, run its modes on every prompt of every context (interleaved per prompt, the
@@ -306,21 +329,24 @@ def run_engine(args, target: str, max_len: int, section: str, engine_kwargs: dic
     record["specs"][section] = spec
     modes = section_modes(args, section)
     try:
-        with tqdm(total=len(args.contexts) * args.num_prompts * len(modes), desc=section, unit="run") as bar:
+        total = len(args.contexts) * args.num_prompts * (1 + args.follow_ups) * len(modes)
+        with tqdm(total=total, desc=section, unit="run") as bar:
             for ctx in args.contexts:
                 for p, row in enumerate(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts)):
-                    prompt = [{"role": "user", "content": row["prompt"]}]
+                    asked = questions(row, args.follow_ups)
                     bar.set_postfix_str(f"{ctx} prompt {p} warm-up")
                     if section == "sparsever":
                         set_mode(llm, args, modes[0])
-                    llm.chat([prompt], SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS), use_tqdm=False)
-                    for mode in (modes if p % 2 == 0 else list(reversed(modes))):
-                        bar.set_postfix_str(f"{ctx} prompt {p} {mode}")
-                        run = run_one(llm, args, mode, prompt)
-                        run.update(context=ctx, prompt=row["id"], prompt_tokens=row["num_tokens"])
-                        record["runs"].append(run)
-                        partial.write_text(json.dumps(record, default=str))
-                        bar.update()
+                    llm.chat([[{"role": "user", "content": asked[0][1]}]],
+                             SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS), use_tqdm=False)
+                    for q, (prompt_id, text) in enumerate(asked):
+                        for mode in (modes if (p + q) % 2 == 0 else list(reversed(modes))):
+                            bar.set_postfix_str(f"{ctx} prompt {p}.{q} {mode}")
+                            run = run_one(llm, args, mode, [{"role": "user", "content": text}])
+                            run.update(context=ctx, prompt=prompt_id, prompt_tokens=row["num_tokens"])
+                            record["runs"].append(run)
+                            partial.write_text(json.dumps(record, default=str))
+                            bar.update()
     finally:
         shutdown_llm(llm)  # no engine left running (or spinning) beside the next one
         del llm

@@ -35,32 +35,32 @@ def test_a_later_request_finds_the_blocks_an_earlier_one_filled():
     shared.record("a", prompt, 11, [5, 6, 7], 4)  # blocks 5 and 6 filled; 7 holds 3 positions
     assert len(shared) == 2
     # The same prefix in the same blocks (a prefix-cache hit): both blocks; never the last token's.
-    assert shared.matched("b", prompt, [5, 6, 9], 4) == 8
-    assert shared.matched("b", prompt[:9], [5, 6, 9], 4) == 8
-    assert shared.matched("b", prompt[:8], [5, 6, 9], 4) == 4
+    assert shared.matched("b", prompt, [5, 6, 9], 4)[0] == 8
+    assert shared.matched("b", prompt[:9], [5, 6, 9], 4)[0] == 8
+    assert shared.matched("b", prompt[:8], [5, 6, 9], 4)[0] == 4
     # Another block id, or other tokens before or in a block: the K/V there is not this prefix's.
-    assert shared.matched("c", prompt, [5, 8, 9], 4) == 4
-    assert shared.matched("c", prompt, [6, 5, 9], 4) == 0
+    assert shared.matched("c", prompt, [5, 8, 9], 4)[0] == 4
+    assert shared.matched("c", prompt, [6, 5, 9], 4)[0] == 0
     other = prompt.copy()
     other[1] = 0
-    assert shared.matched("c", other, [5, 6, 9], 4) == 0
+    assert shared.matched("c", other, [5, 6, 9], 4)[0] == 0
     other = prompt.copy()
     other[6] = 0
-    assert shared.matched("c", other, [5, 6, 9], 4) == 4
+    assert shared.matched("c", other, [5, 6, 9], 4)[0] == 4
 
 
 def test_a_draft_write_into_a_block_drops_it_and_records_continue_where_they_stopped():
     shared = SharedDraftBlocks()
     tokens = np.arange(16)
     shared.record("a", tokens, 6, [1, 2, 3, 4], 4)
-    assert shared.matched("x", tokens, [1, 2, 3, 4], 4) == 4
+    assert shared.matched("x", tokens, [1, 2, 3, 4], 4)[0] == 4
     shared.record("a", tokens, 16, [1, 2, 3, 4], 4)  # the rest of "a" caught up
-    assert shared.matched("x", tokens, [1, 2, 3, 4], 4) == 12  # the last token's block never counts
+    assert shared.matched("x", tokens, [1, 2, 3, 4], 4)[0] == 12  # the last token's block never counts
     shared.written([2])  # e.g. block 2 freed and handed to another request, whose draft wrote there
-    assert shared.matched("x", tokens, [1, 2, 3, 4], 4) == 4
+    assert shared.matched("x", tokens, [1, 2, 3, 4], 4)[0] == 4
     shared.forget("a")
     shared.record("a", tokens, 16, [1, 2, 3, 4], 4)  # recorded afresh from the first block
-    assert shared.matched("x", tokens, [1, 2, 3, 4], 4) == 12
+    assert shared.matched("x", tokens, [1, 2, 3, 4], 4)[0] == 12
 
 
 def _drafter(table: torch.Tensor, block_size: int, window: int | None = None) -> DraftModelDrafter:
@@ -91,9 +91,9 @@ def test_drafter_starts_a_prefix_cache_hit_after_the_shared_blocks():
     # A pass writing row 2's positions 4..7 (block 8) and row 1's 8..10 (block 9) drops nothing shared;
     # one writing row 0's block 6 does.
     drafter._writing([2, 1], torch.tensor([4, 5, 6, 7, 8, 9, 10]), [4, 3])
-    assert drafter._shared.matched("new", history, table[1], 4) == 8
+    assert drafter._shared.matched("new", history, table[1], 4)[0] == 8
     drafter._writing([0], torch.tensor([6]), [1])
-    assert drafter._shared.matched("new", history, table[1], 4) == 4
+    assert drafter._shared.matched("new", history, table[1], 4)[0] == 4
 
 
 def test_drafter_without_one_block_table_for_the_draft_layers_matches_nothing():
@@ -127,6 +127,15 @@ def test_skipped_positions_are_never_registered_for_later_requests():
     drafter = _drafter(table, 4, window=6)
     history = np.arange(30)
     requests = _requests([0], [history])
-    drafter._holes["r0"] = 4  # a catch-up ran blocks 0 and 6..7 only
+    drafter._holes["r0"] = [(4, 24)]  # a catch-up ran block 0 and positions 24..29 only
     drafter._committed(requests, 0, 30)
-    assert drafter._shared.matched("later", history, table[0], 4) == 4
+    assert drafter._shared.matched("later", history, table[0], 4)[0] == 4
+    # A windowed request reads the first block and the blocks from its window's start on: those hold
+    # its K/V (block 6, positions 24..27; the last token's block never counts), the hole is skipped.
+    assert drafter._shared.matched("later", history, table[0], 4, window_from=24) == (28, (4, 24))
+    assert drafter._shared.matched("later", history, table[0], 4, window_from=20) == (4, None)  # block 5 is not
+    later = _drafter(table, 4, window=6)
+    later._shared = drafter._shared
+    requests = _requests([0], [history])
+    assert later._catch_up(requests, 0, []) == (None, 28, -1)
+    assert later._holes["r0"] == [(4, 24)] and later.stats.shared_prefix_tokens == 4 + 4

@@ -8,7 +8,10 @@ the draft's K/V for that prefix is there too if the drafter ran it then. The wor
 not vLLM's block hashes: each block the drafter filled with a request's committed tokens is
 registered under a key of the whole prefix through it (a hash chain, like vLLM's block hashes), and
 any other draft write into a block drops its key. A new request's leading blocks whose ids carry the
-key of its own prefix hold its draft K/V; the drafter runs only the rest (its catch-up).
+key of its own prefix hold its draft K/V; the drafter runs only the rest (its catch-up). A windowed
+draft (`draft_attention_window`) reads the first block and the window only, so the blocks a
+catch-up skipped between them (a hole) are never registered, and a later request may skip them too
+where its first block and its window's blocks carry its keys.
 """
 
 from __future__ import annotations
@@ -52,32 +55,48 @@ def _chain(key: bytes, tokens: Any) -> bytes:
 
 class SharedDraftBlocks:
     """Which KV blocks hold the draft's K/V of which prefix (see the module docstring). Block ids
-    are those of the draft's KV cache group; `history` is a request's committed tokens."""
+    are those of the draft's KV cache group; `history` is a request's committed tokens; a hole is
+    a span of positions whose K/V the drafter skipped (a windowed draft never reads it)."""
 
     def __init__(self) -> None:
         self._keys: dict[int, bytes] = {}  # block id -> key of the prefix its draft K/V ends
-        self._chains: dict[str, tuple[int, bytes]] = {}  # request -> (its leading blocks registered, last key)
+        self._chains: dict[str, tuple[int, bytes]] = {}  # request -> (its leading blocks keyed, last key)
 
-    def matched(self, req_id: str, history: Any, block_ids: Any, block_size: int) -> int:
-        """How many leading positions of request `req_id` hold the draft's K/V of its own tokens
-        in blocks an earlier request filled (whole blocks; the last token is never counted: its
-        pass drafts)."""
-        n, key = 0, b""
-        while (n + 1) * block_size <= len(history) - 1:
-            next_key = _chain(key, history[n * block_size: (n + 1) * block_size])
-            if self._keys.get(int(block_ids[n])) != next_key:
-                break
-            n, key = n + 1, next_key
-        self._chains[req_id] = (n, key)
-        return n * block_size
+    def matched(self, req_id: str, history: Any, block_ids: Any, block_size: int,
+                window_from: int | None = None) -> tuple[int, tuple[int, int] | None]:
+        """(valid, hole): request `req_id`'s positions < `valid` hold the draft's K/V of its own
+        tokens, in blocks earlier requests filled, except the positions in `hole` (a span or None).
+        Whole blocks; the last token is never counted (its pass drafts). `window_from`: a windowed
+        draft's first position read after the first block (None: the draft reads everything);
+        it may then skip a hole between the first block and a run of matched blocks that covers
+        the window."""
+        key, keys, flags = b"", [b""], []
+        while (len(flags) + 1) * block_size <= len(history) - 1:
+            n = len(flags)
+            key = _chain(key, history[n * block_size: (n + 1) * block_size])
+            keys.append(key)
+            flags.append(self._keys.get(int(block_ids[n])) == key)
+        lead = next((n for n, ok in enumerate(flags) if not ok), len(flags))
+        valid, hole = lead, None
+        if window_from is not None and lead >= 1:
+            tail = len(flags)
+            while tail > lead and flags[tail - 1]:
+                tail -= 1
+            if tail * block_size <= window_from and tail < len(flags):
+                valid = len(flags)
+                hole = (lead * block_size, tail * block_size) if tail > lead else None
+        self._chains[req_id] = (valid, keys[valid])
+        return valid * block_size, hole
 
-    def record(self, req_id: str, history: Any, valid: int, block_ids: Any, block_size: int) -> None:
-        """Request `req_id`'s draft K/V now holds its committed tokens at positions < `valid`:
-        register its blocks that filled."""
+    def record(self, req_id: str, history: Any, valid: int, block_ids: Any, block_size: int,
+               holes: list[tuple[int, int]] = ()) -> None:
+        """Request `req_id`'s draft K/V now holds its committed tokens at positions < `valid`,
+        except in `holes`: register its blocks that filled."""
         n, key = self._chains.get(req_id, (0, b""))
         while (n + 1) * block_size <= min(valid, len(history)):
             key = _chain(key, history[n * block_size: (n + 1) * block_size])
-            self._keys[int(block_ids[n])] = key
+            if not any(a < (n + 1) * block_size and n * block_size < b for a, b in holes):
+                self._keys[int(block_ids[n])] = key
             n += 1
         self._chains[req_id] = (n, key)
 

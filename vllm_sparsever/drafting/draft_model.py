@@ -74,7 +74,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self._stack: Any = None
         self._kv: dict[str, DraftKV] = {}
         self._shared = SharedDraftBlocks()
-        self._holes: dict[str, int] = {}  # request -> where the positions its catch-ups skipped begin
+        self._holes: dict[str, list[tuple[int, int]]] = {}  # request -> spans of positions its catch-ups skipped
         self._draft_vocab = draft_vocab
         self._vocab: ContextDraftVocab | None = None
         self._window = (1, attention_window) if attention_window is not None else None  # (sink, recent)
@@ -150,11 +150,16 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         if blocks is None:
             return 0
         table, block_size = blocks
-        matched = self._shared.matched(req_id, history, table[reqs.rows[i]], block_size)
-        if matched:
-            self._kv[req_id] = DraftKV(length=matched, tail_start=matched, tail=[])
-            self.stats.shared_prefix_tokens += matched
-        return matched
+        window_from = None
+        if self._window is not None:  # as windowed_block_table
+            window_from = (len(history) + len(pending) - self._window[1]) // block_size * block_size
+        valid, hole = self._shared.matched(req_id, history, table[reqs.rows[i]], block_size, window_from)
+        if valid:
+            self._kv[req_id] = DraftKV(length=valid, tail_start=valid, tail=[])
+            if hole is not None:
+                self._holes.setdefault(req_id, []).append(hole)
+            self.stats.shared_prefix_tokens += valid - (0 if hole is None else hole[1] - hole[0])
+        return valid
 
     def _writing(self, rows: list[int], positions: torch.Tensor, lens: list[int]) -> None:
         """A pass is about to write the draft's K/V at `positions` (flattened, `lens[i]` of batch
@@ -167,13 +172,14 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self._shared.written(table[token_rows, positions.cpu().long() // block_size].unique().tolist())
 
     def _committed(self, reqs: DraftRequests, i: int, length: int) -> None:
-        """Request `i`'s draft K/V holds its committed tokens at positions < `length` (skipped ones
-        aside: only the blocks before them are registered)."""
+        """Request `i`'s draft K/V holds its committed tokens at positions < `length`, but for the
+        spans its catch-ups skipped."""
         blocks = self.target.block_table(self._stack.attention_layer_names)
         if blocks is not None:
             table, block_size = blocks
-            length = min(length, self._holes.get(reqs.req_ids[i], length))
-            self._shared.record(reqs.req_ids[i], reqs.histories[i], length, table[reqs.rows[i]], block_size)
+            req_id = reqs.req_ids[i]
+            self._shared.record(req_id, reqs.histories[i], length, table[reqs.rows[i]], block_size,
+                                self._holes.get(req_id, []))
 
     def _catch_up(self, reqs: DraftRequests, i: int, pending: list[int]) -> tuple[tuple[int, int] | None, int, int]:
         """Where request `i`'s catch-up runs (its sequence: committed tokens, then `pending`):
@@ -208,8 +214,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
                 sink_seqs.append(_tokens(reqs.histories[i], more, *sink))
                 sink_firsts.append(sink[0])
             if skipped_from >= 0:
-                req_id = reqs.req_ids[i]
-                self._holes[req_id] = min(self._holes.get(req_id, skipped_from), skipped_from)
+                self._holes.setdefault(reqs.req_ids[i], []).append((skipped_from, first))
                 self.stats.window_skipped_tokens += first - skipped_from
             firsts.append(first)
         if sink_rows:
