@@ -96,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k-blocks", type=int, default=8)
     p.add_argument("--min-context-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--linear-kernel", choices=["auto", "sparsever", "vllm"], default=None,
+                   help="linear_kernel of sparsever's engines (default: the config's, auto)")
     p.add_argument("--tag", default=None)
     return p.parse_args(argv)
 
@@ -135,6 +137,8 @@ def start_engine(args, target: str, max_len: int, speculative: bool = True, vllm
                         prompt_lookup_max=args.prompt_lookup_max)
         else:
             spec.update(draft_source="draft_model", model=resolve_model(args.draft))
+    if spec is not None and spec["method"] == "sparsever" and args.linear_kernel:
+        spec["linear_kernel"] = args.linear_kernel
     return LLM(model=target, dtype=args.dtype, enforce_eager=True, max_model_len=max_len, max_num_seqs=1,
                seed=0, speculative_config=spec, enable_prefix_caching=True, disable_log_stats=False), spec
 

