@@ -115,14 +115,14 @@ def _greedy(target, texts: list[str], rounds: int = 1, **engine) -> tuple[list[l
 def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
     """`draft_vocab`: the draft model (here the target itself, always right over the whole vocabulary)
     drafts over the lowest ids, the stop tokens and the requests' own tokens only; with
-    `draft_attention_window` (1 position, blocks of 32) its passes past the second block read the
-    first block and the queries' own blocks only. Output stays the target's."""
+    `draft_attention_window` (1 position, blocks of 32) its passes past the second block, a tree's
+    levels too, read the first block and the queries' own blocks only. Output stays the target's."""
     from e2e.test_trees import _cost_profile
 
     texts = prompts(NUM_PROMPTS, length=60)  # ~60-100 tokens with the output: up to 4 blocks
     size = 8
     spec = {"method": "sparsever", "model": str(tiny_target), "num_speculative_tokens": 3, "draft_vocab": size,
-            "draft_attention_window": 1,
+            "draft_attention_window": 1, "tree": {"enabled": True, "depth": 3},  # trees: windowed under a tree mask
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)}}
     (plain,), _, _ = _greedy(tiny_target, texts)
