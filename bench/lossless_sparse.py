@@ -51,13 +51,14 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
+from vllm_sparsever.data.builders import LONG_SUMMARY  # noqa: E402
 
 MODES = ("dense", "sparse-hier", "sparse-approx", "dense-vllm-kernel")
 EVICT_MODES = {"draft_model": "evict-chain", "draft_model-vocab": "evict-chain-vocab",  # --evict drafter -> mode
                "draft_model-vocab-window": "evict-chain-vocab-window", "ngram": "evict-ngram"}
 LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", *EVICT_MODES.values())
 WARM_UP_TOKENS = 8
-SUMMARY_ASK = "Summarize what happens in it in one paragraph."  # the summarize task's question (data/builders.py)
+SUMMARY_ASK = LONG_SUMMARY.split("{title}. ", 1)[1]  # the summarize task's question, after the document
 FOLLOW_UPS = (  # --follow-ups: more questions on the same document
     "Describe the main characters in it and what each of them wants.",
     "Describe where it takes place and its mood in one paragraph.",
