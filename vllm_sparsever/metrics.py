@@ -223,6 +223,12 @@ _collector_lock = threading.Lock()
 _collector_registered = False
 
 
+def is_drafting_level(name: str) -> bool:
+    """Whether a drafting value (the `drafting` summary) is a level (a rate, a size, a measured
+    time now), exported as a gauge, rather than a count since start."""
+    return name.startswith("evict_clock_") or name.endswith(("_rate", "_vocab_tokens"))
+
+
 class SparseverCollector:
     """Prometheus collector over the workers' snapshots (read at scrape time)."""
 
@@ -281,9 +287,16 @@ class SparseverCollector:
             "tree_*, evict_*)",
             labels=["counter"],
         )
+        g = GaugeMetricFamily(
+            "sparsever:drafting_level",
+            "Drafting values that are levels, not counts: rates, the drafted vocabulary's size, EVICT's "
+            "step-time measurements (evict_clock_*)",
+            labels=["name"],
+        )
         for name, value in sorted(drafting.items()):
-            c.add_metric([name], float(value))
+            (g if is_drafting_level(name) else c).add_metric([name], float(value))
         yield c
+        yield g
         if "tree_verify_trees" in drafting or "evict_steps" in drafting:
             c = CounterMetricFamily(
                 "sparsever:tree_nodes",
