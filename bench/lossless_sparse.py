@@ -308,14 +308,19 @@ def section_modes(args, section: str) -> list[str]:
     return list(args.modes) if section == "sparsever" else [section]
 
 
-def questions(row: dict[str, Any], follow_ups: int) -> list[tuple[str, str]]:
-    """(id, prompt) of a long-context row's prompt and `follow_ups` more questions on its document."""
-    out = [(row["id"], row["prompt"])]
+def questions(row: dict[str, Any], follow_ups: int, tokenizer: Any) -> list[tuple[str, str, int]]:
+    """(id, prompt, prompt tokens) of a long-context row's prompt and `follow_ups` more questions on
+    its document."""
+    from vllm_sparsever.data.long_context import count_tokens
+
+    out = [(row["id"], row["prompt"], row["num_tokens"])]
     if follow_ups:
         if not row["prompt"].endswith(SUMMARY_ASK):
             raise SystemExit(f"--follow-ups: {row['id']} is not a summarize prompt (use --task summarize)")
         document = row["prompt"][: -len(SUMMARY_ASK)]
-        out += [(f"{row['id']}/follow-up-{k + 1}", document + FOLLOW_UPS[k]) for k in range(follow_ups)]
+        for k in range(follow_ups):
+            text = document + FOLLOW_UPS[k]
+            out.append((f"{row['id']}/follow-up-{k + 1}", text, count_tokens(text, tokenizer)))
     return out
 
 
@@ -325,11 +330,13 @@ def run_engine(args, target: str, max_len: int, section: str, engine_kwargs: dic
     order alternating), each prompt after an untimed warm-up on it (the prompt prefilled into the
     prefix cache; a few steps, so EVICT has measured steps as in a running server), then shut it
     down before the next engine starts."""
+    from transformers import AutoTokenizer
     from vllm import SamplingParams
 
     from vllm_sparsever.compat.engine import shutdown_llm
     from vllm_sparsever.data.long_context import long_context_prompts
 
+    tokenizer = AutoTokenizer.from_pretrained(target)  # the follow-up questions' token counts
     llm, spec = start_engine(args, target, max_len, **engine_kwargs)
     record["specs"][section] = spec
     modes = section_modes(args, section)
@@ -338,17 +345,17 @@ def run_engine(args, target: str, max_len: int, section: str, engine_kwargs: dic
         with tqdm(total=total, desc=section, unit="run") as bar:
             for ctx in args.contexts:
                 for p, row in enumerate(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts)):
-                    asked = questions(row, args.follow_ups)
+                    asked = questions(row, args.follow_ups, tokenizer)
                     bar.set_postfix_str(f"{ctx} prompt {p} warm-up")
                     if section == "sparsever":
                         set_mode(llm, args, modes[0])
                     llm.chat([[{"role": "user", "content": asked[0][1]}]],
                              SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS), use_tqdm=False)
-                    for q, (prompt_id, text) in enumerate(asked):
+                    for q, (prompt_id, text, prompt_tokens) in enumerate(asked):
                         for mode in (modes if (p + q) % 2 == 0 else list(reversed(modes))):
                             bar.set_postfix_str(f"{ctx} prompt {p}.{q} {mode}")
                             run = run_one(llm, args, mode, [{"role": "user", "content": text}])
-                            run.update(context=ctx, prompt=prompt_id, prompt_tokens=row["num_tokens"])
+                            run.update(context=ctx, prompt=prompt_id, prompt_tokens=prompt_tokens)
                             record["runs"].append(run)
                             partial.write_text(json.dumps(record, default=str))
                             bar.update()
