@@ -138,6 +138,10 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
 
     # ---- where the draft's K/V is valid (drafting/draft_kv.py) ---------------------------------
 
+    def _draft_blocks(self) -> tuple[torch.Tensor, int] | None:
+        """(block table, block size) of the draft's KV cache group (None: its layers span several)."""
+        return self.target.block_table(self._stack.attention_layer_names)
+
     def _valid(self, reqs: DraftRequests, i: int, pending: list[int]) -> int:
         """How many leading positions of request `i` (its committed tokens, then `pending`) hold
         the draft's K/V: those it ran, or on its first round those an earlier request left in the
@@ -146,7 +150,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         kv = self._kv.get(req_id)
         if kv is not None:
             return kv.valid_for(history, pending)
-        blocks = self.target.block_table(self._stack.attention_layer_names)
+        blocks = self._draft_blocks()
         if blocks is None:
             return 0
         table, block_size = blocks
@@ -164,7 +168,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
     def _writing(self, rows: list[int], positions: torch.Tensor, lens: list[int]) -> None:
         """A pass is about to write the draft's K/V at `positions` (flattened, `lens[i]` of batch
         row `rows[i]`): the blocks it writes no longer hold what they were registered for."""
-        blocks = self.target.block_table(self._stack.attention_layer_names)
+        blocks = self._draft_blocks()
         if blocks is None or not len(self._shared):
             return
         table, block_size = blocks
@@ -174,7 +178,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
     def _committed(self, reqs: DraftRequests, i: int, length: int) -> None:
         """Request `i`'s draft K/V holds its committed tokens at positions < `length`, but for the
         spans its catch-ups skipped."""
-        blocks = self.target.block_table(self._stack.attention_layer_names)
+        blocks = self._draft_blocks()
         if blocks is not None:
             table, block_size = blocks
             req_id = reqs.req_ids[i]
@@ -190,7 +194,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         sequence_len = len(reqs.histories[i]) + len(pending)
         valid = self._valid(reqs, i, pending)
         first = min(valid, sequence_len - 1)  # the last token always runs: its logits draft
-        blocks = self.target.block_table(self._stack.attention_layer_names) if self._window else None
+        blocks = self._draft_blocks() if self._window else None
         if blocks is None:
             return None, first, -1
         block_size = blocks[1]
