@@ -29,9 +29,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 SHAPE = {"hq": 12, "hkv": 2, "d": 128, "block_size": 128}
 
 
-def child(so: str, contexts: list[int], q_lens: list[int], reps: int, threads: int) -> None:
+def child(so: str, contexts: list[int], q_lens: list[int], reps: int, threads: int, layout: str) -> None:
     """Load one build and print one JSON line per shape: the best of `reps` calls, rotating over
-    enough copies of the cache that each call reads K/V from DRAM."""
+    enough copies of the cache that each call reads K/V from DRAM. `layout`: vLLM-CPU's plain KV
+    layout (`vec`: K transposed) or its AMX-packed one (`amx`, read through the 6-D views of
+    `verification.attention.paged_kv_views`)."""
     import time
 
     import torch
@@ -46,8 +48,12 @@ def child(so: str, contexts: list[int], q_lens: list[int], reps: int, threads: i
             nblk = (seq + bs - 1) // bs
             copies = max(2, math.ceil(128e6 / (nblk * hkv * 2 * bs * d * 2)))  # > any L3 here
             raws = [torch.randn(nblk, hkv, 2 * bs * d).to(torch.bfloat16) for _ in range(copies)]
-            kcs = [r[:, :, : bs * d].view(nblk, hkv, d, bs).transpose(2, 3) for r in raws]  # vLLM-CPU layout
-            vcs = [r[:, :, bs * d:].view(nblk, hkv, bs, d) for r in raws]
+            if layout == "amx":  # K [nb, Hkv, bs/16, D/2, 16, 2], V [nb, Hkv, D/16, bs/2, 16, 2]
+                kcs = [r[:, :, : bs * d].unflatten(-1, (bs // 16, d // 2, 16, 2)) for r in raws]
+                vcs = [r[:, :, bs * d:].unflatten(-1, (d // 16, bs // 2, 16, 2)) for r in raws]
+            else:  # vLLM-CPU's plain layout: K^T [D, bs], V [bs, D] per block and head
+                kcs = [r[:, :, : bs * d].view(nblk, hkv, d, bs).transpose(2, 3) for r in raws]
+                vcs = [r[:, :, bs * d:].view(nblk, hkv, bs, d) for r in raws]
             table = torch.randperm(nblk).to(torch.int32).unsqueeze(0)
             lens = torch.tensor([seq], dtype=torch.int32)
             qsl = torch.tensor([0, q_len], dtype=torch.int32)
@@ -73,12 +79,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=30, help="timed calls per shape and process")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layout", choices=["vec", "amx"], default="vec",
+                    help="KV layout: vLLM-CPU's plain one, or its AMX-packed one (bf16 on CPUs with AMX)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     builds = dict(b.split("=", 1) for b in args.build)
     if args.child:
-        child(builds[args.child[0]], args.contexts, args.q_lens, args.reps, args.threads)
+        child(builds[args.child[0]], args.contexts, args.q_lens, args.reps, args.threads, args.layout)
         return 0
     if len(builds) < 2:
         ap.error("--build: give at least two builds (NAME=PATH), e.g. before= and after=")
@@ -105,7 +113,7 @@ def main(argv=None) -> int:
             for name in (names if rnd % 2 == 0 else names[::-1]):
                 cmd = [sys.executable, __file__, "--child", name, *sum((["--build", b] for b in args.build), []),
                        "--contexts", *map(str, args.contexts), "--q-lens", *map(str, args.q_lens),
-                       "--reps", str(args.reps), "--threads", str(args.threads)]
+                       "--reps", str(args.reps), "--threads", str(args.threads), "--layout", args.layout]
                 lines = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
                 for line in lines:
                     r = json.loads(line) | {"build": name, "round": rnd}
@@ -126,14 +134,14 @@ def main(argv=None) -> int:
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H%M")
     base = ROOT / "bench" / "results" / f"kernels_attention_ab_{stamp}{'_' + args.tag if args.tag else ''}"
     record = {"command": " ".join([sys.executable, *sys.argv]), "machine": hardware(), "shape": SHAPE,
-              "builds": builds, "roof": roof, "rows": rows, "raw": raw}
+              "builds": builds, "layout": args.layout, "roof": roof, "rows": rows, "raw": raw}
     base.with_suffix(".json").write_text(json.dumps(record, indent=1))
     head = "| ctx | q | " + " | ".join(f"{n}: ms, GFLOP/s, roof %" for n in names) + " | " + \
         " | ".join(f"{names[0]} / {n}" for n in names[1:]) + " |"
     lines = [f"# Dense verify attention, {' vs '.join(names)} ({stamp})", "",
              f"`{record['command']}`", "", f"Machine: {record['machine'].get('Model name', '?')}, {record['machine'].get('CPU(s)', '?')} CPUs ({record['machine'].get('torch_cpu_capability')})", "",
              f"Shape: Qwen2.5-1.5B attention (Hq {SHAPE['hq']}, Hkv {SHAPE['hkv']}, D {SHAPE['d']}, block "
-             f"{SHAPE['block_size']}, bf16, vLLM-CPU's plain KV layout), batch 1, {args.threads} threads. Best of "
+             f"{SHAPE['block_size']}, bf16, vLLM-CPU's {'AMX-packed' if args.layout == 'amx' else 'plain'} KV layout), batch 1, {args.threads} threads. Best of "
              f"{args.rounds} rounds x {args.reps} calls per build, the builds' processes alternating. Roof: "
              f"{roof['gemm_GFLOPs']:.0f} GFLOP/s ({roof['method']}; fastest: {roof['roof_dtype']}).", "",
              head, "|" + "---|" * (2 + len(names) + len(names) - 1)]

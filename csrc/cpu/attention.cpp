@@ -226,6 +226,17 @@ inline void prefetch_2d(const T* base, int64_t rows, int64_t row_stride, int64_t
   }
 }
 
+// One line of every 4 KiB page of a contiguous range, into L2: each starts the L2 streamer on that page,
+// which then fetches the rest. Every line of a block prefetched in one burst (prefetch_2d) costs more
+// core time than it saves on the AMX layout, where a block and head is 2 x bs*D contiguous bf16
+// (bench/results/kernels_attention_ab_2026-12-01_*).
+template <typename T>
+inline void prefetch_pages(const T* base, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(base);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < bytes; b += 4096) _mm_prefetch(p + b, _MM_HINT_T1);
+}
+
 // Rows (query tokens x GQA group) of a request from which bf16/fp16 attention uses ATen's SDPA on the
 // gathered selected tokens; SPARSEVER_CPU_ATTN_SDPA_MIN_ROWS overrides it (0 disables the path).
 inline int64_t sdpa_min_rows() {
@@ -333,9 +344,27 @@ struct BlockSegment {
   int64_t mask_stride;
 };
 
-// Scores s [rows, ntp] (unscaled; tokens a_lo .. a_lo + ntp of the block, ntp a multiple of 32) ->
-// masks, the online softmax step, and P rounded to bf16 (vcvtne2ps2bf16) into p [rows, ntp].
-SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, int a_lo, int ntp, int rows,
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x for the softmax's probabilities (x <= 0; -inf for masked tokens gives 0): 2^round(x) by
+// vscalefps times a degree-4 polynomial for 2^f, f in [-1/2, 1/2] (relative error 2.7e-6, about that of
+// ATen's exp_u20, in half its instructions: the softmax's vector work bounds these kernels on AMX).
+// Below 2^-126 (a normal float's least exponent) P is 0.
+SPARSEVER_AVX512_BF16 inline __m512 exp2_probability(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0.009570099413394928f), _mm512_set1_ps(0.05591785907745361f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240247443318367f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931217908859253f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999992847442627f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+// Scores s [rows, ntp] (unscaled; tokens a_lo .. a_lo + ntp of the block, ntp a multiple of 32) of the
+// item's rows row0 .. row0 + rows -> masks, the online softmax step, and P rounded to bf16
+// (vcvtne2ps2bf16) into p [rows, ntp]; m, l and acc point at row row0's state.
+SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, int a_lo, int ntp, int row0, int rows,
                                                        float scale, float* s, bf16* p, float* m, float* l,
                                                        float* acc) {
   const int d = sg.d;
@@ -344,7 +373,7 @@ SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, i
     for (int t = 0; t < sg.t_lo - a_lo; ++t) srow[t] = kNegInf;
     for (int t = sg.t_hi - a_lo; t < ntp; ++t) srow[t] = kNegInf;
     if (sg.is_query) {
-      const int i = row / sg.group;
+      const int i = (row0 + row) / sg.group;
       mask_query_columns(srow, sg.t_lo - a_lo, sg.t_hi - a_lo, sg.block * sg.bs + a_lo - sg.ctx_len, i,
                          sg.mask ? sg.mask + (sg.t0 + i) * sg.mask_stride : nullptr);
     }
@@ -355,35 +384,33 @@ SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, i
       std::memset(static_cast<void*>(prow), 0, static_cast<size_t>(ntp) * sizeof(bf16));
       continue;
     }
-    const __m512 vscale = _mm512_set1_ps(scale), vneg_m = _mm512_set1_ps(-m_new);
-    Vec vsum(0.f);
+    // exp(scale * s - m) = 2^(s * scale log2 e - m log2 e): one FMA, then exp2_probability.
+    const __m512 vscale = _mm512_set1_ps(scale * kLog2e), vneg_m = _mm512_set1_ps(-m_new * kLog2e);
+    __m512 vsum0 = _mm512_setzero_ps(), vsum1 = _mm512_setzero_ps();
     for (int t = 0; t < ntp; t += 2 * kVecLen) {
-      Vec e0 = Vec(_mm512_fmadd_ps(_mm512_loadu_ps(srow + t), vscale, vneg_m)).exp_u20();
-      Vec e1 = Vec(_mm512_fmadd_ps(_mm512_loadu_ps(srow + t + kVecLen), vscale, vneg_m)).exp_u20();
-      vsum = vsum + e0 + e1;
+      const __m512 e0 = exp2_probability(_mm512_fmadd_ps(_mm512_loadu_ps(srow + t), vscale, vneg_m));
+      const __m512 e1 = exp2_probability(_mm512_fmadd_ps(_mm512_loadu_ps(srow + t + kVecLen), vscale, vneg_m));
+      vsum0 = _mm512_add_ps(vsum0, e0);
+      vsum1 = _mm512_add_ps(vsum1, e1);
       _mm512_storeu_si512(prow + t, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // e0 -> low half
     }
+    const Vec vsum(_mm512_add_ps(vsum0, vsum1));
     softmax_row_update(m[row], l[row], m_new, vsum, acc + static_cast<int64_t>(row) * d, d);
   }
 }
 
+// One segment on the AMX layout, 32 rows at a time through scores, softmax and P V, so that a group's
+// scores and P stay in L1 however many rows the item has (K and V are re-read from L2 per group).
 SPARSEVER_AMX void amx_segment(const BlockSegment& sg, const bf16* q, int rows, float scale, float* m, float* l,
                                float* acc, amx::TileState& tiles, Bf16Scratch& buf) {
   const int d = sg.d;
   const int a_lo = sg.t_lo / 32 * 32, a_hi = (sg.t_hi + 31) / 32 * 32;
   const int ntp = a_hi - a_lo;  // a multiple of 32
-  if (buf.s.size() < static_cast<size_t>(rows + 16) * ntp) buf.s.resize(static_cast<size_t>(rows + 16) * ntp);
-  if (buf.p.size() < static_cast<size_t>(rows + 16) * ntp) buf.p.resize(static_cast<size_t>(rows + 16) * ntp);
+  const size_t group_elems = static_cast<size_t>(32) * ntp;
+  if (buf.s.size() < group_elems) buf.s.resize(group_elems);
+  if (buf.p.size() < group_elems) buf.p.resize(group_elems);
   float* s = buf.s.data();
   bf16* p = buf.p.data();
-  // Scores for row pairs of tile groups.
-  for (int r = 0; r < rows; r += 32) {
-    const int m0 = std::min(16, rows - r), m1 = std::max(0, std::min(16, rows - r - 16));
-    tiles.configure(m0, m1);
-    amx_scores(q + static_cast<int64_t>(r) * d, d, m1 > 0, sg.k_block + static_cast<int64_t>(a_lo) * d, ntp / 16,
-               s + static_cast<int64_t>(r) * ntp, ntp);
-  }
-  softmax_rows_to_bf16(sg, a_lo, ntp, rows, scale, s, p, m, l, acc);
   // V rows outside [t_lo, t_hi) may hold anything (unwritten slots): P is 0 there, but 0 x NaN is not,
   // so a partial range reads a copy with those tokens zeroed.
   const bf16* v = sg.v_block + static_cast<int64_t>(a_lo) * 16;
@@ -409,8 +436,10 @@ SPARSEVER_AMX void amx_segment(const BlockSegment& sg, const bf16* q, int rows, 
   for (int r = 0; r < rows; r += 32) {
     const int m0 = std::min(16, rows - r), m1 = std::max(0, std::min(16, rows - r - 16));
     tiles.configure(m0, m1);
-    amx_pv(p + static_cast<int64_t>(r) * ntp, ntp, m1 > 0, v, v_group, ntp / 32, d, acc + static_cast<int64_t>(r) * d,
-           d);
+    amx_scores(q + static_cast<int64_t>(r) * d, d, m1 > 0, sg.k_block + static_cast<int64_t>(a_lo) * d, ntp / 16, s,
+               ntp);
+    softmax_rows_to_bf16(sg, a_lo, ntp, r, m0 + m1, scale, s, p, m + r, l + r, acc + static_cast<int64_t>(r) * d);
+    amx_pv(p, ntp, m1 > 0, v, v_group, ntp / 32, d, acc + static_cast<int64_t>(r) * d, d);
   }
 }
 
@@ -543,7 +572,7 @@ SPARSEVER_AVX512_BF16 void dot_bf16_segment(const BlockSegment& sg, const bf16* 
     }
   }
   dot_pairs(q, d, rows, d / 2, kp, 2 * static_cast<int64_t>(ntp), ntp, s, ntp, false);  // scores
-  softmax_rows_to_bf16(sg, a_lo, ntp, rows, scale, s, p, m, l, acc);
+  softmax_rows_to_bf16(sg, a_lo, ntp, 0, rows, scale, s, p, m, l, acc);
   dot_pairs(p, ntp, rows, ntp / 2, vp, 2 * static_cast<int64_t>(d), d, acc, d, true);  // acc += P V
 }
 #endif  // CPU_CAPABILITY_AVX512
@@ -783,8 +812,8 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
             if (si + 1 < item.seg_end) {  // blocks are scattered: fetch the next one's K and V meanwhile
               const int64_t next = bt[r * bt_stride + list[si + 1].block];
               if (amx_layout) {
-                prefetch_2d(kc + next * ks0 + h * ks1, 1, 0, static_cast<int64_t>(bs) * d);
-                prefetch_2d(vc + next * vs0 + h * vs1, 1, 0, static_cast<int64_t>(bs) * d);
+                prefetch_pages(kc + next * ks0 + h * ks1, static_cast<int64_t>(bs) * d);
+                prefetch_pages(vc + next * vs0 + h * vs1, static_cast<int64_t>(bs) * d);
               } else {
                 prefetch_2d(kc + next * ks0 + h * ks1, d, ks_d, bs);  // K^T: D rows of bs tokens
                 prefetch_2d(vc + next * vs0 + h * vs1, bs, vs_t, d);  // V: bs rows of D
