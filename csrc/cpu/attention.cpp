@@ -251,80 +251,6 @@ inline int64_t sdpa_min_rows() {
 #if defined(CPU_CAPABILITY_AVX512)
 using bf16 = c10::BFloat16;
 
-// S[m0 + m1 rows, 16 * n_groups] = Q K^T over n_groups (even) token groups of the AMX K layout.
-// q: bf16 rows of d, the first of up to 32 rows; k: the first token group; s_stride in floats.
-SPARSEVER_AMX inline void amx_scores(const bf16* q, int d, bool two, const bf16* k, int n_groups, float* s,
-                                     int64_t s_stride) {
-  const int64_t group = 16 * static_cast<int64_t>(d);  // elements per token group
-  const int64_t qb = 2 * static_cast<int64_t>(d), sb = 4 * s_stride;  // row strides in bytes
-  for (int g = 0; g < n_groups; g += 2) {
-    const bf16* k0 = k + g * group;
-    const bf16* k1 = k0 + group;
-    _tile_zero(4);
-    _tile_zero(5);
-    if (two) {
-      _tile_zero(6);
-      _tile_zero(7);
-    }
-    for (int c = 0; c < d; c += amx::kBf16PerRow) {
-      // The B tile of dims [c, c + 32): dim pairs c/2 .. c/2 + 15, 16 tokens x 2 each.
-      _tile_loadd(0, q + c, qb);
-      _tile_loadd(2, k0 + c * 16, amx::kTileBytes);
-      _tile_loadd(3, k1 + c * 16, amx::kTileBytes);
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_dpbf16ps(5, 0, 3);
-      if (two) {
-        _tile_loadd(1, q + 16 * d + c, qb);
-        _tile_dpbf16ps(6, 1, 2);
-        _tile_dpbf16ps(7, 1, 3);
-      }
-    }
-    float* sg = s + g * 16;
-    _tile_stored(4, sg, sb);
-    _tile_stored(5, sg + 16, sb);
-    if (two) {
-      _tile_stored(6, sg + 16 * s_stride, sb);
-      _tile_stored(7, sg + 16 * s_stride + 16, sb);
-    }
-  }
-}
-
-// acc[m0 + m1 rows, d] += P V over n_chunks chunks of 32 tokens. p: bf16 rows (p_stride elements);
-// v: the first token pair of dim group 0 in the AMX V layout, dim groups v_group apart.
-SPARSEVER_AMX inline void amx_pv(const bf16* p, int64_t p_stride, bool two, const bf16* v, int64_t v_group,
-                                 int n_chunks, int d, float* acc, int64_t acc_stride) {
-  const int64_t pb = 2 * p_stride, ab = 4 * acc_stride;
-  for (int i = 0; i < d; i += 2 * amx::kF32PerRow) {
-    float* c0 = acc + i;
-    _tile_loadd(4, c0, ab);
-    _tile_loadd(5, c0 + 16, ab);
-    if (two) {
-      _tile_loadd(6, c0 + 16 * acc_stride, ab);
-      _tile_loadd(7, c0 + 16 * acc_stride + 16, ab);
-    }
-    const bf16* v0 = v + (i / 16) * v_group;
-    const bf16* v1 = v0 + v_group;
-    for (int k = 0; k < n_chunks; ++k) {
-      _tile_loadd(0, p + k * 32, pb);
-      _tile_loadd(2, v0 + k * 512, amx::kTileBytes);  // 16 token pairs x 16 dims x 2
-      _tile_loadd(3, v1 + k * 512, amx::kTileBytes);
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_dpbf16ps(5, 0, 3);
-      if (two) {
-        _tile_loadd(1, p + 16 * p_stride + k * 32, pb);
-        _tile_dpbf16ps(6, 1, 2);
-        _tile_dpbf16ps(7, 1, 3);
-      }
-    }
-    _tile_stored(4, c0, ab);
-    _tile_stored(5, c0 + 16, ab);
-    if (two) {
-      _tile_stored(6, c0 + 16 * acc_stride, ab);
-      _tile_stored(7, c0 + 16 * acc_stride + 16, ab);
-    }
-  }
-}
-
 // Buffers of one thread for the bf16 paths (AMX tiles, vdpbf16ps).
 struct Bf16Scratch {
   std::vector<bf16> q, p, k, v;
@@ -361,14 +287,23 @@ SPARSEVER_AVX512_BF16 inline __m512 exp2_probability(__m512 x) {
   return _mm512_maskz_scalef_ps(live, p, n);
 }
 
+struct NoHook {
+  void operator()() const {}
+};
+
 // Scores s [rows, ntp] (unscaled; tokens a_lo .. a_lo + ntp of the block, ntp a multiple of 32) of the
 // item's rows row0 .. row0 + rows -> masks, the online softmax step, and P rounded to bf16
-// (vcvtne2ps2bf16) into p [rows, ntp]; m, l and acc point at row row0's state.
+// (vcvtne2ps2bf16) into p [rows, ntp]; m, l and acc point at row row0's state. With `alpha`, the
+// accumulators' rescale factors are written there instead of applied (the AMX pipeline applies them
+// once the P V in flight over those rows is done); `after_row` runs after each row (the pipeline's
+// tile steps, interleaved with this vector work).
+template <typename AfterRow = NoHook>
 SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, int a_lo, int ntp, int row0, int rows,
                                                        float scale, float* s, bf16* p, float* m, float* l,
-                                                       float* acc) {
+                                                       float* acc, float* alpha = nullptr,
+                                                       AfterRow&& after_row = AfterRow{}) {
   const int d = sg.d;
-  for (int row = 0; row < rows; ++row) {
+  for (int row = 0; row < rows; ++row, after_row()) {
     float* srow = s + static_cast<int64_t>(row) * ntp;  // unscaled
     for (int t = 0; t < sg.t_lo - a_lo; ++t) srow[t] = kNegInf;
     for (int t = sg.t_hi - a_lo; t < ntp; ++t) srow[t] = kNegInf;
@@ -382,6 +317,7 @@ SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, i
     const float m_new = softmax_row_max(srow, ntp, scale, m[row]);
     if (m_new == kNegInf) {
       std::memset(static_cast<void*>(prow), 0, static_cast<size_t>(ntp) * sizeof(bf16));
+      if (alpha != nullptr) alpha[row] = 1.f;
       continue;
     }
     // exp(scale * s - m) = 2^(s * scale log2 e - m log2 e): one FMA, then exp2_probability.
@@ -395,52 +331,251 @@ SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, i
       _mm512_storeu_si512(prow + t, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // e0 -> low half
     }
     const Vec vsum(_mm512_add_ps(vsum0, vsum1));
-    softmax_row_update(m[row], l[row], m_new, vsum, acc + static_cast<int64_t>(row) * d, d);
+    if (alpha != nullptr) {
+      alpha[row] = std::exp(m[row] - m_new);
+      l[row] = l[row] * alpha[row] + hsum(vsum);
+      m[row] = m_new;
+    } else {
+      softmax_row_update(m[row], l[row], m_new, vsum, acc + static_cast<int64_t>(row) * d, d);
+    }
   }
 }
 
-// One segment on the AMX layout, 32 rows at a time through scores, softmax and P V, so that a group's
-// scores and P stay in L1 however many rows the item has (K and V are re-read from L2 per group).
-SPARSEVER_AMX void amx_segment(const BlockSegment& sg, const bf16* q, int rows, float scale, float* m, float* l,
-                               float* acc, amx::TileState& tiles, Bf16Scratch& buf) {
-  const int d = sg.d;
-  const int a_lo = sg.t_lo / 32 * 32, a_hi = (sg.t_hi + 31) / 32 * 32;
-  const int ntp = a_hi - a_lo;  // a multiple of 32
-  const size_t group_elems = static_cast<size_t>(32) * ntp;
-  if (buf.s.size() < group_elems) buf.s.resize(group_elems);
-  if (buf.p.size() < group_elems) buf.p.resize(group_elems);
-  float* s = buf.s.data();
-  bf16* p = buf.p.data();
-  // V rows outside [t_lo, t_hi) may hold anything (unwritten slots): P is 0 there, but 0 x NaN is not,
-  // so a partial range reads a copy with those tokens zeroed.
-  const bf16* v = sg.v_block + static_cast<int64_t>(a_lo) * 16;
-  int64_t v_group = static_cast<int64_t>(sg.bs) * 16;
-  if (sg.t_lo != a_lo || sg.t_hi != a_hi) {
-    const int64_t per_group = static_cast<int64_t>(ntp) * 16;
-    if (buf.v.size() < static_cast<size_t>(d / 16) * per_group) buf.v.resize(static_cast<size_t>(d / 16) * per_group);
-    bf16* vc = buf.v.data();
-    for (int g = 0; g < d / 16; ++g) {
-      const bf16* src = v + g * v_group;
-      bf16* dst = vc + g * per_group;
-      for (int t = 0; t < ntp; ++t) {  // token t: pair t/2, element t%2 of each of the 16 dims
-        const bool valid = a_lo + t >= sg.t_lo && a_lo + t < sg.t_hi;
-        for (int dd = 0; dd < 16; ++dd) {
-          const int64_t i = (t / 2) * 32 + dd * 2 + (t % 2);
-          dst[i] = valid ? src[i] : bf16(0.f);
-        }
+// ---- the AMX layout: a pipeline of tile products under the softmax's vector work ----
+//
+// An item's work is cut into units, one 32-row group (two tile row groups of m0 and m1 rows) of one
+// segment each, run in order. Each unit's Q K^T and P V are sequences of tile steps (a 32-dim slice of a
+// pair of token groups; a 32-token chunk of a pair of 16-dim output slices), and the steps of P V(u - 1)
+// and Q K^T(u + 1) are interleaved with unit u's softmax rows, so the tile unit and the vector units
+// work at once. Scores and P are double-buffered; the softmax's rescale of acc is deferred until the
+// P V in flight over the same rows is done.
+
+struct AmxUnit {
+  const BlockSegment* sg;
+  int a_lo, ntp;   // the 32-aligned token range of the segment's block
+  int r0, m0, m1;  // rows r0 .. r0 + m0 + m1 of the item
+  bool first_group;  // the segment's first unit
+};
+
+// S [m0 + m1 rows, ntp] = Q K^T of one unit, one step per 32-dim slice of a pair of 16-token groups.
+struct AmxScoreSteps {
+  const bf16* q = nullptr;  // the unit's first row
+  const bf16* k = nullptr;  // the first token group of the unit's range (AMX K layout)
+  float* s = nullptr;
+  int d = 0, ntp = 0, m0 = 0, m1 = 0;
+  int g = 0, c = 0, n_groups = 0;  // progress: token group pair g, dims [c, c + 32)
+
+  int total() const { return n_groups / 2 * (d / amx::kBf16PerRow); }
+  bool done() const { return g >= n_groups; }
+  SPARSEVER_AMX void step(amx::TileState& tiles) {
+    if (c == 0) {
+      tiles.configure(m0, m1);
+      _tile_zero(4);
+      _tile_zero(5);
+      if (m1 > 0) {
+        _tile_zero(6);
+        _tile_zero(7);
       }
     }
-    v = vc;
-    v_group = per_group;
+    const int64_t group = 16 * static_cast<int64_t>(d), qb = 2 * static_cast<int64_t>(d);
+    const bf16* k0 = k + g * group;
+    // The B tile of dims [c, c + 32): dim pairs c/2 .. c/2 + 15, 16 tokens x 2 each.
+    _tile_loadd(0, q + c, qb);
+    _tile_loadd(2, k0 + c * 16, amx::kTileBytes);
+    _tile_loadd(3, k0 + group + c * 16, amx::kTileBytes);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    if (m1 > 0) {
+      _tile_loadd(1, q + 16 * d + c, qb);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+    c += amx::kBf16PerRow;
+    if (c >= d) {
+      float* sg = s + g * 16;
+      const int64_t sb = 4 * static_cast<int64_t>(ntp);
+      _tile_stored(4, sg, sb);
+      _tile_stored(5, sg + 16, sb);
+      if (m1 > 0) {
+        _tile_stored(6, sg + 16 * ntp, sb);
+        _tile_stored(7, sg + 16 * ntp + 16, sb);
+      }
+      c = 0;
+      g += 2;
+    }
   }
-  for (int r = 0; r < rows; r += 32) {
-    const int m0 = std::min(16, rows - r), m1 = std::max(0, std::min(16, rows - r - 16));
-    tiles.configure(m0, m1);
-    amx_scores(q + static_cast<int64_t>(r) * d, d, m1 > 0, sg.k_block + static_cast<int64_t>(a_lo) * d, ntp / 16, s,
-               ntp);
-    softmax_rows_to_bf16(sg, a_lo, ntp, r, m0 + m1, scale, s, p, m + r, l + r, acc + static_cast<int64_t>(r) * d);
-    amx_pv(p, ntp, m1 > 0, v, v_group, ntp / 32, d, acc + static_cast<int64_t>(r) * d, d);
+};
+
+// acc [m0 + m1 rows, d] += P V of one unit, one step per 32-token chunk of a pair of 16-dim slices.
+struct AmxPvSteps {
+  const bf16* p = nullptr;  // P [rows, ntp] bf16
+  const bf16* v = nullptr;  // the first token pair of dim group 0 (AMX V layout), dim groups v_group apart
+  int64_t v_group = 0;
+  float* acc = nullptr;  // the unit's first row, rows d apart
+  int d = 0, ntp = 0, m0 = 0, m1 = 0;
+  int i = 0, k = 0;  // progress: dims [i, i + 32), chunk k
+
+  int total() const { return d / (2 * amx::kF32PerRow) * (ntp / 32); }
+  bool done() const { return i >= d; }
+  SPARSEVER_AMX void step(amx::TileState& tiles) {
+    float* c0 = acc + i;
+    const int64_t ab = 4 * static_cast<int64_t>(d), pb = 2 * static_cast<int64_t>(ntp);
+    if (k == 0) {
+      tiles.configure(m0, m1);
+      _tile_loadd(4, c0, ab);
+      _tile_loadd(5, c0 + 16, ab);
+      if (m1 > 0) {
+        _tile_loadd(6, c0 + 16 * d, ab);
+        _tile_loadd(7, c0 + 16 * d + 16, ab);
+      }
+    }
+    const bf16* v0 = v + (i / 16) * v_group;
+    _tile_loadd(0, p + k * 32, pb);
+    _tile_loadd(2, v0 + k * 512, amx::kTileBytes);  // 16 token pairs x 16 dims x 2
+    _tile_loadd(3, v0 + v_group + k * 512, amx::kTileBytes);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    if (m1 > 0) {
+      _tile_loadd(1, p + 16 * ntp + k * 32, pb);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+    if (++k == ntp / 32) {
+      _tile_stored(4, c0, ab);
+      _tile_stored(5, c0 + 16, ab);
+      if (m1 > 0) {
+        _tile_stored(6, c0 + 16 * d, ab);
+        _tile_stored(7, c0 + 16 * d + 16, ab);
+      }
+      k = 0;
+      i += 2 * amx::kF32PerRow;
+    }
   }
+};
+
+// Buffers of one thread for the AMX pipeline: double-buffered scores, P and rescale factors.
+struct AmxPipelineBuffers {
+  std::vector<float> s, alpha;
+  std::vector<bf16> p, v;
+  std::vector<AmxUnit> units;
+  std::vector<BlockSegment> segments;  // of the item
+};
+
+// The units' token-range V: in place, or (a partial range) a copy with the tokens outside [t_lo, t_hi)
+// zeroed: P is 0 there, but 0 x NaN from an unwritten slot is not.
+inline const bf16* amx_unit_values(const AmxUnit& u, std::vector<bf16>& copy, int64_t& v_group) {
+  const BlockSegment& sg = *u.sg;
+  const int d = sg.d, ntp = u.ntp, a_lo = u.a_lo;
+  const bf16* v = sg.v_block + static_cast<int64_t>(a_lo) * 16;
+  v_group = static_cast<int64_t>(sg.bs) * 16;
+  if (sg.t_lo == a_lo && sg.t_hi == a_lo + ntp) return v;
+  const int64_t per_group = static_cast<int64_t>(ntp) * 16;
+  if (copy.size() < static_cast<size_t>(d / 16) * per_group) copy.resize(static_cast<size_t>(d / 16) * per_group);
+  for (int g = 0; g < d / 16; ++g) {
+    const bf16* src = v + g * v_group;
+    bf16* dst = copy.data() + g * per_group;
+    for (int t = 0; t < ntp; ++t) {  // token t: pair t/2, element t%2 of each of the 16 dims
+      const bool valid = a_lo + t >= sg.t_lo && a_lo + t < sg.t_hi;
+      for (int dd = 0; dd < 16; ++dd) {
+        const int64_t i = (t / 2) * 32 + dd * 2 + (t % 2);
+        dst[i] = valid ? src[i] : bf16(0.f);
+      }
+    }
+  }
+  v_group = per_group;
+  return copy.data();
+}
+
+// Rows [0, rows) of one (request, KV head) over the segments `sgs` (an item), on the AMX layout.
+SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q, int rows, float scale, float* m,
+                            float* l, float* acc, amx::TileState& tiles, AmxPipelineBuffers& buf) {
+  if (sgs.empty()) return;
+  const int d = sgs.front().d, bs = sgs.front().bs;
+  auto& units = buf.units;
+  units.clear();
+  for (const BlockSegment& sg : sgs) {
+    const int a_lo = sg.t_lo / 32 * 32, a_hi = (sg.t_hi + 31) / 32 * 32;
+    for (int r = 0; r < rows; r += 32) {
+      const int m0 = std::min(16, rows - r), m1 = std::max(0, std::min(16, rows - r - 16));
+      units.push_back({&sg, a_lo, a_hi - a_lo, r, m0, m1, r == 0});
+    }
+  }
+  const int64_t slot = static_cast<int64_t>(32) * bs;  // one unit's scores / P (ntp <= bs)
+  if (buf.s.size() < static_cast<size_t>(2 * slot)) buf.s.resize(static_cast<size_t>(2 * slot));
+  if (buf.p.size() < static_cast<size_t>(2 * slot)) buf.p.resize(static_cast<size_t>(2 * slot));
+  if (buf.alpha.size() < 64) buf.alpha.resize(64);
+  const int n = static_cast<int>(units.size());
+  auto scores_of = [&](int u) {
+    const AmxUnit& un = units[u];
+    if (un.first_group) {  // the next segment's block, while this one is computed
+      const size_t next = static_cast<size_t>(un.sg - sgs.data()) + 1;
+      if (next < sgs.size()) {
+        prefetch_pages(sgs[next].k_block, static_cast<int64_t>(bs) * d);
+        prefetch_pages(sgs[next].v_block, static_cast<int64_t>(bs) * d);
+      }
+    }
+    AmxScoreSteps st;
+    st.q = q + static_cast<int64_t>(un.r0) * d;
+    st.k = un.sg->k_block + static_cast<int64_t>(un.a_lo) * d;
+    st.s = buf.s.data() + (u % 2) * slot;
+    st.d = d;
+    st.ntp = un.ntp;
+    st.m0 = un.m0;
+    st.m1 = un.m1;
+    st.n_groups = un.ntp / 16;
+    return st;
+  };
+  auto pv_of = [&](int u) {
+    const AmxUnit& un = units[u];
+    AmxPvSteps st;
+    st.p = buf.p.data() + (u % 2) * slot;
+    st.v = amx_unit_values(un, buf.v, st.v_group);
+    st.acc = acc + static_cast<int64_t>(un.r0) * d;
+    st.d = d;
+    st.ntp = un.ntp;
+    st.m0 = un.m0;
+    st.m1 = un.m1;
+    return st;
+  };
+  {
+    AmxScoreSteps first = scores_of(0);
+    while (!first.done()) first.step(tiles);
+  }
+  for (int u = 0; u < n; ++u) {
+    const AmxUnit& un = units[u];
+    const int un_rows = un.m0 + un.m1;
+    AmxPvSteps pv;  // P V of the unit before, then Q K^T of the unit after, under this unit's softmax
+    AmxScoreSteps next;
+    if (u > 0) pv = pv_of(u - 1);
+    if (u + 1 < n) next = scores_of(u + 1);
+    const int steps = (u > 0 ? pv.total() : 0) + (u + 1 < n ? next.total() : 0);
+    const int per_row = (steps + un_rows - 1) / un_rows;
+    auto run = [&](int count) {
+      for (; count > 0; --count) {
+        if (!pv.done()) {
+          pv.step(tiles);
+        } else if (!next.done()) {
+          next.step(tiles);
+        } else {
+          return;
+        }
+      }
+    };
+    float* alpha = buf.alpha.data() + (u % 2) * 32;
+    softmax_rows_to_bf16(*un.sg, un.a_lo, un.ntp, un.r0, un_rows, scale, buf.s.data() + (u % 2) * slot,
+                         buf.p.data() + (u % 2) * slot, m + un.r0, l + un.r0, acc + static_cast<int64_t>(un.r0) * d,
+                         alpha, [&] { run(per_row); });
+    run(std::numeric_limits<int>::max());
+    // P V(u - 1) is done: the rows' rescale for this unit's new maxima can be applied before P V(u).
+    for (int r = 0; r < un_rows; ++r) {
+      if (alpha[r] == 1.f) continue;
+      const Vec va(alpha[r]);
+      float* arow = acc + static_cast<int64_t>(un.r0 + r) * d;
+      for (int c = 0; c < d; c += kVecLen) (Vec::loadu(arow + c) * va).store(arow + c);
+    }
+  }
+  AmxPvSteps last = pv_of(n - 1);
+  while (!last.done()) last.step(tiles);
 }
 
 // ---- vdpbf16ps on the plain layout ----
@@ -779,6 +914,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
     thread_local std::vector<float> q_buf, s_buf, k_buf, v_buf, merge_buf;
 #if defined(CPU_CAPABILITY_AVX512)
     thread_local Bf16Scratch bf16_buf;
+    thread_local AmxPipelineBuffers amx_buf;
     amx::TileState tiles;  // released when the chunk ends
 #endif
     for (int64_t it = begin; it < end; ++it) {
@@ -805,26 +941,24 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
             for (int g = 0; g < group; ++g)
               std::memcpy(static_cast<void*>(qb + static_cast<int64_t>(i * group + g) * d),
                           qp + (t0 + i) * qs0 + (h * group + g) * qs1, d * sizeof(bf16));
+          auto& sgs = amx_buf.segments;
+          sgs.clear();
           for (int si = item.seg_begin; si < item.seg_end; ++si) {
             const Segment& seg = list[si];
             if (seg.t_hi <= seg.t_lo) continue;
             const int64_t phys = bt[r * bt_stride + seg.block];
-            if (si + 1 < item.seg_end) {  // blocks are scattered: fetch the next one's K and V meanwhile
-              const int64_t next = bt[r * bt_stride + list[si + 1].block];
-              if (amx_layout) {
-                prefetch_pages(kc + next * ks0 + h * ks1, static_cast<int64_t>(bs) * d);
-                prefetch_pages(vc + next * vs0 + h * vs1, static_cast<int64_t>(bs) * d);
-              } else {
-                prefetch_2d(kc + next * ks0 + h * ks1, d, ks_d, bs);  // K^T: D rows of bs tokens
-                prefetch_2d(vc + next * vs0 + h * vs1, bs, vs_t, d);  // V: bs rows of D
+            sgs.push_back({kc + phys * ks0 + h * ks1, vc + phys * vs0 + h * vs1, ks_d, vs_t, bs, d, seg.t_lo, seg.t_hi,
+                           seg.is_query, seg.block, ctx_len, t0, group, mask, mask_stride});
+          }
+          if (amx_layout) {
+            amx_item(sgs, qb, rows, scale, m, l, acc, tiles, amx_buf);  // prefetches the next blocks itself
+          } else {
+            for (size_t j = 0; j < sgs.size(); ++j) {
+              if (j + 1 < sgs.size()) {  // blocks are scattered: fetch the next one's K and V meanwhile
+                prefetch_2d(sgs[j + 1].k_block, d, ks_d, bs);  // K^T: D rows of bs tokens
+                prefetch_2d(sgs[j + 1].v_block, bs, vs_t, d);  // V: bs rows of D
               }
-            }
-            const BlockSegment sg{kc + phys * ks0 + h * ks1, vc + phys * vs0 + h * vs1, ks_d, vs_t, bs, d, seg.t_lo,
-                                  seg.t_hi, seg.is_query, seg.block, ctx_len, t0, group, mask, mask_stride};
-            if (amx_layout) {
-              amx_segment(sg, qb, rows, scale, m, l, acc, tiles, bf16_buf);
-            } else {
-              dot_bf16_segment(sg, qb, rows, scale, m, l, acc, bf16_buf);
+              dot_bf16_segment(sgs[j], qb, rows, scale, m, l, acc, bf16_buf);
             }
           }
           if (pending[rh].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(rh, merge_buf);
