@@ -47,6 +47,50 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// The 2x2 pattern's C tiles: 4/5 = row group a at columns [0, 16) and [16, 32) of `c`, 6/7 = row group b
+// (`two`), 16 rows on; `stride` in bytes between rows.
+SPARSEVER_AMX inline void zero_c_tiles(bool two) {
+  _tile_zero(4);
+  _tile_zero(5);
+  if (two) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+}
+SPARSEVER_AMX inline void load_c_tiles(const float* c, int64_t stride, bool two) {
+  _tile_loadd(4, c, stride);
+  _tile_loadd(5, c + 16, stride);
+  if (two) {
+    const float* b = reinterpret_cast<const float*>(reinterpret_cast<const char*>(c) + 16 * stride);
+    _tile_loadd(6, b, stride);
+    _tile_loadd(7, b + 16, stride);
+  }
+}
+SPARSEVER_AMX inline void store_c_tiles(float* c, int64_t stride, bool two) {
+  _tile_stored(4, c, stride);
+  _tile_stored(5, c + 16, stride);
+  if (two) {
+    float* b = reinterpret_cast<float*>(reinterpret_cast<char*>(c) + 16 * stride);
+    _tile_stored(6, b, stride);
+    _tile_stored(7, b + 16, stride);
+  }
+}
+
+// C += A B over one 32-deep slice: A tiles 0/1 = rows of `a` (row group b 16 rows on, `a_stride` bytes
+// apart), B tiles 2/3 from b0 and b1 (16 rows of 64 bytes each: pairs along the reduction).
+SPARSEVER_AMX inline void dp_2x2(const void* a, int64_t a_stride, bool two, const void* b0, const void* b1) {
+  _tile_loadd(0, a, a_stride);
+  _tile_loadd(2, b0, kTileBytes);
+  _tile_loadd(3, b1, kTileBytes);
+  _tile_dpbf16ps(4, 0, 2);
+  _tile_dpbf16ps(5, 0, 3);
+  if (two) {
+    _tile_loadd(1, static_cast<const char*>(a) + 16 * a_stride, a_stride);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+}
+
 class TileState {
  public:
   // Loads the configuration for row groups of m0 and m1 rows unless it is already in place.

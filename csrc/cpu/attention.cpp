@@ -370,36 +370,14 @@ struct AmxScoreSteps {
   SPARSEVER_AMX void step(amx::TileState& tiles) {
     if (c == 0) {
       tiles.configure(m0, m1);
-      _tile_zero(4);
-      _tile_zero(5);
-      if (m1 > 0) {
-        _tile_zero(6);
-        _tile_zero(7);
-      }
+      amx::zero_c_tiles(m1 > 0);
     }
-    const int64_t group = 16 * static_cast<int64_t>(d), qb = 2 * static_cast<int64_t>(d);
-    const bf16* k0 = k + g * group;
-    // The B tile of dims [c, c + 32): dim pairs c/2 .. c/2 + 15, 16 tokens x 2 each.
-    _tile_loadd(0, q + c, qb);
-    _tile_loadd(2, k0 + c * 16, amx::kTileBytes);
-    _tile_loadd(3, k0 + group + c * 16, amx::kTileBytes);
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_dpbf16ps(5, 0, 3);
-    if (m1 > 0) {
-      _tile_loadd(1, q + 16 * d + c, qb);
-      _tile_dpbf16ps(6, 1, 2);
-      _tile_dpbf16ps(7, 1, 3);
-    }
+    // The B tiles of dims [c, c + 32): dim pairs c/2 .. c/2 + 15, 16 tokens x 2 each.
+    const bf16* k0 = k + g * 16 * static_cast<int64_t>(d) + c * 16;
+    amx::dp_2x2(q + c, 2 * static_cast<int64_t>(d), m1 > 0, k0, k0 + 16 * static_cast<int64_t>(d));
     c += amx::kBf16PerRow;
     if (c >= d) {
-      float* sg = s + g * 16;
-      const int64_t sb = 4 * static_cast<int64_t>(ntp);
-      _tile_stored(4, sg, sb);
-      _tile_stored(5, sg + 16, sb);
-      if (m1 > 0) {
-        _tile_stored(6, sg + 16 * ntp, sb);
-        _tile_stored(7, sg + 16 * ntp + 16, sb);
-      }
+      amx::store_c_tiles(s + g * 16, 4 * static_cast<int64_t>(ntp), m1 > 0);
       c = 0;
       g += 2;
     }
@@ -419,34 +397,15 @@ struct AmxPvSteps {
   bool done() const { return i >= d; }
   SPARSEVER_AMX void step(amx::TileState& tiles) {
     float* c0 = acc + i;
-    const int64_t ab = 4 * static_cast<int64_t>(d), pb = 2 * static_cast<int64_t>(ntp);
+    const int64_t ab = 4 * static_cast<int64_t>(d);
     if (k == 0) {
       tiles.configure(m0, m1);
-      _tile_loadd(4, c0, ab);
-      _tile_loadd(5, c0 + 16, ab);
-      if (m1 > 0) {
-        _tile_loadd(6, c0 + 16 * d, ab);
-        _tile_loadd(7, c0 + 16 * d + 16, ab);
-      }
+      amx::load_c_tiles(c0, ab, m1 > 0);
     }
-    const bf16* v0 = v + (i / 16) * v_group;
-    _tile_loadd(0, p + k * 32, pb);
-    _tile_loadd(2, v0 + k * 512, amx::kTileBytes);  // 16 token pairs x 16 dims x 2
-    _tile_loadd(3, v0 + v_group + k * 512, amx::kTileBytes);
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_dpbf16ps(5, 0, 3);
-    if (m1 > 0) {
-      _tile_loadd(1, p + 16 * ntp + k * 32, pb);
-      _tile_dpbf16ps(6, 1, 2);
-      _tile_dpbf16ps(7, 1, 3);
-    }
+    const bf16* v0 = v + (i / 16) * v_group + k * 512;  // 16 token pairs x 16 dims x 2 per tile
+    amx::dp_2x2(p + k * 32, 2 * static_cast<int64_t>(ntp), m1 > 0, v0, v0 + v_group);
     if (++k == ntp / 32) {
-      _tile_stored(4, c0, ab);
-      _tile_stored(5, c0 + 16, ab);
-      if (m1 > 0) {
-        _tile_stored(6, c0 + 16 * d, ab);
-        _tile_stored(7, c0 + 16 * d + 16, ab);
-      }
+      amx::store_c_tiles(c0, ab, m1 > 0);
       k = 0;
       i += 2 * amx::kF32PerRow;
     }
