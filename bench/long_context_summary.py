@@ -144,6 +144,9 @@ def main() -> int:
     ap.add_argument("--other-e2e", type=Path, action="append", default=[],
                     help="a lossless_sparse.py JSON of the last --other-machine (repeat to merge): its "
                          "end-to-end tokens/s go under that machine's `contexts`")
+    ap.add_argument("--keep-other-machines", action="store_true",
+                    help="carry the other_machines entries of the --out file over (after those given here), "
+                         "notes added to them included: a new run on the main machine keeps them")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "summary" / "long_context.json")
     args = ap.parse_args()
     args.e2e = [p.resolve() for p in args.e2e]
@@ -183,6 +186,8 @@ def main() -> int:
             k: v["best_lossless_vs_autoregressive"] >= 1.3 for k, v in other["contexts"].items()}
         other["command"] += "".join(f"  +  {r['command']}" for r in other_runs)
         other["sources"]["e2e"] = [str(p.resolve().relative_to(ROOT)) for p in args.other_e2e]
+    if args.keep_other_machines and args.out.is_file():
+        summary["other_machines"] += json.loads(args.out.read_text()).get("other_machines", [])
     aims = {
         **kernel_and_step_aims(roof, verify_32k),
         "best_lossless_ge_1.3x_autoregressive": {k: v["best_lossless_vs_autoregressive"] >= 1.3 for k, v in contexts.items()},

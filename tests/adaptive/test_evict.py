@@ -330,3 +330,63 @@ def test_guard_defers_a_long_catch_up_until_drafting_would_have_saved_its_cost()
     unguarded = _measured(Evict(_profile(0.001), guard=False, depth_prior=0.9), 0.005)
     unguarded.observe_catch_up(1000, 2.0)
     assert unguarded.plan_depth([256], shape, catch_up_tokens=5000) == 3
+
+
+def _run_chain_steps(evict: Evict, shape, steps: int, later_alpha: float) -> list[int]:
+    """`steps` decode steps of one request drafting chains as EVICT plans them: depth 1 accepted half
+    the time, each deeper draft with probability `later_alpha` given its parent (seeded); returns the
+    planned depths."""
+    import random
+
+    rng = random.Random(0)
+    planned = []
+    for _ in range(steps):
+        depth = evict.plan_depth([256], shape)
+        planned.append(depth)
+        if depth == 0:
+            continue
+        levels = 1
+        while levels < depth and evict.keep_drafting([256], shape, levels, [_chain([0.001] * levels)], [[levels - 1]]):
+            levels += 1
+        accepted = 0
+        if rng.random() < 0.5:
+            accepted = 1
+            while accepted < levels and rng.random() < later_alpha:
+                accepted += 1
+        evict.observe_depth(levels, accepted)
+    return planned
+
+
+def test_depth_probe_measures_the_depth_below_which_drafting_stops():
+    """A chain held at depth d never verifies depth d + 1, whose acceptance would stay the depth
+    above's: one drafting step in DEPTH_PROBE_EVERY drafts one level deeper (the stopping rule does
+    not cut the probe short) until that depth is measured; the measurement then decides the depth."""
+    from vllm_sparsever.adaptive.evict import DEPTH_PROBE_EVERY, DEPTH_PROBES, DraftShape
+
+    shape = DraftShape(cap=4, budgets=(4,))
+
+    def engine() -> Evict:
+        # 30 ms passes for a 100 ms step: with every depth accepted half the time (depth 1's estimate,
+        # inherited below it) one draft is the best depth: 1.5 / 0.14 s against 1.75 / 0.175 s for two.
+        evict = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.5), 0.03)
+        for _ in range(20):
+            evict.observe_depth(1, 0)
+            evict.observe_depth(1, 1)
+        return evict
+
+    probed = engine()
+    first = [probed.plan_depth([256], shape) for _ in range(DEPTH_PROBE_EVERY)]
+    assert first == [1] * (DEPTH_PROBE_EVERY - 1) + [2] and probed.stats.depth_probe_steps == 1
+    # The probe drafts its second level even from a draft the stopping rule would stop at.
+    assert probed.keep_drafting([256], shape, 1, [_chain([0.001])], [[0]])
+    assert not probed.keep_drafting([256], shape, 2, [_chain([0.001, 0.001])], [[1]])
+
+    # Depth 2 accepted 90% of the time given depth 1: once measured, chains draft deeper.
+    deep = _run_chain_steps(engine(), shape, 200, later_alpha=0.9)
+    assert deep[:DEPTH_PROBE_EVERY] == [1] * (DEPTH_PROBE_EVERY - 1) + [2]
+    assert all(d >= 2 for d in deep[-50:] if d)  # (0: the guard's plain checks)
+    # Depth 2 accepted 10% of the time: depth 1 stays, and probes drop to one per PLAIN_CHECK_EVERY.
+    shallow_engine = engine()
+    shallow = _run_chain_steps(shallow_engine, shape, 300, later_alpha=0.1)
+    assert set(shallow[-100:]) <= {0, 1, 2} and shallow[-100:].count(1) >= 95
+    assert DEPTH_PROBES <= shallow_engine.stats.depth_probe_steps <= DEPTH_PROBES + 3

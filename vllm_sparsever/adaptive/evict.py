@@ -45,6 +45,13 @@ size: the profile's error is in how time grows with context, and a batch size me
 stands in for its neighbours). `adaptive.guard: false` always drafts at least one level;
 `adaptive.depth: "cap"` drafts to the cap (EVICT then only truncates, and the guard compares the cap
 with plain decoding).
+Depth probe: a depth below which drafting always stops is never verified, so its acceptance would
+stay the depth above's forever (acceptance after an accepted draft is usually higher: a chain held
+one token deep where three paid). While drafting pays at a depth d below the cap, a drafting step
+drafts d + 1 levels (the stopping rule does not cut it short) every DEPTH_PROBE_EVERY drafting steps
+while depth d + 1 has had fewer than DEPTH_PROBES probes and DEPTH_PROBE_TRIALS measurements, then
+every PLAIN_CHECK_EVERY. A probe costs the rate difference the estimates predict between d and d + 1
+on that step, and the measurement then decides the depth.
 
 Chains are the one-branch case: an adaptive draft length per request.
 """
@@ -72,6 +79,9 @@ DEPTH_DECAY = 0.995  # per observed request: older acceptance counts fade (promp
 MAX_GAP_S = 1.0  # engine time between steps above this is idle time, not per-step work
 CATCH_UP_MIN_TOKENS = 16  # a roots' pass over fewer catch-up tokens is a draft pass like the others
 PLAIN_CHECK_EVERY = 64  # guard: drafting steps between measured plain steps in a context band
+DEPTH_PROBE_EVERY = 4  # depth probe: drafting steps between probes of a depth still unmeasured
+DEPTH_PROBES = 24  # depth probe: probes of a depth at DEPTH_PROBE_EVERY; later ones at PLAIN_CHECK_EVERY
+DEPTH_PROBE_TRIALS = 16  # depth probe: (decayed) measurements that make a depth measured
 
 
 class AcceptanceCalibration:
@@ -123,6 +133,10 @@ class DepthAcceptance:
                 self.hits.append(0.0)
             self.trials[d - 1] += 1
             self.hits[d - 1] += accepted_depth >= d
+
+    def trials_at(self, depth: int) -> float:
+        """The (decayed) number of requests whose depth `depth` was verified after reaching depth - 1."""
+        return self.trials[depth - 1] if 0 < depth <= len(self.trials) else 0.0
 
     def conditional(self, depths: int) -> list[float]:
         """Estimated P(reach d | reach d - 1) for d = 1..depths."""
@@ -231,6 +245,7 @@ class EvictStats:
     probe_steps: int = 0  # steps the guard drafted in although drafting did not pay, to re-measure
     plain_check_steps: int = 0  # steps the guard decoded plainly although drafting paid, to measure a plain step
     catch_up_deferred_steps: int = 0  # steps decoded plainly although drafting paid, its catch-up not yet earned
+    depth_probe_steps: int = 0  # steps drafted one level deeper than planned, to measure that depth
     stopped_early_steps: int = 0  # drafting steps stopped before the planned depth (stopping rule)
     expected_tokens: float = 0.0  # sum over steps of the chosen expected emitted tokens
     predicted_verify_s: float = 0.0  # sum of the chosen predicted verify times (scaled)
@@ -248,6 +263,7 @@ class EvictStats:
             "evict_probe_steps": self.probe_steps,
             "evict_plain_check_steps": self.plain_check_steps,
             "evict_catch_up_deferred_steps": self.catch_up_deferred_steps,
+            "evict_depth_probe_steps": self.depth_probe_steps,
             "evict_stopped_early_steps": self.stopped_early_steps,
             "evict_expected_tokens": self.expected_tokens,
             "evict_predicted_verify_s": self.predicted_verify_s,
@@ -294,6 +310,9 @@ class Evict:
         self._catch_up_forgone_s = 0.0  # guard: time drafting would have saved while a catch-up was deferred
         self._skips: dict[int, int] = {}
         self._since_plain: dict[int, int] = {}  # guard: drafting steps since a plain step, per context band
+        self._since_depth_probe = 0  # depth probe: drafting steps since the last one
+        self._depth_probes: dict[int, int] = {}  # depth probe: probes made per depth
+        self._forced_levels = 0  # levels this step drafts whatever the stopping rule says (a depth probe)
 
     # ---- costs ------------------------------------------------------------------------------
 
@@ -377,6 +396,7 @@ class Evict:
         guard). `contexts[i]`: request i's tokens before its root; the drafter has `catch_up_tokens`
         tokens to catch up on before it drafts."""
         rows = len(contexts)
+        self._forced_levels = 0
         if not rows or shape.cap <= 0:
             return 0
         outlook = self._outlook(contexts, shape, 0, [1.0] * rows, [0.0] * rows, [1] * rows)
@@ -398,6 +418,10 @@ class Evict:
             if not floor and self._plain_check_due(contexts):
                 self.stats.plain_check_steps += 1
                 return self._planned(0)
+            if self.depth_mode != "cap" and self._depth_probe_due(best, shape.cap):
+                self.stats.depth_probe_steps += 1
+                self._forced_levels = best + 1
+                return self._planned(best + 1)
             return self._planned(best)
         # Skipping: probe once the plain time skipped pays for the probe PROBE_BUDGET-fold.
         plain_s = outlook[0][1]
@@ -445,6 +469,21 @@ class Evict:
         self._since_plain[key] = 0 if due else since + 1  # (a check whose step mixed in a prefill waits too)
         return due
 
+    def _depth_probe_due(self, best: int, cap: int) -> bool:
+        """Whether this drafting step, planned `best` levels deep, drafts one more to measure it (the
+        module docstring's depth probe)."""
+        if best >= cap:
+            return False
+        depth = best + 1
+        unmeasured = (self._depth_probes.get(depth, 0) < DEPTH_PROBES
+                      and self.depths.trials_at(depth) < DEPTH_PROBE_TRIALS)
+        self._since_depth_probe += 1
+        if self._since_depth_probe < (DEPTH_PROBE_EVERY if unmeasured else PLAIN_CHECK_EVERY):
+            return False
+        self._since_depth_probe = 0
+        self._depth_probes[depth] = self._depth_probes.get(depth, 0) + 1
+        return True
+
     def _planned(self, levels: int) -> int:
         self.stats.planned_depths[levels] = self.stats.planned_depths.get(levels, 0) + 1
         return levels
@@ -456,6 +495,8 @@ class Evict:
         (empty: request i is done)."""
         if self.depth_mode == "cap" or passes >= shape.cap:
             return passes < shape.cap
+        if passes < self._forced_levels:  # a depth probe
+            return True
         if self.min_draft_tokens and shape.mask == "chain" and passes < min(self.min_draft_tokens, shape.cap):
             return True
         reach, gains, tokens, budgets = [], [], [], []
