@@ -144,6 +144,7 @@ def main() -> int:
     ap.add_argument("--other-e2e", type=Path, action="append", default=[],
                     help="a lossless_sparse.py JSON of the last --other-machine (repeat to merge): its "
                          "end-to-end tokens/s go under that machine's `contexts`")
+    ap.add_argument("--note", default=None, help="what the runs show that the numbers do not (e2e_note)")
     ap.add_argument("--keep-other-machines", action="store_true",
                     help="carry the other_machines entries of the --out file over (after those given here), "
                          "notes added to them included: a new run on the main machine keeps them")
@@ -193,6 +194,8 @@ def main() -> int:
         "best_lossless_ge_1.3x_autoregressive": {k: v["best_lossless_vs_autoregressive"] >= 1.3 for k, v in contexts.items()},
     }
     summary["aims_met"] = aims
+    if args.note:
+        summary["e2e_note"] = args.note
     if args.trace is not None:
         trace = json.loads(args.trace.read_text())
         summary["step_time_spread"] = {"plain_step_ms": trace["plain_step_ms"],

@@ -57,7 +57,7 @@ MODES = ("dense", "sparse-hier", "sparse-approx", "dense-vllm-kernel")
 EVICT_MODES = {"draft_model": "evict-chain", "draft_model-vocab": "evict-chain-vocab",  # --evict drafter -> mode
                "draft_model-vocab-window": "evict-chain-vocab-window", "ngram": "evict-ngram"}
 LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", *EVICT_MODES.values())
-WARM_UP_TOKENS = 8
+WARM_UP_TOKENS = 8  # --warm-up-tokens' default
 SUMMARY_ASK = LONG_SUMMARY.split("{title}. ", 1)[1]  # the summarize task's question, after the document
 FOLLOW_UPS = (  # --follow-ups: more questions on the same document
     "Describe the main characters in it and what each of them wants.",
@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=3, help="long documents per context")
     p.add_argument("--task", choices=["summarize", "qa"], default="summarize")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--warm-up-tokens", type=int, default=WARM_UP_TOKENS,
+                   help="tokens of each prompt's untimed warm-up (EVICT learns its acceptance per depth there, "
+                        "as in a server that has run for a while)")
     p.add_argument("--follow-ups", type=int, default=0, choices=range(len(FOLLOW_UPS) + 1), metavar="N",
                    help=f"more questions on each document after its prompt (summarize task; at most {len(FOLLOW_UPS)})")
     p.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES),
@@ -350,7 +353,7 @@ def run_engine(args, target: str, max_len: int, section: str, engine_kwargs: dic
                     if section == "sparsever":
                         set_mode(llm, args, modes[0])
                     llm.chat([[{"role": "user", "content": asked[0][1]}]],
-                             SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS), use_tqdm=False)
+                             SamplingParams(temperature=0.0, max_tokens=args.warm_up_tokens), use_tqdm=False)
                     for q, (prompt_id, text, prompt_tokens) in enumerate(asked):
                         for mode in (modes if (p + q) % 2 == 0 else list(reversed(modes))):
                             bar.set_postfix_str(f"{ctx} prompt {p}.{q} {mode}")
