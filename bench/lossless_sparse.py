@@ -18,7 +18,8 @@ drafts, dense verification; needs `vllm-sparsever profile-verify TARGET` first) 
 attending to `--draft-window` recent positions (`evict-chain-vocab-window`), or n-gram lookup
 (`evict-ngram`). Engines run one after another, each shut down
 before the next starts; every engine runs each prompt after an untimed warm-up on it (prefilled
-into the prefix cache, and a few steps: as in a running server, EVICT has then measured steps).
+into the prefix cache, and `--warm-up-tokens` steps, 8 by default: as in a running server, EVICT has
+then measured steps; its acceptance per depth needs a few dozen).
 With `--follow-ups N` (summarize task) N more questions on each document follow its prompt, timed
 the same way: their document blocks come from vLLM's prefix cache (and a draft model's K/V in
 them, for sparsever's drafter), as when a server is asked about a document again.
