@@ -46,8 +46,8 @@ stands in for its neighbours). `adaptive.guard: false` always drafts at least on
 `adaptive.depth: "cap"` drafts to the cap (EVICT then only truncates, and the guard compares the cap
 with plain decoding).
 Depth probe: a depth below which drafting always stops is never verified, so its acceptance would
-stay the depth above's forever (acceptance after an accepted draft is usually higher: a chain held
-one token deep where three paid). While drafting pays at a depth d below the cap, a drafting step
+stay the depth above's forever, while acceptance given an accepted parent is often higher (drafts
+agree in runs). While drafting pays at a depth d below the cap, a drafting step
 drafts d + 1 levels (the stopping rule does not cut it short) every DEPTH_PROBE_EVERY drafting steps
 while depth d + 1 has had fewer than DEPTH_PROBES probes and DEPTH_PROBE_TRIALS measurements, then
 every PLAIN_CHECK_EVERY. A probe costs the rate difference the estimates predict between d and d + 1
