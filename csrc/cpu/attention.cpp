@@ -80,14 +80,22 @@ inline float softmax_row_max(const float* srow, int ntp, float scale, float m) {
   return std::max(m, seg_max * scale);  // scale > 0 keeps the max's place
 }
 
-inline void softmax_row_update(float& m, float& l, float m_new, const Vec& vsum, float* acc, int d) {
+// The running max and sum for a new max; returns the factor the row's accumulator must be scaled by.
+inline float softmax_row_state(float& m, float& l, float m_new, const Vec& vsum) {
   const float alpha = std::exp(m - m_new);  // exp(-inf) = 0 on the first segment
   l = l * alpha + hsum(vsum);
   m = m_new;
-  if (alpha != 1.f) {
-    Vec va(alpha);
-    for (int c = 0; c < d; c += kVecLen) (Vec::loadu(acc + c) * va).store(acc + c);
-  }
+  return alpha;
+}
+
+inline void scale_row(float* acc, int d, float alpha) {
+  if (alpha == 1.f) return;
+  const Vec va(alpha);
+  for (int c = 0; c < d; c += kVecLen) (Vec::loadu(acc + c) * va).store(acc + c);
+}
+
+inline void softmax_row_update(float& m, float& l, float m_new, const Vec& vsum, float* acc, int d) {
+  scale_row(acc, d, softmax_row_state(m, l, m_new, vsum));
 }
 
 // The vec path's row: scores already scaled (q was), P written over them in fp32.
@@ -332,9 +340,7 @@ SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, i
     }
     const Vec vsum(_mm512_add_ps(vsum0, vsum1));
     if (alpha != nullptr) {
-      alpha[row] = std::exp(m[row] - m_new);
-      l[row] = l[row] * alpha[row] + hsum(vsum);
-      m[row] = m_new;
+      alpha[row] = softmax_row_state(m[row], l[row], m_new, vsum);
     } else {
       softmax_row_update(m[row], l[row], m_new, vsum, acc + static_cast<int64_t>(row) * d, d);
     }
@@ -353,8 +359,7 @@ SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, i
 struct AmxUnit {
   const BlockSegment* sg;
   int a_lo, ntp;   // the 32-aligned token range of the segment's block
-  int r0, m0, m1;  // rows r0 .. r0 + m0 + m1 of the item
-  bool first_group;  // the segment's first unit
+  int r0, m0, m1;  // rows r0 .. r0 + m0 + m1 of the item (r0 == 0: the segment's first unit)
 };
 
 // S [m0 + m1 rows, ntp] = Q K^T of one unit, one step per 32-dim slice of a pair of 16-token groups.
@@ -456,7 +461,7 @@ SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q,
     const int a_lo = sg.t_lo / 32 * 32, a_hi = (sg.t_hi + 31) / 32 * 32;
     for (int r = 0; r < rows; r += 32) {
       const int m0 = std::min(16, rows - r), m1 = std::max(0, std::min(16, rows - r - 16));
-      units.push_back({&sg, a_lo, a_hi - a_lo, r, m0, m1, r == 0});
+      units.push_back({&sg, a_lo, a_hi - a_lo, r, m0, m1});
     }
   }
   const int64_t slot = static_cast<int64_t>(32) * bs;  // one unit's scores / P (ntp <= bs)
@@ -466,7 +471,7 @@ SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q,
   const int n = static_cast<int>(units.size());
   auto scores_of = [&](int u) {
     const AmxUnit& un = units[u];
-    if (un.first_group) {  // the next segment's block, while this one is computed
+    if (un.r0 == 0) {  // the next segment's block, while this one is computed
       const size_t next = static_cast<size_t>(un.sg - sgs.data()) + 1;
       if (next < sgs.size()) {
         prefetch_pages(sgs[next].k_block, static_cast<int64_t>(bs) * d);
@@ -526,12 +531,7 @@ SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q,
                          alpha, [&] { run(per_row); });
     run(std::numeric_limits<int>::max());
     // P V(u - 1) is done: the rows' rescale for this unit's new maxima can be applied before P V(u).
-    for (int r = 0; r < un_rows; ++r) {
-      if (alpha[r] == 1.f) continue;
-      const Vec va(alpha[r]);
-      float* arow = acc + static_cast<int64_t>(un.r0 + r) * d;
-      for (int c = 0; c < d; c += kVecLen) (Vec::loadu(arow + c) * va).store(arow + c);
-    }
+    for (int r = 0; r < un_rows; ++r) scale_row(acc + static_cast<int64_t>(un.r0 + r) * d, d, alpha[r]);
   }
   AmxPvSteps last = pv_of(n - 1);
   while (!last.done()) last.step(tiles);
