@@ -390,3 +390,96 @@ def test_depth_probe_measures_the_depth_below_which_drafting_stops():
     shallow = _run_chain_steps(shallow_engine, shape, 300, later_alpha=0.1)
     assert set(shallow[-100:]) <= {0, 1, 2} and shallow[-100:].count(1) >= 95
     assert DEPTH_PROBES <= shallow_engine.stats.depth_probe_steps <= DEPTH_PROBES + 3
+
+
+def test_seeded_requests_keep_their_configured_shape():
+    """A seeded sampled request's random draws per step follow its drafts' shape: EVICT leaves it
+    whole while it cuts the rest of the batch, and a step with one drafts to the configured depth
+    (no stale depth probe either)."""
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    evict = Evict(_profile(1.0), guard=False, depth_prior=1e-3)  # tokens far too expensive
+    trees = [_chain([0.2, 0.2, 0.2]), _chain([0.2, 0.2, 0.2])]
+    out = evict.truncate(trees, [256, 256], whole=[True, False])
+    assert [len(t) for t in out] == [3, 0]
+    assert [len(t) for t in evict.truncate(trees, [256, 256])] == [0, 0]
+
+    shape = DraftShape(cap=4, budgets=(4,))
+    probed = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.5), 0.03)
+    while not probed.stats.depth_probe_steps:
+        probed.plan_depth([256], shape)
+    assert probed.keep_drafting([256], shape, 1, [_chain([0.001])], [[0]])  # the probe's level
+    assert probed.plan_seeded(4) == 4 and probed.stats.seeded_steps == 1
+    assert not probed.keep_drafting([256], shape, 1, [_chain([0.001])], [[0]])
+
+
+class _ScoredDrafter:
+    """Built lazily (imports the drafting package): a tree drafter whose every draft token has
+    probability `p` (token = position + 1), over a stand-in target with `seeded` rows."""
+
+    @staticmethod
+    def make(p: float, seeded: set[int], evict: Evict):
+        from types import SimpleNamespace
+
+        import torch
+
+        from vllm_sparsever.drafting.drafter import RoundDrafter
+        from vllm_sparsever.drafting.tree_drafter import TreeDrafting
+
+        class Stats:
+            slot_limited = 0
+
+            def summary(self):
+                return {}
+
+        class Drafter(TreeDrafting, RoundDrafter):
+            def __init__(self):
+                super().__init__(Stats(), num_speculative_tokens=4, max_model_len=1000)
+                self.init_trees(None, SimpleNamespace(), 4)  # adaptive: chains as one-branch trees
+                self.evict = evict
+                self.target = SimpleNamespace(device="cpu", tree_sampling_supported=lambda row: True,
+                                              seeded_sampling=lambda row: row in seeded)
+
+            def _tree_root_top(self, reqs, idx, k):
+                return (torch.full((len(idx), k), p),
+                        torch.tensor([[reqs.positions[i] + 1] for i in idx]).expand(len(idx), k))
+
+            def _tree_level_top(self, rows, tokens, positions, kv_positions, lens, tree_mask, wanted, k, topologies):
+                picked = positions[wanted] + 1
+                return torch.full((len(wanted), k), p), picked[:, None].expand(len(wanted), k)
+
+        return Drafter()
+
+
+def test_a_seeded_request_is_drafted_and_verified_as_configured(monkeypatch):
+    """Through the tree drafter: with drafts not worth their cost, EVICT stops drafting and cuts the
+    unseeded request's chain, while the seeded one (row 0) grows to the configured 4 levels, whole."""
+    import numpy as np
+
+    import vllm_sparsever.drafting.tree_drafter as tree_drafter
+    from vllm_sparsever.compat.runner import DraftStep
+
+    monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)  # one rank, no TP group
+
+    def step(rows: int) -> DraftStep:
+        return DraftStep(req_ids=[f"r{i}" for i in range(rows)], sampled=[[7]] * rows,
+                         num_tokens=np.array([100] * rows), budgets=np.array([4] * rows), depth=4,
+                         token_ids=np.zeros((rows, 101), dtype=np.int64), limits_of=lambda r: [], slot_limited=0)
+
+    def engine() -> Evict:
+        evict = _measured(Evict(_profile(0.05, base_s=0.1), guard=False, depth_prior=0.05), 0.03, rows=2)
+        for _ in range(20):
+            evict.observe_depth(1, 0)
+        return evict
+
+    plain = _ScoredDrafter.make(0.05, set(), engine())
+    depth = plain.plan_depth(step(2))
+    assert depth < 4
+    assert [len(d) for d in plain.propose_trees(step(2).with_depth(depth))] == [0, 0]
+
+    seeded = _ScoredDrafter.make(0.05, {0}, engine())
+    depth = seeded.plan_depth(step(2))
+    assert depth == 4 and seeded.evict.stats.seeded_steps == 1
+    drafts = seeded.propose_trees(step(2).with_depth(depth))
+    assert drafts[0] == [100, 101, 102, 103] and drafts[1] == []
+    assert seeded.evict.stats.stopped_early_steps == 1  # row 1 stopped; row 0 grew on

@@ -73,6 +73,16 @@ def test_sampler_only_params_exist_with_their_defaults():
     assert not compat_runner.tree_sampling_supported(runner, 1)
 
 
+def test_seeded_sampling_is_vllms_random_seed_type():
+    from vllm import SamplingParams
+
+    params = {"seeded": SamplingParams(temperature=0.8, seed=3), "unseeded": SamplingParams(temperature=0.8),
+              "greedy_with_seed": SamplingParams(temperature=0.0, seed=3)}
+    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=list(params)),
+                             requests={k: SimpleNamespace(sampling_params=v) for k, v in params.items()})
+    assert [compat_runner.seeded_sampling(runner, row) for row in range(3)] == [True, False, False]
+
+
 def test_processed_target_probs_matches_vllms_top_k_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     probs = compat_runner.processed_target_probs(logits, 0.5, torch.tensor([2]), None)

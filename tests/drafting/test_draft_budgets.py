@@ -74,7 +74,7 @@ class _TreeCounting(TreeDrafting, _Counting):
         self.init_trees(None, SimpleNamespace(), 4)  # adaptive on: chains as one-branch trees
         self.evict = SimpleNamespace(plan_depth=lambda contexts, shape, catch_up: planned)
         self.grown_levels = []
-        self.target = SimpleNamespace(tree_sampling_supported=lambda row: True)
+        self.target = SimpleNamespace(tree_sampling_supported=lambda row: True, seeded_sampling=lambda row: False)
 
     def grow_trees(self, reqs, levels, shape, catch_up_tokens=0):
         from vllm_sparsever.plan import DraftTree
@@ -89,7 +89,7 @@ def test_evicts_planned_depth_is_handed_in_with_the_step(monkeypatch):
 
     monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)  # one rank, no TP group
     drafter = _TreeCounting(planned=2)
-    drafter.evict.truncate = lambda trees, contexts, draft_time_s, mask: trees
+    drafter.evict.truncate = lambda trees, contexts, draft_time_s, mask, whole: trees
     drafter.evict.observe_drafting = lambda rows, passes, seconds: None
     drafter.evict.clock = SimpleNamespace(draft_s=lambda rows, passes: 0.0)
     drafter.evict.stats = SimpleNamespace(drafted_depths={})

@@ -54,6 +54,11 @@ every PLAIN_CHECK_EVERY. A probe costs the rate difference the estimates predict
 on that step, and the measurement then decides the depth.
 
 Chains are the one-branch case: an adaptive draft length per request.
+
+Seeded sampled requests are drafted to the configured depth and verified whole (`evict_seeded_steps`):
+their random draws per step follow their drafts' shape, and a shape chosen from measurements and
+other requests would give the same seed another text (vLLM's fixed `num_speculative_tokens` keeps
+a seed's text too).
 """
 
 from __future__ import annotations
@@ -247,6 +252,7 @@ class EvictStats:
     catch_up_deferred_steps: int = 0  # steps decoded plainly although drafting paid, its catch-up not yet earned
     depth_probe_steps: int = 0  # steps drafted one level deeper than planned, to measure that depth
     stopped_early_steps: int = 0  # drafting steps stopped before the planned depth (stopping rule)
+    seeded_steps: int = 0  # steps with a seeded sampled request: drafted to the configured depth
     expected_tokens: float = 0.0  # sum over steps of the chosen expected emitted tokens
     predicted_verify_s: float = 0.0  # sum of the chosen predicted verify times (scaled)
     planned_depths: dict[int, int] = field(default_factory=dict)  # depth planned before drafting -> steps
@@ -265,6 +271,7 @@ class EvictStats:
             "evict_catch_up_deferred_steps": self.catch_up_deferred_steps,
             "evict_depth_probe_steps": self.depth_probe_steps,
             "evict_stopped_early_steps": self.stopped_early_steps,
+            "evict_seeded_steps": self.seeded_steps,
             "evict_expected_tokens": self.expected_tokens,
             "evict_predicted_verify_s": self.predicted_verify_s,
         }
@@ -442,6 +449,13 @@ class Evict:
         self.stats.skipped_drafting_steps += 1
         return self._planned(0)
 
+    def plan_seeded(self, depth: int) -> int:
+        """The depth of a step with a seeded sampled request: `depth`, the configured one (module
+        docstring)."""
+        self._forced_levels = 0
+        self.stats.seeded_steps += 1
+        return self._planned(depth)
+
     def _defer_catch_up(self, outlook: list[tuple[float, float]], best: int, catch_up_tokens: int) -> bool:
         """Guard, while drafting pays per step but the drafter must first catch up on many tokens (a
         new long request's prompt, prefix-cached for the target but never run through the draft):
@@ -526,9 +540,10 @@ class Evict:
         return out
 
     def truncate(self, trees: list[DraftTree], contexts: list[int], draft_time_s: float = 0.0,
-                 mask: str = "tree") -> list[DraftTree]:
+                 mask: str = "tree", whole: list[bool] | None = None) -> list[DraftTree]:
         """The step's trees cut to the batch-wide best size (module docstring, decision 3).
-        `contexts[i]`: the tokens in request i's KV cache before this step's verification."""
+        `contexts[i]`: the tokens in request i's KV cache before this step's verification;
+        `whole[i]`: request i's tree is kept uncut (a seeded sampled request)."""
         self.stats.steps += 1
         candidates = []  # (-benefit, request, node): benefit order, parents first on ties
         for i, tree in enumerate(trees):
@@ -537,7 +552,7 @@ class Evict:
         candidates.sort()
         rows = len(trees)
         tokens = [1] * rows
-        forced = [min(self.min_draft_tokens, len(t)) for t in trees]
+        forced = [len(t) if whole and whole[i] else min(self.min_draft_tokens, len(t)) for i, t in enumerate(trees)]
         chosen: list[list[int]] = [[] for _ in trees]
         # Nodes every request must keep (min_draft_tokens): its most beneficial prefix-closed ones.
         gain = 0.0

@@ -352,6 +352,9 @@ class TargetView:
     def tree_sampling_supported(self, row: int) -> bool:
         return tree_sampling_supported(self._runner, row)
 
+    def seeded_sampling(self, row: int) -> bool:
+        return seeded_sampling(self._runner, row)
+
     def ngram_bounds(self) -> tuple[int, int]:
         from vllm_sparsever.compat.ngram import ngram_bounds
 
@@ -558,6 +561,16 @@ def tree_sampling_supported(runner: Any, row: int) -> bool:
         if not (value is None or value == default or (isinstance(value, (list, dict)) and not value)):
             return False
     return True
+
+
+def seeded_sampling(runner: Any, row: int) -> bool:
+    """Whether batch row `row` samples with a seed (`SamplingParams.sampling_type` RANDOM_SEED): its
+    random draws per step follow its drafts' shape, so that shape must depend on the request alone
+    for the same seed to give the same text."""
+    from vllm.sampling_params import SamplingType
+
+    params = runner.requests[runner.input_batch.req_ids[row]].sampling_params
+    return params is not None and params.sampling_type == SamplingType.RANDOM_SEED
 
 
 def processed_target_probs(logits: torch.Tensor, temperature: float, top_k: Any, top_p: Any) -> torch.Tensor:

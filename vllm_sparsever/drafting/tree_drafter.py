@@ -118,7 +118,8 @@ class TreeDrafting:
         reqs = collect_draft_requests(step, self.num_speculative_tokens)
         if not reqs.rows:
             return 0
-        return self.plan_levels(list(reqs.positions), self._draft_shape(reqs), self._catch_up_tokens(reqs))
+        return self.plan_levels(list(reqs.positions), self._draft_shape(reqs), self._catch_up_tokens(reqs),
+                                seeded=any(self._seeded(reqs)))
 
     def propose_trees(self, step: DraftStep) -> list[list[int]]:
         """Trees of `step.depth` levels at most (`plan_depth`), each within its request's budget."""
@@ -154,7 +155,8 @@ class TreeDrafting:
             draft_s = self.evict.clock.draft_s(rows, len(passes)) or 0.0
             # A step of chains only is verified without a tree mask (vLLM's attention path).
             mask = "chain" if all(t.is_chain() for t in trees) else "tree"
-            trees = _agreed(self.evict.truncate(trees, contexts, draft_time_s=draft_s, mask=mask))
+            trees = _agreed(self.evict.truncate(trees, contexts, draft_time_s=draft_s, mask=mask,
+                                                whole=self._seeded(reqs)))
         for row, req_id, tree in zip(reqs.rows, reqs.req_ids, trees, strict=True):
             if len(tree):
                 self._trees[req_id] = tree
@@ -163,9 +165,17 @@ class TreeDrafting:
         self.tree_stats.time_s += time.perf_counter() - start
         return drafts
 
-    def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int) -> int:
-        """EVICT's depth for this step (0: skip drafting), the same on every tensor-parallel rank."""
+    def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int, seeded: bool = False) -> int:
+        """EVICT's depth for this step (0: skip drafting), the same on every tensor-parallel rank;
+        with a seeded sampled request (`seeded`) the cap."""
+        if seeded:
+            return self.evict.plan_seeded(shape.cap)
         return _agreed(self.evict.plan_depth(contexts, shape, catch_up_tokens))
+
+    def _seeded(self, reqs: DraftRequests) -> list[bool]:
+        """Per request, whether it samples with a seed: EVICT leaves its draft shape as configured
+        (adaptive/evict.py)."""
+        return [self.target.seeded_sampling(row) for row in reqs.rows]
 
     def _draft_shape(self, reqs: DraftRequests) -> Any:
         """How this step's drafts can grow (EVICT's DraftShape): the tree config's levels, node
@@ -237,17 +247,22 @@ class TreeDrafting:
             for k, i in enumerate(idx):
                 growths[i].grow_top(top_p[k: k + 1], top_t[k: k + 1])
             passes.append(time.perf_counter() - start)
+        seeded = self._seeded(reqs) if self.evict is not None else [False] * len(reqs.rows)
+        adaptive = [i for i in idx if not seeded[i]]  # seeded requests grow as configured
         while True:
             live = [i for i in idx if not growths[i].done]
             if not live:
                 break
-            if self.evict is not None and not _agreed(self.evict.keep_drafting(
-                    [reqs.positions[i] for i in idx], _shape_of(shape, idx), len(passes),
-                    [growths[i].tree for i in idx], [list(growths[i].frontier) for i in idx])):
+            if (self.evict is not None and any(not growths[i].done for i in adaptive)
+                    and not _agreed(self.evict.keep_drafting(
+                        [reqs.positions[i] for i in adaptive], _shape_of(shape, adaptive), len(passes),
+                        [growths[i].tree for i in adaptive], [list(growths[i].frontier) for i in adaptive]))):
                 self.evict.stats.stopped_early_steps += 1
-                for i in live:
+                for i in adaptive:
                     growths[i].stop()
-                break
+                live = [i for i in live if seeded[i]]
+                if not live:
+                    break
             start = time.perf_counter()
             tokens, positions, kv_positions, lens, topologies, wanted = [], [], [], [], [], []
             offset = 0

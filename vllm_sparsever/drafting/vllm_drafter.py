@@ -61,11 +61,12 @@ class VllmDrafterChains(TreeDrafting, RoundDrafter):
         contexts = self.target.step_contexts()
         k = self.num_speculative_tokens
         shape = DraftShape(cap=k, budgets=(k,) * len(contexts), first=1, later=1, mask="chain", one_pass=False)
-        self._levels = super().plan_levels(contexts, shape, 0) if contexts else k
+        seeded = any(self.target.seeded_sampling(row) for row in range(len(contexts)))
+        self._levels = super().plan_levels(contexts, shape, 0, seeded=seeded) if contexts else k
         self._depth = max(1, self._levels)
         return self._depth
 
-    def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int) -> int:
+    def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int, seeded: bool = False) -> int:
         return min(self._levels, shape.cap)  # planned before vLLM drafted (plan_before_vllm_drafts)
 
     def propose(self, step: DraftStep) -> list[list[int]]:
