@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NOMINAL = (8192, 32768)
 LOSSLESS = ("dense", "sparse-hier", "dense-vllm-kernel", "evict-chain", "evict-chain-vocab", "evict-chain-vocab-window",
-            "evict-ngram")
+            "evict-ngram", "evict-chain-hybrid", "evict-chain-vocab-window-hybrid")
 APPROXIMATE = ("sparse-approx",)
 
 

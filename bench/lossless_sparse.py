@@ -16,7 +16,8 @@ and with `--evict [DRAFTER ...]` one more per drafter: sparsever's EVICT chains 
 drafts, dense verification; needs `vllm-sparsever profile-verify TARGET` first) over the draft model
 (`evict-chain`), the draft model over `--draft-vocab` token ids (`evict-chain-vocab`), that and
 attending to `--draft-window` recent positions (`evict-chain-vocab-window`), or n-gram lookup
-(`evict-ngram`). Engines run one after another, each shut down
+(`evict-ngram`); a drafter ending in `-hybrid` runs that engine's linears on `linear_kernel:
+"hybrid"` (`evict-chain-hybrid`, `evict-chain-vocab-window-hybrid`). Engines run one after another, each shut down
 before the next starts; every engine runs each prompt after an untimed warm-up on it (prefilled
 into the prefix cache, and `--warm-up-tokens` steps, 8 by default: as in a running server, EVICT has
 then measured steps; its acceptance per depth needs a few dozen).
@@ -56,7 +57,10 @@ from vllm_sparsever.data.builders import LONG_SUMMARY  # noqa: E402
 
 MODES = ("dense", "sparse-hier", "sparse-approx", "dense-vllm-kernel")
 EVICT_MODES = {"draft_model": "evict-chain", "draft_model-vocab": "evict-chain-vocab",  # --evict drafter -> mode
-               "draft_model-vocab-window": "evict-chain-vocab-window", "ngram": "evict-ngram"}
+               "draft_model-vocab-window": "evict-chain-vocab-window", "ngram": "evict-ngram",
+               # the same, every linear of target and draft on linear_kernel "hybrid"
+               "draft_model-hybrid": "evict-chain-hybrid",
+               "draft_model-vocab-window-hybrid": "evict-chain-vocab-window-hybrid"}
 LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", *EVICT_MODES.values())
 WARM_UP_TOKENS = 8  # --warm-up-tokens' default
 SUMMARY_ASK = LONG_SUMMARY.split("{title}. ", 1)[1]  # the summarize task's question, after the document
@@ -101,8 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k-blocks", type=int, default=8)
     p.add_argument("--min-context-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--linear-kernel", choices=["auto", "sparsever", "vllm"], default=None,
-                   help="linear_kernel of sparsever's engines (default: the config's, auto)")
+    p.add_argument("--linear-kernel", choices=["auto", "sparsever", "hybrid", "vllm"], default=None,
+                   help="linear_kernel of sparsever's engines (default: the config's, auto; an --evict "
+                        "drafter ending in -hybrid: 'hybrid')")
     p.add_argument("--tag", default=None)
     return p.parse_args(argv)
 
@@ -144,6 +149,8 @@ def start_engine(args, target: str, max_len: int, speculative: bool = True, vllm
             spec.update(draft_source="draft_model", model=resolve_model(args.draft))
     if spec is not None and spec["method"] == "sparsever" and args.linear_kernel:
         spec["linear_kernel"] = args.linear_kernel
+    if evict and evict.endswith("-hybrid"):
+        spec["linear_kernel"] = "hybrid"
     return LLM(model=target, dtype=args.dtype, enforce_eager=True, max_model_len=max_len, max_num_seqs=1,
                seed=0, speculative_config=spec, enable_prefix_caching=True, disable_log_stats=False), spec
 

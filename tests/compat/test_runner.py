@@ -165,11 +165,11 @@ def test_intercept_drafter_load_without_drafter_is_a_noop():
     undo()
 
 
-@pytest.mark.parametrize("linear_kernel", ["vllm", "sparsever"])
+@pytest.mark.parametrize("linear_kernel", ["vllm", "sparsever", "hybrid"])
 def test_target_load_hooks_close_before_the_drafter_loads(linear_kernel):
     """setup.target_load_hooks: the FFN hook is active while the target loads and closed when the
-    drafter loads (its model loads stock), except that under linear_kernel "sparsever" the draft
-    model's linears keep their plain weights too (dense_linear) while it loads."""
+    drafter loads (its model loads stock), except that under linear_kernel "sparsever" / "hybrid" the
+    draft model's linears keep their plain weights too (dense_linear) while it loads."""
     import torch
     import vllm.model_executor.layers.utils as layer_utils
 
@@ -185,7 +185,10 @@ def test_target_load_hooks_close_before_the_drafter_loads(linear_kernel):
             layer = torch.nn.Module()
             layer.weight = torch.nn.Parameter(torch.randn(4, 8), requires_grad=False)
             layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-            seen.append(getattr(layer, "cpu_linear", None) is sparsever_cpu_linear)
+            # dense_linear's forward: the op itself, or (hybrid) its switch to vLLM's packed weight
+            forward = getattr(layer, "cpu_linear", None)
+            seen.append(forward is sparsever_cpu_linear or getattr(forward, "__qualname__", "").startswith(
+                "hybrid_cpu_linear") and layer.weight.shape == (4, 8))
 
     runtime = SimpleNamespace(started_with={"ffn": True, "moe": False}, ffn=SimpleNamespace(weights="copy"),
                               linear_kernel=linear_kernel)

@@ -37,13 +37,16 @@ def _evict_chains(target, draft, profile: str) -> tuple[list[list[int]], dict]:
 
     from vllm_sparsever.metrics import get_metrics
 
+    # linear_kernel "hybrid": decode, drafts and verify steps on dense_linear, prefill on vLLM's linears.
     spec = {"method": "sparsever", "model": str(draft), "num_speculative_tokens": CAP,
-            "adaptive": {"enabled": True, "cost_profile": profile}}
+            "adaptive": {"enabled": True, "cost_profile": profile}, "linear_kernel": "hybrid"}
     llm = LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
               speculative_config=spec, async_scheduling=False)
     try:
         outs = llm.generate(prompts(NUM_PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False)
+        info = llm.collective_rpc("sparsever_sparsity_info")[0]
+        assert info["linear_kernel"] == "hybrid" and set(info["linear_layers"]) == {"target", "draft model"}, info
         return [list(o.outputs[0].token_ids) for o in outs], get_metrics(llm)
     finally:
         del llm

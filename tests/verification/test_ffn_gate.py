@@ -183,10 +183,45 @@ def test_linear_kernel_auto(monkeypatch, capability, dtype):
     assert linear.resolve_linear_kernel("auto", dtype) == ("sparsever" if slow_16bit else "vllm")
     assert linear.resolve_linear_kernel("vllm", dtype) == "vllm"
     assert linear.resolve_linear_kernel("sparsever", dtype) == "sparsever"
+    assert linear.resolve_linear_kernel("hybrid", dtype) == "hybrid"
     monkeypatch.setattr(linear, "is_cpu_platform", lambda: False)
     assert linear.resolve_linear_kernel("auto", dtype) == "vllm"
-    with pytest.raises(RuntimeError, match=r"linear_kernel: 'sparsever' runs on CPU only"):
-        linear.resolve_linear_kernel("sparsever", dtype)
+    for choice in ("sparsever", "hybrid"):
+        with pytest.raises(RuntimeError, match=rf"linear_kernel: '{choice}' runs on CPU only"):
+            linear.resolve_linear_kernel(choice, dtype)
+
+
+def test_hybrid_linears_keep_both_weights_and_switch_on_the_token_count():
+    """linear_kernel "hybrid": vLLM-CPU prepares its packed weight (remove_weight=False: the plain one
+    stays), calls of up to HYBRID_MAX_TOKENS tokens run dense_linear on the plain weight, longer ones
+    vLLM-CPU's forward."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override
+    from vllm_sparsever.verification import linear
+
+    packed_calls, removes = [], []
+
+    def packed(x, weight, bias):
+        packed_calls.append(x.shape[0])
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def stock(layer, remove_weight, _vllms):  # stands in for vLLM-CPU's dispatch
+        removes.append(remove_weight)
+        layer.cpu_linear = packed
+
+    with cpu_gemm_dispatch_override(stock):
+        with linear.plain_linears(hybrid=True):
+            lin = torch.nn.Module()
+            w = torch.randn(6, 8, dtype=torch.bfloat16)
+            lin.weight = torch.nn.Parameter(w, requires_grad=False)
+            layer_utils.dispatch_cpu_unquantized_gemm(lin, remove_weight=True)
+    assert removes == [False] and lin.weight.shape == (6, 8) and lin.cpu_linear is not packed
+    for tokens in (1, linear.HYBRID_MAX_TOKENS, linear.HYBRID_MAX_TOKENS + 1, 40):
+        x = torch.randn(tokens, 8, dtype=torch.bfloat16)
+        torch.testing.assert_close(lin.cpu_linear(x, lin.weight, None).float(), x.float() @ w.float().t(),
+                                   rtol=2e-2, atol=2e-2)
+    assert packed_calls == [linear.HYBRID_MAX_TOKENS + 1, 40]
 
 
 def test_plain_linears_keep_the_weight_and_run_dense_linear():

@@ -25,11 +25,12 @@ def test_sparse_ffn_moe_refused_under_cuda_graphs(section):
     check_cuda_graphs(config, platform_is_cpu=True, cuda_graphs=True)  # vLLM-CPU captures no graphs
 
 
-@pytest.mark.parametrize("field", ["linear_kernel", "ffn.dense_kernel"])
-def test_cpu_only_kernels_refused_on_a_gpu_before_start(field):
+@pytest.mark.parametrize(("field", "value"), [("linear_kernel", "sparsever"), ("linear_kernel", "hybrid"),
+                                               ("ffn.dense_kernel", "sparsever")])
+def test_cpu_only_kernels_refused_on_a_gpu_before_start(field, value):
     section, _, name = field.rpartition(".")
-    config = _config(**({section: {name: "sparsever"}} if section else {name: "sparsever"}))
-    with pytest.raises(SparseverConfigError, match=rf"^{field}: 'sparsever' runs on CPU only .*'auto', 'vllm'"):
+    config = _config(**({section: {name: value}} if section else {name: value}))
+    with pytest.raises(SparseverConfigError, match=rf"^{field}: '{value}' runs on CPU only .*'auto', 'vllm'"):
         check_cpu_only_kernels(config, platform_is_cpu=False)
     check_cpu_only_kernels(config, platform_is_cpu=True)
     check_cpu_only_kernels(_config(), platform_is_cpu=False)  # "auto": resolved per platform

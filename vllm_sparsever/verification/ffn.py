@@ -266,7 +266,7 @@ def resolve_dense_kernel(choice: str, enabled: bool, weights: str, dtype: torch.
     # scores and orders every neuron (bench/results/verify_step_qwen-zen3-linear-sparsever-mlp-stock_*).
     from vllm_sparsever.verification.linear import slow_16bit_cpu_linear
 
-    return "sparsever" if slow_16bit_cpu_linear(dtype) and linear_kernel != "sparsever" else "vllm"
+    return "sparsever" if slow_16bit_cpu_linear(dtype) and linear_kernel == "vllm" else "vllm"
 
 
 def resolve_gate(gate: str, w_gate: torch.Tensor, weights: str = "copy") -> str:

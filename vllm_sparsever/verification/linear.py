@@ -11,13 +11,18 @@ While the target loads, every 2-D linear weight vLLM-CPU would prepare for its o
 projections, MLP, LM head) is kept plain and the layer's CPU forward runs the op instead. Nothing is
 copied: the plain weight replaces the packed one. The draft model's (or head's) linears too, while it
 loads: drafting is a large share of a step on these CPUs.
+
+`linear_kernel: "hybrid"`, for CPUs where vLLM-CPU's packed GEMM (oneDNN with AMX / AVX-512) wins
+prefill but reads its weights more slowly than the op streams them at a few tokens: each layer keeps
+both, the plain weight and vLLM-CPU's packed one, and a call of up to HYBRID_MAX_TOKENS tokens runs
+the op, a longer one vLLM-CPU's linear. Each weight is held twice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -30,6 +35,10 @@ logger = logging.getLogger("vllm_sparsever")
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
+# linear_kernel "hybrid": calls of up to this many tokens run dense_linear's streamed weights, longer
+# ones vLLM-CPU's packed GEMM (the crossover on a Xeon with AMX: bench/results, linear_ab_xeon-*).
+HYBRID_MAX_TOKENS = 4
+
 
 def slow_16bit_cpu_linear(dtype: torch.dtype) -> bool:
     """Whether vLLM-CPU's own linear for `dtype` is torch's slow 16-bit one here (no AVX-512)."""
@@ -39,8 +48,8 @@ def slow_16bit_cpu_linear(dtype: torch.dtype) -> bool:
 
 def resolve_linear_kernel(choice: str, dtype: torch.dtype) -> str:
     """`linear_kernel` in force for a target of `dtype` (config.py has the rule)."""
-    if choice == "sparsever" and not is_cpu_platform():
-        raise RuntimeError("linear_kernel: 'sparsever' runs on CPU only (allowed here: 'auto', 'vllm')")
+    if choice in ("sparsever", "hybrid") and not is_cpu_platform():
+        raise RuntimeError(f"linear_kernel: {choice!r} runs on CPU only (allowed here: 'auto', 'vllm')")
     if choice != "auto":
         return choice
     return "sparsever" if slow_16bit_cpu_linear(dtype) else "vllm"
@@ -51,9 +60,22 @@ def sparsever_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return ops.dense_linear(x, weight, bias)
 
 
+def hybrid_cpu_linear(packed: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A layer's CPU forward under linear_kernel "hybrid": `dense_linear` over the plain weight for up
+    to HYBRID_MAX_TOKENS tokens, else `packed` (the forward vLLM-CPU prepared, its own weight copy)."""
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.numel() <= HYBRID_MAX_TOKENS * x.shape[-1]:
+            return ops.dense_linear(x, weight, bias)
+        return packed(x, weight, bias)
+
+    return linear
+
+
 @contextlib.contextmanager
-def plain_linears(what: str = "target") -> Iterator[None]:
-    """While a model loads: its 2-D linear weights stay plain and run `dense_linear`."""
+def plain_linears(what: str = "target", hybrid: bool = False) -> Iterator[None]:
+    """While a model loads: its 2-D linear weights stay plain and run `dense_linear` (`hybrid`: for
+    few tokens; vLLM-CPU prepares its packed weight too, for more)."""
     count = 0
 
     def dispatch(layer, remove_weight, stock) -> None:
@@ -62,7 +84,14 @@ def plain_linears(what: str = "target") -> Iterator[None]:
         if weight is None or weight.is_meta or weight.ndim != 2:
             stock(layer, remove_weight)
             return
-        use_plain_cpu_linear(layer, sparsever_cpu_linear)
+        if hybrid:
+            stock(layer, False)  # its packed copy; the plain weight stays on the layer
+            if layer.weight is not weight:
+                raise RuntimeError(f"linear_kernel 'hybrid': vLLM-CPU replaced the weight of {type(layer).__name__} "
+                                   f"while keeping it (remove_weight=False)")
+            use_plain_cpu_linear(layer, hybrid_cpu_linear(layer.cpu_linear))
+        else:
+            use_plain_cpu_linear(layer, sparsever_cpu_linear)
         count += 1
 
     with cpu_gemm_dispatch_override(dispatch):
@@ -70,5 +99,5 @@ def plain_linears(what: str = "target") -> Iterator[None]:
     runtime = get_runtime()
     if runtime is not None and count:  # (an n-gram "drafter" loads no model)
         runtime.linear_layers[what] = count
-    logger.info("sparsever: %d dense linear layers of the %s on sparsever's dense_linear (linear_kernel)", count,
-                what)
+    logger.info("sparsever: %d dense linear layers of the %s on sparsever's dense_linear (linear_kernel%s)", count,
+                what, f" 'hybrid': up to {HYBRID_MAX_TOKENS} tokens" if hybrid else "")

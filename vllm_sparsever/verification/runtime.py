@@ -125,8 +125,9 @@ class SparseVerificationRuntime:
         # ffn.dense_kernel resolved at start (verification/setup.py); with "sparsever", dense steps of up
         # to ffn_dense_op_max_tokens tokens run the FFN op at keep = I.
         self.ffn_dense_kernel = ffn_dense_kernel
-        # linear_kernel resolved at start: "sparsever" = the target's dense linears on dense_linear;
-        # how many layers of each model ("target", "draft model") run it.
+        # linear_kernel resolved at start: "sparsever" = the target's dense linears on dense_linear,
+        # "hybrid" = on it for steps of few tokens; how many layers of each model ("target", "draft
+        # model") run it.
         self.linear_kernel = linear_kernel
         self.linear_layers: dict[str, int] = {}
         self.ffn_dense_op_max_tokens = 0

@@ -85,13 +85,15 @@ def check_attention_backend(model: nn.Module, runtime: SparseVerificationRuntime
 def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterator[None]:
     """Hooks active while the target loads; they are exited before the drafter loads."""
     with contextlib.ExitStack() as stack:
-        sparsever_linears = runtime.linear_kernel == "sparsever"
+        sparsever_linears = runtime.linear_kernel in ("sparsever", "hybrid")
+        hybrid = runtime.linear_kernel == "hybrid"
         plain_linear = nn.functional.linear  # what runs the MLP's plain ("shared") weights
         if sparsever_linears:
             from vllm_sparsever.verification.linear import plain_linears, sparsever_cpu_linear
 
-            stack.enter_context(plain_linears())
-            plain_linear = sparsever_cpu_linear
+            stack.enter_context(plain_linears(hybrid=hybrid))
+            if not hybrid:
+                plain_linear = sparsever_cpu_linear
         if runtime.started_with["ffn"]:
             from vllm_sparsever.verification.ffn import keep_mlp_weights
 
@@ -103,8 +105,8 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
         from vllm_sparsever.compat.runner import intercept_drafter_load
 
         # The draft model loads as stock vLLM would load it (close the hooks right before), except
-        # that its dense linears too run dense_linear under linear_kernel "sparsever".
-        during = (lambda: plain_linears("draft model")) if sparsever_linears else None
+        # that its dense linears too run dense_linear under linear_kernel "sparsever" / "hybrid".
+        during = (lambda: plain_linears("draft model", hybrid=hybrid)) if sparsever_linears else None
         stack.callback(intercept_drafter_load(runner, before_load=stack.close, during_load=during))
         yield
 

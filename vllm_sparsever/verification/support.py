@@ -54,8 +54,8 @@ def check_cpu_only_kernels(config: SparseverConfig, platform_is_cpu: bool) -> No
     if platform_is_cpu:
         return
     for field, value in (("linear_kernel", config.linear_kernel), ("ffn.dense_kernel", config.ffn.dense_kernel)):
-        if value == "sparsever":
-            raise SparseverConfigError(f"{field}: 'sparsever' runs on CPU only (allowed on this platform: 'auto', 'vllm')")
+        if value in ("sparsever", "hybrid"):
+            raise SparseverConfigError(f"{field}: {value!r} runs on CPU only (allowed on this platform: 'auto', 'vllm')")
 
 
 def check_cuda_graphs(config: SparseverConfig, platform_is_cpu: bool, cuda_graphs: bool) -> None:
