@@ -14,6 +14,7 @@ std::string ext_info();
 // Whether this build and CPU have AVX512-BF16 (vdpbf16ps), which topk_swiglu_ffn's bf16 projections and
 // block_sparse_tree_attention's bf16 path on the plain KV layout use.
 bool bf16_dot_available();
+bool amx_available();
 
 // ---- CPU implementations (csrc/cpu) ------------------------------------------------------------
 

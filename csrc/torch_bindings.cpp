@@ -20,6 +20,8 @@ TORCH_LIBRARY(sparsever, m) {
   m.def("ext_info() -> str", &ext_info);
   // Whether topk_swiglu_ffn's bf16 path uses AVX512-BF16 dot instructions on this CPU.
   m.def("bf16_dot_available() -> bool", &bf16_dot_available);
+  // Whether this build and CPU run bf16 tiles (AMX): dense_linear's few-token path and the AMX attention.
+  m.def("amx_available() -> bool", &amx_available);
 
   // key_cache [nb, Hkv, bs, D] strided view; slot_mapping [N] int32/int64 (negative = skip);
   // key_min/key_max [nb, Hkv, D] fp32: exact recompute of every touched block over offsets 0..last.

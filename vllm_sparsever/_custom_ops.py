@@ -184,6 +184,12 @@ def bf16_dot_available() -> bool:
     return bool(_ops.bf16_dot_available())
 
 
+def amx_available() -> bool:
+    """Whether this build and CPU run bf16 AMX tiles: dense_linear then runs bf16 weights at 3-16
+    tokens on them (SPARSEVER_CPU_LINEAR_AMX=0 keeps vdpbf16ps rows)."""
+    return bool(_ops.amx_available())
+
+
 def moe_route_and_prune(router_logits: torch.Tensor, top_k: int, prune_ratio: float = 0.0,
                         group_start_loc: torch.Tensor | None = None, expert_budget: int = 0,
                         renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,10 @@ MODELS = {
                      "lm_head": (151936, 896)},
 }
 STREAM_MAX = "SPARSEVER_CPU_LINEAR_STREAM_MAX"
-PATHS = {"ours": None, "ours_stream": "1000000", "ours_panels": "0"}
+AMX = "SPARSEVER_CPU_LINEAR_AMX"
+# ours: the default path; the rest force one (environment the kernel reads per call)
+PATHS = {"ours": {}, "ours_stream": {STREAM_MAX: "1000000"}, "ours_panels": {STREAM_MAX: "0"},
+         "ours_no_amx": {AMX: "0"}}
 
 
 def best_ms(call, reps: int) -> float:
@@ -95,10 +98,10 @@ def main(argv=None) -> int:
                             call = lambda i: stocks[i % copies](x)  # noqa: E731
                         else:
                             call = lambda i: ops.dense_linear(x, weights[i % copies])  # noqa: E731
-                            if PATHS[which] is not None:
-                                os.environ[STREAM_MAX] = PATHS[which]
+                            os.environ.update(PATHS[which])
                         ms = best_ms(call, reps)
-                        os.environ.pop(STREAM_MAX, None)
+                        for var in (STREAM_MAX, AMX):
+                            os.environ.pop(var, None)
                         key = (name, t, which)
                         best[key] = min(best.get(key, float("inf")), ms)
                     bar.update()
@@ -114,11 +117,13 @@ def main(argv=None) -> int:
              f"`{record['command']}`", "", f"hardware: {record['hardware']}", "",
              f"torch CPU capability {record['cpu_capability']}, {record['threads']} threads. ms, best of "
              f"{args.rounds} rounds (each the best of its calls); speedup = vLLM's / ours (default path).", "",
-             "| proj | N x K | tokens | vLLM ms [path] | ours ms | speedup | ours streamed ms | ours fp32 panels ms |",
-             "|---|---|---|---|---|---|---|---|"]
+             "'no AMX': bf16 few-token rows on vdpbf16ps instead of AMX tiles (the same where the CPU has no AMX).",
+             "", "| proj | N x K | tokens | vLLM ms [path] | ours ms | speedup | ours streamed ms | ours fp32 panels ms "
+             "| ours no AMX ms |", "|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         lines.append(f"| {r['proj']} | {r['n']} x {r['k']} | {r['tokens']} | {r['vllm_ms']:.2f} [{r['vllm_path']}] | "
-                     f"{r['ours_ms']:.2f} | {r['speedup']:.2f}x | {r['ours_stream_ms']:.2f} | {r['ours_panels_ms']:.2f} |")
+                     f"{r['ours_ms']:.2f} | {r['speedup']:.2f}x | {r['ours_stream_ms']:.2f} | {r['ours_panels_ms']:.2f} "
+                     f"| {r['ours_no_amx_ms']:.2f} |")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results: {base}.md / .json")

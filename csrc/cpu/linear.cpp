@@ -6,12 +6,18 @@
 //   which on such CPUs runs several times faster than its 16-bit one.
 // The weight is [N, K] either row-major (a linear layer's weight) or column-major (a transposed view of
 // a [K, N] tensor, as the FFN's shared down projection keeps it).
+// On CPUs with AMX, bf16 row-major weights at up to 16 tokens stream through AMX tiles instead (below).
 #include "cpu_utils.h"
 #include "gemv_rows.h"
 #include "gemv_rows_bf16.h"
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include "amx_tiles.h"
+#endif
+
 #include <algorithm>
 #include <cstdlib>
+#include <vector>
 
 namespace sparsever::cpu {
 namespace {
@@ -28,15 +34,92 @@ int64_t stream_max_tokens() {
 // fp32 elements per widened panel: a few MiB, so a panel stays in L2/L3 between its conversion and GEMM.
 constexpr int64_t kPanelElems = int64_t(1) << 20;
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Few tokens on AMX: Y^T [N, T] = W [N, K] X^T. A tiles are the weight's own rows (16 rows x 32 bf16,
+// loaded in place with the row stride: nothing is packed), the tokens one B tile per 32-deep slice
+// (pairs along K, T columns), two 16-row groups per step. The tile products take a fraction of the
+// weight's read time at any T up to 16, where vdpbf16ps rows (rows_dot_range_bf16) cost more with every
+// token and re-read the weight past 4 tokens; at 1-2 tokens those stream as fast or faster (measured:
+// bench/results, linear_ab_xeon-*-amx). SPARSEVER_CPU_LINEAR_AMX=0 keeps the vdpbf16ps rows (to time both).
+constexpr int64_t kAmxMinTokens = 3;
+constexpr int64_t kAmxMaxTokens = 16;
+
+bool amx_linear_fits(int64_t t, int64_t k) {
+  const char* env = std::getenv("SPARSEVER_CPU_LINEAR_AMX");
+  if (env && env[0] == '0') return false;
+  return t >= kAmxMinTokens && t <= kAmxMaxTokens && k % amx::kBf16PerRow == 0 && amx::amx_usable();
+}
+
+// Rows [r0, r1) (a multiple of 16 rows) of Y [T, ys] from the VNNI-paired tokens xp [K / 2][T].
+SPARSEVER_AMX void amx_rows_dot(const uint32_t* xp, int64_t t, int64_t k, const uint16_t* w, int64_t ws,
+                                int64_t r0, int64_t r1, float* y, int64_t ys) {
+  amx::TileConfig cfg;
+  for (int i : {0, 1}) {  // A: 16 weight rows x 64 bytes
+    cfg.rows[i] = amx::kTileRows;
+    cfg.colsb[i] = amx::kTileBytes;
+  }
+  for (int i : {2, 4, 5}) {  // B: 16 pairs x T tokens; C: 16 rows x T tokens (fp32)
+    cfg.rows[i] = amx::kTileRows;
+    cfg.colsb[i] = static_cast<uint16_t>(4 * t);
+  }
+  _tile_loadconfig(&cfg);
+  const int64_t a_stride = ws * static_cast<int64_t>(sizeof(uint16_t)), b_stride = 4 * t;
+  const int64_t slices = k / amx::kBf16PerRow;
+  alignas(64) float c[2][amx::kTileRows * kAmxMaxTokens];
+  for (int64_t r = r0; r < r1; r += 32) {
+    const bool two = r + 32 <= r1;
+    const uint16_t* a0 = w + r * ws;
+    const uint16_t* a1 = a0 + amx::kTileRows * ws;
+    const int64_t next_end = std::min(r1, r + 64);  // the next step's rows: one line of each per slice
+    _tile_zero(4);
+    if (two) _tile_zero(5);
+    for (int64_t s = 0; s < slices; ++s) {
+      for (int64_t i = r + 32; i < next_end; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(w + i * ws + s * amx::kBf16PerRow), _MM_HINT_T0);
+      _tile_loadd(2, xp + s * amx::kTileRows * t, b_stride);
+      _tile_loadd(0, a0 + s * amx::kBf16PerRow, a_stride);
+      _tile_dpbf16ps(4, 0, 2);
+      if (two) {
+        _tile_loadd(1, a1 + s * amx::kBf16PerRow, a_stride);
+        _tile_dpbf16ps(5, 1, 2);
+      }
+    }
+    _tile_stored(4, c[0], b_stride);
+    if (two) _tile_stored(5, c[1], b_stride);
+    for (int g = 0; g < (two ? 2 : 1); ++g)
+      for (int i = 0; i < amx::kTileRows; ++i)
+        for (int64_t j = 0; j < t; ++j) y[j * ys + r + g * amx::kTileRows + i] = c[g][i * t + j];
+  }
+  _tile_release();
+}
+#endif
+
 template <typename WT>
 void stream(const torch::Tensor& xf, const torch::Tensor& weight, bool row_major, float* y) {
   const int64_t t = xf.size(0), k = xf.size(1), n = weight.size(0);
   const WT* w = weight.data_ptr<WT>();
   if (row_major) {
     if constexpr (std::is_same_v<WT, c10::BFloat16>) {
-      if (rows_bf16_available()) {  // vdpbf16ps on the bf16-rounded activations
+      if (rows_bf16_available()) {  // vdpbf16ps (or AMX) on the bf16-rounded activations
         auto xb = xf.to(torch::kBFloat16).contiguous();
         const auto* xp = reinterpret_cast<const c10::BFloat16*>(xb.data_ptr());
+#if defined(CPU_CAPABILITY_AVX512)
+        if (amx_linear_fits(t, k)) {
+          std::vector<uint32_t> pairs(static_cast<size_t>(k / 2 * t));  // [K / 2][T]: (x[j, 2q], x[j, 2q + 1])
+          const auto* xu = reinterpret_cast<const uint16_t*>(xp);
+          for (int64_t j = 0; j < t; ++j)
+            for (int64_t q = 0; q < k / 2; ++q)
+              pairs[q * t + j] = static_cast<uint32_t>(xu[j * k + 2 * q]) |
+                                 static_cast<uint32_t>(xu[j * k + 2 * q + 1]) << 16;
+          const auto* wu = reinterpret_cast<const uint16_t*>(w);
+          parallel_row_tasks(n, k, sizeof(WT), [&](int64_t r0, int64_t r1) {
+            const int64_t r16 = r0 + (r1 - r0) / amx::kTileRows * amx::kTileRows;
+            if (r16 > r0) amx_rows_dot(pairs.data(), t, k, wu, weight.stride(0), r0, r16, y, n);
+            if (r1 > r16) rows_dot_range_bf16(xp, t, k, w, weight.stride(0), nullptr, r16, r1, y, n);
+          });
+          return;
+        }
+#endif
         parallel_row_tasks(n, k, sizeof(WT), [&](int64_t r0, int64_t r1) {
           rows_dot_range_bf16(xp, t, k, w, weight.stride(0), nullptr, r0, r1, y, n);
         });
@@ -71,6 +154,14 @@ void widened_gemm(const torch::Tensor& xf, const torch::Tensor& weight, bool row
 
 }  // namespace
 }  // namespace sparsever::cpu
+
+bool amx_available() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return sparsever::cpu::amx::amx_usable();
+#else
+  return false;
+#endif
+}
 
 void dense_linear_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                       const std::optional<torch::Tensor>& bias) {

@@ -85,3 +85,18 @@ def test_dense_linear_refuses_a_weight_without_contiguous_rows():
         ops.dense_linear(x, w)
     with pytest.raises(RuntimeError, match="x must be \\[T, K\\] and weight \\[N, K\\]"):
         ops.dense_linear(torch.randn(2, 9), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("amx", ["1", "0"])
+@pytest.mark.parametrize("t", [1, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize(("k", "n", "row_stride"), [(64, 16, 64), (896, 50, 896), (256, 96, 320)])
+def test_dense_linear_bf16_few_tokens_with_and_without_amx(amx, t, k, n, row_stride, monkeypatch):
+    """bf16 row-major weights at up to 16 tokens: the AMX tiles (CPUs with AMX; K a multiple of 32;
+    rows past the last 16 on vdpbf16ps) and the vdpbf16ps rows (SPARSEVER_CPU_LINEAR_AMX=0), on a
+    weight whose rows lie further apart than K (a slice of a wider tensor) too."""
+    gen = torch.Generator().manual_seed(t * 1000 + k + n)
+    x = torch.randn(t, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, row_stride, generator=gen).to(torch.bfloat16)[:, :k]
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    monkeypatch.setenv("SPARSEVER_CPU_LINEAR_AMX", amx)
+    _check(x, w, b, ops.dense_linear(x, w, b))

@@ -353,3 +353,5 @@ def test_ffn_bf16_dot_follows_the_cpu_flags():
         flags = next(line for line in f if line.startswith("flags")).split()
     expected = "avx512_bf16" in flags and torch.ops.sparsever.ext_info() == "avx512"
     assert ops.bf16_dot_available() == expected
+    amx = expected and {"amx_bf16", "amx_tile"} <= set(flags)
+    assert ops.amx_available() == amx

