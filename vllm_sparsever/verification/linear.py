@@ -36,9 +36,10 @@ logger = logging.getLogger("vllm_sparsever")
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 # linear_kernel "hybrid": calls of up to this many tokens run dense_linear, longer ones vLLM-CPU's
-# packed GEMM: 16 where dense_linear runs bf16 on AMX tiles (as flat as one token's up to 16 tokens),
-# else 4 (its vdpbf16ps rows re-read the weight past 4 tokens). Measured: bench/results, linear_ab_xeon-*.
-HYBRID_MAX_TOKENS = {"amx": 16, "vec": 4}
+# packed GEMM: 8 where dense_linear runs bf16 on AMX tiles (per projection flat up to 16 tokens, but
+# whole 16-token verify steps measured slower than on vLLM's linears), else 4 (the vdpbf16ps rows
+# re-read the weight past 4 tokens). Measured: bench/results, linear_ab_xeon-*, verify_step_xeon-linear-*.
+HYBRID_MAX_TOKENS = {"amx": 8, "vec": 4}
 
 
 def hybrid_max_tokens(dtype: torch.dtype) -> int:
