@@ -550,10 +550,15 @@ def batch_sampling_params(runner: Any) -> list[Any]:
     return [getattr(requests.get(req_id), "sampling_params", None) for req_id in runner.input_batch.req_ids]
 
 
+def row_sampling_params(runner: Any, row: int) -> Any:
+    """Batch row `row`'s SamplingParams (`runner.requests[input_batch.req_ids[row]]`; None without)."""
+    return runner.requests[runner.input_batch.req_ids[row]].sampling_params
+
+
 def tree_sampling_supported(runner: Any, row: int) -> bool:
     """Whether batch row `row`'s sampling is plain enough for tree acceptance (temperature, top-k,
     top-p, seed): `runner.requests[req_id].sampling_params` against `SAMPLER_ONLY_PARAMS`."""
-    params = runner.requests[runner.input_batch.req_ids[row]].sampling_params
+    params = row_sampling_params(runner, row)
     if params is None:
         return False
     for name, default in SAMPLER_ONLY_PARAMS.items():
@@ -569,7 +574,7 @@ def seeded_sampling(runner: Any, row: int) -> bool:
     for the same seed to give the same text."""
     from vllm.sampling_params import SamplingType
 
-    params = runner.requests[runner.input_batch.req_ids[row]].sampling_params
+    params = row_sampling_params(runner, row)
     return params is not None and params.sampling_type == SamplingType.RANDOM_SEED
 
 
