@@ -73,3 +73,64 @@ def test_stock_cpu_linear_packs_a_weight_of_its_own():
         y = linear(x)
         assert y.shape == (3, 96) and y.dtype == dtype
         torch.testing.assert_close(y.float(), (x.float() @ weight.float().t()), rtol=tol, atol=tol)
+
+
+def _int8_layer(n: int, k: int, gen: torch.Generator):
+    """A W8A8 int8 layer as compressed-tensors loads it (int8 weight [N, K], fp32 per-channel scale,
+    dynamic symmetric per-token activations) and the fp32 weight it stands for."""
+    w = torch.randn(n, k, generator=gen)
+    scale = w.abs().amax(1, keepdim=True) / 127
+    q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(q, requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    layer.input_scale = layer.input_zero_point = layer.azp_adj = layer.bias = None
+    layer.logical_widths = [n]
+    return layer, q.float() * scale
+
+
+def test_int8_kernel_choice_is_looked_up_in_its_module_at_load():
+    """CPUInt8ScaledMMLinearKernel chooses sgl-kernel's int8 GEMM through the module-level name
+    compat.linear replaces while a model loads, with the parameters it is called with."""
+    import importlib
+
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+
+    module_name, attr = compat_linear.INT8_KERNEL_CHOICE
+    module = importlib.import_module(module_name)
+    assert tuple(inspect.signature(getattr(module, attr)).parameters) == compat_linear.SGL_KERNEL_CHECK_PARAMS
+    assert attr in CPUInt8ScaledMMLinearKernel.process_weights_after_loading.__code__.co_names
+    stock = getattr(module, attr)
+    with compat_linear.int8_linears_take_fp32():
+        assert getattr(module, attr) is not stock
+    assert getattr(module, attr) is stock
+
+
+def test_fp32_int8_linear_runs_on_onednn_inside_the_context():
+    """An fp32 model's W8A8 layer: inside the context, oneDNN's int8 GEMM with fp32 activations,
+    close to the product with the dequantized weight (activations quantized per token); bf16 models
+    keep vLLM's choice."""
+    import importlib
+
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    gen = torch.Generator().manual_seed(0)
+    config = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True, input_symmetric=True)
+    names = ("weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj")
+    module_name, attr = compat_linear.INT8_KERNEL_CHOICE
+    choice = getattr(importlib.import_module(module_name), attr)
+    layer, dequantized = _int8_layer(64, 128, gen)
+    kernel = CPUInt8ScaledMMLinearKernel(config, names)
+    with set_default_torch_dtype(torch.float32), compat_linear.int8_linears_take_fp32():
+        assert not getattr(importlib.import_module(module_name), attr)(64, 128, torch.int8)
+        kernel.process_weights_after_loading(layer)
+    assert kernel.linear_method.__name__ == "_apply_weights_onednn"
+    x = torch.randn(3, 128, generator=gen)
+    y = kernel.apply_weights(layer, x)
+    assert y.dtype == torch.float32 and y.shape == (3, 64)
+    ref = x @ dequantized.t()
+    assert (y - ref).abs().max() < 0.02 * ref.abs().max()
+    with set_default_torch_dtype(torch.bfloat16), compat_linear.int8_linears_take_fp32():
+        assert getattr(importlib.import_module(module_name), attr)(64, 128, torch.int8) == choice(64, 128, torch.int8)

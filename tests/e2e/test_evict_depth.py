@@ -148,3 +148,48 @@ def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
     assert first["draft_model_shared_prefix_tokens"] == 0, info
     assert second["draft_model_shared_prefix_tokens"] == 32 * len(texts), info
     assert second["draft_model_catch_up_tokens"] < first["draft_model_catch_up_tokens"] - 16 * len(texts), info
+
+
+def test_int8_draft_model_stays_lossless(tiny_target, plain_greedy, tmp_path):
+    """An int8 (W8A8) copy of the target (models/quantize.py, as `models build qwen2.5-coder-0.5b-w8a8`
+    makes it) drafts EVICT chains to the cap in this fp32 engine: vLLM runs its linears on its own
+    int8 GEMM (oneDNN's: sgl-kernel's takes 16-bit activations only, compat/linear.py), the output
+    stays the target's token for token, and the copy, the target but for rounding, is mostly accepted.
+    Without attention sparsity the target's attention keeps no key summaries."""
+    from vllm import LLM, SamplingParams
+
+    from e2e.test_trees import _cost_profile
+    from vllm_sparsever.metrics import get_metrics
+    from vllm_sparsever.models.quantize import build_w8a8_folder
+
+    def probe(worker) -> tuple[int, int]:  # (pickled by value into the worker)
+        """Linears of the draft model on vLLM's compressed-tensors int8 scheme; target attention
+        layers holding key summaries (attention sparsity, off here, is their only reader)."""
+        from vllm_sparsever.compat.cpu_attention import attention_impls
+
+        runner = worker.model_runner
+        int8 = sum(type(getattr(m, "scheme", None)).__name__ == "CompressedTensorsW8A8Int8"
+                   for m in runner.drafter.model.modules())
+        return int8, sum(getattr(impl, "_key_min", None) is not None for impl in attention_impls(runner.model))
+
+    draft = tmp_path / "w8a8"
+    draft.mkdir()
+    build_w8a8_folder(tiny_target, draft)
+    spec = {"method": "sparsever", "model": str(draft), "num_speculative_tokens": 3,
+            "adaptive": {"enabled": True, "guard": False, "depth": "cap",
+                         "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)}}
+    llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
+              speculative_config=spec, async_scheduling=False)
+    try:
+        outs = llm.generate(prompts(NUM_PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                            use_tqdm=False)
+        quantized, summaries = llm.collective_rpc(probe)[0]
+        metrics = get_metrics(llm)
+    finally:
+        del llm
+        gc.collect()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [tokens for tokens, _ in plain_greedy]
+    assert quantized == 2 * 4, quantized  # per layer: qkv, o, gate_up, down (vLLM's merged linears)
+    assert summaries == 0, summaries
+    info = json.dumps(metrics, default=str)
+    assert metrics["num_accepted_tokens"] > 0.6 * metrics["num_draft_tokens"] > 0, info

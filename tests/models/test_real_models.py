@@ -61,6 +61,22 @@ def test_qwen_pair_shares_tokenizer(root):
     )
 
 
+def test_build_int8_draft_from_its_base(root):
+    """qwen2.5-coder-0.5b-w8a8: the base's decoder linears in int8 (168 = 24 layers x 7), its LM
+    head, embeddings and tokenizer as built; the manifest names the base's files."""
+    _need("qwen2.5-coder-0.5b-w8a8")
+    base = build_model("qwen2.5-coder-0.5b", root=root)
+    folder = build_model("qwen2.5-coder-0.5b-w8a8", root=root)
+    assert manifest.verify_folder(folder) == []
+    m = manifest.read_manifest(folder)
+    assert m["kind"] == "quantized" and m["base"] == "qwen2.5-coder-0.5b"
+    assert m["base_manifest_sha256"]["model.safetensors"] == manifest.read_manifest(base)["files"]["model.safetensors"]["sha256"]
+    assert m["quantization"]["quantized_tensors"] == 168 and m["quantization"]["max_relative_weight_error"] < 0.05
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert (folder / "model.safetensors").stat().st_size < 0.75 * (base / "model.safetensors").stat().st_size
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-moe"])
 def test_loads_and_generates_in_vllm(name, root):

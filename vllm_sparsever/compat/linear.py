@@ -7,7 +7,13 @@ Private symbols touched:
   `layer.cpu_linear`. Replaced in the module for the duration of the target's load
   (`cpu_gemm_dispatch_override`), so the draft model and other engines load stock;
   `stock_cpu_linear` runs the same dispatch on a weight of its own;
-- `layer.cpu_linear` (the callable the CPU linear forward runs) and `layer.prefix`.
+- `layer.cpu_linear` (the callable the CPU linear forward runs) and `layer.prefix`;
+- `vllm.model_executor.kernels.linear.scaled_mm.cpu.check_cpu_sgl_kernel(n, k, dtype)`: the name
+  `CPUInt8ScaledMMLinearKernel.process_weights_after_loading` calls to choose sgl-kernel's int8 GEMM
+  (AMX) over oneDNN's for a W8A8 int8 layer. It looks at the weight (int8) only, and that kernel
+  takes bf16/fp16 activations only, so an fp32 model with int8 linears (e.g. a W8A8 draft model in
+  the fp32 engines losslessness is tested in) fails at its first step on AMX CPUs. Replaced in that
+  module while a model loads (`int8_linears_take_fp32`): fp32 models get oneDNN's int8 GEMM.
 """
 
 from __future__ import annotations
@@ -39,6 +45,32 @@ def cpu_gemm_dispatch_override(dispatch: GemmDispatch) -> Iterator[None]:
         yield
     finally:
         layer_utils.dispatch_cpu_unquantized_gemm = stock
+
+
+INT8_KERNEL_CHOICE = ("vllm.model_executor.kernels.linear.scaled_mm.cpu", "check_cpu_sgl_kernel")
+SGL_KERNEL_CHECK_PARAMS = ("n", "k", "dtype")
+
+
+@contextlib.contextmanager
+def int8_linears_take_fp32() -> Iterator[None]:
+    """While active, a W8A8 int8 linear loaded for an fp32 model (the default dtype at load) runs
+    oneDNN's int8 GEMM, which takes fp32 activations, instead of sgl-kernel's, which does not."""
+    import importlib
+
+    module_name, attr = INT8_KERNEL_CHOICE
+    module = importlib.import_module(module_name)
+    stock = getattr(module, attr)
+
+    def choose(n: int, k: int, dtype: torch.dtype) -> bool:
+        if dtype == torch.int8 and torch.get_default_dtype() == torch.float32:
+            return False
+        return stock(n, k, dtype)
+
+    setattr(module, attr, choose)
+    try:
+        yield
+    finally:
+        setattr(module, attr, stock)
 
 
 def stock_cpu_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

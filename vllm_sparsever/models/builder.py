@@ -10,7 +10,8 @@ from typing import Any
 from vllm_sparsever.store import manifest as _manifest
 from vllm_sparsever.store.packages import locate, pip_install, require_packages
 from vllm_sparsever.store.paths import models_root
-from vllm_sparsever.models.registry import GgufModelSpec, MoEModelSpec, get_spec, required_packages
+from vllm_sparsever.models.registry import (GgufModelSpec, MoEModelSpec, QuantizedModelSpec, get_spec,
+                                            required_packages)
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 BUILD_COMMAND = "vllm-sparsever models build"
@@ -122,6 +123,31 @@ def _build_moe_model(spec: MoEModelSpec, base_dir: Path, dtype: str, shape: tupl
     return produce
 
 
+def _build_quantized_model(spec: QuantizedModelSpec, base_dir: Path, dtype: str):
+    def produce(tmp: Path) -> dict[str, Any]:
+        from vllm_sparsever.models.quantize import SCHEMES, build_w8a8_folder
+
+        if spec.scheme not in SCHEMES:
+            raise ValueError(f"{spec.name}: unknown quantization scheme {spec.scheme!r}; known: {', '.join(SCHEMES)}")
+        start = time.perf_counter()
+        facts = build_w8a8_folder(base_dir, tmp)
+        base_manifest = _manifest.read_manifest(base_dir) or {}
+        return {
+            "kind": "quantized",
+            "model": spec.name,
+            "base": spec.base,
+            "base_manifest_sha256": {k: v["sha256"] for k, v in base_manifest.get("files", {}).items()},
+            "license": spec.license,
+            "chat": spec.chat,
+            "dtype": dtype,  # of what stays unquantized
+            **facts,
+            "build_seconds": round(time.perf_counter() - start, 1),
+            "versions": _library_versions(),
+        }
+
+    return produce
+
+
 def _library_versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -164,6 +190,9 @@ def build_model(
     require_packages(packages, f"model {name!r}", f"{BUILD_COMMAND} {name}")
     if isinstance(spec, GgufModelSpec):
         produce = _build_gguf_model(spec, dtype, keep_gguf)
+    elif isinstance(spec, QuantizedModelSpec):
+        base_dir = build_model(spec.base, root, dtype=dtype, install=False)
+        produce = _build_quantized_model(spec, base_dir, dtype)
     else:
         # The dense base is built (or reused) in the same root, at the same dtype as it was.
         base_dir = build_model(spec.base, root, dtype=dtype, install=False)

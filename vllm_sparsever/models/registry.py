@@ -48,6 +48,20 @@ class MoEModelSpec:
     router_smoothing: float = 0.0  # qwen2_moe only: neighbour smoothing of the router targets
 
 
+@dataclass(frozen=True)
+class QuantizedModelSpec:
+    """A dense model of this registry with its decoder linears quantized (models/quantize.py): a
+    cheaper draft model; the target verifies every drafted token, so output stays the target's."""
+
+    name: str
+    description: str
+    base: str
+    scheme: str  # one of models.quantize.SCHEMES
+    license: str
+    chat: bool
+    notes: str = ""
+
+
 def _split_package(prefix: str, module: str, count: int, version: str, filename) -> tuple:
     packages = tuple(PinnedPackage(f"{prefix}{i}", version) for i in range(1, count + 1))
     pieces = tuple(
@@ -77,10 +91,11 @@ SMOLLM2_MOE_SHARED = 256
 # Fine-grained variant (docs/models_and_data.md, "Fine-grained MoEfication").
 SMOLLM2_MOE_FG = dict(num_experts=32, top_k=8, shared_neurons=512, dense_layers=(0,))
 
-MODELS: dict[str, GgufModelSpec | MoEModelSpec] = {}
+ModelSpec = GgufModelSpec | MoEModelSpec | QuantizedModelSpec
+MODELS: dict[str, ModelSpec] = {}
 
 
-def _add(spec: GgufModelSpec | MoEModelSpec) -> None:
+def _add(spec: ModelSpec) -> None:
     MODELS[spec.name] = spec
 
 
@@ -108,6 +123,18 @@ _add(
         chat=True,
         notes="The GGUF names itself 'Qwen2.5 Coder 0.5B Instruct AWQ' (made from the AWQ release); "
         "its lm_head is stored untied. Same tokenizer as qwen2.5-coder-1.5b (a draft/target pair).",
+    )
+)
+_add(
+    QuantizedModelSpec(
+        name="qwen2.5-coder-0.5b-w8a8",
+        description="qwen2.5-coder-0.5b with int8 decoder linears (W8A8, compressed-tensors): a draft at half the bytes",
+        base="qwen2.5-coder-0.5b",
+        scheme="w8a8-int8",
+        license="Apache-2.0 (derived from Qwen2.5-Coder-0.5B-Instruct)",
+        chat=True,
+        notes="Weights int8 per output channel, activations int8 per token at run time; embeddings, norms, "
+        "biases and the LM head as built. vLLM runs it with its own int8 GEMMs (docs/models_and_data.md).",
     )
 )
 _add(
@@ -167,7 +194,7 @@ _add(
 )
 
 
-def get_spec(name: str) -> GgufModelSpec | MoEModelSpec:
+def get_spec(name: str) -> ModelSpec:
     try:
         return MODELS[name]
     except KeyError:
@@ -179,4 +206,6 @@ def required_packages(name: str) -> tuple[PinnedPackage, ...]:
     spec = get_spec(name)
     if isinstance(spec, MoEModelSpec):
         return (*required_packages(spec.base), *spec.calibration_packages)
+    if isinstance(spec, QuantizedModelSpec):
+        return required_packages(spec.base)
     return spec.packages

@@ -296,8 +296,10 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        # Only the target's forward runs under a plan (not the draft model, not warm-up).
-        if not self._supported or current_plan() is None or get_runtime() is None:
+        # Only the target's forward runs under a plan (not the draft model, not warm-up), and only
+        # attention sparsity reads the summaries (it cannot be switched on at run time if off at start).
+        rt = get_runtime()
+        if not self._supported or current_plan() is None or rt is None or not rt.started_with["attention"]:
             return
         kernel = _layer_kernel(layer)
         if kernel == "vllm":

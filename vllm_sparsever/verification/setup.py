@@ -94,6 +94,15 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
             stack.enter_context(plain_linears(hybrid=hybrid))
             if not hybrid:
                 plain_linear = sparsever_cpu_linear
+        from vllm_sparsever.compat.worker import is_cpu_platform
+
+        # W8A8 int8 models (a draft, typically) in fp32 engines: vLLM-CPU's AMX int8 GEMM takes 16-bit
+        # activations only (compat/linear.py); oneDNN's int8 GEMM runs them.
+        on_cpu = is_cpu_platform()
+        if on_cpu:
+            from vllm_sparsever.compat.linear import int8_linears_take_fp32
+
+            stack.enter_context(int8_linears_take_fp32())
         if runtime.started_with["ffn"]:
             from vllm_sparsever.verification.ffn import keep_mlp_weights
 
@@ -106,7 +115,14 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
 
         # The draft model loads as stock vLLM would load it (close the hooks right before), except
         # that its dense linears too run dense_linear under linear_kernel "sparsever" / "hybrid".
-        during = (lambda: plain_linears("draft model", hybrid=hybrid)) if sparsever_linears else None
+        def during() -> contextlib.ExitStack:
+            draft = contextlib.ExitStack()
+            if on_cpu:
+                draft.enter_context(int8_linears_take_fp32())
+            if sparsever_linears:
+                draft.enter_context(plain_linears("draft model", hybrid=hybrid))
+            return draft
+
         stack.callback(intercept_drafter_load(runner, before_load=stack.close, during_load=during))
         yield
 
