@@ -97,8 +97,8 @@ def main(argv=None) -> int:
     for r in record["rows"]:
         lines.append(f"| {r['tokens']} | {r['vllm_us_per_layer']:.1f} | {r['c_us_per_layer']:.1f} | "
                      f"{r['vllm_us_per_layer'] / r['c_us_per_layer']:.2f}x | {r['saved_ms_per_pass']:.2f} |")
-    base.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
-    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    Path(f"{base}.json").write_text(json.dumps(record, indent=1, default=str))
+    Path(f"{base}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results: {base}.md / .json")
     return 0
