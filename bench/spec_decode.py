@@ -198,6 +198,15 @@ def versions() -> dict[str, Any]:
     return out
 
 
+def save_results(base: Path, record: dict[str, Any], lines: list[str]) -> None:
+    """Write `record` to BASE.json and the report `lines` to BASE.md (the whole name kept: a tag may
+    hold dots), and print the report."""
+    Path(f"{base}.json").write_text(json.dumps(record, indent=1, default=str))
+    Path(f"{base}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"results: {base}.md / .json")
+
+
 def binding_env() -> dict[str, str | None]:
     keys = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
             "LD_PRELOAD", "OMP_NUM_THREADS")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ def main(argv=None) -> int:
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    from spec_decode import RESULTS, hardware, versions
+    from spec_decode import RESULTS, hardware, save_results, versions
     from vllm_sparsever.compat.model import use_c_kernels_for_norms_and_activations
 
     torch.set_num_threads(args.threads)
@@ -97,10 +96,7 @@ def main(argv=None) -> int:
     for r in record["rows"]:
         lines.append(f"| {r['tokens']} | {r['vllm_us_per_layer']:.1f} | {r['c_us_per_layer']:.1f} | "
                      f"{r['vllm_us_per_layer'] / r['c_us_per_layer']:.2f}x | {r['saved_ms_per_pass']:.2f} |")
-    Path(f"{base}.json").write_text(json.dumps(record, indent=1, default=str))
-    Path(f"{base}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"results: {base}.md / .json")
+    save_results(base, record, lines)
     return 0
 
 

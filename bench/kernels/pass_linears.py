@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
     from kernels.linear_ab import MODELS, last_level_cache_bytes
     from kernels.run import vllm_cpu_linear
-    from spec_decode import RESULTS, hardware, versions
+    from spec_decode import RESULTS, hardware, save_results, versions
     from vllm_sparsever import _custom_ops as ops
     from vllm_sparsever.models.quantize import quantize_int8_per_channel
 
@@ -109,7 +109,6 @@ def main(argv=None) -> int:
         row["ours_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["ours_bf16_ms_median"]
         record["rows"].append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "raw_ms"}))
-    Path(f"{base}.json").write_text(json.dumps(record, indent=1, default=str))
     lines = [f"# One pass's linears from DRAM: bf16 (vLLM-CPU, dense_linear) and int8 ({args.model})", "",
              f"`{record['command']}`", "", f"hardware: {record['hardware']}", "",
              f"{record['threads']} threads, {len(layers)} layers x {len(shapes)} projections, "
@@ -124,9 +123,7 @@ def main(argv=None) -> int:
                      f"({r['vllm_int8_ms_min']:.1f}) | {r['int8_speedup_vs_vllm_bf16']:.2f}x | "
                      f"{r['ours_vs_vllm_bf16']:.2f}x | {r['vllm_bf16_ms_hot']:.1f} / {r['ours_bf16_ms_hot']:.1f} / "
                      f"{r['vllm_int8_ms_hot']:.1f} |")
-    Path(f"{base}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"results: {base}.md / .json")
+    save_results(base, record, lines)
     return 0
 
 
