@@ -106,19 +106,7 @@ def _build_moe_model(spec: MoEModelSpec, base_dir: Path, dtype: str, shape: tupl
             facts = build_moe_folder(base_dir, tmp, cfg, dtype=dtype)
         else:
             raise ValueError(f"{spec.name}: unknown MoEfication architecture {spec.architecture!r}")
-        base_manifest = _manifest.read_manifest(base_dir) or {}
-        return {
-            "kind": "moefication",
-            "model": spec.name,
-            "base": spec.base,
-            "base_manifest_sha256": {k: v["sha256"] for k, v in base_manifest.get("files", {}).items()},
-            "license": spec.license,
-            "chat": spec.chat,
-            "dtype": dtype,
-            **facts,
-            "build_seconds": round(time.perf_counter() - start, 1),
-            "versions": _library_versions(),
-        }
+        return _derived_manifest("moefication", spec, base_dir, dtype, facts, start)
 
     return produce
 
@@ -131,21 +119,27 @@ def _build_quantized_model(spec: QuantizedModelSpec, base_dir: Path, dtype: str)
             raise ValueError(f"{spec.name}: unknown quantization scheme {spec.scheme!r}; known: {', '.join(SCHEMES)}")
         start = time.perf_counter()
         facts = build_w8a8_folder(base_dir, tmp)
-        base_manifest = _manifest.read_manifest(base_dir) or {}
-        return {
-            "kind": "quantized",
-            "model": spec.name,
-            "base": spec.base,
-            "base_manifest_sha256": {k: v["sha256"] for k, v in base_manifest.get("files", {}).items()},
-            "license": spec.license,
-            "chat": spec.chat,
-            "dtype": dtype,  # of what stays unquantized
-            **facts,
-            "build_seconds": round(time.perf_counter() - start, 1),
-            "versions": _library_versions(),
-        }
+        return _derived_manifest("quantized", spec, base_dir, dtype, facts, start)  # dtype: of what stays unquantized
 
     return produce
+
+
+def _derived_manifest(kind: str, spec: MoEModelSpec | QuantizedModelSpec, base_dir: Path, dtype: str,
+                      facts: dict[str, Any], start: float) -> dict[str, Any]:
+    """Manifest facts of a model made from another of this registry (built in `base_dir`)."""
+    base_manifest = _manifest.read_manifest(base_dir) or {}
+    return {
+        "kind": kind,
+        "model": spec.name,
+        "base": spec.base,
+        "base_manifest_sha256": {k: v["sha256"] for k, v in base_manifest.get("files", {}).items()},
+        "license": spec.license,
+        "chat": spec.chat,
+        "dtype": dtype,
+        **facts,
+        "build_seconds": round(time.perf_counter() - start, 1),
+        "versions": _library_versions(),
+    }
 
 
 def _library_versions() -> dict[str, str]:
@@ -190,13 +184,13 @@ def build_model(
     require_packages(packages, f"model {name!r}", f"{BUILD_COMMAND} {name}")
     if isinstance(spec, GgufModelSpec):
         produce = _build_gguf_model(spec, dtype, keep_gguf)
-    elif isinstance(spec, QuantizedModelSpec):
-        base_dir = build_model(spec.base, root, dtype=dtype, install=False)
-        produce = _build_quantized_model(spec, base_dir, dtype)
     else:
         # The dense base is built (or reused) in the same root, at the same dtype as it was.
         base_dir = build_model(spec.base, root, dtype=dtype, install=False)
-        produce = _build_moe_model(spec, base_dir, dtype, _moe_shape(spec, num_experts, top_k, shared_neurons), seed)
+        if isinstance(spec, QuantizedModelSpec):
+            produce = _build_quantized_model(spec, base_dir, dtype)
+        else:
+            produce = _build_moe_model(spec, base_dir, dtype, _moe_shape(spec, num_experts, top_k, shared_neurons), seed)
     return _manifest.build_folder(final, produce, force=force)
 
 
