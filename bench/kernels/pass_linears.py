@@ -40,6 +40,7 @@ def main(argv=None) -> int:
 
     import torch
     import vllm._custom_ops  # noqa: F401 (registers torch.ops._C)
+    from tqdm import tqdm
 
     from kernels.linear_ab import MODELS, last_level_cache_bytes
     from kernels.run import vllm_cpu_linear
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
               "hardware": hardware(), "versions": versions(), "threads": torch.get_num_threads(),
               "last_level_cache_bytes": llc, "int8_path": "sgl-kernel int8_scaled_mm_with_quant" if amx else "oneDNN",
               "bf16_bytes_per_pass": 2 * sum(n * k for n, k in shapes) * len(layers), "rows": []}
+    bar = tqdm(total=len(args.tokens) * (args.rounds + 1) * len(KINDS), desc="passes", unit="pass")
     for t in args.tokens:
         xs = {k: torch.randn(t, k, generator=gen).bfloat16() for _, k in shapes}
         cold: dict[str, list[float]] = {kind: [] for kind in KINDS}
@@ -101,6 +103,7 @@ def main(argv=None) -> int:
                 ms = one_pass(kind, xs)
                 if rnd:  # round 0 warms up
                     cold[kind].append(ms)
+                bar.update()
         hot = {kind: min(one_pass(kind, xs) for _ in range(3)) for kind in KINDS}
         row = {"tokens": t, **{f"{kind}_ms_min": min(v) for kind, v in cold.items()},
                **{f"{kind}_ms_median": statistics.median(v) for kind, v in cold.items()},
@@ -123,6 +126,7 @@ def main(argv=None) -> int:
                      f"({r['vllm_int8_ms_min']:.1f}) | {r['int8_speedup_vs_vllm_bf16']:.2f}x | "
                      f"{r['ours_vs_vllm_bf16']:.2f}x | {r['vllm_bf16_ms_hot']:.1f} / {r['ours_bf16_ms_hot']:.1f} / "
                      f"{r['vllm_int8_ms_hot']:.1f} |")
+    bar.close()
     save_results(base, record, lines)
     return 0
 
