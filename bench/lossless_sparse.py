@@ -18,7 +18,9 @@ drafts, dense verification; needs `vllm-sparsever profile-verify TARGET` first) 
 attending to `--draft-window` recent positions (`evict-chain-vocab-window`), or n-gram lookup
 (`evict-ngram`); a drafter ending in `-hybrid` runs that engine's linears on `linear_kernel:
 "hybrid"` (`evict-chain-hybrid`, `evict-chain-vocab-window-hybrid`), one ending in `-w8a8` drafts with
-`--draft-w8a8` (the draft model with int8 linears: `evict-chain-w8a8`, `evict-chain-vocab-window-w8a8`). Engines run one after another, each shut down
+`--draft-w8a8` (the draft model with int8 linears: `evict-chain-w8a8`, `evict-chain-vocab-window-w8a8`), one
+ending in `-w4a16` with `--draft-w4a16` (int4 linears: `evict-chain-w4a16`, `evict-chain-vocab-window-w4a16`).
+Engines run one after another, each shut down
 before the next starts; every engine runs each prompt after an untimed warm-up on it (prefilled
 into the prefix cache, and `--warm-up-tokens` steps, 8 by default: as in a running server, EVICT has
 then measured steps; its acceptance per depth needs a few dozen).
@@ -64,7 +66,10 @@ EVICT_MODES = {"draft_model": "evict-chain", "draft_model-vocab": "evict-chain-v
                "draft_model-vocab-window-hybrid": "evict-chain-vocab-window-hybrid",
                # the same over --draft-w8a8 (int8 decoder linears: half the draft's bytes)
                "draft_model-w8a8": "evict-chain-w8a8",
-               "draft_model-vocab-window-w8a8": "evict-chain-vocab-window-w8a8"}
+               "draft_model-vocab-window-w8a8": "evict-chain-vocab-window-w8a8",
+               # the same over --draft-w4a16 (int4 decoder linears: a quarter of the draft's bytes)
+               "draft_model-w4a16": "evict-chain-w4a16",
+               "draft_model-vocab-window-w4a16": "evict-chain-vocab-window-w4a16"}
 LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", *EVICT_MODES.values())
 WARM_UP_TOKENS = 8  # --warm-up-tokens' default
 SUMMARY_ASK = LONG_SUMMARY.split("{title}. ", 1)[1]  # the summarize task's question, after the document
@@ -83,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="--drafter draft_model: the draft model")
     p.add_argument("--draft-w8a8", default="qwen2.5-coder-0.5b-w8a8",
                    help="the draft model of the *-w8a8 EVICT drafters (models build qwen2.5-coder-0.5b-w8a8)")
+    p.add_argument("--draft-w4a16", default="qwen2.5-coder-0.5b-w4a16",
+                   help="the draft model of the *-w4a16 EVICT drafters (models build qwen2.5-coder-0.5b-w4a16)")
     p.add_argument("--no-autoregressive", action="store_true", help="skip the engine without speculative decoding")
     p.add_argument("--vllm-draft-model", type=int, default=0, metavar="K",
                    help="also run vLLM's own draft_model method with K drafts (needs --draft)")
@@ -133,7 +140,8 @@ def start_engine(args, target: str, max_len: int, speculative: bool = True, vllm
             spec.update(draft_source="ngram", prompt_lookup_min=args.prompt_lookup_min,
                         prompt_lookup_max=args.prompt_lookup_max)
         else:
-            spec.update(model=resolve_model(args.draft_w8a8 if evict.endswith("-w8a8") else args.draft))
+            draft = {"w8a8": args.draft_w8a8, "w4a16": args.draft_w4a16}.get(evict.rsplit("-", 1)[-1], args.draft)
+            spec.update(model=resolve_model(draft))
             if "vocab" in evict:
                 spec["draft_vocab"] = args.draft_vocab
             if "window" in evict:

@@ -113,12 +113,12 @@ def _build_moe_model(spec: MoEModelSpec, base_dir: Path, dtype: str, shape: tupl
 
 def _build_quantized_model(spec: QuantizedModelSpec, base_dir: Path, dtype: str):
     def produce(tmp: Path) -> dict[str, Any]:
-        from vllm_sparsever.models.quantize import SCHEMES, build_w8a8_folder
+        from vllm_sparsever.models.quantize import SCHEMES, build_quantized_folder
 
         if spec.scheme not in SCHEMES:
             raise ValueError(f"{spec.name}: unknown quantization scheme {spec.scheme!r}; known: {', '.join(SCHEMES)}")
         start = time.perf_counter()
-        facts = build_w8a8_folder(base_dir, tmp)
+        facts = build_quantized_folder(base_dir, tmp, spec.scheme)
         return _derived_manifest("quantized", spec, base_dir, dtype, facts, start)  # dtype: of what stays unquantized
 
     return produce

@@ -1,4 +1,4 @@
-"""Load a built folder in vLLM (fp32, eager; bf16 for int8-quantized folders) and generate greedily:
+"""Load a built folder in vLLM (fp32, eager; bf16 for quantized folders) and generate greedily:
 the acceptance check of a build.
 
     python -m vllm_sparsever.models.check PATH [--base] [--max-tokens 48]
@@ -49,7 +49,7 @@ def run_check(path: Path, max_tokens: int = 48, chat: bool | None = None) -> dic
 
     chat = _is_chat_model(path) if chat is None else chat
     start = time.perf_counter()
-    # Stock vLLM-CPU runs int8 (W8A8) linears on AMX CPUs with 16-bit activations only.
+    # Stock vLLM-CPU runs int8 (W8A8) linears on AMX CPUs with 16-bit activations only, int4 ones fast in bf16 only.
     dtype = "bfloat16" if _is_quantized(path) else "float32"
     llm = LLM(model=str(path), enforce_eager=True, dtype=dtype, max_model_len=1024, seed=0)
     load_seconds = time.perf_counter() - start

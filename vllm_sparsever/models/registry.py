@@ -138,6 +138,19 @@ _add(
     )
 )
 _add(
+    QuantizedModelSpec(
+        name="qwen2.5-coder-0.5b-w4a16",
+        description="qwen2.5-coder-0.5b with int4 decoder linears (W4A16, compressed-tensors): a draft at a quarter of the bytes",
+        base="qwen2.5-coder-0.5b",
+        scheme="w4a16-int4",
+        license="Apache-2.0 (derived from Qwen2.5-Coder-0.5B-Instruct)",
+        chat=True,
+        notes="Weights int4 in groups of 128 input channels (least-squares clip); embeddings, norms, biases "
+        "and the LM head as built. vLLM-CPU runs it as W4A8 on CPUs with AMX (fast) and W4A16 elsewhere "
+        "(slower than bf16): docs/models_and_data.md.",
+    )
+)
+_add(
     GgufModelSpec(
         name="qwen2.5-coder-1.5b",
         description="Qwen2.5-Coder-1.5B-Instruct (Qwen2), from a Q4_K_M GGUF split over 22 packages",
