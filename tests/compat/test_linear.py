@@ -2,6 +2,7 @@
 
 import inspect
 
+import pytest
 import torch
 
 from vllm_sparsever.compat import linear as compat_linear
@@ -134,3 +135,66 @@ def test_fp32_int8_linear_runs_on_onednn_inside_the_context():
     assert (y - ref).abs().max() < 0.02 * ref.abs().max()
     with set_default_torch_dtype(torch.bfloat16), compat_linear.int8_linears_take_fp32():
         assert getattr(importlib.import_module(module_name), attr)(64, 128, torch.int8) == choice(64, 128, torch.int8)
+
+
+def _int4_layer(n: int, k: int, dtype: torch.dtype, gen: torch.Generator):
+    """An int4 layer as vLLM's compressed-tensors W4A16 scheme creates and loads it (packed int4
+    weights in groups of 128, scales in `dtype`), its scheme, and the fp32 weight it stands for."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16 import (
+        CompressedTensorsWNA16)
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from vllm_sparsever.models.quantize import quantize_int4_per_group
+
+    scheme = CompressedTensorsWNA16(strategy="group", num_bits=4, group_size=128, symmetric=True, layer_name="x")
+    layer = torch.nn.Module()
+    layer.bias = None  # (a LinearBase always has the attribute)
+    scheme.create_weights(layer, output_size=n, input_size=k, output_partition_sizes=[n],
+                          input_size_per_partition=k, params_dtype=dtype, weight_loader=default_weight_loader)
+    q, scale = quantize_int4_per_group(torch.randn(n, k, generator=gen) * 0.05, 128, dtype)
+    layer.weight_packed.data.copy_(pack_to_int32(q, 4))
+    layer.weight_scale.data.copy_(scale)
+    return layer, scheme, (q.float().view(n, -1, 128) * scale.float().unsqueeze(2)).view(n, k)
+
+
+def test_int4_kernel_methods_keep_their_names_and_parameters(vllm_env):
+    """The CPU int4 kernel compressed-tensors' W4A16 scheme picks, and the two methods the patch wraps."""
+    import importlib
+
+    module_name, attr = compat_linear.INT4_KERNEL
+    kernel = getattr(importlib.import_module(module_name), attr)
+    assert tuple(inspect.signature(kernel.process_weights_after_loading).parameters) == compat_linear.INT4_PREPARE_PARAMS
+    assert tuple(inspect.signature(kernel.apply_weights).parameters) == compat_linear.INT4_APPLY_PARAMS
+    _, scheme, _ = _int4_layer(64, 128, torch.float32, torch.Generator().manual_seed(0))
+    assert type(scheme.kernel) is kernel
+
+
+def test_fp32_int4_linear_runs_in_bf16_inside_the_context(vllm_env):
+    """Stock, an fp32 int4 layer fails at its first product (no fp32 kernel); loaded inside the
+    context it runs in bf16 and returns fp32 close to the dequantized product. A bf16 layer loads
+    stock inside the context too."""
+    torch.cpu._is_amx_tile_supported()  # (as vLLM's CPU worker does: lets this process use AMX tiles)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 256, generator=gen)
+    layer, scheme, dequantized = _int4_layer(128, 256, torch.float32, gen)
+    scheme.process_weights_after_loading(layer)
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        scheme.apply_weights(layer, x, None)
+
+    layer, scheme, dequantized = _int4_layer(128, 256, torch.float32, gen)
+    with compat_linear.quantized_linears_take_fp32():
+        scheme.process_weights_after_loading(layer)
+    bias = torch.randn(128, generator=gen)
+    out = scheme.apply_weights(layer, x, bias)
+    assert out.dtype == torch.float32 and out.shape == (3, 128)
+    ref = x @ dequantized.T + bias
+    torch.testing.assert_close(out, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+
+    layer, scheme, dequantized = _int4_layer(128, 256, torch.bfloat16, gen)
+    with compat_linear.quantized_linears_take_fp32():
+        scheme.process_weights_after_loading(layer)
+    assert "apply_weights" not in vars(scheme.kernel)  # stock
+    out = scheme.apply_weights(layer, x.bfloat16(), None)
+    ref = x @ dequantized.T
+    torch.testing.assert_close(out.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0)

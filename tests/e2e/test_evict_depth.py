@@ -150,36 +150,39 @@ def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
     assert second["draft_model_catch_up_tokens"] < first["draft_model_catch_up_tokens"] - 16 * len(texts), info
 
 
-def test_int8_draft_model_stays_lossless(tiny_target, plain_greedy, tmp_path):
-    """An int8 (W8A8) copy of the target (models/quantize.py, as `models build qwen2.5-coder-0.5b-w8a8`
-    makes it) drafts EVICT chains to the cap in this fp32 engine: vLLM runs its linears on its own
-    int8 GEMM (oneDNN's: sgl-kernel's takes 16-bit activations only, compat/linear.py), the output
-    stays the target's token for token, and the copy, the target but for rounding, is mostly accepted.
+@pytest.mark.parametrize("scheme, vllm_scheme", [("w8a8-int8", "CompressedTensorsW8A8Int8"),
+                                                 ("w4a16-int4", "CompressedTensorsWNA16")])
+def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, plain_greedy, tmp_path):
+    """An int8 (W8A8) or int4 (W4A16) copy of the target (models/quantize.py, as `models build
+    qwen2.5-coder-0.5b-w8a8` / `-w4a16` make them) drafts EVICT chains to the cap in this fp32 engine:
+    vLLM runs its linears on its own int8 GEMM (oneDNN's: sgl-kernel's takes 16-bit activations only)
+    or int4 GEMM (in bf16: it has no fp32 one; compat/linear.py), the output stays the target's token
+    for token, and the copy, the target but for rounding, is mostly accepted.
     The draft's norms and activation run on vLLM-CPU's C kernels (compat/model.py); without attention
     sparsity the target's attention keeps no key summaries."""
     from vllm import LLM, SamplingParams
 
     from e2e.test_trees import _cost_profile
     from vllm_sparsever.metrics import get_metrics
-    from vllm_sparsever.models.quantize import build_w8a8_folder
+    from vllm_sparsever.models.quantize import build_quantized_folder
 
     def probe(worker) -> tuple[int, int, int]:  # (pickled by value into the worker)
-        """Linears of the draft model on vLLM's compressed-tensors int8 scheme; its norms and
+        """Linears of the draft model on vLLM's compressed-tensors `vllm_scheme`; its norms and
         activations on C kernels; target attention layers holding key summaries (attention
         sparsity, off here, is their only reader)."""
         from vllm_sparsever.compat.cpu_attention import attention_impls
 
         runner = worker.model_runner
         draft_modules = list(runner.drafter.model.modules())
-        int8 = sum(type(getattr(m, "scheme", None)).__name__ == "CompressedTensorsW8A8Int8" for m in draft_modules)
+        quantized = sum(type(getattr(m, "scheme", None)).__name__ == vllm_scheme for m in draft_modules)
         c_kernels = sum(getattr(getattr(m, "_forward_method", None), "__qualname__", "").startswith(
             ("_c_rms_norm.", "_c_silu_and_mul.")) for m in draft_modules)
         summaries = sum(getattr(impl, "_key_min", None) is not None for impl in attention_impls(runner.model))
-        return int8, c_kernels, summaries
+        return quantized, c_kernels, summaries
 
-    draft = tmp_path / "w8a8"
+    draft = tmp_path / scheme
     draft.mkdir()
-    build_w8a8_folder(tiny_target, draft)
+    build_quantized_folder(tiny_target, draft, scheme)
     spec = {"method": "sparsever", "model": str(draft), "num_speculative_tokens": 3,
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)}}

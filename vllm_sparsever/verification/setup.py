@@ -96,13 +96,13 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
                 plain_linear = sparsever_cpu_linear
         from vllm_sparsever.compat.worker import is_cpu_platform
 
-        # W8A8 int8 models (a draft, typically) in fp32 engines: vLLM-CPU's AMX int8 GEMM takes 16-bit
-        # activations only (compat/linear.py); oneDNN's int8 GEMM runs them.
+        # int8 / int4 models (a draft, typically) in fp32 engines: vLLM-CPU's AMX int8 GEMM and its
+        # int4 GEMMs take 16-bit activations only (compat/linear.py).
         on_cpu = is_cpu_platform()
         if on_cpu:
-            from vllm_sparsever.compat.linear import int8_linears_take_fp32
+            from vllm_sparsever.compat.linear import quantized_linears_take_fp32
 
-            stack.enter_context(int8_linears_take_fp32())
+            stack.enter_context(quantized_linears_take_fp32())
         if runtime.started_with["ffn"]:
             from vllm_sparsever.verification.ffn import keep_mlp_weights
 
@@ -118,7 +118,7 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
         def during() -> contextlib.ExitStack:
             draft = contextlib.ExitStack()
             if on_cpu:
-                draft.enter_context(int8_linears_take_fp32())
+                draft.enter_context(quantized_linears_take_fp32())
             if sparsever_linears:
                 draft.enter_context(plain_linears("draft model", hybrid=hybrid))
             return draft
