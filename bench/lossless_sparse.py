@@ -19,7 +19,8 @@ attending to `--draft-window` recent positions (`evict-chain-vocab-window`), or 
 (`evict-ngram`); a drafter ending in `-hybrid` runs that engine's linears on `linear_kernel:
 "hybrid"` (`evict-chain-hybrid`, `evict-chain-vocab-window-hybrid`), one ending in `-w8a8` drafts with
 `--draft-w8a8` (the draft model with int8 linears: `evict-chain-w8a8`, `evict-chain-vocab-window-w8a8`), one
-ending in `-w4a16` with `--draft-w4a16` (int4 linears: `evict-chain-w4a16`, `evict-chain-vocab-window-w4a16`).
+ending in `-w4a16` with `--draft-w4a16` (int4 linears: `evict-chain-w4a16`, `evict-chain-vocab-w4a16`,
+`evict-chain-vocab-window-w4a16`).
 Engines run one after another, each shut down
 before the next starts; every engine runs each prompt after an untimed warm-up on it (prefilled
 into the prefix cache, and `--warm-up-tokens` steps, 8 by default: as in a running server, EVICT has
@@ -69,7 +70,8 @@ EVICT_MODES = {"draft_model": "evict-chain", "draft_model-vocab": "evict-chain-v
                "draft_model-vocab-window-w8a8": "evict-chain-vocab-window-w8a8",
                # the same over --draft-w4a16 (int4 decoder linears: a quarter of the draft's bytes)
                "draft_model-w4a16": "evict-chain-w4a16",
-               "draft_model-vocab-window-w4a16": "evict-chain-vocab-window-w4a16"}
+               "draft_model-vocab-window-w4a16": "evict-chain-vocab-window-w4a16",
+               "draft_model-vocab-w4a16": "evict-chain-vocab-w4a16"}
 LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", *EVICT_MODES.values())
 WARM_UP_TOKENS = 8  # --warm-up-tokens' default
 SUMMARY_ASK = LONG_SUMMARY.split("{title}. ", 1)[1]  # the summarize task's question, after the document
@@ -216,7 +218,7 @@ def run_one(llm, args, mode: str, prompt: list[dict]) -> dict[str, Any]:
         "mean_acceptance_length": m.get("mean_acceptance_length"),
         "hierarchical": m.get("hierarchical") or {}, "drafter": m.get("prompt_lookup") or m.get("draft_model") or {},
         "sparsity": m.get("sparsity") or {},
-        "evict": m.get("evict") or {},
+        "evict": m.get("evict") or {}, "tree_drafting": m.get("tree_drafting") or {},
     }
 
 

@@ -98,6 +98,22 @@ def test_scheduled_drafts_field_of_scheduler_output():
     assert compat_runner.scheduled_drafts(out) == {"r0": [5, 6, 7]}
 
 
+def test_prompt_tokens_to_compute_of_scheduler_output():
+    """Per newly scheduled request: its prompt less the prefix cache's tokens (vLLM's NewRequestData)."""
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    out = SchedulerOutput.make_empty()
+    fields = {f: None for f in NewRequestData.__dataclass_fields__}
+    out.scheduled_new_reqs.append(NewRequestData(**{**fields, "req_id": "a", "prompt_token_ids": list(range(300)),
+                                                    "num_computed_tokens": 256, "mm_features": [],
+                                                    "block_ids": ([],)}))
+    out.scheduled_new_reqs.append(NewRequestData(**{**fields, "req_id": "b", "prompt_token_ids": list(range(40)),
+                                                    "num_computed_tokens": 0, "mm_features": [],
+                                                    "block_ids": ([],)}))
+    assert compat_runner.prompt_tokens_to_compute(out) == {"a": 44, "b": 40}
+    assert compat_runner.prompt_tokens_to_compute(SchedulerOutput.make_empty()) == {}
+
+
 def test_finished_request_ids_field_of_scheduler_output():
     from vllm.v1.core.sched.interface import SchedulerInterface
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -101,3 +101,35 @@ def test_evicts_planned_depth_is_handed_in_with_the_step(monkeypatch):
     # A step handed depth 0 (EVICT skips drafting) drafts nothing and grows nothing.
     assert drafter.propose_trees(step.with_depth(0)) == [[]]
     assert drafter.grown_levels == [2]
+
+
+def test_a_catch_up_no_longer_than_the_prompt_just_computed_rides_with_it(monkeypatch):
+    """EVICT weighs no catch-up on a request's first drafting step when the target has just computed
+    at least that many prompt tokens for it (the draft prefills with the prompt, as vLLM's
+    draft_model does); a prompt the prefix cache supplied leaves the catch-up to rent or buy, and
+    the credit is spent on the request's first plan."""
+    import vllm_sparsever.drafting.tree_drafter as tree_drafter
+
+    monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)
+    drafter = _TreeCounting(planned=2)
+    weighed = []
+    drafter.evict.plan_depth = lambda contexts, shape, catch_up: weighed.append(catch_up) or 2
+    catch_up = {"tokens": 1100}
+    drafter._catch_up_tokens = lambda reqs: catch_up["tokens"]
+    step = _step([[7]], [4], [64], lookahead=4, depth=4)  # request r0
+
+    drafter.note_prompts({"r0": 4000})  # computed by the target: longer than the catch-up
+    drafter.plan_depth(step)
+    drafter.plan_depth(step)  # a later step: the prompt's credit is spent
+    assert weighed == [0, 1100] and drafter.tree_stats.catch_ups_with_prompt == 1
+
+    drafter.note_prompts({"r0": 97})  # resumed, its prompt mostly from the prefix cache
+    catch_up["tokens"] = 28000
+    drafter.plan_depth(step)
+    assert weighed[-1] == 28000 and drafter.tree_stats.catch_ups_with_prompt == 1
+
+    drafter.note_prompts({"r0": 4000})
+    drafter.forget({"r0"})  # finished before its first drafting step
+    drafter.plan_depth(step)
+    assert weighed[-1] == 28000
+

@@ -7,8 +7,10 @@ Private symbols touched:
 - `runner.use_async_scheduling` (`async_scheduling`: a proposer that proposes late needs it off);
 - `runner.input_batch` (`InputBatch`): `req_ids`, `num_reqs`, `num_computed_tokens_cpu`,
   `block_table[0]` (KV cache group 0) with `.get_cpu_tensor()` and `.block_size`;
-- `SchedulerOutput.scheduled_spec_decode_tokens` (req id -> draft tokens being verified) and
-  `SchedulerOutput.finished_req_ids` (per-request state to drop);
+- `SchedulerOutput.scheduled_spec_decode_tokens` (req id -> draft tokens being verified),
+  `SchedulerOutput.finished_req_ids` (per-request state to drop) and
+  `SchedulerOutput.scheduled_new_reqs` (`NewRequestData.req_id`, `.prompt_token_ids`,
+  `.num_computed_tokens`: what the prefix cache supplied when the request was scheduled);
 - `ModelRunnerOutput.sampled_token_ids` / `.req_id_to_index` (absent on `AsyncModelRunnerOutput`);
 - `runner.drafter.load_model` (the draft model's load, after the target's): replaced on the
   instance by `intercept_drafter_load`;
@@ -111,6 +113,13 @@ def finished_request_ids(scheduler_output: Any) -> set[str]:
     """Requests that finished (or were aborted) since the last step: workers drop their state.
     The scheduler sends them once more after the last request ends, in a step with no work."""
     return scheduler_output.finished_req_ids
+
+
+def prompt_tokens_to_compute(scheduler_output: Any) -> dict[str, int]:
+    """Per request scheduled for the first time (new, or resumed after preemption), the prompt tokens
+    the target computes for it: its prompt less the tokens vLLM's prefix cache supplied."""
+    return {new.req_id: max(len(new.prompt_token_ids or ()) - int(new.num_computed_tokens), 0)
+            for new in scheduler_output.scheduled_new_reqs}
 
 
 def scheduled_drafts(scheduler_output: Any) -> dict[str, list[int]]:

@@ -62,6 +62,10 @@ class Proposer:
     def forget(self, req_ids: set[str]) -> None:
         """Drop what is kept for these (finished) requests."""
 
+    def note_prompts(self, to_compute: dict[str, int]) -> None:
+        """Requests scheduled for the first time: the prompt tokens the target computes for each (its
+        prompt less what the prefix cache supplied)."""
+
     def stats_by_level(self) -> dict[str, dict[str, Any]]:
         """Counters per drafting level (the metrics' drafting section)."""
         return {}

@@ -32,6 +32,7 @@ class TreeDraftStats:
     nodes_grown: int = 0  # nodes created before the most probable were kept
     levels: int = 0  # expansion passes (levels after the root's), summed over steps
     chains_for_sampler: int = 0  # requests given a chain: their sampling needs vLLM's sampler
+    catch_ups_with_prompt: int = 0  # steps whose catch-up rode with a prompt the target had just computed
     time_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -59,6 +60,7 @@ class TreeDrafting:
         self.evict: Any = None  # adaptive.evict.Evict, once the target's cost profile is loaded
         self.tree_stats = TreeDraftStats()
         self._trees: dict[str, DraftTree] = {}  # req id -> the tree proposed for its next step
+        self._prompts: dict[str, int] = {}  # req id -> prompt tokens the target computed, until its first plan
 
     def load(self, target: Any) -> None:
         super().load(target)
@@ -96,6 +98,24 @@ class TreeDrafting:
         super().forget(req_ids)
         for req_id in req_ids:
             self._trees.pop(req_id, None)
+            self._prompts.pop(req_id, None)
+
+    def note_prompts(self, to_compute: dict[str, int]) -> None:
+        super().note_prompts(to_compute)
+        if self.evict is not None:
+            self._prompts.update(to_compute)
+
+    def _catch_up_to_plan(self, reqs: DraftRequests) -> int:
+        """The catch-up EVICT weighs this step: none when it is no longer than the prompts the target
+        has just computed for the step's new requests (their first drafting step ends their
+        prefill): the draft then prefills with the prompt, as vLLM's draft_model does, and time to
+        first token pays for it. Else the drafter's whole catch-up (rent or buy: adaptive/evict.py)."""
+        catch_up = self._catch_up_tokens(reqs)
+        prompts = sum(self._prompts.pop(req_id, 0) for req_id in reqs.req_ids)
+        if catch_up and catch_up <= prompts:
+            self.tree_stats.catch_ups_with_prompt += 1
+            return 0
+        return catch_up
 
     def request_state(self) -> dict[str, int]:
         return {**super().request_state(), "draft_trees": len(self._trees)}
@@ -118,7 +138,7 @@ class TreeDrafting:
         reqs = collect_draft_requests(step, self.num_speculative_tokens)
         if not reqs.rows:
             return 0
-        return self.plan_levels(list(reqs.positions), self._draft_shape(reqs), self._catch_up_tokens(reqs),
+        return self.plan_levels(list(reqs.positions), self._draft_shape(reqs), self._catch_up_to_plan(reqs),
                                 seeded=any(self._seeded(reqs)))
 
     def propose_trees(self, step: DraftStep) -> list[list[int]]:

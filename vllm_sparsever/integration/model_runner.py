@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from vllm_sparsever.compat.runner import (TargetView, async_scheduling, batch_num_rows, draft_step,
-                                         finished_request_ids, input_batch_view, sampled_tokens, scheduled_drafts,
-                                         set_draft_token_ids, step_token_layout)
+                                         finished_request_ids, input_batch_view, prompt_tokens_to_compute,
+                                         sampled_tokens, scheduled_drafts, set_draft_token_ids, step_token_layout)
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.drafting.factory import check_scheduling, make_proposer
 from vllm_sparsever.integration.step_recorder import StepRecorder
@@ -84,6 +84,9 @@ class SparseverRunnerMixin:
         finished = finished_request_ids(scheduler_output)
         if finished and self.sparsever_proposer is not None:
             self.sparsever_proposer.forget(finished)
+        prompts = prompt_tokens_to_compute(scheduler_output) if self.sparsever_proposer is not None else None
+        if prompts:
+            self.sparsever_proposer.note_prompts(prompts)
         with self._sparsever_steps.executing():
             return super().execute_model(scheduler_output, intermediate_tensors)
 
