@@ -103,33 +103,43 @@ def test_evicts_planned_depth_is_handed_in_with_the_step(monkeypatch):
     assert drafter.grown_levels == [2]
 
 
-def test_a_catch_up_no_longer_than_the_prompt_just_computed_rides_with_it(monkeypatch):
-    """EVICT weighs no catch-up on a request's first drafting step when the target has just computed
-    at least that many prompt tokens for it (the draft prefills with the prompt, as vLLM's
-    draft_model does); a prompt the prefix cache supplied leaves the catch-up to rent or buy, and
-    the credit is spent on the request's first plan."""
+def test_a_catch_up_no_longer_than_the_prompt_the_target_computed_rides_with_it(monkeypatch):
+    """EVICT weighs no catch-up while a request that has not drafted yet had at least that many prompt
+    tokens computed by the target (the draft prefills with the prompt, as vLLM's draft_model does),
+    through steps it decodes plainly; the credit is spent when the request drafts. A prompt the
+    prefix cache supplied leaves the catch-up to rent or buy."""
     import vllm_sparsever.drafting.tree_drafter as tree_drafter
 
     monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)
     drafter = _TreeCounting(planned=2)
     weighed = []
     drafter.evict.plan_depth = lambda contexts, shape, catch_up: weighed.append(catch_up) or 2
+    drafter.evict.truncate = lambda trees, contexts, draft_time_s, mask, whole: trees
+    drafter.evict.observe_drafting = lambda rows, passes, seconds: None
+    drafter.evict.observe_catch_up = lambda tokens, seconds: None
+    drafter.evict.clock = SimpleNamespace(draft_s=lambda rows, passes: 0.0)
+    drafter.evict.stats = SimpleNamespace(drafted_depths={})
     catch_up = {"tokens": 1100}
     drafter._catch_up_tokens = lambda reqs: catch_up["tokens"]
     step = _step([[7]], [4], [64], lookahead=4, depth=4)  # request r0
 
     drafter.note_prompts({"r0": 4000})  # computed by the target: longer than the catch-up
     drafter.plan_depth(step)
-    drafter.plan_depth(step)  # a later step: the prompt's credit is spent
-    assert weighed == [0, 1100] and drafter.tree_stats.catch_ups_with_prompt == 1
+    drafter.plan_depth(step)  # a step decoded plainly (e.g. a plain check) keeps the credit
+    assert weighed == [0, 0] and drafter.tree_stats.catch_ups_with_prompt == 0
+    drafter.propose_trees(step.with_depth(2))  # it drafts: the credit is spent
+    assert drafter.tree_stats.catch_ups_with_prompt == 1
+    drafter.plan_depth(step)
+    assert weighed[-1] == 1100
 
     drafter.note_prompts({"r0": 97})  # resumed, its prompt mostly from the prefix cache
     catch_up["tokens"] = 28000
     drafter.plan_depth(step)
-    assert weighed[-1] == 28000 and drafter.tree_stats.catch_ups_with_prompt == 1
+    assert weighed[-1] == 28000
+    drafter.propose_trees(step.with_depth(2))
+    assert drafter.tree_stats.catch_ups_with_prompt == 1
 
-    drafter.note_prompts({"r0": 4000})
-    drafter.forget({"r0"})  # finished before its first drafting step
+    drafter.note_prompts({"r0": 40000})
+    drafter.forget({"r0"})  # finished before it drafted
     drafter.plan_depth(step)
     assert weighed[-1] == 28000
-

@@ -32,7 +32,7 @@ class TreeDraftStats:
     nodes_grown: int = 0  # nodes created before the most probable were kept
     levels: int = 0  # expansion passes (levels after the root's), summed over steps
     chains_for_sampler: int = 0  # requests given a chain: their sampling needs vLLM's sampler
-    catch_ups_with_prompt: int = 0  # steps whose catch-up rode with a prompt the target had just computed
+    catch_ups_with_prompt: int = 0  # drafting steps whose catch-up rode on prompts the target computed itself
     time_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -60,7 +60,7 @@ class TreeDrafting:
         self.evict: Any = None  # adaptive.evict.Evict, once the target's cost profile is loaded
         self.tree_stats = TreeDraftStats()
         self._trees: dict[str, DraftTree] = {}  # req id -> the tree proposed for its next step
-        self._prompts: dict[str, int] = {}  # req id -> prompt tokens the target computed, until its first plan
+        self._prompts: dict[str, int] = {}  # req id -> prompt tokens the target computed, until it drafts
 
     def load(self, target: Any) -> None:
         super().load(target)
@@ -106,25 +106,22 @@ class TreeDrafting:
             self._prompts.update(to_compute)
 
     def _catch_up_to_plan(self, reqs: DraftRequests) -> int:
-        """The catch-up EVICT weighs this step: none when it is no longer than the prompts the target
-        has just computed for the step's new requests (their first drafting step ends their
-        prefill): the draft then prefills with the prompt, as vLLM's draft_model does, and time to
-        first token pays for it. Else the drafter's whole catch-up (rent or buy: adaptive/evict.py)."""
+        """The catch-up EVICT weighs this step: none when it is no longer than the prompt tokens the
+        target itself computed for the step's requests that have not drafted yet (the draft's
+        prefill is then no more work than the target's was: it runs on their first drafting step,
+        the step that ends their prefill unless EVICT decodes that one plainly, as vLLM's
+        draft_model prefills its draft). Else the drafter's whole catch-up (rent or buy:
+        adaptive/evict.py)."""
         catch_up = self._catch_up_tokens(reqs)
-        prompts = sum(self._prompts.pop(req_id, 0) for req_id in reqs.req_ids)
-        if catch_up and catch_up <= prompts:
-            self.tree_stats.catch_ups_with_prompt += 1
+        if catch_up and catch_up <= sum(self._prompts.get(req_id, 0) for req_id in reqs.req_ids):
             return 0
         return catch_up
 
-    def request_state(self) -> dict[str, int]:
-        return {**super().request_state(), "draft_trees": len(self._trees)}
-
-    def reset_stats(self) -> None:
-        super().reset_stats()
-        self.tree_stats = TreeDraftStats()
-        if self.evict is not None:
-            self.evict.stats = type(self.evict.stats)()
+    def _spend_prompt_credits(self, reqs: DraftRequests, catch_up: int) -> None:
+        """The step's requests draft: their prompts' credit (`_catch_up_to_plan`) is spent."""
+        credited = [self._prompts.pop(req_id) for req_id in reqs.req_ids if req_id in self._prompts]
+        if catch_up and credited and catch_up <= sum(credited):
+            self.tree_stats.catch_ups_with_prompt += 1
 
     # ---- proposing ------------------------------------------------------------------------
 
@@ -155,6 +152,8 @@ class TreeDrafting:
         contexts = list(reqs.positions)
         shape = self._draft_shape(reqs)
         catch_up = self._catch_up_tokens(reqs) if self.evict is not None else 0
+        if self.evict is not None:
+            self._spend_prompt_credits(reqs, catch_up)
         trees, passes = self.grow_trees(reqs, levels, shape, catch_up)
         for k, row in enumerate(reqs.rows):
             if len(trees[k]) and not trees[k].is_chain() and not self.target.tree_sampling_supported(row):
