@@ -143,3 +143,14 @@ def test_a_catch_up_no_longer_than_the_prompt_the_target_computed_rides_with_it(
     drafter.forget({"r0"})  # finished before it drafted
     drafter.plan_depth(step)
     assert weighed[-1] == 28000
+
+
+def test_reset_stats_zeroes_the_tree_and_evict_counters():
+    drafter = _TreeCounting(planned=2)
+    drafter.evict.stats = SimpleNamespace(steps=5)
+    drafter.tree_stats.trees = 3
+    drafter.tree_stats.catch_ups_with_prompt = 1
+    drafter.reset_stats()
+    assert drafter.tree_stats.trees == 0 and drafter.tree_stats.catch_ups_with_prompt == 0
+    assert not hasattr(drafter.evict.stats, "steps")  # a fresh one of its type
+    assert drafter.request_state()["draft_trees"] == 0

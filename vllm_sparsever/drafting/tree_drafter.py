@@ -123,6 +123,15 @@ class TreeDrafting:
         if catch_up and credited and catch_up <= sum(credited):
             self.tree_stats.catch_ups_with_prompt += 1
 
+    def request_state(self) -> dict[str, int]:
+        return {**super().request_state(), "draft_trees": len(self._trees)}
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.tree_stats = TreeDraftStats()
+        if self.evict is not None:
+            self.evict.stats = type(self.evict.stats)()
+
     # ---- proposing ------------------------------------------------------------------------
 
     def plan_depth(self, step: DraftStep) -> int:
