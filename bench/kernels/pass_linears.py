@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from vllm_sparsever.models.quantize import quantize_int8_per_channel
 
     torch.set_num_threads(args.threads)
-    amx_ok = torch.cpu._is_amx_tile_supported()  # (also what lets this process use AMX tiles, as vLLM's worker does)
+    amx = torch.cpu._is_amx_tile_supported()  # (also what lets this process use AMX tiles, as vLLM's worker does)
 
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -89,7 +89,6 @@ def main(argv=None) -> int:
     layers = [[(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in shapes]
               for _ in range(LAYERS[args.model])]
     stock = [[vllm_cpu_linear(w.clone()) for w in layer] for layer in layers]
-    amx = amx_ok
 
     def int8(w):
         q, scale = quantize_int8_per_channel(w)
