@@ -33,7 +33,8 @@ NOMINAL = (8192, 32768)
 LOSSLESS = ("dense", "sparse-hier", "dense-vllm-kernel", "evict-chain", "evict-chain-vocab", "evict-chain-vocab-window",
             "evict-ngram", "evict-chain-hybrid", "evict-chain-vocab-window-hybrid", "evict-chain-w8a8",
             "evict-chain-vocab-window-w8a8", "evict-chain-w4a16", "evict-chain-vocab-w4a16",
-            "evict-chain-vocab-window-w4a16")
+            "evict-chain-vocab-window-w4a16", "evict-tree-vocab-window-w4a16", "evict-tree-vocab-window-w8a8",
+            "evict-chain-vocab-window4096-w4a16")
 APPROXIMATE = ("sparse-approx",)
 
 

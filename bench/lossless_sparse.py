@@ -20,7 +20,9 @@ attending to `--draft-window` recent positions (`evict-chain-vocab-window`), or 
 "hybrid"` (`evict-chain-hybrid`, `evict-chain-vocab-window-hybrid`), one ending in `-w8a8` drafts with
 `--draft-w8a8` (the draft model with int8 linears: `evict-chain-w8a8`, `evict-chain-vocab-window-w8a8`), one
 ending in `-w4a16` with `--draft-w4a16` (int4 linears: `evict-chain-w4a16`, `evict-chain-vocab-w4a16`,
-`evict-chain-vocab-window-w4a16`).
+`evict-chain-vocab-window-w4a16`; `draft_model-vocab-window4096-w4a16` attends to 4096 positions instead of
+`--draft-window`); one ending in `-tree` drafts EVICT trees (`tree.enabled`, its default
+shape, at most `--cap` nodes) instead of chains (`evict-tree-vocab-window-w4a16`, `-w8a8`).
 Engines run one after another, each shut down
 before the next starts; every engine runs each prompt after an untimed warm-up on it (prefilled
 into the prefix cache, and `--warm-up-tokens` steps, 8 by default: as in a running server, EVICT has
@@ -47,6 +49,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -71,7 +74,12 @@ EVICT_MODES = {"draft_model": "evict-chain", "draft_model-vocab": "evict-chain-v
                # the same over --draft-w4a16 (int4 decoder linears: a quarter of the draft's bytes)
                "draft_model-w4a16": "evict-chain-w4a16",
                "draft_model-vocab-window-w4a16": "evict-chain-vocab-window-w4a16",
-               "draft_model-vocab-w4a16": "evict-chain-vocab-w4a16"}
+               "draft_model-vocab-w4a16": "evict-chain-vocab-w4a16",
+               # the same attending to 4096 recent positions instead of --draft-window
+               "draft_model-vocab-window4096-w4a16": "evict-chain-vocab-window4096-w4a16",
+               # EVICT trees (tree.enabled, its default shape; --cap nodes) instead of chains
+               "draft_model-vocab-window-w4a16-tree": "evict-tree-vocab-window-w4a16",
+               "draft_model-vocab-window-w8a8-tree": "evict-tree-vocab-window-w8a8"}
 LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", *EVICT_MODES.values())
 WARM_UP_TOKENS = 8  # --warm-up-tokens' default
 SUMMARY_ASK = LONG_SUMMARY.split("{title}. ", 1)[1]  # the summarize task's question, after the document
@@ -142,12 +150,16 @@ def start_engine(args, target: str, max_len: int, speculative: bool = True, vllm
             spec.update(draft_source="ngram", prompt_lookup_min=args.prompt_lookup_min,
                         prompt_lookup_max=args.prompt_lookup_max)
         else:
-            draft = {"w8a8": args.draft_w8a8, "w4a16": args.draft_w4a16}.get(evict.rsplit("-", 1)[-1], args.draft)
+            quant = evict.removesuffix("-tree").rsplit("-", 1)[-1]
+            draft = {"w8a8": args.draft_w8a8, "w4a16": args.draft_w4a16}.get(quant, args.draft)
             spec.update(model=resolve_model(draft))
             if "vocab" in evict:
                 spec["draft_vocab"] = args.draft_vocab
             if "window" in evict:
-                spec["draft_attention_window"] = args.draft_window
+                width = re.search(r"window(\d+)", evict)
+                spec["draft_attention_window"] = int(width.group(1)) if width else args.draft_window
+            if evict.endswith("-tree"):
+                spec["tree"] = {"enabled": True}
     elif vllm_draft_model:
         spec = {"method": "draft_model", "model": resolve_model(args.draft),
                 "num_speculative_tokens": vllm_draft_model}
