@@ -28,13 +28,12 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lossless_sparse import LOSSLESS_MODES  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 NOMINAL = (8192, 32768)
-LOSSLESS = ("dense", "sparse-hier", "dense-vllm-kernel", "evict-chain", "evict-chain-vocab", "evict-chain-vocab-window",
-            "evict-ngram", "evict-chain-hybrid", "evict-chain-vocab-window-hybrid", "evict-chain-w8a8",
-            "evict-chain-vocab-window-w8a8", "evict-chain-w4a16", "evict-chain-vocab-w4a16",
-            "evict-chain-vocab-window-w4a16", "evict-tree-vocab-window-w4a16", "evict-tree-vocab-window-w8a8",
-            "evict-chain-vocab-window4096-w4a16")
+LOSSLESS = LOSSLESS_MODES  # every lossless mode lossless_sparse.py runs
 APPROXIMATE = ("sparse-approx",)
 
 
