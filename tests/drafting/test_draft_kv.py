@@ -132,10 +132,49 @@ def test_skipped_positions_are_never_registered_for_later_requests():
     assert drafter._shared.matched("later", history, table[0], 4)[0] == 4
     # A windowed request reads the first block and the blocks from its window's start on: those hold
     # its K/V (block 6, positions 24..27; the last token's block never counts), the hole is skipped.
-    assert drafter._shared.matched("later", history, table[0], 4, window_from=24) == (28, (4, 24))
-    assert drafter._shared.matched("later", history, table[0], 4, window_from=20) == (4, None)  # block 5 is not
+    assert drafter._shared.matched("later", history, table[0], 4, window_from=24) == (28, (4, 24), None)
+    # A window from block 5 on: block 5 is the gap to run, block 6 still holds its K/V.
+    assert drafter._shared.matched("later", history, table[0], 4, window_from=20) == (28, (4, 20), (20, 24))
     later = _drafter(table, 4, window=6)
     later._shared = drafter._shared
     requests = _requests([0], [history])
     assert later._catch_up(requests, 0, []) == (None, 28, -1)
     assert later._holes["r0"] == [(4, 24)] and later.stats.shared_prefix_tokens == 4 + 4
+
+
+def test_a_window_that_begins_before_the_matched_blocks_runs_only_the_blocks_between(monkeypatch):
+    """An earlier request for the same prompt whose window began a block later (it first drafted a
+    step later) left blocks 6..7 (positions 24..31) filled: a request whose window starts at
+    block 5 runs block 5 before its catch-up, not its whole window again."""
+    table = torch.arange(16, dtype=torch.int32).reshape(2, 8)
+    history = np.arange(33)  # the last token's block (8) never counts; blocks 0..7 can
+    earlier = _drafter(table, 4, window=10)
+    earlier._holes["r0"] = [(4, 24)]
+    earlier._committed(_requests([0], [history]), 0, 33)
+    later = _drafter(table, 4, window=10)
+    later._shared = earlier._shared
+    requests = _requests([0], [history[:-2]])  # 31 tokens: the window starts at block 5 (20)
+    assert later._catch_up(requests, 0, []) == ((20, 24), 28, -1)
+    assert later._catch_up_size(requests, 0, []) == 4 + 30 - 28
+    assert later._holes["r0"] == [(4, 20)] and later.stats.shared_prefix_tokens == 28 - 16 - 4
+    assert later.stats.window_gap_tokens == 4
+    # The span runs in one pass before the catch-up, attending to the first block and itself.
+    passes = []
+    later.target.device = "cpu"
+    monkeypatch.setattr("vllm_sparsever.drafting.draft_model.final_hidden",
+                        lambda target, stack, rows, tokens, positions, lens, **query:
+                        passes.append((rows, tokens.tolist(), positions.tolist(), query)))
+    assert later._catch_up_runs(requests, [0], [[]]) == [28]
+    assert passes == [([0], [20, 21, 22, 23], [20, 21, 22, 23], {"window": (1, 1)})]
+    assert later._catch_up(requests, 0, []) == (None, 28, -1)  # it ran once
+    # Once the round records the request, block 5 holds its K/V too: a later request has no gap.
+    later._committed(requests, 0, 31)
+    assert later._shared.matched("third", history[:-2], table[0], 4, window_from=20) == (28, (4, 20), None)
+
+
+def test_a_gap_is_never_taken_without_matched_blocks_after_it():
+    shared = SharedDraftBlocks()
+    tokens = np.arange(17)
+    shared.record("a", tokens, 8, [1, 2, 3, 4], 4)  # blocks 0..1 only
+    assert shared.matched("x", tokens, [1, 2, 3, 4], 4, window_from=8) == (8, None, None)
+    assert shared.matched("x", tokens, [1, 2, 3, 4], 4) == (8, None, None)

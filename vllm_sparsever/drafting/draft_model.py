@@ -48,6 +48,7 @@ class DraftModelStats:
     catch_up_tokens: int = 0  # tokens run to bring the draft's KV up to date (prompts included)
     shared_prefix_tokens: int = 0  # positions a request found its draft K/V at, in blocks an earlier one filled
     window_skipped_tokens: int = 0  # stale positions a catch-up skipped: behind the attention window for good
+    window_gap_tokens: int = 0  # window positions run before blocks an earlier request filled (a gap)
     draft_tokens: int = 0
     slot_limited: int = 0  # see SelfDraftStats.slot_limited
     vocab_tokens: int = 0  # draft_vocab: the token ids the last draft was taken from (0: all)
@@ -75,6 +76,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         self._kv: dict[str, DraftKV] = {}
         self._shared = SharedDraftBlocks()
         self._holes: dict[str, list[tuple[int, int]]] = {}  # request -> spans of positions its catch-ups skipped
+        self._gaps: dict[str, tuple[int, int]] = {}  # request -> span inside its window its first catch-up runs
         self._draft_vocab = draft_vocab
         self._vocab: ContextDraftVocab | None = None
         self._window = (1, attention_window) if attention_window is not None else None  # (sink, recent)
@@ -108,6 +110,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         for req_id in req_ids:
             self._kv.pop(req_id, None)
             self._holes.pop(req_id, None)
+            self._gaps.pop(req_id, None)
             self._shared.forget(req_id)
 
     def request_state(self) -> dict[str, int]:
@@ -119,6 +122,7 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         for req_id in [r for r in self._kv if r not in live]:  # finished or preempted
             del self._kv[req_id]
             self._holes.pop(req_id, None)
+            self._gaps.pop(req_id, None)
             self._shared.forget(req_id)
         if self._vocab is not None:
             self._vocab.update(reqs.req_ids, reqs.histories)
@@ -161,12 +165,15 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         window_from = None
         if self._window is not None:  # as windowed_block_table
             window_from = (len(history) + len(pending) - self._window[1]) // block_size * block_size
-        valid, hole = self._shared.matched(req_id, history, table[reqs.rows[i]], block_size, window_from)
+        valid, hole, gap = self._shared.matched(req_id, history, table[reqs.rows[i]], block_size, window_from)
         if valid:
             self._kv[req_id] = DraftKV(length=valid, tail_start=valid, tail=[])
             if hole is not None:
                 self._holes.setdefault(req_id, []).append(hole)
-            self.stats.shared_prefix_tokens += valid - (0 if hole is None else hole[1] - hole[0])
+            if gap is not None:
+                self._gaps[req_id] = gap
+                self.stats.window_gap_tokens += gap[1] - gap[0]
+            self.stats.shared_prefix_tokens += valid - sum(span[1] - span[0] for span in (hole, gap) if span)
         return valid
 
     def _writing(self, rows: list[int], positions: torch.Tensor, lens: list[int]) -> None:
@@ -191,10 +198,11 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
 
     def _catch_up(self, reqs: DraftRequests, i: int, pending: list[int]) -> tuple[tuple[int, int] | None, int, int]:
         """Where request `i`'s catch-up runs (its sequence: committed tokens, then `pending`):
-        (a span of its first block to run before, or None; the first position of the run that
-        ends at its last token; where the stale positions it skips begin, or -1). With
-        `draft_attention_window` the draft never reads again the positions between the first
-        block and the window's start, so a catch-up skips those."""
+        (a span to run before, or None; the first position of the run that ends at its last
+        token; where the stale positions it skips begin, or -1). With `draft_attention_window` the
+        draft never reads again the positions between the first block and the window's start, so a
+        catch-up skips those; the span before is then the rest of the first block, or the window's
+        blocks before those an earlier request filled (`SharedDraftBlocks.matched`'s gap)."""
         sequence_len = len(reqs.histories[i]) + len(pending)
         valid = self._valid(reqs, i, pending)
         first = min(valid, sequence_len - 1)  # the last token always runs: its logits draft
@@ -202,35 +210,39 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         if blocks is None:
             return None, first, -1
         block_size = blocks[1]
+        gap = self._gaps.get(reqs.req_ids[i])
         window_start = (sequence_len - self._window[1]) // block_size * block_size  # as windowed_block_table
         if window_start <= max(valid, block_size):
-            return None, first, -1
-        return ((valid, block_size) if valid < block_size else None), window_start, max(valid, block_size)
+            return gap, first, -1
+        return ((valid, block_size) if valid < block_size else gap), window_start, max(valid, block_size)
 
     def _catch_up_size(self, reqs: DraftRequests, i: int, pending: list[int]) -> int:
-        sink, first, _ = self._catch_up(reqs, i, pending)
-        return len(reqs.histories[i]) + len(pending) - 1 - first + (0 if sink is None else sink[1] - sink[0])
+        before, first, _ = self._catch_up(reqs, i, pending)
+        return len(reqs.histories[i]) + len(pending) - 1 - first + (0 if before is None else before[1] - before[0])
 
     def _catch_up_runs(self, reqs: DraftRequests, idx: list[int], pending: list[list[int]]) -> list[int]:
-        """Run the first-block spans of requests `idx`'s catch-ups (`_catch_up`) and note what
-        they skip; returns the first position of each one's run to its last token."""
-        firsts, sink_rows, sink_seqs, sink_firsts = [], [], [], []
+        """Run the spans before requests `idx`'s catch-ups (`_catch_up`) and note what they skip;
+        returns the first position of each one's run to its last token."""
+        firsts, before_rows, before_seqs, before_firsts = [], [], [], []
         for i, more in zip(idx, pending, strict=True):
-            sink, first, skipped_from = self._catch_up(reqs, i, more)
-            if sink is not None:
-                sink_rows.append(reqs.rows[i])
-                sink_seqs.append(_tokens(reqs.histories[i], more, *sink))
-                sink_firsts.append(sink[0])
+            before, first, skipped_from = self._catch_up(reqs, i, more)
+            if before is not None:
+                before_rows.append(reqs.rows[i])
+                before_seqs.append(_tokens(reqs.histories[i], more, *before))
+                before_firsts.append(before[0])
             if skipped_from >= 0:
                 self._holes.setdefault(reqs.req_ids[i], []).append((skipped_from, first))
                 self.stats.window_skipped_tokens += first - skipped_from
             firsts.append(first)
-        if sink_rows:
-            tokens, positions, lens = flatten_queries(sink_seqs, sink_firsts, self.target.device)
-            self._writing(sink_rows, positions, lens)
-            final_hidden(self.target, self._stack, sink_rows, tokens, positions, lens)
+        if before_rows:
+            tokens, positions, lens = flatten_queries(before_seqs, before_firsts, self.target.device)
+            self._writing(before_rows, positions, lens)
+            # Each span attends to the first block and itself, as a catch-up from the window's start does.
+            final_hidden(self.target, self._stack, before_rows, tokens, positions, lens, window=(self._window[0], 1))
             self.stats.forward_passes += 1
             self.stats.catch_up_tokens += sum(lens)
+            for i in idx:
+                self._gaps.pop(reqs.req_ids[i], None)
         return firsts
 
     # ---- trees (TreeDrafting) ----------------------------------------------------------------

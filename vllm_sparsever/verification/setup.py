@@ -82,6 +82,19 @@ def check_attention_backend(model: nn.Module, runtime: SparseVerificationRuntime
 
 
 @contextlib.contextmanager
+def _int4_unavailable_names(field: str) -> Iterator[None]:
+    """An int4 model loading where vLLM-CPU has no int4 GEMM fails as a config error naming `field`."""
+    from vllm_sparsever.compat.linear import Int4GemmUnavailable
+    from vllm_sparsever.config import SparseverConfigError
+
+    try:
+        yield
+    except Int4GemmUnavailable as e:
+        raise SparseverConfigError(f"{field}: {e}. On this CPU use a 16-bit or an int8 (W8A8) model "
+                                   "(e.g. `vllm-sparsever models build qwen2.5-coder-0.5b-w8a8`)") from e
+
+
+@contextlib.contextmanager
 def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterator[None]:
     """Hooks active while the target loads; they are exited before the drafter loads."""
     with contextlib.ExitStack() as stack:
@@ -102,6 +115,7 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
         if on_cpu:
             from vllm_sparsever.compat.linear import quantized_linears_take_fp32
 
+            stack.enter_context(_int4_unavailable_names("model"))
             stack.enter_context(quantized_linears_take_fp32())
         if runtime.started_with["ffn"]:
             from vllm_sparsever.verification.ffn import keep_mlp_weights
@@ -118,6 +132,7 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
         def during() -> contextlib.ExitStack:
             draft = contextlib.ExitStack()
             if on_cpu:
+                draft.enter_context(_int4_unavailable_names("speculative_config.model"))
                 draft.enter_context(quantized_linears_take_fp32())
             if sparsever_linears:
                 draft.enter_context(plain_linears("draft model", hybrid=hybrid))
