@@ -78,6 +78,7 @@ EVICT_MODES = {"draft_model": "evict-chain", "draft_model-vocab": "evict-chain-v
                # the same attending to 4096 recent positions instead of --draft-window
                "draft_model-vocab-window4096-w4a16": "evict-chain-vocab-window4096-w4a16",
                # EVICT trees (tree.enabled, its default shape; --cap nodes) instead of chains
+               "draft_model-vocab-window-tree": "evict-tree-vocab-window",
                "draft_model-vocab-window-w4a16-tree": "evict-tree-vocab-window-w4a16",
                "draft_model-vocab-window-w8a8-tree": "evict-tree-vocab-window-w8a8"}
 LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", *EVICT_MODES.values())
