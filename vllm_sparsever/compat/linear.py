@@ -30,6 +30,7 @@ Private symbols touched:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -86,19 +87,14 @@ def int8_linears_take_fp32() -> Iterator[None]:
         setattr(module, attr, stock)
 
 
-_warned_int8 = False
-
-
+@functools.cache  # once per process
 def _warn_int8_without_vnni() -> None:
-    global _warned_int8
-    if not _warned_int8:
-        _warned_int8 = True
-        from vllm_sparsever.compat import logger
+    from vllm_sparsever.compat import logger
 
-        logger.warning("int8 (W8A8) linears on a CPU without VNNI: vLLM-CPU's int8 GEMM (oneDNN) "
-                       "saturates 16-bit pair sums here, so a few outputs of each product are far off. "
-                       "A draft model stays lossless (the target verifies every token) but may be "
-                       "accepted less; a 16-bit draft model avoids it.")
+    logger.warning("int8 (W8A8) linears on a CPU without VNNI: vLLM-CPU's int8 GEMM (oneDNN) "
+                   "saturates 16-bit pair sums here, so a few outputs of each product are far off. "
+                   "A draft model stays lossless (the target verifies every token) but may be "
+                   "accepted less; a 16-bit draft model avoids it.")
 
 
 INT4_KERNEL = ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "CPUWNA16LinearKernel")
