@@ -562,18 +562,45 @@ inline __mmask32 token_mask(int base, int lo, int hi) {
   return static_cast<__mmask32>(bits);
 }
 
+// The next block's K and V lines, prefetched a few per step of the current block's dot products: at
+// the rate DRAM delivers them, instead of a burst that stalls the core on full miss buffers.
+struct PrefetchStream {
+  const char* base[2] = {nullptr, nullptr};  // K, V
+  int64_t stride[2] = {0, 0}, lines_per_row[2] = {1, 1}, total[2] = {0, 0};
+  int64_t next = 0;
+  int per_step = 1;
+  void add(int i, const bf16* p, int64_t n_rows, int64_t n_row_elems, int64_t stride_elems) {
+    base[i] = reinterpret_cast<const char*>(p);
+    stride[i] = stride_elems * static_cast<int64_t>(sizeof(bf16));
+    lines_per_row[i] = (n_row_elems * static_cast<int64_t>(sizeof(bf16)) + 63) / 64;
+    total[i] = n_rows * lines_per_row[i];
+  }
+  inline void step() {
+    for (int k = 0; k < per_step; ++k, ++next) {
+      int64_t idx = next;
+      const int which = idx < total[0] ? 0 : 1;
+      if (which == 1) idx -= total[0];
+      if (idx >= total[which]) return;
+      const int64_t row = idx / lines_per_row[which], off = (idx % lines_per_row[which]) * 64;
+      _mm_prefetch(base[which] + row * stride[which] + off, _MM_HINT_T1);
+    }
+  }
+};
+
 // C[r, 0 .. 16 N) (+)= sum_i A[r, 2i .. 2i + 1] . B[i][0 .. 16 N) for R rows: A bf16 rows a_stride apart
 // (pairs along the reduction), B vectors of 16 bf16 pairs, b_step apart per reduction step. Both
 // products are this: scores (A = Q, B = K by dim pairs) and P V (A = P, B = V by token pairs).
 template <int R, int N>
 SPARSEVER_AVX512_BF16 inline void dot_pairs_tile(const bf16* a, int64_t a_stride, int steps, const bf16* b,
-                                                 int64_t b_step, float* c, int64_t c_stride, bool accumulate) {
+                                                 int64_t b_step, float* c, int64_t c_stride, bool accumulate,
+                                                 PrefetchStream* pf) {
   __m512 acc[R][N];
   SPARSEVER_UNROLL
   for (int r = 0; r < R; ++r)
     SPARSEVER_UNROLL
     for (int j = 0; j < N; ++j) acc[r][j] = accumulate ? _mm512_loadu_ps(c + r * c_stride + 16 * j) : _mm512_setzero_ps();
   for (int i = 0; i < steps; ++i) {
+    if (pf) pf->step();
     const bf16* bi = b + i * b_step;
     __m512bh bv[N];
     SPARSEVER_UNROLL
@@ -597,25 +624,26 @@ SPARSEVER_AVX512_BF16 inline void dot_pairs_tile(const bf16* a, int64_t a_stride
 template <int R>
 SPARSEVER_AVX512_BF16 inline void dot_pairs_rows(const bf16* a, int64_t a_stride, int steps, const bf16* b,
                                                  int64_t b_step, int width, float* c, int64_t c_stride,
-                                                 bool accumulate) {
+                                                 bool accumulate, PrefetchStream* pf) {
   int col = 0;
   for (; col + 64 <= width; col += 64)
-    dot_pairs_tile<R, 4>(a, a_stride, steps, b + 2 * col, b_step, c + col, c_stride, accumulate);
-  if (col < width) dot_pairs_tile<R, 2>(a, a_stride, steps, b + 2 * col, b_step, c + col, c_stride, accumulate);
+    dot_pairs_tile<R, 4>(a, a_stride, steps, b + 2 * col, b_step, c + col, c_stride, accumulate, pf);
+  if (col < width) dot_pairs_tile<R, 2>(a, a_stride, steps, b + 2 * col, b_step, c + col, c_stride, accumulate, pf);
 }
 
 // Every row: register tiles of 4 rows, then the remainder.
 SPARSEVER_AVX512_BF16 inline void dot_pairs(const bf16* a, int64_t a_stride, int rows, int steps, const bf16* b,
-                                            int64_t b_step, int width, float* c, int64_t c_stride, bool accumulate) {
+                                            int64_t b_step, int width, float* c, int64_t c_stride, bool accumulate,
+                                            PrefetchStream* pf) {
   int r = 0;
   for (; r + 4 <= rows; r += 4)
-    dot_pairs_rows<4>(a + r * a_stride, a_stride, steps, b, b_step, width, c + r * c_stride, c_stride, accumulate);
+    dot_pairs_rows<4>(a + r * a_stride, a_stride, steps, b, b_step, width, c + r * c_stride, c_stride, accumulate, pf);
   const bf16* ar = a + r * a_stride;
   float* cr = c + r * c_stride;
   switch (rows - r) {
-    case 3: dot_pairs_rows<3>(ar, a_stride, steps, b, b_step, width, cr, c_stride, accumulate); break;
-    case 2: dot_pairs_rows<2>(ar, a_stride, steps, b, b_step, width, cr, c_stride, accumulate); break;
-    case 1: dot_pairs_rows<1>(ar, a_stride, steps, b, b_step, width, cr, c_stride, accumulate); break;
+    case 3: dot_pairs_rows<3>(ar, a_stride, steps, b, b_step, width, cr, c_stride, accumulate, pf); break;
+    case 2: dot_pairs_rows<2>(ar, a_stride, steps, b, b_step, width, cr, c_stride, accumulate, pf); break;
+    case 1: dot_pairs_rows<1>(ar, a_stride, steps, b, b_step, width, cr, c_stride, accumulate, pf); break;
     default: break;
   }
 }
@@ -624,7 +652,7 @@ SPARSEVER_AVX512_BF16 inline void dot_pairs(const bf16* a, int64_t a_stride, int
 // 32-aligned range around [t_lo, t_hi); those outside it are loaded as zeros (masked loads: nothing past
 // the segment is read) and masked out of the softmax.
 SPARSEVER_AVX512_BF16 void dot_bf16_segment(const BlockSegment& sg, const bf16* q, int rows, float scale, float* m,
-                                            float* l, float* acc, Bf16Scratch& buf) {
+                                            float* l, float* acc, Bf16Scratch& buf, const BlockSegment* next) {
   const int d = sg.d;
   const int a_lo = sg.t_lo / 32 * 32, a_hi = (sg.t_hi + 31) / 32 * 32;
   const int ntp = a_hi - a_lo;
@@ -665,9 +693,20 @@ SPARSEVER_AVX512_BF16 void dot_bf16_segment(const BlockSegment& sg, const bf16* 
       _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(x, hi_idx, y));
     }
   }
-  dot_pairs(q, d, rows, d / 2, kp, 2 * static_cast<int64_t>(ntp), ntp, s, ntp, false);  // scores
+  // The next segment's K and V stream in over this one's dot products (PrefetchStream).
+  PrefetchStream pf;
+  PrefetchStream* pfp = nullptr;
+  if (next != nullptr) {
+    pf.add(0, next->k_block, next->d, next->bs, next->k_stride_d);  // K^T: D rows of bs tokens
+    pf.add(1, next->v_block, next->bs, next->d, next->v_stride_t);  // V: bs rows of D
+    const int64_t groups = (rows + 3) / 4;
+    const int64_t steps = groups * ((ntp + 63) / 64) * (d / 2) + groups * ((d + 63) / 64) * (ntp / 2);
+    pf.per_step = static_cast<int>((pf.total[0] + pf.total[1] + steps - 1) / steps);
+    pfp = &pf;
+  }
+  dot_pairs(q, d, rows, d / 2, kp, 2 * static_cast<int64_t>(ntp), ntp, s, ntp, false, pfp);  // scores
   softmax_rows_to_bf16(sg, a_lo, ntp, 0, rows, scale, s, p, m, l, acc);
-  dot_pairs(p, ntp, rows, ntp / 2, vp, 2 * static_cast<int64_t>(d), d, acc, d, true);  // acc += P V
+  dot_pairs(p, ntp, rows, ntp / 2, vp, 2 * static_cast<int64_t>(d), d, acc, d, true, pfp);  // acc += P V
 }
 #endif  // CPU_CAPABILITY_AVX512
 
@@ -912,13 +951,8 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
           if (amx_layout) {
             amx_item(sgs, qb, rows, scale, m, l, acc, tiles, amx_buf);  // prefetches the next blocks itself
           } else {
-            for (size_t j = 0; j < sgs.size(); ++j) {
-              if (j + 1 < sgs.size()) {  // blocks are scattered: fetch the next one's K and V meanwhile
-                prefetch_2d(sgs[j + 1].k_block, d, ks_d, bs);  // K^T: D rows of bs tokens
-                prefetch_2d(sgs[j + 1].v_block, bs, vs_t, d);  // V: bs rows of D
-              }
-              dot_bf16_segment(sgs[j], qb, rows, scale, m, l, acc, bf16_buf);
-            }
+            for (size_t j = 0; j < sgs.size(); ++j)  // blocks are scattered: each streams in the next one
+              dot_bf16_segment(sgs[j], qb, rows, scale, m, l, acc, bf16_buf, j + 1 < sgs.size() ? &sgs[j + 1] : nullptr);
           }
           if (pending[rh].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(rh, merge_buf);
           continue;
