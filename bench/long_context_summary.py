@@ -9,7 +9,9 @@
   (the run clamps 32768 to what leaves room for the output);
 - `verify_step_ms["32768"]`: `decode_1` = the autoregressive engine's time per output token; the
   verify columns = the sparsever runner's verification time per dense verify step (target forward
-  with logits + rejection sampling) with vLLM's and with sparsever's attention kernel;
+  with logits + rejection sampling) with vLLM's and with sparsever's attention kernel; with
+  `--verify-step`, all three from a `bench/verify_step.py` run of the same machine instead (whole
+  synthetic steps: a 1-token decode step and 4-token verify steps with each kernel);
 - `roof_fraction["32768"]`: dense attention FLOP/s of the kernel dense verify steps run (sparsever's,
   in the KV layout vLLM picks on the machine) over the GEMM roof measured in the kernel run;
 - `other_machines` (`--other-machine KERNELS VERIFY_STEP [PLAIN_VERIFY_STEP]`): the same two measures on
@@ -129,12 +131,51 @@ def e2e_contexts(rows: list[dict]) -> tuple[dict, dict]:
     return contexts, ms
 
 
+def other_machines(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[dict]:
+    """The --other-machine entries, the last one with the --other-e2e runs' tokens/s."""
+    for paths in args.other_machine:
+        if len(paths) not in (2, 3):
+            ap.error("--other-machine: KERNELS VERIFY_STEP [PLAIN_VERIFY_STEP]")
+    entries = [other_machine(*(p.resolve() for p in paths)) for paths in args.other_machine]
+    if args.other_e2e:
+        if not entries:
+            ap.error("--other-e2e: give the machine's --other-machine runs too")
+        other_runs, other_rows = merged_rows([p.resolve() for p in args.other_e2e])
+        other = entries[-1]
+        other["contexts"], _ = e2e_contexts(other_rows)
+        other["aims_met"]["best_lossless_ge_1.3x_autoregressive"] = {
+            k: v["best_lossless_vs_autoregressive"] >= 1.3 for k, v in other["contexts"].items()}
+        other["command"] += "".join(f"  +  {r['command']}" for r in other_runs)
+        other["sources"]["e2e"] = [str(p.resolve().relative_to(ROOT)) for p in args.other_e2e]
+    return entries
+
+
+def add_other_machines(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--out's main machine as it is; the new other machines first, then (--keep-other-machines) its
+    earlier ones."""
+    summary = json.loads(args.out.read_text())
+    earlier = summary.get("other_machines", []) if args.keep_other_machines else []
+    added = other_machines(ap, args)
+    if args.note:
+        added[-1]["e2e_note"] = args.note
+    summary["other_machines"] = added + earlier
+    args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary["other_machines"][0], indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--e2e", required=True, type=Path, action="append",
+    ap.add_argument("--e2e", type=Path, action="append", default=[],
                     help="lossless_sparse.py JSON; repeat it to merge runs: a later file's (context, mode) "
                          "rows replace an earlier file's (e.g. a rerun of modes measured on a busy machine)")
-    ap.add_argument("--kernels", required=True, type=Path)
+    ap.add_argument("--kernels", type=Path, default=None,
+                    help="with --e2e (both required unless only --other-machine runs are added: the --out "
+                         "file's main machine then stays as it is)")
+    ap.add_argument("--verify-step", type=Path, default=None,
+                    help="a bench/verify_step.py JSON of the --e2e machine: verify_step_ms comes from it (whole "
+                         "synthetic steps, no prefill) instead of the end-to-end run's dense modes, for a "
+                         "machine where a 32K end-to-end run of every mode does not fit")
     ap.add_argument("--trace", type=Path, default=None,
                     help="an evict_trace.py JSON: how much one engine's plain step moved during the run's day")
     ap.add_argument("--other-machine", nargs="+", type=Path, action="append", default=[],
@@ -146,12 +187,19 @@ def main() -> int:
     ap.add_argument("--other-e2e", type=Path, action="append", default=[],
                     help="a lossless_sparse.py JSON of the last --other-machine (repeat to merge): its "
                          "end-to-end tokens/s go under that machine's `contexts`")
-    ap.add_argument("--note", default=None, help="what the runs show that the numbers do not (e2e_note)")
+    ap.add_argument("--note", default=None, help="what the runs show that the numbers do not (e2e_note; of the "
+                                                 "added machine when only --other-machine runs are added)")
     ap.add_argument("--keep-other-machines", action="store_true",
                     help="carry the other_machines entries of the --out file over (after those given here), "
                          "notes added to them included: a new run on the main machine keeps them")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "summary" / "long_context.json")
     args = ap.parse_args()
+    if not args.e2e and args.kernels is None:
+        if not args.other_machine or not args.out.is_file():
+            ap.error("--e2e and --kernels, or --other-machine runs to add to an existing --out")
+        return add_other_machines(ap, args)
+    if not args.e2e or args.kernels is None:
+        ap.error("--e2e and --kernels go together")
     args.e2e = [p.resolve() for p in args.e2e]
     args.kernels = args.kernels.resolve()
     kernels = json.loads(args.kernels.read_text())
@@ -161,6 +209,11 @@ def main() -> int:
     amx = kernels["roof"].get("amx", False)
     variant, roof = kernel_roof_fraction(kernels)
     verify_32k = ms.get("32768", {})
+    if args.verify_step is not None:
+        args.verify_step = args.verify_step.resolve()
+        verify_run = json.loads(args.verify_step.read_text())
+        row = next((r for c, r in verify_run["summary"].items() if nominal(int(c)) == "32768"), {})
+        verify_32k = {k: row.get(k) for k in ("decode_1", "verify_4_vllm_kernel", "verify_4_sparsever_kernel")}
     summary = {
         "machine": e2e["hardware"].get("Model name", "?") + f", {e2e['hardware'].get('nproc', '?')} cores",
         "date": e2e["started"][:10],
@@ -175,20 +228,11 @@ def main() -> int:
                                           if r["ctx"] == 32768 and r["q_len"] in (4, 8, 16)}},
         "sources": {"e2e": [str(p.relative_to(ROOT)) for p in args.e2e], "kernels": str(args.kernels.relative_to(ROOT))},
     }
-    for paths in args.other_machine:
-        if len(paths) not in (2, 3):
-            ap.error("--other-machine: KERNELS VERIFY_STEP [PLAIN_VERIFY_STEP]")
-    summary["other_machines"] = [other_machine(*(p.resolve() for p in paths)) for paths in args.other_machine]
-    if args.other_e2e:
-        if not summary["other_machines"]:
-            ap.error("--other-e2e: give the machine's --other-machine runs too")
-        other_runs, other_rows = merged_rows([p.resolve() for p in args.other_e2e])
-        other = summary["other_machines"][-1]
-        other["contexts"], _ = e2e_contexts(other_rows)
-        other["aims_met"]["best_lossless_ge_1.3x_autoregressive"] = {
-            k: v["best_lossless_vs_autoregressive"] >= 1.3 for k, v in other["contexts"].items()}
-        other["command"] += "".join(f"  +  {r['command']}" for r in other_runs)
-        other["sources"]["e2e"] = [str(p.resolve().relative_to(ROOT)) for p in args.other_e2e]
+    if args.verify_step is not None:
+        summary["command"] += f"  +  {verify_run['command']}"
+        summary["sources"]["verify_step"] = str(args.verify_step.relative_to(ROOT))
+        summary["verify_step_ms_by_context"] = verify_run["summary"]
+    summary["other_machines"] = other_machines(ap, args)
     if args.keep_other_machines and args.out.is_file():
         summary["other_machines"] += json.loads(args.out.read_text()).get("other_machines", [])
     aims = {
