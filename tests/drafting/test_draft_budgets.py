@@ -135,14 +135,24 @@ def test_a_catch_up_no_longer_than_the_prompt_the_target_computed_rides_with_it(
     drafter.note_prompts({"r0": 97})  # resumed, its prompt mostly from the prefix cache
     catch_up["tokens"] = 28000
     drafter.plan_depth(step)
-    assert weighed[-1] == 28000
+    assert weighed[-1] == 28000 - 97  # only the part the prefix cache supplied is rented or bought
     drafter.propose_trees(step.with_depth(2))
     assert drafter.tree_stats.catch_ups_with_prompt == 1
+
+    # A prompt tail the target computed (its prefix cached with the draft's K/V, as a document asked
+    # again), then steps decoded plainly: each adds a token to the catch-up, none of them a prompt.
+    drafter.note_prompts({"r0": 97})
+    for plain_steps in range(3):
+        catch_up["tokens"] = 97 + plain_steps
+        drafter.plan_depth(step)
+        assert weighed[-1] == plain_steps
+    drafter.propose_trees(step.with_depth(2))
+    assert drafter.tree_stats.catch_ups_with_prompt == 2
 
     drafter.note_prompts({"r0": 40000})
     drafter.forget({"r0"})  # finished before it drafted
     drafter.plan_depth(step)
-    assert weighed[-1] == 28000
+    assert weighed[-1] == 99
 
 
 def test_reset_stats_zeroes_the_tree_and_evict_counters():

@@ -106,21 +106,26 @@ class TreeDrafting:
             self._prompts.update(to_compute)
 
     def _catch_up_to_plan(self, reqs: DraftRequests) -> int:
-        """The catch-up EVICT weighs this step: none when it is no longer than the prompt tokens the
-        target itself computed for the step's requests that have not drafted yet (the draft's
-        prefill is then no more work than the target's was: it runs on their first drafting step,
-        the step that ends their prefill unless EVICT decodes that one plainly, as vLLM's
-        draft_model prefills its draft). Else the drafter's whole catch-up (rent or buy:
-        adaptive/evict.py)."""
-        catch_up = self._catch_up_tokens(reqs)
-        if catch_up and catch_up <= sum(self._prompts.get(req_id, 0) for req_id in reqs.req_ids):
-            return 0
-        return catch_up
+        """The catch-up EVICT weighs this step (rent or buy: adaptive/evict.py): the drafter's
+        catch-up less the prompt tokens the target itself computed for the step's requests that
+        have not drafted yet. That part rides with the prompt: the draft's prefill of it is no more
+        work than the target's was, run on their first drafting step, as vLLM's draft_model
+        prefills its draft. What is left is a prompt the prefix cache supplied, or the tokens
+        decoded plainly since the prompt (each plain step adds one: a credit compared with the
+        whole catch-up would never cover it again)."""
+        return max(self._catch_up_tokens(reqs) - self._prompt_credit(reqs), 0)
+
+    def _prompt_credit(self, reqs: DraftRequests) -> int:
+        return sum(self._prompts.get(req_id, 0) for req_id in reqs.req_ids)
 
     def _spend_prompt_credits(self, reqs: DraftRequests, catch_up: int) -> None:
         """The step's requests draft: their prompts' credit (`_catch_up_to_plan`) is spent."""
-        credited = [self._prompts.pop(req_id) for req_id in reqs.req_ids if req_id in self._prompts]
-        if catch_up and credited and catch_up <= sum(credited):
+        from vllm_sparsever.adaptive.evict import CATCH_UP_MIN_TOKENS
+
+        credit = self._prompt_credit(reqs)
+        for req_id in reqs.req_ids:
+            self._prompts.pop(req_id, None)
+        if catch_up and credit and catch_up - credit < CATCH_UP_MIN_TOKENS:
             self.tree_stats.catch_ups_with_prompt += 1
 
     def request_state(self) -> dict[str, int]:
