@@ -9,9 +9,7 @@
   (the run clamps 32768 to what leaves room for the output);
 - `verify_step_ms["32768"]`: `decode_1` = the autoregressive engine's time per output token; the
   verify columns = the sparsever runner's verification time per dense verify step (target forward
-  with logits + rejection sampling) with vLLM's and with sparsever's attention kernel; with
-  `--verify-step`, all three from a `bench/verify_step.py` run of the same machine instead (whole
-  synthetic steps: a 1-token decode step and 4-token verify steps with each kernel);
+  with logits + rejection sampling) with vLLM's and with sparsever's attention kernel;
 - `roof_fraction["32768"]`: dense attention FLOP/s of the kernel dense verify steps run (sparsever's,
   in the KV layout vLLM picks on the machine) over the GEMM roof measured in the kernel run;
 - `other_machines` (`--other-machine KERNELS VERIFY_STEP [PLAIN_VERIFY_STEP]`): the same two measures on
@@ -20,7 +18,8 @@
   third run is the same benchmark with vLLM's (`--spec-json '{"linear_kernel": "vllm"}'`): `decode_1`
   then comes from it (a plain vLLM decode step), and `decode_1_sparsever_engine` is sparsever's;
   `--other-e2e` adds that machine's end-to-end runs (`contexts`, as above; a family the run left out
-  is null).
+  is null). Without `--e2e` / `--kernels`, the `--other-machine` runs are added to the existing
+  `--out` file, whose main machine stays as it is.
 """
 
 from __future__ import annotations
@@ -172,10 +171,6 @@ def main() -> int:
     ap.add_argument("--kernels", type=Path, default=None,
                     help="with --e2e (both required unless only --other-machine runs are added: the --out "
                          "file's main machine then stays as it is)")
-    ap.add_argument("--verify-step", type=Path, default=None,
-                    help="a bench/verify_step.py JSON of the --e2e machine: verify_step_ms comes from it (whole "
-                         "synthetic steps, no prefill) instead of the end-to-end run's dense modes, for a "
-                         "machine where a 32K end-to-end run of every mode does not fit")
     ap.add_argument("--trace", type=Path, default=None,
                     help="an evict_trace.py JSON: how much one engine's plain step moved during the run's day")
     ap.add_argument("--other-machine", nargs="+", type=Path, action="append", default=[],
@@ -209,11 +204,6 @@ def main() -> int:
     amx = kernels["roof"].get("amx", False)
     variant, roof = kernel_roof_fraction(kernels)
     verify_32k = ms.get("32768", {})
-    if args.verify_step is not None:
-        args.verify_step = args.verify_step.resolve()
-        verify_run = json.loads(args.verify_step.read_text())
-        row = next((r for c, r in verify_run["summary"].items() if nominal(int(c)) == "32768"), {})
-        verify_32k = {k: row.get(k) for k in ("decode_1", "verify_4_vllm_kernel", "verify_4_sparsever_kernel")}
     summary = {
         "machine": e2e["hardware"].get("Model name", "?") + f", {e2e['hardware'].get('nproc', '?')} cores",
         "date": e2e["started"][:10],
@@ -228,10 +218,6 @@ def main() -> int:
                                           if r["ctx"] == 32768 and r["q_len"] in (4, 8, 16)}},
         "sources": {"e2e": [str(p.relative_to(ROOT)) for p in args.e2e], "kernels": str(args.kernels.relative_to(ROOT))},
     }
-    if args.verify_step is not None:
-        summary["command"] += f"  +  {verify_run['command']}"
-        summary["sources"]["verify_step"] = str(args.verify_step.relative_to(ROOT))
-        summary["verify_step_ms_by_context"] = verify_run["summary"]
     summary["other_machines"] = other_machines(ap, args)
     if args.keep_other_machines and args.out.is_file():
         summary["other_machines"] += json.loads(args.out.read_text()).get("other_machines", [])
