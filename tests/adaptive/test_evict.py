@@ -217,6 +217,28 @@ def test_guard_keeps_drafting_when_it_pays():
     assert evict.stats.skipped_drafting_steps == 0 and evict.stats.plain_check_steps == 1
 
 
+def test_a_warm_up_drafting_step_does_not_lock_a_cheap_drafter_out():
+    """A fresh engine's first drafting step runs each pass on shapes it never ran (here 10x the
+    steady time, as on a 2-core CI machine): taken as the steady cost it makes a cheap drafter look
+    costly. The next step's faster passes replace it at once; a slower step later only moves the
+    running time by EMA, and a stray slow pass within a step (its median) not at all."""
+    from vllm_sparsever.adaptive.evict import EMA, DraftShape
+
+    shape = DraftShape(cap=3, budgets=(3,))
+    evict = Evict(_profile(0.001), guard=True, depth_prior=0.9)
+    evict.observe_drafting(1, [0.05, 0.05, 0.05], 0.15)  # the warm-up step: 50 ms a pass
+    _measured(evict, 0.005)  # the next one: 5 ms a pass
+    assert evict.clock.pass_s[1] == pytest.approx(0.005)
+    assert [evict.plan_depth([256], shape) for _ in range(3)] == [3, 3, 3]
+    evict.observe_drafting(1, [0.005, 0.2, 0.005], 0.21)  # one pass hit by interference
+    assert evict.clock.pass_s[1] == pytest.approx(0.005)
+    evict.observe_drafting(1, [0.01, 0.01, 0.01], 0.03)  # slower for real: followed by EMA
+    assert evict.clock.pass_s[1] == pytest.approx(EMA * 0.01 + (1 - EMA) * 0.005)
+    # A drafter whose passes do take 50 ms does not pay here: the warm-up step alone would skip.
+    slow = _measured(Evict(_profile(0.001), guard=True, depth_prior=0.9), 0.05)
+    assert slow.plan_depth([256], shape) == 0 and slow.stats.skipped_drafting_steps == 1
+
+
 def test_guard_measures_a_plain_step_where_drafting_measured_only_verify_steps():
     """The long-context failure: verify steps at 32K take 3x the profile's time (its grid stopped at
     4K), and plain steps read their time from them, so drafting looked like it paid. One plain step,

@@ -28,7 +28,10 @@ Times (`StepClock`) are measured end to end on this engine, or predicted by the 
   verify steps (each stands in for the other until it is measured). A profile taken on a quieter or
   noisier machine corrects itself within a few steps;
 - the engine's own time between steps (scheduling, outputs): measured, part of every step;
-- one draft pass at this batch size, and a drafting step's cost besides its passes: measured;
+- one draft pass at this batch size, and a drafting step's cost besides its passes: measured
+  (a step's median pass; a faster measurement replaces the running value at once, a slower one
+  moves it by EMA: interference and first runs of a shape only add time, and a warm-up step taken
+  for the steady cost would lock a cheap drafter out until its next probe);
 - catch-up (a draft model's prompt, or the tokens it did not see while drafting was skipped) is a
   one-off: it is kept out of the pass time and priced only in a probe's cost.
 
@@ -159,6 +162,11 @@ def _ema(table: dict, key: Any, value: float) -> None:
     table[key] = value if old is None else EMA * value + (1 - EMA) * old
 
 
+def _fast_down(old: float | None, value: float) -> float:
+    """A running time that follows a faster measurement at once (the module docstring: drafting)."""
+    return value if old is None or value < old else EMA * value + (1 - EMA) * old
+
+
 def context_band(contexts: list[int]) -> int:
     """Context bands for the verify-time ratio: <512, <1K, <2K, ... tokens per row (mean)."""
     mean = sum(contexts) / max(len(contexts), 1)
@@ -187,14 +195,12 @@ class StepClock:
         """A drafting step at `rows` rows: its steady passes' times and the whole step's drafting time
         (passes, catch-up, Python around them)."""
         if pass_times:
-            _ema(self.pass_s, rows, sum(pass_times) / len(pass_times))
-            _ema(self.fixed_s, rows, max(total_s - sum(pass_times), 0.0))
+            self.pass_s[rows] = _fast_down(self.pass_s.get(rows), float(np.median(pass_times)))
+            self.fixed_s[rows] = _fast_down(self.fixed_s.get(rows), max(total_s - sum(pass_times), 0.0))
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         if tokens >= CATCH_UP_MIN_TOKENS:
-            old = self.catch_up_s_per_token
-            per_token = seconds / tokens
-            self.catch_up_s_per_token = per_token if old is None else EMA * per_token + (1 - EMA) * old
+            self.catch_up_s_per_token = _fast_down(self.catch_up_s_per_token, seconds / tokens)
 
     def scale(self, kind: str, rows: int, contexts: list[int]) -> float:
         """Measured / predicted for a step of this kind and shape: its own, else the nearest measured
