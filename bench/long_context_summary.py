@@ -80,7 +80,8 @@ def other_machine(kernels_path: Path, verify_path: Path, plain_path: Path | None
         "date": verify["started"][:10],
         "command": command,
         "verify_step_ms": {"32768": {k: at.get(k) for k in ("decode_1", "verify_4_vllm_kernel", "verify_4_sparsever_kernel",
-                                                            "decode_1_sparsever_engine") if k in at}},
+                                                            "decode_1_sparsever_engine", "decode_1_sparsever_kernel")
+                                             if k in at}},
         "verify_step_ms_by_context": by_context,
         "roof_fraction": {"32768": roof},
         "roof_kernel": f"{variant}; roof {kernels['roof']['gemm_GFLOPs']:.0f} GFLOP/s ({kernels['roof']['method']}; "

@@ -69,17 +69,25 @@ class AttentionSparsityConfig:
     kernel: Literal["auto", "sparsever", "vllm"] = "auto"
     # Which exact kernel attends on verify steps that attend densely (this section disabled, rows
     # below min_context_len, a hierarchy's full pass); lossless either way, so it applies whether or
-    # not `enabled` is set. Decode and prefill steps always run vLLM's kernel.
+    # not `enabled` is set. Decode steps: decode_kernel; prefill always runs vLLM's kernel.
     # "sparsever": block_sparse_tree_attention over all blocks, reading vLLM's KV layout in place
     #   (vec/vec16, and AMX tiles for bf16 on CPUs with AMX);
     # "vllm": vLLM's own kernel;
     # "auto": "sparsever" where it reads the layer's KV layout (the kernel benchmark: it beats vLLM's
     #   kernel at 1-16 query tokens on both layouts), else "vllm".
     dense_kernel: Literal["auto", "sparsever", "vllm"] = "auto"
+    # Which exact kernel attends on plain decode steps of the target (one token per row, no verify
+    # row, no prefill chunk), e.g. EVICT's steps that skip drafting; prefill stays on vLLM's kernel.
+    # "sparsever": block_sparse_tree_attention over every block (as dense verify steps);
+    # "vllm": vLLM's own kernel;
+    # "auto": "sparsever" on the plain ("vec") KV layouts, where the kernel benchmark has it 1.2-1.9x
+    #   faster than vLLM's vec kernel at one token; "vllm" on AMX tiles (a tie there).
+    decode_kernel: Literal["auto", "sparsever", "vllm"] = "auto"
 
     def validate(self, prefix: str) -> None:
         _check_choice(f"{prefix}.kernel", self.kernel, ("auto", "sparsever", "vllm"))
         _check_choice(f"{prefix}.dense_kernel", self.dense_kernel, ("auto", "sparsever", "vllm"))
+        _check_choice(f"{prefix}.decode_kernel", self.decode_kernel, ("auto", "sparsever", "vllm"))
         _check_int(f"{prefix}.top_k_blocks", self.top_k_blocks, minimum=1)
         _check_int(f"{prefix}.num_sink_blocks", self.num_sink_blocks, minimum=0)
         _check_int(f"{prefix}.num_local_blocks", self.num_local_blocks, minimum=1)

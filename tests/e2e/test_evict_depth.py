@@ -90,6 +90,9 @@ def test_depth_follows_the_drafters_cost_and_stays_lossless(plain_greedy, runs):
     assert (e_costly["evict_skipped_drafting_steps"] + e_costly["evict_plain_check_steps"]
             + e_costly["evict_catch_up_deferred_steps"] == planned_costly.get(0, 0)), info
     assert e_costly["evict_nodes_drafted"] < 0.5 * e_cheap["evict_nodes_drafted"], info
+    # The steps that skipped drafting are plain decode steps: attention.decode_kernel "auto" ran
+    # them on sparsever's kernel (fp32: vLLM's vec layout), and the output above stayed plain greedy's.
+    assert costly["sparsity"]["attn_layers_decode_kernel"] > 0, costly["sparsity"]
     # Fresh prompts: each run's first drafting step caught the draft up with the prompts the target
     # had just computed (not weighed by the guard's rent or buy).
     assert cheap["tree_drafting"]["tree_draft_catch_ups_with_prompt"] >= 1, cheap["tree_drafting"]

@@ -162,3 +162,17 @@ def test_dense_kernel_resolves_per_layout():
     assert resolve_dense_kernel("auto", "neon") == "vllm"
     with pytest.raises(RuntimeError, match="attention.dense_kernel.*'neon'"):
         resolve_dense_kernel("sparsever", "neon")
+
+
+def test_decode_kernel_resolves_per_layout():
+    """Decode steps: ours where it beat vLLM's vec kernel at one token; vLLM's AMX tiles (a tie) and
+    layouts ours cannot read stay stock."""
+    from vllm_sparsever.verification.attention import resolve_decode_kernel
+
+    for isa in ("vec", "vec16"):
+        assert resolve_decode_kernel("auto", isa) == "sparsever"
+    assert resolve_decode_kernel("auto", "amx") == "vllm"
+    assert resolve_decode_kernel("sparsever", "amx") == "sparsever"
+    assert resolve_decode_kernel("auto", "neon") == "vllm" and resolve_decode_kernel("vllm", "vec") == "vllm"
+    with pytest.raises(RuntimeError, match="attention.decode_kernel.*'neon'"):
+        resolve_decode_kernel("sparsever", "neon")

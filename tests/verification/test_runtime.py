@@ -97,6 +97,13 @@ def test_dense_kernel_switches_off_and_back_but_not_on_from_vllm():
     rt = SparseVerificationRuntime(_config(attention={"dense_kernel": "vllm"}))
     with pytest.raises(SparseverConfigError, match="attention.dense_kernel"):
         rt.set_sections({"attention": {"dense_kernel": "sparsever"}})
+    # The same for decode steps.
+    rt = SparseVerificationRuntime(_config())
+    rt.set_sections({"attention": {"decode_kernel": "vllm"}})
+    assert rt.attention.decode_kernel == "vllm"
+    rt = SparseVerificationRuntime(_config(attention={"decode_kernel": "vllm"}))
+    with pytest.raises(SparseverConfigError, match="attention.decode_kernel"):
+        rt.set_sections({"attention": {"decode_kernel": "auto"}})
 
 
 def test_start_refuses_a_target_without_sparsevers_attention_backend(monkeypatch):

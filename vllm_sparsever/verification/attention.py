@@ -121,6 +121,21 @@ def resolve_dense_kernel(choice: str, isa: str) -> str:
     return choice
 
 
+def resolve_decode_kernel(choice: str, isa: str) -> str:
+    """`attention.decode_kernel` in force for layers of KV layout `isa` (after the builder's choice).
+
+    "auto" takes sparsever's kernel on the plain layouts, where it beat vLLM's vec kernel at one
+    query token on every CPU measured; on AMX tiles the two tie, so decode steps stay stock there
+    (bench/results/kernels_*_attention_*: the `q = 1` rows)."""
+    if choice == "sparsever" and isa not in _KERNEL_LAYOUT_ISAS:
+        raise RuntimeError(
+            f"attention.decode_kernel: 'sparsever' cannot read vLLM's {isa!r} KV layout (it reads "
+            f"{', '.join(_KERNEL_LAYOUT_ISAS)}); use 'auto' or 'vllm'")
+    if choice == "auto":
+        return "sparsever" if isa in _PLAIN_LAYOUT_ISAS else "vllm"
+    return choice
+
+
 def fold_block_key_summaries(
     key: torch.Tensor, slot_mapping: torch.Tensor, block_size: int, key_min: torch.Tensor, key_max: torch.Tensor
 ) -> None:
@@ -258,6 +273,8 @@ class SparseverCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             vllm_attn.set_builder_isa(self, "vec" if self.block_size % 32 == 0 else "vec16")
         self.dense_kernel = resolve_dense_kernel(rt.attention.dense_kernel if rt else "vllm",
                                                  vllm_attn.builder_isa(self))
+        self.decode_kernel = resolve_decode_kernel(rt.attention.decode_kernel if rt else "vllm",
+                                                   vllm_attn.builder_isa(self))
         self._set_isa_to_layers(layer_names)
         if rt is not None and rt.target_attention_layers.intersection(vllm_attn.builder_layer_names(self)):
             rt.attention_planner = AttentionPlanner(self)
@@ -267,6 +284,14 @@ class SparseverCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         for layer in vllm_attn.attention_layers(self.vllm_config, layer_names).values():
             layer.sparsever_attention_kernel = getattr(self, "sparse_kernel", None)
             layer.sparsever_dense_kernel = getattr(self, "dense_kernel", None)
+            layer.sparsever_decode_kernel = getattr(self, "decode_kernel", None)
+
+
+def _is_target_decode_step(plan: VerificationPlan, md, layer, rt) -> bool:
+    """A plain decode step of the target: one token per row, nothing verified (a draft model's
+    passes run outside the target's plan, but may share its attention backend)."""
+    return (not plan.is_verify_step and plan.num_tokens == plan.num_reqs == md.num_actual_tokens
+            and layer.layer_name in rt.target_attention_layers)
 
 
 class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -337,17 +362,20 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         if (
             attn_metadata is not None
             and plan is not None
-            and plan.is_verify_step
             and not plan.has_prefill_rows
             and output_scale is None
             and output_block_scale is None
             and self._supported
             and rt is not None
-            and rt.attention.dense_kernel != "vllm"
-            and getattr(layer, "sparsever_dense_kernel", None) == "sparsever"
         ):
-            rt.record(attn_layers_dense_kernel=1)
-            return self._dense_forward(layer, query, kv_cache, attn_metadata, output)
+            if (plan.is_verify_step and rt.attention.dense_kernel != "vllm"
+                    and getattr(layer, "sparsever_dense_kernel", None) == "sparsever"):
+                rt.record(attn_layers_dense_kernel=1)
+                return self._dense_forward(layer, query, kv_cache, attn_metadata, output)
+            if (_is_target_decode_step(plan, attn_metadata, layer, rt) and rt.attention.decode_kernel != "vllm"
+                    and getattr(layer, "sparsever_decode_kernel", None) == "sparsever"):
+                rt.record(attn_layers_decode_kernel=1)
+                return self._dense_forward(layer, query, kv_cache, attn_metadata, output)
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
 

@@ -104,8 +104,9 @@ class SparseVerificationRuntime:
         }
         # Whether start-up registered sparsever's CPU attention backend (verification/setup.py).
         self.sparse_attention_backend = False
-        # Dense verify steps on sparsever's kernel may be switched off at run time and back on.
+        # Dense verify and decode steps on sparsever's kernel may be switched off at run time and back on.
         self.dense_kernel_at_start = config.attention.dense_kernel
+        self.decode_kernel_at_start = config.attention.decode_kernel
         self.stats: Counter[str] = Counter()
         # Counters the kernels write on the device (e.g. experts read): added there, read when the
         # stats are summarised, so the verify path never waits for the GPU.
@@ -174,10 +175,11 @@ class SparseVerificationRuntime:
                     f"{name}.enabled: {name} sparsity was off at start, so its start-up work "
                     f"(backend, summaries, module swap) was not done; allowed at run time: false"
                 )
-        if new.attention.dense_kernel != "vllm" and self.dense_kernel_at_start == "vllm":
-            raise SparseverConfigError(
-                "attention.dense_kernel: 'vllm' at start, so sparsever's attention backend may not be "
-                "in place; allowed at run time: 'vllm'")
+        for knob in ("dense_kernel", "decode_kernel"):
+            if getattr(new.attention, knob) != "vllm" and getattr(self, f"{knob}_at_start") == "vllm":
+                raise SparseverConfigError(
+                    f"attention.{knob}: 'vllm' at start, so sparsever's attention backend may not be "
+                    "in place; allowed at run time: 'vllm'")
         for name, knobs in _START_UP_KNOBS.items():
             for knob in knobs:
                 chosen = getattr(getattr(self.config, name), knob)

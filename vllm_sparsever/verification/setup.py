@@ -52,8 +52,9 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
     runtime = SparseVerificationRuntime(config, profile, source, num_layers, ffn_dense_kernel=ffn_dense,
                                         linear_kernel=linear_kernel)
     install_runtime(runtime)
-    # Trees need the tree-mask kernel; dense verify steps may run sparsever's kernel (dense_kernel).
-    if config.attention.enabled or config.tree.enabled or config.attention.dense_kernel != "vllm":
+    # Trees need the tree-mask kernel; dense verify and decode steps may run sparsever's kernel.
+    if (config.attention.enabled or config.tree.enabled or config.attention.dense_kernel != "vllm"
+            or config.attention.decode_kernel != "vllm"):
         from vllm_sparsever.verification.attention import register_sparse_attention_backend
 
         register_sparse_attention_backend()
@@ -146,7 +147,7 @@ def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, archit
     """Wrap the target's FFN / MoE blocks for the sparsities enabled at start."""
     installed: dict[str, int] = {}
     check_attention_backend(model, runtime)
-    if runtime.started_with["attention"]:
+    if runtime.sparse_attention_backend:  # (sparse steps, and the target's dense and decode steps on our kernel)
         from vllm_sparsever.compat.cpu_attention import attention_layer_names
 
         runtime.target_attention_layers = frozenset(attention_layer_names(model))
