@@ -112,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="draft_attention_window of the draft_model-vocab-window EVICT drafter")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32000])
     p.add_argument("--num-prompts", type=int, default=3, help="long documents per context")
+    p.add_argument("--documents", nargs="+", default=None, metavar="TITLE",
+                   help="the documents whose title contains one of these (case-insensitive), in the data "
+                        "set's order, instead of its first --num-prompts")
     p.add_argument("--task", choices=["summarize", "qa"], default="summarize")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--warm-up-tokens", type=int, default=WARM_UP_TOKENS,
@@ -348,6 +351,31 @@ def section_modes(args, section: str) -> list[str]:
     return list(args.modes) if section == "sparsever" else [section]
 
 
+def _wanted(title: str, wanted: list[str]) -> bool:
+    return any(w.lower() in title.lower() for w in wanted)
+
+
+def check_documents(args: argparse.Namespace) -> None:
+    """--documents: each names a document of the data set (before any engine starts)."""
+    from vllm_sparsever.data import load_prompts
+
+    titles = [row["title"] for row in load_prompts("long_context")]
+    missing = [w for w in args.documents or [] if not any(_wanted(t, [w]) for t in titles)]
+    if missing:
+        raise SystemExit(f"--documents: no document's title contains {missing}; titles: {titles}")
+    if args.documents:
+        args.num_prompts = sum(_wanted(t, args.documents) for t in titles)
+
+
+def documents(args: argparse.Namespace, target: str, ctx: int) -> list[dict[str, Any]]:
+    """The context's prompts: the data set's first --num-prompts documents, or --documents."""
+    from vllm_sparsever.data.long_context import long_context_prompts
+
+    if not args.documents:
+        return long_context_prompts(target, ctx, task=args.task, n=args.num_prompts)
+    return [row for row in long_context_prompts(target, ctx, task=args.task) if _wanted(row["title"], args.documents)]
+
+
 def questions(row: dict[str, Any], follow_ups: int, tokenizer: Any) -> list[tuple[str, str, int]]:
     """(id, prompt, prompt tokens) of a long-context row's prompt and `follow_ups` more questions on
     its document."""
@@ -374,7 +402,6 @@ def run_engine(args, target: str, max_len: int, section: str, engine_kwargs: dic
     from vllm import SamplingParams
 
     from vllm_sparsever.compat.engine import shutdown_llm
-    from vllm_sparsever.data.long_context import long_context_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(target)  # the follow-up questions' token counts
     llm, spec = start_engine(args, target, max_len, **engine_kwargs)
@@ -384,7 +411,7 @@ def run_engine(args, target: str, max_len: int, section: str, engine_kwargs: dic
         total = len(args.contexts) * args.num_prompts * (1 + args.follow_ups) * len(modes)
         with tqdm(total=total, desc=section, unit="run") as bar:
             for ctx in args.contexts:
-                for p, row in enumerate(long_context_prompts(target, ctx, task=args.task, n=args.num_prompts)):
+                for p, row in enumerate(documents(args, target, ctx)):
                     asked = questions(row, args.follow_ups, tokenizer)
                     bar.set_postfix_str(f"{ctx} prompt {p} warm-up")
                     if section == "sparsever":
@@ -415,6 +442,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.evict == []:  # bare --evict: over the run's drafter
         args.evict = [args.drafter]
+    check_documents(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     # A long prompt's prefill chunk can outlast vLLM's 300-s step timeout on a CPU without AVX-512
     # (bench/results/README.md, "Long context on an AVX2 CPU").
