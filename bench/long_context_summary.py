@@ -92,13 +92,26 @@ def other_machine(kernels_path: Path, verify_path: Path, plain_path: Path | None
 
 
 def merged_rows(paths: list[Path]) -> tuple[list[dict], list[dict]]:
-    """The runs of lossless_sparse.py JSON files and their summary rows, a later file's (context,
-    mode) rows replacing an earlier file's."""
+    """The runs of lossless_sparse.py JSON files and their summary rows per (context, mode): a
+    later file's row replaces an earlier file's over the same documents (a rerun), and is pooled
+    with it over other documents (tokens over decode time of both: one run per document, when a
+    32K prefill per engine makes a run of several too long)."""
     runs = [json.loads(p.read_text()) for p in paths]
     merged: dict[tuple[int, str], dict] = {}
     for path, run in zip(paths, runs):
         for row in run["summary"]:
-            merged[(row["context"], row["mode"])] = row | {"source": str(path.relative_to(ROOT))}
+            key = (row["context"], row["mode"])
+            docs = sorted({r["prompt"] for r in run["runs"] if (r["context"], r["mode"]) == key})
+            new = row | {"source": str(path.relative_to(ROOT)), "documents": docs}
+            old = merged.get(key)
+            if old is not None and not set(old["documents"]) & set(docs):
+                tokens = old["tokens"] + row["tokens"]
+                seconds = old["tokens"] / old["tokens_per_s"] + row["tokens"] / row["tokens_per_s"]
+                new = {"context": row["context"], "mode": row["mode"], "prompts": old["prompts"] + row["prompts"],
+                       "tokens": tokens, "tokens_per_s": tokens / seconds,
+                       "verify_ms_per_step": None, "documents": old["documents"] + docs,
+                       "source": f"{old['source']} + {new['source']}"}
+            merged[key] = new
     return runs, list(merged.values())
 
 
@@ -120,6 +133,7 @@ def e2e_contexts(rows: list[dict]) -> tuple[dict, dict]:
             "prompt_context_tokens": ctx,
             "tok_s_by_mode": {m: r["tokens_per_s"] for m, r in at.items()},
             "source_by_mode": {m: r["source"] for m, r in at.items()},
+            "documents_by_mode": {m: r["documents"] for m, r in at.items()},
             "best_lossless_vs_autoregressive": lossless["tokens_per_s"] / plain,
             "best_lossless_vs_draft_model": draft_model and lossless["tokens_per_s"] / draft_model,
         }
