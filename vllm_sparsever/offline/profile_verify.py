@@ -5,10 +5,11 @@ sit in the first blocks of the KV cache (whatever those hold: the time does not 
 values), plus `query_tokens` new tokens per row, run through every layer with their logits, as a
 verify step runs them. "tree": under a tree mask (a binary tree; sparsever's kernel), "chain":
 causally, as a verify step (the kernel `attention.dense_kernel` gives verify steps; one query token:
-a decode step, on the kernel `attention.decode_kernel` gives them). On MoE targets every point runs twice, with random tokens and with one
-token repeated, and records the share of routed expert weights the routers picked (the profile
-tells the experts' cost from the tokens' that way; adaptive/cost.py). Only a dedicated engine with
-no requests may run it: it writes K/V into blocks it does not own.
+a decode step, on the kernel `attention.decode_kernel` gives them). On MoE targets every point runs
+twice, with random tokens and with one token repeated, and records the share of routed expert
+weights the routers picked (the profile tells the experts' cost from the tokens' that way;
+adaptive/cost.py). Only a dedicated engine with no requests may run it: it writes K/V into blocks
+it does not own.
 """
 
 from __future__ import annotations
