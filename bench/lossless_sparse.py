@@ -132,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k-blocks", type=int, default=8)
     p.add_argument("--min-context-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--linear-kernel", choices=["auto", "sparsever", "hybrid", "vllm"], default=None,
+    p.add_argument("--linear-kernel", choices=["auto", "sparsever", "hybrid", "vllm", "vllm-padded"], default=None,
                    help="linear_kernel of sparsever's engines (default: the config's, auto; an --evict "
                         "drafter ending in -hybrid: 'hybrid')")
     p.add_argument("--tag", default=None)

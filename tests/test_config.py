@@ -121,7 +121,7 @@ def test_serialization_round_trip():
         ({"num_speculative_tokens": 3, "model": "d", "attention": {"decode_kernel": "vec"}},
          ["attention.decode_kernel", "'auto', 'sparsever', 'vllm'"]),
         ({"num_speculative_tokens": 3, "model": "d", "linear_kernel": "onednn"},
-         ["linear_kernel", "'auto', 'sparsever', 'hybrid', 'vllm'"]),
+         ["linear_kernel", "'auto', 'sparsever', 'hybrid', 'vllm', 'vllm-padded'"]),
         ({"num_speculative_tokens": 3, "model": "d", "fallback_to_dense": 1}, ["fallback_to_dense"]),
     ],
 )

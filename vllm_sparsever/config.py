@@ -366,10 +366,12 @@ class SparseverConfig:
     # weights plain and runs sparsever's dense_linear op (weights streamed for few tokens, fp32 GEMM
     # panels for more); "hybrid" runs dense_linear for steps of a few tokens (decode, drafts, verify)
     # and vLLM-CPU's packed weights for more (prefill), holding each weight twice; "vllm" keeps
-    # vLLM-CPU's own; "auto" is "sparsever" for bf16/fp16 targets on CPUs without AVX-512, where
-    # vLLM-CPU's 16-bit linear is torch's (verification/linear.py), else "vllm". The draft model's (or
-    # head's) linears follow.
-    linear_kernel: Literal["auto", "sparsever", "hybrid", "vllm"] = "auto"
+    # vLLM-CPU's own; "vllm-padded" keeps it and runs calls of 1-3 tokens as 4-row calls (oneDNN
+    # reads 16-bit weights faster for 4 rows than for 1-3 on AVX512-BF16 CPUs without AMX); "auto" is
+    # "sparsever" for bf16/fp16 targets on CPUs without AVX-512, where vLLM-CPU's 16-bit linear is
+    # torch's, "vllm-padded" for them on AVX512-BF16 CPUs without AMX (verification/linear.py), else
+    # "vllm". The draft model's (or head's) linears follow.
+    linear_kernel: Literal["auto", "sparsever", "hybrid", "vllm", "vllm-padded"] = "auto"
     # vLLM SpeculativeConfig fields forwarded as they are.
     passthrough: dict[str, Any] = field(default_factory=dict)
 
@@ -523,7 +525,7 @@ class SparseverConfig:
                     f"json file written by `vllm-sparsever calibrate`, or 'none')"
                 )
         _check_bool("fallback_to_dense", self.fallback_to_dense)
-        _check_choice("linear_kernel", self.linear_kernel, ("auto", "sparsever", "hybrid", "vllm"))
+        _check_choice("linear_kernel", self.linear_kernel, ("auto", "sparsever", "hybrid", "vllm", "vllm-padded"))
         for name in ("attention", "ffn", "moe", "adaptive", "tree", "early_exit"):
             section = getattr(self, name)
             _check_bool(f"{name}.enabled", section.enabled)

@@ -4,8 +4,9 @@ For each projection of a model (attention QKV and output, MLP gate/up and down, 
 count, in one process and in turn per round: vLLM-CPU's linear as it prepares it at load
 (`run.py`'s `vllm_cpu_linear`: oneDNN, sgl-kernel or torch's linear, whichever it picks on this CPU;
 the path is recorded), and `dense_linear` over the plain weight on each of its paths (weights
-streamed; fp32 panels for ATen's fp32 GEMM) and on its default choice. Best of rounds per cell;
-ratios are vLLM's time / ours. Weights rotate over enough copies (together twice the last-level
+streamed; fp32 panels for ATen's fp32 GEMM) and on its default choice, and vLLM-CPU's linear with a
+call of 1-3 tokens padded to 4 rows (`linear_kernel: "vllm-padded"`). Best of rounds per cell;
+ratios are vLLM's time / ours (and / padded). Weights rotate over enough copies (together twice the last-level
 cache, `last_level_cache_bytes`) that each call reads them from DRAM, as a served model's do: runs
 before 2026-12-02 held at most 256 MB of copies, which a Xeon's 480 MB L3 kept cached.
 
@@ -81,6 +82,7 @@ def main(argv=None) -> int:
     from kernels.run import vllm_cpu_linear
     from spec_decode import RESULTS, hardware, versions
     from vllm_sparsever import _custom_ops as ops
+    from vllm_sparsever.verification.linear import padded_cpu_linear
 
     dtype = getattr(torch, args.dtype)
     if args.threads:
@@ -106,14 +108,17 @@ def main(argv=None) -> int:
                 copies = max(2, min(-(-2 * llc // size), int(4e9 // size)))
                 weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
                 stocks = [vllm_cpu_linear(w.clone()) for w in weights]
+                padded = [padded_cpu_linear(lambda x, w, b, s=s: s(x)) for s in stocks]
                 paths[name] = stocks[0].kind
                 for t in tokens_of[name]:
                     x = torch.randn(t, k, generator=gen).to(dtype)
                     reps = args.reps if n * k * t < 5e8 else 2
-                    order = ["vllm", *PATHS] if rnd % 2 == 0 else [*PATHS, "vllm"]
+                    order = ["vllm", "vllm_padded", *PATHS] if rnd % 2 == 0 else [*PATHS, "vllm_padded", "vllm"]
                     for which in order:
                         if which == "vllm":
                             call = lambda i: stocks[i % copies](x)  # noqa: E731
+                        elif which == "vllm_padded":
+                            call = lambda i: padded[i % copies](x, None, None)  # noqa: E731
                         else:
                             call = lambda i: ops.dense_linear(x, weights[i % copies])  # noqa: E731
                             os.environ.update(PATHS[which])
@@ -127,8 +132,9 @@ def main(argv=None) -> int:
     for name, (n, k) in shapes.items():
         for t in tokens_of[name]:
             row = {"proj": name, "n": n, "k": k, "tokens": t, "vllm_path": paths[name],
-                   **{f"{w}_ms": best[(name, t, w)] for w in ("vllm", *PATHS)}}
+                   **{f"{w}_ms": best[(name, t, w)] for w in ("vllm", "vllm_padded", *PATHS)}}
             row["speedup"] = row["vllm_ms"] / row["ours_ms"]
+            row["padded_speedup"] = row["vllm_ms"] / row["vllm_padded_ms"]
             record["rows"].append(row)
     base.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
     lines = [f"# Dense linears: vLLM-CPU's against sparsever's dense_linear ({args.model}, {args.dtype})", "",
@@ -136,11 +142,12 @@ def main(argv=None) -> int:
              f"torch CPU capability {record['cpu_capability']}, {record['threads']} threads. ms, best of "
              f"{args.rounds} rounds (each the best of its calls); speedup = vLLM's / ours (default path).", "",
              "'no AMX': bf16 few-token rows on vdpbf16ps instead of AMX tiles (the same where the CPU has no AMX).",
-             "", "| proj | N x K | tokens | vLLM ms [path] | ours ms | speedup | ours streamed ms | ours fp32 panels ms "
-             "| ours no AMX ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "'vLLM padded': vLLM-CPU's linear, a call of 1-3 tokens run as 4 rows (linear_kernel 'vllm-padded').",
+             "", "| proj | N x K | tokens | vLLM ms [path] | vLLM padded ms | padded speedup | ours ms | speedup "
+             "| ours streamed ms | ours fp32 panels ms | ours no AMX ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         lines.append(f"| {r['proj']} | {r['n']} x {r['k']} | {r['tokens']} | {r['vllm_ms']:.2f} [{r['vllm_path']}] | "
-                     f"{r['ours_ms']:.2f} | {r['speedup']:.2f}x | {r['ours_stream_ms']:.2f} | {r['ours_panels_ms']:.2f} "
+                     f"{r['vllm_padded_ms']:.2f} | {r['padded_speedup']:.2f}x | {r['ours_ms']:.2f} | {r['speedup']:.2f}x | {r['ours_stream_ms']:.2f} | {r['ours_panels_ms']:.2f} "
                      f"| {r['ours_no_amx_ms']:.2f} |")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

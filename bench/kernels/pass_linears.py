@@ -1,5 +1,5 @@
 """The linears of one whole decoder pass, every layer's own weights, read from DRAM: bf16 on vLLM-CPU's
-path and on sparsever's `dense_linear`, int8 (W8A8) on vLLM-CPU's int8 GEMM, and int4 on vLLM-CPU's
+path, on it with 1-3 tokens padded to 4 rows (`linear_kernel: "vllm-padded"`) and on sparsever's `dense_linear`, int8 (W8A8) on vLLM-CPU's int8 GEMM, and int4 on vLLM-CPU's
 int4 GEMM (W4A8 on CPUs with AMX, W4A16 elsewhere), side by side.
 
 A served pass reads each layer's weights once, and a model's weights exceed the CPU's caches
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 LAYERS = {"qwen2.5-1.5b": 28, "qwen2.5-0.5b": 24}
-KINDS = ("vllm_bf16", "ours_bf16", "vllm_int8", "vllm_int4")
+KINDS = ("vllm_bf16", "vllm_bf16_padded", "ours_bf16", "vllm_int8", "vllm_int4")
 
 
 def main(argv=None) -> int:
@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     from spec_decode import RESULTS, hardware, save_results, versions
     from vllm_sparsever import _custom_ops as ops
     from vllm_sparsever.models.quantize import quantize_int8_per_channel
+    from vllm_sparsever.verification.linear import padded_cpu_linear
 
     torch.set_num_threads(args.threads)
     amx = torch.cpu._is_amx_tile_supported()  # (also what lets this process use AMX tiles, as vLLM's worker does)
@@ -89,6 +90,7 @@ def main(argv=None) -> int:
     layers = [[(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in shapes]
               for _ in range(LAYERS[args.model])]
     stock = [[vllm_cpu_linear(w.clone()) for w in layer] for layer in layers]
+    padded = [[padded_cpu_linear(lambda x, w, b, s=s: s(x)) for s in layer] for layer in stock]
 
     def int8(w):
         q, scale = quantize_int8_per_channel(w)
@@ -116,6 +118,8 @@ def main(argv=None) -> int:
             for j, (_, k) in enumerate(shapes):
                 if kind == "vllm_bf16":
                     stock[li][j](xs[k])
+                elif kind == "vllm_bf16_padded":
+                    padded[li][j](xs[k], None, None)
                 elif kind == "ours_bf16":
                     ops.dense_linear(xs[k], layers[li][j])
                 elif kind == "vllm_int8":
@@ -148,6 +152,7 @@ def main(argv=None) -> int:
                **{f"{kind}_ms_hot": hot[kind] for kind in KINDS}, "raw_ms": cold}
         row["int8_speedup_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["vllm_int8_ms_median"]
         row["ours_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["ours_bf16_ms_median"]
+        row["padded_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["vllm_bf16_padded_ms_median"]
         row["int4_speedup_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["vllm_int4_ms_median"]
         row["int4_speedup_vs_vllm_int8"] = row["vllm_int8_ms_median"] / row["vllm_int4_ms_median"]
         record["rows"].append(row)
@@ -158,15 +163,16 @@ def main(argv=None) -> int:
              f"{record['bf16_bytes_per_pass'] / 1e6:.0f} MB of bf16 weights per pass, caches flushed before each "
              f"pass (last-level cache {llc >> 20} MB); int8 on {record['int8_path']}, int4 on {record['int4_path']}. ms per pass, median (min) of "
              f"{args.rounds} rounds; hot = best of 3 passes without the flush.", "",
-             "| tokens | vLLM bf16 | ours bf16 | vLLM int8 | vLLM int4 | int8 speedup | int4 speedup (vs int8) "
-             "| ours / vLLM bf16 | hot: vLLM bf16 / ours / int8 / int4 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| tokens | vLLM bf16 | vLLM bf16 padded to 4 rows | ours bf16 | vLLM int8 | vLLM int4 | int8 speedup "
+             "| int4 speedup (vs int8) | padded / vLLM bf16 | ours / vLLM bf16 | hot: vLLM bf16 / ours / int8 / int4 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         lines.append(f"| {r['tokens']} | {r['vllm_bf16_ms_median']:.1f} ({r['vllm_bf16_ms_min']:.1f}) | "
+                     f"{r['vllm_bf16_padded_ms_median']:.1f} ({r['vllm_bf16_padded_ms_min']:.1f}) | "
                      f"{r['ours_bf16_ms_median']:.1f} ({r['ours_bf16_ms_min']:.1f}) | {r['vllm_int8_ms_median']:.1f} "
                      f"({r['vllm_int8_ms_min']:.1f}) | {r['vllm_int4_ms_median']:.1f} ({r['vllm_int4_ms_min']:.1f}) | "
                      f"{r['int8_speedup_vs_vllm_bf16']:.2f}x | {r['int4_speedup_vs_vllm_bf16']:.2f}x "
-                     f"({r['int4_speedup_vs_vllm_int8']:.2f}x) | "
+                     f"({r['int4_speedup_vs_vllm_int8']:.2f}x) | {r['padded_vs_vllm_bf16']:.2f}x | "
                      f"{r['ours_vs_vllm_bf16']:.2f}x | {r['vllm_bf16_ms_hot']:.1f} / {r['ours_bf16_ms_hot']:.1f} / "
                      f"{r['vllm_int8_ms_hot']:.1f} / {r['vllm_int4_ms_hot']:.1f} |")
     bar.close()

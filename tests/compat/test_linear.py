@@ -53,6 +53,28 @@ def test_plain_cpu_linear_is_what_the_cpu_gemm_runs():
     assert compat_linear.layer_prefix(torch.nn.Module()) == ""
 
 
+def test_wrapped_cpu_linear_is_what_the_cpu_gemm_runs():
+    """wrap_cpu_linear: vLLM's CPU GEMM runs the wrapper around the forward its dispatch prepared."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    layer = _layer("w")
+    weight = layer.weight.detach().clone()
+    layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    seen = []
+
+    def wrap(stock):
+        def forward(x, w, bias):
+            seen.append(x.shape)
+            return stock(x, w, bias)
+        return forward
+
+    compat_linear.wrap_cpu_linear(layer, wrap)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer_utils.cpu_unquantized_gemm(layer, x, layer.weight), x @ weight.t(),
+                               rtol=1e-4, atol=1e-4)
+    assert seen == [(3, 32)]
+
+
 def test_stock_dispatch_sets_cpu_linear():
     """The stock dispatch leaves a `cpu_linear(x, weight, bias)` computing the same product (what
     "copy" mode keeps running on dense steps)."""

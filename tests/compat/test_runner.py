@@ -181,11 +181,12 @@ def test_intercept_drafter_load_without_drafter_is_a_noop():
     undo()
 
 
-@pytest.mark.parametrize("linear_kernel", ["vllm", "sparsever", "hybrid"])
+@pytest.mark.parametrize("linear_kernel", ["vllm", "sparsever", "hybrid", "vllm-padded"])
 def test_target_load_hooks_close_before_the_drafter_loads(linear_kernel):
     """setup.target_load_hooks: the FFN hook is active while the target loads and closed when the
     drafter loads (its model loads stock), except that under linear_kernel "sparsever" / "hybrid" the
-    draft model's linears keep their plain weights too (dense_linear) while it loads."""
+    draft model's linears keep their plain weights too (dense_linear) while it loads, and under
+    "vllm-padded" they get the padded forward over vLLM's own."""
     import torch
     import vllm.model_executor.layers.utils as layer_utils
 
@@ -199,12 +200,15 @@ def test_target_load_hooks_close_before_the_drafter_loads(linear_kernel):
         def load_model(self, target):
             seen.append(layer_utils.dispatch_cpu_unquantized_gemm is stock)
             layer = torch.nn.Module()
-            layer.weight = torch.nn.Parameter(torch.randn(4, 8), requires_grad=False)
+            layer.weight = torch.nn.Parameter(torch.randn(4, 8, dtype=torch.bfloat16), requires_grad=False)
             layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-            # dense_linear's forward: the op itself, or (hybrid) its switch to vLLM's packed weight
+            # dense_linear's forward: the op itself, or (hybrid) its switch to vLLM's packed weight,
+            # or (vllm-padded) vLLM's forward behind the padding
             forward = getattr(layer, "cpu_linear", None)
-            seen.append(forward is sparsever_cpu_linear or getattr(forward, "__qualname__", "").startswith(
-                "hybrid_cpu_linear") and layer.weight.shape == (4, 8))
+            name = getattr(forward, "__qualname__", "")
+            seen.append(forward is sparsever_cpu_linear
+                        or name.startswith("hybrid_cpu_linear") and layer.weight.shape == (4, 8)
+                        or name.startswith("padded_cpu_linear"))
 
     runtime = SimpleNamespace(started_with={"ffn": True, "moe": False}, ffn=SimpleNamespace(weights="copy"),
                               linear_kernel=linear_kernel)

@@ -170,23 +170,28 @@ def test_install_for_the_dense_kernel_alone_skips_a_model_it_cannot_serve():
         install_ffn(model, "TinyArch")
 
 
-@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512", "AVX512-BF16", "AMX"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_linear_kernel_auto(monkeypatch, capability, dtype):
     """linear_kernel "auto": sparsever's dense_linear where vLLM-CPU's 16-bit linear is torch's (a CPU
-    without AVX-512, a bf16/fp16 target); vLLM's otherwise, and always on GPUs."""
+    without AVX-512, a bf16/fp16 target); vLLM's with few-token calls padded to 4 rows for such a
+    target on AVX512-BF16 without AMX (oneDNN's slower 1-3 row path); vLLM's otherwise, and always on
+    GPUs."""
     from vllm_sparsever.verification import linear
 
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2" if capability == "AVX2" else "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: capability in ("AVX512-BF16", "AMX"))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: capability == "AMX")
     monkeypatch.setattr(linear, "is_cpu_platform", lambda: True)
-    slow_16bit = capability == "AVX2" and dtype != torch.float32
-    assert linear.resolve_linear_kernel("auto", dtype) == ("sparsever" if slow_16bit else "vllm")
-    assert linear.resolve_linear_kernel("vllm", dtype) == "vllm"
-    assert linear.resolve_linear_kernel("sparsever", dtype) == "sparsever"
-    assert linear.resolve_linear_kernel("hybrid", dtype) == "hybrid"
+    sixteen_bit = dtype != torch.float32
+    expected = ("sparsever" if capability == "AVX2" and sixteen_bit
+                else "vllm-padded" if capability == "AVX512-BF16" and sixteen_bit else "vllm")
+    assert linear.resolve_linear_kernel("auto", dtype) == expected
+    for choice in ("vllm", "sparsever", "hybrid", "vllm-padded"):
+        assert linear.resolve_linear_kernel(choice, dtype) == choice
     monkeypatch.setattr(linear, "is_cpu_platform", lambda: False)
     assert linear.resolve_linear_kernel("auto", dtype) == "vllm"
-    for choice in ("sparsever", "hybrid"):
+    for choice in ("sparsever", "hybrid", "vllm-padded"):
         with pytest.raises(RuntimeError, match=rf"linear_kernel: '{choice}' runs on CPU only"):
             linear.resolve_linear_kernel(choice, dtype)
 
@@ -225,6 +230,96 @@ def test_hybrid_linears_keep_both_weights_and_switch_on_the_token_count():
         torch.testing.assert_close(lin.cpu_linear(x, lin.weight, None).float(), x.float() @ w.float().t(),
                                    rtol=2e-2, atol=2e-2)
     assert packed_calls == [few + 1, 40]
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 8), (3, 8), (1, 1, 8), (4, 8), (9, 8), (2, 3, 8)])
+def test_padded_linear_runs_few_tokens_as_four_rows(shape):
+    """linear_kernel "vllm-padded": a call of 1-3 tokens reaches vLLM-CPU's forward as a 4-row call
+    whose extra rows are zeros, and returns its first rows in the input's leading shape; 4 and more
+    tokens go through as they are."""
+    from vllm_sparsever.verification import linear
+
+    w, b = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)
+    calls = []
+
+    def stock(x, weight, bias):
+        calls.append(x.clone())
+        return torch.nn.functional.linear(x, w, bias)
+
+    forward = linear.padded_cpu_linear(stock)
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    out = forward(x, None, b)
+    tokens = x.numel() // 8
+    assert out.shape == (*shape[:-1], 6)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b))
+    (seen,) = calls
+    if tokens < linear.PADDED_ROWS:
+        assert seen.shape == (linear.PADDED_ROWS, 8)
+        assert torch.equal(seen[:tokens], x.reshape(tokens, 8)) and not seen[tokens:].any()
+    else:
+        assert seen.shape == x.shape
+
+
+def test_padded_linears_wrap_the_stock_forward_of_16bit_weights():
+    """While a model loads with linear_kernel "vllm-padded": every 2-D weight goes to vLLM-CPU's
+    dispatch as it would (its packing and removal), and a 16-bit layer's forward is then the stock
+    one behind the padding; fp32 and 3-D weights keep the stock forward."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override
+    from vllm_sparsever.verification import linear
+
+    removes, rows = [], []
+
+    def stock(layer, remove_weight, _vllms):
+        removes.append(remove_weight)
+        w = layer.weight.detach().clone()
+
+        def forward(x, weight, bias):
+            rows.append(x.shape[0])
+            return torch.nn.functional.linear(x, w, bias)
+
+        layer.cpu_linear = forward
+
+    layers = {}
+    with cpu_gemm_dispatch_override(stock):
+        with linear.padded_linears():
+            for name, shape, dtype in (("bf16", (6, 8), torch.bfloat16), ("fp32", (6, 8), torch.float32),
+                                       ("experts", (2, 6, 8), torch.bfloat16)):
+                layer = torch.nn.Module()
+                layer.weight = torch.nn.Parameter(torch.randn(*shape, dtype=dtype), requires_grad=False)
+                layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+                layers[name] = layer
+    assert removes == [True, True, True]
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        rows.clear()
+        x = torch.randn(1, 8, dtype=dtype)
+        assert layers[name].cpu_linear(x, None, None).shape == (1, 6)
+        assert rows == [linear.PADDED_ROWS if name == "bf16" else 1]
+
+
+def test_padded_linears_on_vllms_own_dispatch():
+    """linear_kernel "vllm-padded" over vLLM-CPU's real dispatch (oneDNN where it applies): one token's
+    product is the first row of the 4-row call it becomes, bit for bit, and the reference product
+    within bf16 rounding."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    from vllm_sparsever.verification import linear
+
+    w = torch.randn(96, 64, dtype=torch.bfloat16)
+    stock = torch.nn.Module()
+    stock.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    layer_utils.dispatch_cpu_unquantized_gemm(stock, remove_weight=False)
+    with linear.padded_linears():
+        padded = torch.nn.Module()
+        padded.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+        layer_utils.dispatch_cpu_unquantized_gemm(padded, remove_weight=True)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    for tokens in (1, 3):
+        out = padded.cpu_linear(x[:tokens], padded.weight, None)
+        rows = torch.cat([x[:tokens], x.new_zeros(4 - tokens, 64)])
+        assert torch.equal(out, stock.cpu_linear(rows, stock.weight, None)[:tokens])
+        torch.testing.assert_close(out.float(), x[:tokens].float() @ w.float().t(), rtol=2e-2, atol=5e-2)
 
 
 def test_plain_linears_keep_the_weight_and_run_dense_linear():

@@ -26,6 +26,7 @@ def test_sparse_ffn_moe_refused_under_cuda_graphs(section):
 
 
 @pytest.mark.parametrize(("field", "value"), [("linear_kernel", "sparsever"), ("linear_kernel", "hybrid"),
+                                               ("linear_kernel", "vllm-padded"),
                                                ("ffn.dense_kernel", "sparsever")])
 def test_cpu_only_kernels_refused_on_a_gpu_before_start(field, value):
     section, _, name = field.rpartition(".")

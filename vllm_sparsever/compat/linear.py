@@ -175,5 +175,12 @@ def use_plain_cpu_linear(layer: torch.nn.Module,
     layer.cpu_linear = linear
 
 
+def wrap_cpu_linear(layer: torch.nn.Module,
+                    wrap: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]) -> None:
+    """Make the layer's CPU forward `wrap(forward)`, `forward` being the one vLLM-CPU prepared (its
+    packed weight stays in use)."""
+    layer.cpu_linear = wrap(layer.cpu_linear)
+
+
 def layer_prefix(layer: Any) -> str:
     return getattr(layer, "prefix", "")

@@ -16,6 +16,12 @@ loads: drafting is a large share of a step on these CPUs.
 prefill but reads its weights more slowly than the op streams them at a few tokens: each layer keeps
 both, the plain weight and vLLM-CPU's packed one, and a call of up to `hybrid_max_tokens` tokens runs
 the op, a longer one vLLM-CPU's linear. Each weight is held twice.
+
+`linear_kernel: "vllm-padded"`, for CPUs with AVX512-BF16 and no AMX (AMD Zen 4): vLLM-CPU's own
+linear (oneDNN), with a call of fewer than `PADDED_ROWS` tokens padded with zero rows to that many.
+oneDNN reads a bf16 weight more slowly for 1-3 rows there than for 4 (a decode step's linears and a
+draft pass are 1-row calls); the extra rows cost nothing on a weight-bound call. Each output row is
+its input row's product, so the real rows are those of a 4-row call (as a verify step's are).
 """
 
 from __future__ import annotations
@@ -27,19 +33,24 @@ from collections.abc import Callable, Iterator
 import torch
 
 from vllm_sparsever import _custom_ops as ops
-from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override, use_plain_cpu_linear
+from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override, use_plain_cpu_linear, wrap_cpu_linear
 from vllm_sparsever.compat.worker import is_cpu_platform
 from vllm_sparsever.verification.runtime import get_runtime
 
 logger = logging.getLogger("vllm_sparsever")
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+CPU_ONLY_LINEAR_KERNELS = ("sparsever", "hybrid", "vllm-padded")
 
 # linear_kernel "hybrid": calls of up to this many tokens run dense_linear, longer ones vLLM-CPU's
 # packed GEMM: 8 where dense_linear runs bf16 on AMX tiles (per projection flat up to 16 tokens, but
 # whole 16-token verify steps measured slower than on vLLM's linears), else 4 (the vdpbf16ps rows
 # re-read the weight past 4 tokens). Measured: bench/results, linear_ab_xeon-*, verify_step_xeon-linear-*.
 HYBRID_MAX_TOKENS = {"amx": 8, "vec": 4}
+
+# linear_kernel "vllm-padded": calls of fewer tokens than this run as a call of this many rows.
+# Measured: bench/results, linear_ab_zen4-*.
+PADDED_ROWS = 4
 
 
 def hybrid_max_tokens(dtype: torch.dtype) -> int:
@@ -52,18 +63,44 @@ def slow_16bit_cpu_linear(dtype: torch.dtype) -> bool:
             and torch.backends.cpu.get_cpu_capability() != "AVX512")
 
 
+def few_row_slow_16bit_cpu_linear(dtype: torch.dtype) -> bool:
+    """Whether vLLM-CPU's own linear for `dtype` is oneDNN on AVX512-BF16 without AMX, which reads
+    the weight more slowly for 1-3 rows than for `PADDED_ROWS` (measured on AMD Zen 4)."""
+    return (is_cpu_platform() and dtype in _SIXTEEN_BIT
+            and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported())
+
+
 def resolve_linear_kernel(choice: str, dtype: torch.dtype) -> str:
     """`linear_kernel` in force for a target of `dtype` (config.py has the rule)."""
-    if choice in ("sparsever", "hybrid") and not is_cpu_platform():
+    if choice in CPU_ONLY_LINEAR_KERNELS and not is_cpu_platform():
         raise RuntimeError(f"linear_kernel: {choice!r} runs on CPU only (allowed here: 'auto', 'vllm')")
     if choice != "auto":
         return choice
-    return "sparsever" if slow_16bit_cpu_linear(dtype) else "vllm"
+    if slow_16bit_cpu_linear(dtype):
+        return "sparsever"
+    return "vllm-padded" if few_row_slow_16bit_cpu_linear(dtype) else "vllm"
 
 
 def sparsever_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A layer's CPU forward (vLLM's `cpu_linear(x, weight, bias)` contract) on `dense_linear`."""
     return ops.dense_linear(x, weight, bias)
+
+
+def padded_cpu_linear(stock: Callable[..., torch.Tensor], rows: int = PADDED_ROWS) -> Callable[..., torch.Tensor]:
+    """A layer's CPU forward under linear_kernel "vllm-padded": `stock` (the forward vLLM-CPU prepared),
+    a call of fewer than `rows` tokens run as a call of `rows` rows, the rest zeros."""
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        tokens = x.numel() // x.shape[-1]
+        if tokens >= rows or tokens == 0:
+            return stock(x, weight, bias)
+        padded = x.new_zeros(rows, x.shape[-1])
+        padded[:tokens] = x.reshape(tokens, x.shape[-1])
+        out = stock(padded, weight, bias)
+        return out[:tokens].reshape(*x.shape[:-1], out.shape[-1])
+
+    return linear
 
 
 def hybrid_cpu_linear(packed: Callable[..., torch.Tensor], max_tokens: int) -> Callable[..., torch.Tensor]:
@@ -107,3 +144,24 @@ def plain_linears(what: str = "target", hybrid: bool = False) -> Iterator[None]:
         runtime.linear_layers[what] = count
     logger.info("sparsever: %d dense linear layers of the %s on sparsever's dense_linear (linear_kernel%s)", count,
                 what, " 'hybrid': for few tokens" if hybrid else "")
+
+
+@contextlib.contextmanager
+def padded_linears(what: str = "target") -> Iterator[None]:
+    """While a model loads: its 16-bit 2-D linear layers keep vLLM-CPU's own forward, with calls of
+    fewer than PADDED_ROWS tokens padded to that many rows (linear_kernel "vllm-padded")."""
+    count = 0
+
+    def dispatch(layer, remove_weight, stock) -> None:
+        nonlocal count
+        weight = getattr(layer, "weight", None)
+        stock(layer, remove_weight)
+        if weight is None or weight.is_meta or weight.ndim != 2 or weight.dtype not in _SIXTEEN_BIT:
+            return
+        wrap_cpu_linear(layer, padded_cpu_linear)
+        count += 1
+
+    with cpu_gemm_dispatch_override(dispatch):
+        yield
+    logger.info("sparsever: %d dense linear layers of the %s on vLLM-CPU's linear, calls of fewer than %d "
+                "tokens padded to %d rows (linear_kernel 'vllm-padded')", count, what, PADDED_ROWS, PADDED_ROWS)

@@ -101,6 +101,7 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
     with contextlib.ExitStack() as stack:
         sparsever_linears = runtime.linear_kernel in ("sparsever", "hybrid")
         hybrid = runtime.linear_kernel == "hybrid"
+        padded = runtime.linear_kernel == "vllm-padded"
         plain_linear = nn.functional.linear  # what runs the MLP's plain ("shared") weights
         if sparsever_linears:
             from vllm_sparsever.verification.linear import plain_linears, sparsever_cpu_linear
@@ -108,6 +109,10 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
             stack.enter_context(plain_linears(hybrid=hybrid))
             if not hybrid:
                 plain_linear = sparsever_cpu_linear
+        elif padded:
+            from vllm_sparsever.verification.linear import padded_linears
+
+            stack.enter_context(padded_linears())
         from vllm_sparsever.compat.worker import is_cpu_platform
 
         # int8 / int4 models (a draft, typically) in fp32 engines: vLLM-CPU's AMX int8 GEMM and its
@@ -129,7 +134,7 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
         from vllm_sparsever.compat.runner import intercept_drafter_load
 
         # The draft model loads as stock vLLM would load it (close the hooks right before), except
-        # that its dense linears too run dense_linear under linear_kernel "sparsever" / "hybrid".
+        # that its dense linears follow linear_kernel "sparsever" / "hybrid" / "vllm-padded".
         def during() -> contextlib.ExitStack:
             draft = contextlib.ExitStack()
             if on_cpu:
@@ -137,6 +142,8 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
                 draft.enter_context(quantized_linears_take_fp32())
             if sparsever_linears:
                 draft.enter_context(plain_linears("draft model", hybrid=hybrid))
+            elif padded:
+                draft.enter_context(padded_linears("draft model"))
             return draft
 
         stack.callback(intercept_drafter_load(runner, before_load=stack.close, during_load=during))
