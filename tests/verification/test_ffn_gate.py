@@ -260,10 +260,11 @@ def test_padded_linear_runs_few_tokens_as_four_rows(shape):
         assert seen.shape == x.shape
 
 
-def test_padded_linears_wrap_the_stock_forward_of_16bit_weights():
-    """While a model loads with linear_kernel "vllm-padded": every 2-D weight goes to vLLM-CPU's
-    dispatch as it would (its packing and removal), and a 16-bit layer's forward is then the stock
-    one behind the padding; fp32 and 3-D weights keep the stock forward."""
+def test_padded_linears_wrap_the_stock_forward_of_2d_weights():
+    """While a model loads with linear_kernel "vllm-padded": every weight goes to vLLM-CPU's dispatch
+    as it would (its packing and removal), and a 2-D layer's forward is then the stock one behind the
+    padding (16-bit or fp32: "auto" picks the kernel for 16-bit models only); 3-D weights keep the
+    stock forward."""
     import vllm.model_executor.layers.utils as layer_utils
 
     from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override
@@ -295,7 +296,8 @@ def test_padded_linears_wrap_the_stock_forward_of_16bit_weights():
         rows.clear()
         x = torch.randn(1, 8, dtype=dtype)
         assert layers[name].cpu_linear(x, None, None).shape == (1, 6)
-        assert rows == [linear.PADDED_ROWS if name == "bf16" else 1]
+        assert rows == [linear.PADDED_ROWS]
+    assert layers["experts"].cpu_linear.__qualname__.endswith("stock.<locals>.forward")
 
 
 def test_padded_linears_on_vllms_own_dispatch():

@@ -95,13 +95,20 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
         if self._draft_vocab is not None:
             from vllm_sparsever import _custom_ops as ops
             from vllm_sparsever.config import SparseverConfigError
-            from vllm_sparsever.verification.linear import slow_16bit_cpu_linear
+            from vllm_sparsever.verification.linear import head_rows_linear, resolve_linear_kernel, slow_16bit_cpu_linear
+            from vllm_sparsever.verification.runtime import get_runtime
 
             try:
                 head = plain_lm_head(model)
                 # torch's 16-bit linear is the slow one on CPUs without AVX-512 (verification/linear.py)
                 linear = ops.dense_linear if slow_16bit_cpu_linear(head.weight.dtype) else torch.nn.functional.linear
-                self._vocab = ContextDraftVocab(head, self._draft_vocab, always=target.stop_token_ids(), linear=linear)
+                runtime = get_runtime()
+                kernel = (runtime.linear_kernel if runtime is not None
+                          else resolve_linear_kernel("auto", head.weight.dtype))
+                lowest = (head_rows_linear(head.weight[: self._draft_vocab], kernel)
+                          if 1 <= self._draft_vocab <= head.weight.shape[0] else None)  # (else refused below)
+                self._vocab = ContextDraftVocab(head, self._draft_vocab, always=target.stop_token_ids(),
+                                                linear=linear, lowest=lowest)
             except ValueError as e:
                 raise SparseverConfigError(f"draft_vocab: {e}") from e
 

@@ -75,17 +75,21 @@ class ContextDraftVocab:
     the lowest ids are the tokens text uses most; names and identifiers copied from the context are
     added per request. A token outside the set is never drafted (lossless: drafts are proposals),
     and each draft reads `size` plus a few LM head rows instead of the whole vocabulary.
-    `head`: compat.model.PlainLMHead of the draft model; `linear(x, weight, bias)`: the product.
+    `head`: compat.model.PlainLMHead of the draft model; `linear(x, weight, bias)`: the product;
+    `lowest(x)`: the product with the `size` lowest ids' rows, prepared once (e.g. over a packed
+    copy of them: verification/linear.py `head_rows_linear`), else `linear` over them.
     """
 
     def __init__(self, head: Any, size: int, always: Iterable[int] = (),
-                 linear: Any = torch.nn.functional.linear) -> None:
+                 linear: Any = torch.nn.functional.linear, lowest: Any = None) -> None:
         vocab = int(head.weight.shape[0])
         if not 1 <= size <= vocab:
             raise ValueError(f"draft_vocab: must be between 1 and the draft model's vocabulary ({vocab}), got {size}")
         self.head = head
         self.linear = linear
         self.size = size
+        rows = head.weight[:size]
+        self._lowest = lowest or (lambda x: linear(x, rows, None))
         self._always = {int(t) for t in always if size <= int(t) < vocab}
         self._seen: dict[str, tuple[int, set[int]]] = {}  # req id -> (tokens scanned, its ids >= size)
         self._extra: list[int] | None = None
@@ -129,7 +133,7 @@ class ContextDraftVocab:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float logits of `self.ids` (the full head's logits at those ids)."""
-        logits = self.head.logits(hidden, self.head.weight[: self.size], self.linear)
+        logits = self.head.logits(hidden, self.head.weight[: self.size], lambda x, rows, bias: self._lowest(x))
         if self._extra_rows.shape[0]:
             logits = torch.cat([logits, self.head.logits(hidden, self._extra_rows, self.linear)], dim=-1)
         return logits

@@ -103,6 +103,29 @@ def padded_cpu_linear(stock: Callable[..., torch.Tensor], rows: int = PADDED_ROW
     return linear
 
 
+def head_rows_linear(rows: torch.Tensor, linear_kernel: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`x -> x @ rows.T` for a draft's LM head rows (drafting/draft_vocab.py: a fixed block of the
+    vocabulary), prepared as `linear_kernel` (resolved) prepares the model's linears: `dense_linear`
+    over the plain rows under "sparsever" / "hybrid"; under "vllm" / "vllm-padded" for 16-bit rows on
+    CPU, vLLM-CPU's own linear over a packed copy of them (torch's 16-bit linear, which reads
+    unpacked rows, is slower than oneDNN's packed one on AVX-512 CPUs), padded under "vllm-padded"
+    (any dtype, as the model's linears). None elsewhere (GPU, fp32 under "vllm"): torch's linear over
+    the plain rows is the choice."""
+    from vllm_sparsever.compat.linear import stock_cpu_linear
+
+    if not is_cpu_platform():
+        return None
+    if linear_kernel in ("sparsever", "hybrid"):
+        return lambda x: ops.dense_linear(x, rows)
+    if rows.dtype not in _SIXTEEN_BIT and linear_kernel != "vllm-padded":
+        return None
+    stock = stock_cpu_linear(rows.clone())
+    if linear_kernel == "vllm-padded":
+        padded = padded_cpu_linear(lambda x, weight, bias: stock(x))
+        return lambda x: padded(x, None, None)
+    return stock
+
+
 def hybrid_cpu_linear(packed: Callable[..., torch.Tensor], max_tokens: int) -> Callable[..., torch.Tensor]:
     """A layer's CPU forward under linear_kernel "hybrid": `dense_linear` over the plain weight for up
     to `max_tokens` tokens, else `packed` (the forward vLLM-CPU prepared, its own weight copy)."""
@@ -148,20 +171,24 @@ def plain_linears(what: str = "target", hybrid: bool = False) -> Iterator[None]:
 
 @contextlib.contextmanager
 def padded_linears(what: str = "target") -> Iterator[None]:
-    """While a model loads: its 16-bit 2-D linear layers keep vLLM-CPU's own forward, with calls of
-    fewer than PADDED_ROWS tokens padded to that many rows (linear_kernel "vllm-padded")."""
+    """While a model loads: its 2-D linear layers keep vLLM-CPU's own forward, with calls of fewer
+    than PADDED_ROWS tokens padded to that many rows (linear_kernel "vllm-padded"; "auto" picks it
+    for 16-bit models only, where it was measured)."""
     count = 0
 
     def dispatch(layer, remove_weight, stock) -> None:
         nonlocal count
         weight = getattr(layer, "weight", None)
         stock(layer, remove_weight)
-        if weight is None or weight.is_meta or weight.ndim != 2 or weight.dtype not in _SIXTEEN_BIT:
+        if weight is None or weight.is_meta or weight.ndim != 2 or not weight.dtype.is_floating_point:
             return
         wrap_cpu_linear(layer, padded_cpu_linear)
         count += 1
 
     with cpu_gemm_dispatch_override(dispatch):
         yield
+    runtime = get_runtime()
+    if runtime is not None and count:
+        runtime.linear_layers[what] = count
     logger.info("sparsever: %d dense linear layers of the %s on vLLM-CPU's linear, calls of fewer than %d "
                 "tokens padded to %d rows (linear_kernel 'vllm-padded')", count, what, PADDED_ROWS, PADDED_ROWS)
