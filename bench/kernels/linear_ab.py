@@ -5,7 +5,8 @@ count, in one process and in turn per round: vLLM-CPU's linear as it prepares it
 (`run.py`'s `vllm_cpu_linear`: oneDNN, sgl-kernel or torch's linear, whichever it picks on this CPU;
 the path is recorded), and `dense_linear` over the plain weight on each of its paths (weights
 streamed; fp32 panels for ATen's fp32 GEMM) and on its default choice, and vLLM-CPU's linear with a
-call of 1-3 tokens padded to 4 rows (`linear_kernel: "vllm-padded"`). Best of rounds per cell;
+call of 1-3 tokens padded to 4 rows (`linear_kernel: "vllm-padded"`), and torch's linear over the plain
+weight (what a draft's `draft_vocab` rows ran before they were prepared). Best of rounds per cell;
 ratios are vLLM's time / ours (and / padded). Weights rotate over enough copies (together twice the last-level
 cache, `last_level_cache_bytes`) that each call reads them from DRAM, as a served model's do: runs
 before 2026-12-02 held at most 256 MB of copies, which a Xeon's 480 MB L3 kept cached.
@@ -32,6 +33,8 @@ MODELS = {
                      "lm_head": (151936, 1536)},
     "qwen2.5-0.5b": {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
                      "lm_head": (151936, 896)},
+    # the 0.5B draft's LM head over `draft_vocab: 32768` (drafting/draft_vocab.py: its lowest ids' rows)
+    "qwen2.5-0.5b-draft-vocab": {"lm_head_32768": (32768, 896)},
 }
 STREAM_MAX = "SPARSEVER_CPU_LINEAR_STREAM_MAX"
 AMX = "SPARSEVER_CPU_LINEAR_AMX"
@@ -113,12 +116,15 @@ def main(argv=None) -> int:
                 for t in tokens_of[name]:
                     x = torch.randn(t, k, generator=gen).to(dtype)
                     reps = args.reps if n * k * t < 5e8 else 2
-                    order = ["vllm", "vllm_padded", *PATHS] if rnd % 2 == 0 else [*PATHS, "vllm_padded", "vllm"]
+                    order = ["vllm", "vllm_padded", "torch", *PATHS]
+                    order = order if rnd % 2 == 0 else order[::-1]
                     for which in order:
                         if which == "vllm":
                             call = lambda i: stocks[i % copies](x)  # noqa: E731
                         elif which == "vllm_padded":
                             call = lambda i: padded[i % copies](x, None, None)  # noqa: E731
+                        elif which == "torch":
+                            call = lambda i: torch.nn.functional.linear(x, weights[i % copies])  # noqa: E731
                         else:
                             call = lambda i: ops.dense_linear(x, weights[i % copies])  # noqa: E731
                             os.environ.update(PATHS[which])
@@ -132,7 +138,7 @@ def main(argv=None) -> int:
     for name, (n, k) in shapes.items():
         for t in tokens_of[name]:
             row = {"proj": name, "n": n, "k": k, "tokens": t, "vllm_path": paths[name],
-                   **{f"{w}_ms": best[(name, t, w)] for w in ("vllm", "vllm_padded", *PATHS)}}
+                   **{f"{w}_ms": best[(name, t, w)] for w in ("vllm", "vllm_padded", "torch", *PATHS)}}
             row["speedup"] = row["vllm_ms"] / row["ours_ms"]
             row["padded_speedup"] = row["vllm_ms"] / row["vllm_padded_ms"]
             record["rows"].append(row)
@@ -143,11 +149,12 @@ def main(argv=None) -> int:
              f"{args.rounds} rounds (each the best of its calls); speedup = vLLM's / ours (default path).", "",
              "'no AMX': bf16 few-token rows on vdpbf16ps instead of AMX tiles (the same where the CPU has no AMX).",
              "'vLLM padded': vLLM-CPU's linear, a call of 1-3 tokens run as 4 rows (linear_kernel 'vllm-padded').",
-             "", "| proj | N x K | tokens | vLLM ms [path] | vLLM padded ms | padded speedup | ours ms | speedup "
-             "| ours streamed ms | ours fp32 panels ms | ours no AMX ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "'torch': torch.nn.functional.linear over the plain weight.",
+             "", "| proj | N x K | tokens | vLLM ms [path] | vLLM padded ms | padded speedup | torch ms | ours ms | speedup "
+             "| ours streamed ms | ours fp32 panels ms | ours no AMX ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         lines.append(f"| {r['proj']} | {r['n']} x {r['k']} | {r['tokens']} | {r['vllm_ms']:.2f} [{r['vllm_path']}] | "
-                     f"{r['vllm_padded_ms']:.2f} | {r['padded_speedup']:.2f}x | {r['ours_ms']:.2f} | {r['speedup']:.2f}x | {r['ours_stream_ms']:.2f} | {r['ours_panels_ms']:.2f} "
+                     f"{r['vllm_padded_ms']:.2f} | {r['padded_speedup']:.2f}x | {r['torch_ms']:.2f} | {r['ours_ms']:.2f} | {r['speedup']:.2f}x | {r['ours_stream_ms']:.2f} | {r['ours_panels_ms']:.2f} "
                      f"| {r['ours_no_amx_ms']:.2f} |")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
