@@ -111,7 +111,7 @@ def main(argv=None) -> int:
                 copies = max(2, min(-(-2 * llc // size), int(4e9 // size)))
                 weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
                 stocks = [vllm_cpu_linear(w.clone()) for w in weights]
-                padded = [padded_cpu_linear(lambda x, w, b, s=s: s(x)) for s in stocks]
+                padded = [padded_cpu_linear(s) for s in stocks]
                 paths[name] = stocks[0].kind
                 for t in tokens_of[name]:
                     x = torch.randn(t, k, generator=gen).to(dtype)
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
                         if which == "vllm":
                             call = lambda i: stocks[i % copies](x)  # noqa: E731
                         elif which == "vllm_padded":
-                            call = lambda i: padded[i % copies](x, None, None)  # noqa: E731
+                            call = lambda i: padded[i % copies](x)  # noqa: E731
                         elif which == "torch":
                             call = lambda i: torch.nn.functional.linear(x, weights[i % copies])  # noqa: E731
                         else:

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     layers = [[(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in shapes]
               for _ in range(LAYERS[args.model])]
     stock = [[vllm_cpu_linear(w.clone()) for w in layer] for layer in layers]
-    padded = [[padded_cpu_linear(lambda x, w, b, s=s: s(x)) for s in layer] for layer in stock]
+    padded = [[padded_cpu_linear(s) for s in layer] for layer in stock]
 
     def int8(w):
         q, scale = quantize_int8_per_channel(w)
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
                 if kind == "vllm_bf16":
                     stock[li][j](xs[k])
                 elif kind == "vllm_bf16_padded":
-                    padded[li][j](xs[k], None, None)
+                    padded[li][j](xs[k])
                 elif kind == "ours_bf16":
                     ops.dense_linear(xs[k], layers[li][j])
                 elif kind == "vllm_int8":

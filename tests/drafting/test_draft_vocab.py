@@ -101,8 +101,9 @@ def test_context_vocab_drafts_low_ids_stop_tokens_and_the_requests_tokens():
 
 
 def test_context_vocab_takes_the_lowest_ids_from_their_prepared_product():
-    """`lowest`: the lowest ids' logits come from the prepared product (called with the hidden states
-    only), the extra rows from `linear`; the logits equal the full head's at the drafted ids."""
+    """`prepare`: the lowest ids' logits come from the product it prepares over their rows (called
+    with the hidden states only), the extra rows from `linear`; the logits equal the full head's at
+    the drafted ids."""
     import numpy as np
 
     from vllm_sparsever.drafting.draft_vocab import ContextDraftVocab
@@ -115,7 +116,9 @@ def test_context_vocab_takes_the_lowest_ids_from_their_prepared_product():
         calls.append(x.shape)
         return x @ rows.t()
 
-    vocab = ContextDraftVocab(head, 10, always=(45,), lowest=lowest)
+    prepared = []
+    vocab = ContextDraftVocab(head, 10, always=(45,), prepare=lambda r: prepared.append(r.shape) or lowest)
+    assert prepared == [(10, 8)]
     vocab.update(["a"], [np.array([1, 30])])
     hidden = torch.randn(2, 8)
     assert torch.allclose(vocab.logits(hidden), head.logits(hidden, head.weight)[:, vocab.ids], atol=1e-5)

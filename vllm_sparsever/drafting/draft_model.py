@@ -105,10 +105,8 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
                 runtime = get_runtime()
                 kernel = (runtime.linear_kernel if runtime is not None
                           else resolve_linear_kernel("auto", head.weight.dtype))
-                lowest = (head_rows_linear(head.weight[: self._draft_vocab], kernel)
-                          if 1 <= self._draft_vocab <= head.weight.shape[0] else None)  # (else refused below)
                 self._vocab = ContextDraftVocab(head, self._draft_vocab, always=target.stop_token_ids(),
-                                                linear=linear, lowest=lowest)
+                                                linear=linear, prepare=lambda rows: head_rows_linear(rows, kernel))
             except ValueError as e:
                 raise SparseverConfigError(f"draft_vocab: {e}") from e
 

