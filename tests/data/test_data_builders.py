@@ -195,3 +195,21 @@ def test_build_data_cached_atomic_and_loadable(fake_files, tmp_path, monkeypatch
     assert not list(root.glob(".*.tmp-*"))
     with pytest.raises(KeyError):
         data_build.build_data(["nope"], root=root)
+
+
+def test_clean_wikitext_drops_references_files_and_categories_nested_ones_included():
+    from vllm_sparsever.data.text import clean_wikitext
+
+    wikitext = (
+        "'''Albedo''' is the [[diffuse reflection|reflected]] fraction of light.<ref>A {{cite|x}} note "
+        "with a [[File:inside.png]]</ref> It ranges from 0 to 1.\n"
+        "[[File:Albedo.png|thumb|Albedo of [[snow]] and [[Image:nested.png]]]]\n"
+        "Snow has a high [[albedo]].<ref name=\"b\"/>\n"
+        "[[Category:Physics]]\n"
+        "== History ==\nThe word comes from [[Latin]].\n"
+        "== See also ==\n* [[Reflectance]]\n"
+    )
+    assert clean_wikitext(wikitext) == (
+        "Albedo is the reflected fraction of light. It ranges from 0 to 1.\n\n"
+        "Snow has a high albedo.\n\nHistory\n\nThe word comes from Latin."
+    )
