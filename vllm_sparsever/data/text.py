@@ -72,13 +72,6 @@ def _remove_nodes(code, doomed: list) -> None:
     walk(code)
 
 
-def _remove(code, node) -> None:
-    try:
-        code.remove(node)
-    except ValueError:
-        pass  # already removed with its parent
-
-
 def _sections_until_back_matter(code) -> Iterator[str]:
     """Cleaned text of each section, stopping at the first back-matter heading (See also, ...)."""
     sections = code.get_sections(include_lead=True, flat=True)
@@ -87,8 +80,7 @@ def _sections_until_back_matter(code) -> Iterator[str]:
         title = headings[0].title.strip_code().strip() if headings else ""
         if title and _WIKI_END_SECTIONS.match(title):
             return
-        for heading in headings:
-            _remove(section, heading)
+        _remove_nodes(section, headings)
         body = section.strip_code(normalize=True, collapse=True).strip()
         body = "\n".join(line for line in body.splitlines() if not line.lstrip().startswith(("|", "!", "{|")))
         if body:
