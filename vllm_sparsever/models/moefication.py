@@ -66,12 +66,16 @@ def balanced_kmeans(features: torch.Tensor, num_clusters: int, iters: int, seed:
         raise ValueError(f"{n} neurons do not split into {num_clusters} equal experts")
     capacity = n // num_clusters
     feats = F.normalize(features.float(), dim=1)
+    # Row gathers from a transposed `features` are strided; gather from a row-major copy (same values).
+    rows = feats.contiguous()
     gen = torch.Generator().manual_seed(seed)
-    centroids = feats[torch.randperm(n, generator=gen)[:num_clusters]].clone()
+    centroids = rows[torch.randperm(n, generator=gen)[:num_clusters]].clone()
     labels = torch.empty(n, dtype=torch.long)
     for _ in range(iters):
-        labels = torch.from_numpy(_greedy_balanced_assign((feats @ centroids.T).numpy(), capacity))
-        new_centroids = F.normalize(torch.stack([feats[labels == c].mean(0) for c in range(num_clusters)]), dim=1)
+        # A contiguous right operand takes MKL's fast path with the same result as `feats @ centroids.T`.
+        scores = torch.mm(feats, centroids.T.contiguous())
+        labels = torch.from_numpy(_greedy_balanced_assign(scores.numpy(), capacity))
+        new_centroids = F.normalize(torch.stack([rows[labels == c].mean(0) for c in range(num_clusters)]), dim=1)
         if torch.allclose(new_centroids, centroids, atol=1e-6):
             break
         centroids = new_centroids
