@@ -152,6 +152,26 @@ def test_failed_build_leaves_nothing(tmp_path):
     assert manifest.is_finished(folder) and (folder / "a.txt").read_text() == "a"
 
 
+def test_conversion_parses_the_gguf_once(tiny, tmp_path, monkeypatch):
+    """transformers opens the GGUF for the config, the tokenizer and the weights; the conversion
+    hands all three (and its own metadata read) one parse. Fails if transformers stops looking
+    `gguf.GGUFReader` up at call time."""
+    import gguf
+
+    from vllm_sparsever.models.gguf_hf import convert_gguf_to_hf
+
+    _, gguf_path = tiny
+    parses = []
+    init = gguf.GGUFReader.__init__
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, path, *a, **k: parses.append(path) or init(self, path, *a, **k))
+    convert_gguf_to_hf(gguf_path, tmp_path / "out", dtype="float32")
+    assert parses == [str(gguf_path)]
+    assert isinstance(gguf.GGUFReader, type)  # the module's class is back after the conversion
+    other = tmp_path / "copy.gguf"
+    other.write_bytes(gguf_path.read_bytes())
+    assert gguf.GGUFReader(str(other)).fields["general.architecture"].contents() == "qwen2"
+
+
 def test_restores_add_bos_token(tmp_path):
     """Gemma's converted tokenizer loses add_bos_token; the GGUF flag must win."""
     from transformers import AutoTokenizer

@@ -9,9 +9,10 @@ unpacked into a plain dense model that vLLM can serve. What transformers 5.x lea
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,35 @@ def assemble_gguf(pieces: Sequence[Path], dest: Path, expected_sha256: str | Non
     return sha
 
 
+@contextlib.contextmanager
+def shared_gguf_reader(path: Path) -> Iterator[Any]:
+    """One parse of `path` for the whole conversion: transformers builds a fresh `gguf.GGUFReader`
+    for the config, the tokenizer and the weights, and each parse of a 150K-token vocabulary takes
+    seconds. Inside the block, `gguf.GGUFReader(path)` returns the one reader (read-only use);
+    other paths get their own."""
+    import gguf
+
+    original = gguf.GGUFReader
+    reader = original(str(path))
+    target = Path(path).resolve()
+
+    def reader_for(file, *args, **kwargs):
+        if not args and not kwargs and Path(file).resolve() == target:
+            return reader
+        return original(file, *args, **kwargs)
+
+    gguf.GGUFReader = reader_for
+    try:
+        yield reader
+    finally:
+        gguf.GGUFReader = original
+
+
 def read_gguf_metadata(path: Path, keys: Sequence[str]) -> dict[str, Any]:
     """Scalar/string metadata fields of a GGUF (memory-mapped; tensors are not read)."""
-    from gguf import GGUFReader
+    import gguf
 
-    reader = GGUFReader(str(path))
+    reader = gguf.GGUFReader(str(path))
     values = {}
     for key in keys:
         field = reader.fields.get(key)
@@ -79,17 +104,18 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     torch_dtype = getattr(torch, dtype)
-    meta = read_gguf_metadata(
-        gguf_path, ["general.architecture", "general.name", "general.file_type", "tokenizer.ggml.add_bos_token"]
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    restore_add_bos_token(tokenizer, meta.get("tokenizer.ggml.add_bos_token"))
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent,
-        gguf_file=gguf_path.name,
-        dtype=torch_dtype,
-        quantization_config=GgufConfig(gguf_file=gguf_path.name, dequantize=True),
-    )
+    with shared_gguf_reader(gguf_path):
+        meta = read_gguf_metadata(
+            gguf_path, ["general.architecture", "general.name", "general.file_type", "tokenizer.ggml.add_bos_token"]
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        restore_add_bos_token(tokenizer, meta.get("tokenizer.ggml.add_bos_token"))
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent,
+            gguf_file=gguf_path.name,
+            dtype=torch_dtype,
+            quantization_config=GgufConfig(gguf_file=gguf_path.name, dequantize=True),
+        )
     # Dequantized weights are plain tensors: drop every trace of the GGUF quantizer so that
     # config.json describes an ordinary checkpoint.
     if hasattr(model.config, "quantization_config"):
