@@ -6,7 +6,7 @@
 #include <optional>
 #include <string>
 
-#include <torch/all.h>
+#include "torch_api.h"
 
 // Which ISA build of the extension is loaded ("avx512" or "avx2"); used for diagnostics.
 std::string ext_info();

@@ -737,7 +737,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
   const int64_t nsel_s0 = num_selected ? num_selected->stride(0) : 0;
   const int64_t nsel_s1 = num_selected ? num_selected->stride(1) : 0;
   torch::Tensor mask_u8;
-  if (tree_mask) mask_u8 = tree_mask->to(torch::kUInt8).contiguous();
+  if (tree_mask) mask_u8 = tree_mask->to(torch::kByte).contiguous();
   const uint8_t* mask = tree_mask ? mask_u8.data_ptr<uint8_t>() : nullptr;
   const int64_t mask_stride = tree_mask ? mask_u8.size(1) : 0;
   if (tree_mask) {
@@ -1064,14 +1064,14 @@ void block_sparse_tree_attention_cpu(torch::Tensor& out, const torch::Tensor& qu
                   out.scalar_type() == query.scalar_type(),
               "query, out and caches must share a dtype");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out need a contiguous head_dim");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
-                  query_start_loc.scalar_type() == torch::kInt32,
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
+                  query_start_loc.scalar_type() == torch::kInt,
               "block_table, seq_lens, query_start_loc must be int32");
   TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
               "index tensors must be contiguous");
   TORCH_CHECK(selected.has_value() == num_selected.has_value(), "selected and num_selected go together");
   if (selected) {
-    TORCH_CHECK(selected->scalar_type() == torch::kInt32 && num_selected->scalar_type() == torch::kInt32,
+    TORCH_CHECK(selected->scalar_type() == torch::kInt && num_selected->scalar_type() == torch::kInt,
                 "selected/num_selected must be int32");
     TORCH_CHECK(selected->stride(2) == 1, "selected needs a contiguous last dim");
   }

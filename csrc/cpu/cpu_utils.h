@@ -8,7 +8,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
-#include <torch/all.h>
+#include "torch_api.h"
 
 #include <cstdlib>
 #include <cstring>

@@ -193,7 +193,7 @@ void ffn_impl(torch::Tensor& out, const torch::Tensor& x, const std::optional<to
     hid.resize(static_cast<size_t>(nt * keep));
     if (nt >= gemm_from) {
       // Gather the selected up rows / down rows once (contiguous rows), then GEMMs.
-      auto idx_t = torch::from_blob(idx, {keep}, torch::kInt32).to(torch::kLong);
+      auto idx_t = torch::from_blob(idx, {keep}, torch::kInt).to(torch::kLong);
       auto xg = x.narrow(0, t0, nt);
       auto up_t = at::linear(xg, w_up.index_select(0, idx_t)).to(torch::kFloat).contiguous();
       const float* upp = up_t.data_ptr<float>();
@@ -396,9 +396,9 @@ void check_ffn_args(const torch::Tensor& out, const torch::Tensor& x, const torc
                   out.scalar_type() == x.scalar_type(),
               "x, out and weights must share a dtype");
   TORCH_CHECK(keep >= 1 && keep <= inter, "keep must be in [1, I]");
-  TORCH_CHECK(group_start_loc.scalar_type() == torch::kInt32 && group_start_loc.is_contiguous(),
+  TORCH_CHECK(group_start_loc.scalar_type() == torch::kInt && group_start_loc.is_contiguous(),
               "group_start_loc must be contiguous int32");
-  TORCH_CHECK(selected.scalar_type() == torch::kInt32 && selected.is_contiguous() &&
+  TORCH_CHECK(selected.scalar_type() == torch::kInt && selected.is_contiguous() &&
                   selected.size(0) == group_start_loc.size(0) - 1 && selected.size(1) == keep,
               "selected must be contiguous int32 [G, keep]");
 }
@@ -445,10 +445,10 @@ void input_sparse_gate_cpu(torch::Tensor& gate, const torch::Tensor& x, const to
                   (gate.size(1) <= 1 || gate.stride(1) == 1),
               "gate must be [T, I] with contiguous rows");
   TORCH_CHECK(input_keep >= 1 && input_keep <= x.size(1), "input_keep must be in [1, H], got ", input_keep);
-  TORCH_CHECK(group_start_loc.scalar_type() == torch::kInt32 && group_start_loc.dim() == 1 &&
+  TORCH_CHECK(group_start_loc.scalar_type() == torch::kInt && group_start_loc.dim() == 1 &&
                   group_start_loc.is_contiguous() && group_start_loc.numel() >= 1,
               "group_start_loc must be contiguous int32 [G+1]");
-  TORCH_CHECK(channels.scalar_type() == torch::kInt32 && channels.is_contiguous() && channels.dim() == 2 &&
+  TORCH_CHECK(channels.scalar_type() == torch::kInt && channels.is_contiguous() && channels.dim() == 2 &&
                   channels.size(0) == group_start_loc.size(0) - 1 && channels.size(1) == input_keep,
               "channels must be contiguous int32 [G, input_keep]");
   SPARSEVER_DISPATCH_FLOAT_TYPES(x.scalar_type(), "input_sparse_gate_cpu", [&] {
@@ -463,7 +463,7 @@ void moe_route_and_prune_cpu(const torch::Tensor& router_logits, int64_t top_k, 
   const int64_t num_tokens = router_logits.size(0), num_experts = router_logits.size(1);
   TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "top_k must be in [1, E]");
   TORCH_CHECK(topk_weights.scalar_type() == torch::kFloat && topk_weights.is_contiguous() &&
-                  topk_ids.scalar_type() == torch::kInt32 && topk_ids.is_contiguous(),
+                  topk_ids.scalar_type() == torch::kInt && topk_ids.is_contiguous(),
               "topk_weights fp32 and topk_ids int32, both contiguous");
   TORCH_CHECK(topk_weights.size(0) == num_tokens && topk_weights.size(1) == top_k &&
                   topk_ids.sizes() == topk_weights.sizes(),
@@ -490,7 +490,7 @@ void moe_route_and_prune_cpu(const torch::Tensor& router_logits, int64_t top_k, 
     }
   });
   if (expert_budget > 0 && group_start_loc.has_value()) {
-    auto gsl_t = group_start_loc->to(torch::kInt32).contiguous();
+    auto gsl_t = group_start_loc->to(torch::kInt).contiguous();
     const int32_t* gsl = gsl_t.data_ptr<int32_t>();
     std::vector<float> mass(num_experts);
     std::vector<char> used(num_experts), allowed(num_experts);
@@ -558,7 +558,7 @@ void moe_grouped_dispatch_cpu(torch::Tensor& out, const torch::Tensor& x, const 
               "x, out and weights must share a dtype");
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) && topk_weights.sizes() == topk_ids.sizes(),
               "topk_weights/topk_ids must be [T, K]");
-  TORCH_CHECK(num_experts_used.numel() == 1 && num_experts_used.scalar_type() == torch::kInt32,
+  TORCH_CHECK(num_experts_used.numel() == 1 && num_experts_used.scalar_type() == torch::kInt,
               "num_experts_used must be a one-element int32 tensor");
   int64_t used = 0;
   SPARSEVER_DISPATCH_FLOAT_TYPES(x.scalar_type(), "moe_grouped_dispatch_cpu", [&] {

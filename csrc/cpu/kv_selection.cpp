@@ -123,11 +123,11 @@ void select_kv_blocks_cpu(const torch::Tensor& query_pooled, const torch::Tensor
   TORCH_CHECK(key_min.scalar_type() == torch::kFloat && key_max.scalar_type() == torch::kFloat &&
                   key_min.is_contiguous() && key_max.is_contiguous(),
               "key_min/key_max must be contiguous fp32");
-  TORCH_CHECK(selected.scalar_type() == torch::kInt32 && num_selected.scalar_type() == torch::kInt32 &&
+  TORCH_CHECK(selected.scalar_type() == torch::kInt && num_selected.scalar_type() == torch::kInt &&
                   selected.is_contiguous() && num_selected.is_contiguous(),
               "selected/num_selected must be contiguous int32");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
-                  query_lens.scalar_type() == torch::kInt32,
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
+                  query_lens.scalar_type() == torch::kInt,
               "block_table, seq_lens, query_lens must be int32");
   TORCH_CHECK(top_k >= 0 && num_sink >= 0 && num_local >= 0, "top_k, num_sink, num_local must be >= 0");
   const int num_req = static_cast<int>(selected.size(0));
