@@ -2,13 +2,11 @@
 // thread-local scratch. All kernels compute in fp32 and round only their outputs.
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
-#include "torch_api.h"
+
+#include "torch_api.h"  // parallel_for, at::vec
 
 #include <cstdlib>
 #include <cstring>

@@ -49,8 +49,8 @@ def assemble_gguf(pieces: Sequence[Path], dest: Path, expected_sha256: str | Non
 def shared_gguf_reader(path: Path) -> Iterator[Any]:
     """One parse of `path` for the whole conversion: transformers builds a fresh `gguf.GGUFReader`
     for the config, the tokenizer and the weights, and each parse of a 150K-token vocabulary takes
-    seconds. Inside the block, `gguf.GGUFReader(path)` returns the one reader (read-only use);
-    other paths get their own."""
+    seconds. Yields that reader; inside the block, `gguf.GGUFReader(path)` returns it too
+    (read-only use), other paths get their own."""
     import gguf
 
     original = gguf.GGUFReader
@@ -69,11 +69,8 @@ def shared_gguf_reader(path: Path) -> Iterator[Any]:
         gguf.GGUFReader = original
 
 
-def read_gguf_metadata(path: Path, keys: Sequence[str]) -> dict[str, Any]:
-    """Scalar/string metadata fields of a GGUF (memory-mapped; tensors are not read)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+def read_gguf_metadata(reader, keys: Sequence[str]) -> dict[str, Any]:
+    """Scalar/string metadata fields of an open `gguf.GGUFReader` (tensors are not read)."""
     values = {}
     for key in keys:
         field = reader.fields.get(key)
@@ -104,9 +101,9 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     torch_dtype = getattr(torch, dtype)
-    with shared_gguf_reader(gguf_path):
+    with shared_gguf_reader(gguf_path) as reader:
         meta = read_gguf_metadata(
-            gguf_path, ["general.architecture", "general.name", "general.file_type", "tokenizer.ggml.add_bos_token"]
+            reader, ["general.architecture", "general.name", "general.file_type", "tokenizer.ggml.add_bos_token"]
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         restore_add_bos_token(tokenizer, meta.get("tokenizer.ggml.add_bos_token"))
