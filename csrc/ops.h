@@ -15,6 +15,7 @@ std::string ext_info();
 // block_sparse_tree_attention's bf16 path on the plain KV layout use.
 bool bf16_dot_available();
 bool amx_available();
+int64_t amx_emulated_products();
 
 // ---- CPU implementations (csrc/cpu) ------------------------------------------------------------
 

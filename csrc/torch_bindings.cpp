@@ -22,6 +22,9 @@ TORCH_LIBRARY(sparsever, m) {
   m.def("bf16_dot_available() -> bool", &bf16_dot_available);
   // Whether this build and CPU run bf16 tiles (AMX): dense_linear's few-token path and the AMX attention.
   m.def("amx_available() -> bool", &amx_available);
+  // Tile products run on the emulated tiles (SPARSEVER_CPU_AMX_EMULATE=1) in this process: tests check
+  // that the AMX path ran.
+  m.def("amx_emulated_products() -> int", &amx_emulated_products);
 
   // key_cache [nb, Hkv, bs, D] strided view; slot_mapping [N] int32/int64 (negative = skip);
   // key_min/key_max [nb, Hkv, D] fp32: exact recompute of every touched block over offsets 0..last.

