@@ -12,7 +12,7 @@ def _two_threads():
 def amx_tiles(request, monkeypatch):
     """The AMX tiles an op's AMX path runs on: the instructions (CPUs with AMX) or their software model
     (SPARSEVER_CPU_AMX_EMULATE=1: the AVX-512 build on a CPU with AVX512-BF16, csrc/cpu/amx_tiles.h).
-    Yields a check that the op's tile products ran on that backend (none emulated on "hardware")."""
+    Returns a check that the op's tile products ran on that backend (none emulated on "hardware")."""
     import vllm_sparsever._custom_ops as ops
 
     if request.param == "hardware":
