@@ -193,7 +193,7 @@ def amx_available() -> bool:
 def amx_emulation_available() -> bool:
     """Whether SPARSEVER_CPU_AMX_EMULATE=1 runs the AMX paths here on a software model of the tiles (for
     tests, on CPUs without AMX): the AVX-512 build on a CPU with AVX512-BF16."""
-    return _ops.ext_info() == "avx512" and torch.cpu._is_avx512_bf16_supported()
+    return bf16_dot_available()
 
 
 def amx_emulated_products() -> int:

@@ -20,6 +20,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "gemv_rows_bf16.h"  // rows_bf16_available
+
 // Every CPU with AMX-BF16 also has AVX512-BF16 (amx_usable checks both): its vcvtne2ps2bf16 rounds the
 // softmax's probabilities to bf16 in one instruction.
 #define SPARSEVER_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -32,11 +34,6 @@ constexpr int kTileBytes = 64;     // bytes per tile row
 constexpr int kBf16PerRow = 32;    // bf16 values per tile row: the K depth of one tile product
 constexpr int kF32PerRow = 16;     // fp32 values per C tile row: the N width of one tile product
 
-inline bool cpu_has_avx512_bf16() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax >> 5 & 1u);
-}
-
 // True when the CPU has AMX-TILE and AMX-BF16 (CPUID.(7,0):EDX bits 24 and 22) and the kernel granted
 // this process tile data (at::cpu::init_amx, once per process).
 inline bool amx_usable() {
@@ -44,7 +41,7 @@ inline bool amx_usable() {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     const bool has = (edx >> 24 & 1u) && (edx >> 22 & 1u);  // AMX-TILE, AMX-BF16
-    return has && cpu_has_avx512_bf16() && at::cpu::init_amx();
+    return has && rows_bf16_available() && at::cpu::init_amx();
   }();
   return ok;
 }
@@ -53,8 +50,7 @@ inline bool amx_usable() {
 // tiles, on CPUs with AMX too (to compare the two). The paths' vector work needs AVX512-BF16.
 inline bool emulation_enabled() {
   const char* env = std::getenv("SPARSEVER_CPU_AMX_EMULATE");
-  static const bool bf16 = cpu_has_avx512_bf16();
-  return env != nullptr && std::strcmp(env, "1") == 0 && bf16;
+  return env != nullptr && std::strcmp(env, "1") == 0 && rows_bf16_available();
 }
 
 // Whether an op's AMX paths run at all (on either backend).
@@ -246,7 +242,6 @@ SPARSEVER_AMX inline void dp_2x2(const void* a, int64_t a_stride, bool two, cons
 template <typename Tiles>
 class TileState {
  public:
-  using Backend = Tiles;
   // Loads the configuration for row groups of m0 and m1 rows unless it is already in place.
   // Construct one per parallel chunk: other code on the thread (oneDNN) may load its own.
   SPARSEVER_AMX void configure(int m0, int m1) {
