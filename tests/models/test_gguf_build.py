@@ -176,7 +176,7 @@ def test_restores_add_bos_token(tmp_path):
     """Gemma's converted tokenizer loses add_bos_token; the GGUF flag must win."""
     from transformers import AutoTokenizer
 
-    from vllm_sparsever.models.gguf_hf import convert_gguf_to_hf
+    from vllm_sparsever.models.gguf_hf import convert_gguf_to_hf, gguf_tokenizer
 
     model, tokens = make_tiny_qwen2(layers=1)
     path = write_gguf(model, tokens, tmp_path / "bos.gguf", add_bos=True)
@@ -185,6 +185,9 @@ def test_restores_add_bos_token(tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path / "out")
     ids = tok("the cat")["input_ids"]
     assert ids[0] == tok.bos_token_id and tok.decode(ids[1:]) == "the cat"
+    # The tokenizer alone (no weights converted) is the one the build saved.
+    alone = gguf_tokenizer(path)
+    assert alone("the cat")["input_ids"] == ids and alone.get_vocab() == tok.get_vocab()
 
 
 def test_registry_pins_exact_versions():

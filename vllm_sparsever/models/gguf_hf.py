@@ -95,18 +95,32 @@ def restore_add_bos_token(tokenizer, add_bos: bool | None) -> None:
         raise RuntimeError(f"could not set add_bos_token={add_bos} on {type(tokenizer).__name__}")
 
 
+_METADATA_KEYS = ("general.architecture", "general.name", "general.file_type", "tokenizer.ggml.add_bos_token")
+
+
+def _tokenizer(gguf_path: Path, meta: dict[str, Any]):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    restore_add_bos_token(tokenizer, meta.get("tokenizer.ggml.add_bos_token"))
+    return tokenizer
+
+
+def gguf_tokenizer(gguf_path: Path):
+    """The tokenizer `convert_gguf_to_hf` saves for `gguf_path`, without converting the weights."""
+    with shared_gguf_reader(gguf_path) as reader:
+        return _tokenizer(gguf_path, read_gguf_metadata(reader, _METADATA_KEYS))
+
+
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") -> dict[str, Any]:
     """Dequantize `gguf_path` into a Hugging Face folder at `out_dir`; returns facts for the manifest."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     torch_dtype = getattr(torch, dtype)
     with shared_gguf_reader(gguf_path) as reader:
-        meta = read_gguf_metadata(
-            reader, ["general.architecture", "general.name", "general.file_type", "tokenizer.ggml.add_bos_token"]
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        restore_add_bos_token(tokenizer, meta.get("tokenizer.ggml.add_bos_token"))
+        meta = read_gguf_metadata(reader, _METADATA_KEYS)
+        tokenizer = _tokenizer(gguf_path, meta)
         model = AutoModelForCausalLM.from_pretrained(
             gguf_path.parent,
             gguf_file=gguf_path.name,
