@@ -209,7 +209,8 @@ def capture_ffn_inputs(model, input_ids: torch.Tensor, batch: int = 4) -> list[t
     try:
         with torch.no_grad():
             for start in tqdm(range(0, input_ids.shape[0], batch), desc="calibration forward", leave=False):
-                model(input_ids=input_ids[start : start + batch])
+                # The LM head's logits are not needed (the hooks capture the MLP inputs): keep one position.
+                model(input_ids=input_ids[start : start + batch], logits_to_keep=1)
     finally:
         for hook in hooks:
             hook.remove()
