@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "torch_api.h"
 
@@ -16,6 +17,7 @@ std::string ext_info();
 bool bf16_dot_available();
 bool amx_available();
 int64_t amx_emulated_products();
+std::vector<int64_t> amx_emulated_prefetch_lines();
 
 // ---- CPU implementations (csrc/cpu) ------------------------------------------------------------
 

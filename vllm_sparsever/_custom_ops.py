@@ -201,6 +201,13 @@ def amx_emulated_products() -> int:
     return int(_ops.amx_emulated_products())
 
 
+def amx_emulated_prefetch_lines() -> tuple[int, int]:
+    """(lines the AMX path prefetched on the emulated tiles in this process, of them those a later tile
+    load of the same thread read): tests of its prefetch schedule."""
+    issued, loaded = _ops.amx_emulated_prefetch_lines()
+    return int(issued), int(loaded)
+
+
 def moe_route_and_prune(router_logits: torch.Tensor, top_k: int, prune_ratio: float = 0.0,
                         group_start_loc: torch.Tensor | None = None, expert_budget: int = 0,
                         renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

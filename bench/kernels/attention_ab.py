@@ -10,6 +10,11 @@ a bf16 and an fp32 GEMM through torch).
     # build the baseline's _C into a folder first, e.g. from a worktree of the previous commit
     python bench/kernels/attention_ab.py --build before=/tmp/before/_C.so --build after=vllm_sparsever/_C.cpython-311-x86_64-linux-gnu.so \\
         --contexts 8192 32768 --q-lens 1 4 8 16 --rounds 3 --tag avx2-tiles
+
+    # one build under two settings of a kernel's environment switch (--env NAME:VAR=VALUE)
+    so=vllm_sparsever/_C_avx512.cpython-311-x86_64-linux-gnu.so
+    python bench/kernels/attention_ab.py --layout amx --build pages=$so --build stream=$so \\
+        --env stream:SPARSEVER_CPU_AMX_PREFETCH=stream --tag amx-prefetch-stream
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +87,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layout", choices=["vec", "amx"], default="vec",
                     help="KV layout: vLLM-CPU's plain one, or its AMX-packed one (bf16 on CPUs with AMX)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME:VAR=VALUE",
+                    help="an environment variable for one build's processes (e.g. a kernel's switch, to time "
+                         "one build under two settings)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -93,6 +102,13 @@ def main(argv=None) -> int:
     for name, path in builds.items():
         if not Path(path).is_file():
             ap.error(f"--build {name}: no file {path}")
+    envs: dict[str, dict[str, str]] = {name: {} for name in builds}
+    for e in args.env:
+        name, sep, assignment = e.partition(":")
+        var, eq, value = assignment.partition("=")
+        if not (sep and eq and var) or name not in builds:
+            ap.error(f"--env {e}: expected NAME:VAR=VALUE with NAME one of {', '.join(builds)}")
+        envs[name][var] = value
 
     import torch
     from tqdm import tqdm
@@ -114,7 +130,8 @@ def main(argv=None) -> int:
                 cmd = [sys.executable, __file__, "--child", name, *sum((["--build", b] for b in args.build), []),
                        "--contexts", *map(str, args.contexts), "--q-lens", *map(str, args.q_lens),
                        "--reps", str(args.reps), "--threads", str(args.threads), "--layout", args.layout]
-                lines = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
+                lines = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                       env=os.environ | envs[name]).stdout.splitlines()
                 for line in lines:
                     r = json.loads(line) | {"build": name, "round": rnd}
                     raw.append(r)
@@ -134,7 +151,7 @@ def main(argv=None) -> int:
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H%M")
     base = ROOT / "bench" / "results" / f"kernels_attention_ab_{stamp}{'_' + args.tag if args.tag else ''}"
     record = {"command": " ".join([sys.executable, *sys.argv]), "machine": hardware(), "shape": SHAPE,
-              "builds": builds, "layout": args.layout, "roof": roof, "rows": rows, "raw": raw}
+              "builds": builds, "env": envs, "layout": args.layout, "roof": roof, "rows": rows, "raw": raw}
     base.with_suffix(".json").write_text(json.dumps(record, indent=1))
     head = "| ctx | q | " + " | ".join(f"{n}: ms, GFLOP/s, roof %" for n in names) + " | " + \
         " | ".join(f"{names[0]} / {n}" for n in names[1:]) + " |"
@@ -144,6 +161,8 @@ def main(argv=None) -> int:
              f"{SHAPE['block_size']}, bf16, vLLM-CPU's {'AMX-packed' if args.layout == 'amx' else 'plain'} KV layout), batch 1, {args.threads} threads. Best of "
              f"{args.rounds} rounds x {args.reps} calls per build, the builds' processes alternating. Roof: "
              f"{roof['gemm_GFLOPs']:.0f} GFLOP/s ({roof['method']}; fastest: {roof['roof_dtype']}).", "",
+             *([f"Environment: " + "; ".join(f"{n}: " + " ".join(f"{k}={v}" for k, v in e.items())
+                                              for n, e in envs.items() if e), ""] if any(envs.values()) else []),
              head, "|" + "---|" * (2 + len(names) + len(names) - 1)]
     for r in rows:
         cells = [f"{r[n]['ms']:.3f}, {r[n]['GFLOPs']:.0f}, {100 * r[n]['roof_fraction']:.0f}%" for n in names]

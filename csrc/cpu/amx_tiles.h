@@ -6,6 +6,7 @@
 //             SPARSEVER_CPU_AMX_EMULATE=1 the AMX paths run on it on any CPU with AVX512-BF16, so they
 //             are checked against the references on CPUs without AMX (as the SIMT executor runs the CUDA
 //             kernels' bodies), and misuse the hardware would fault on is reported as an error.
+//             Its prefetch() also logs the line, so tests see whether tile loads later read it.
 // The functions carry their own target attribute, so the rest of the module needs no AMX flags.
 #pragma once
 
@@ -19,6 +20,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <unordered_map>
 
 #include "gemv_rows_bf16.h"  // rows_bf16_available
 
@@ -87,6 +89,8 @@ struct Hardware {
   SPARSEVER_AMX static void dot_bf16() {
     __asm__ volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
   }
+  // A software prefetch (into L2) of the line at p, for a tile load to come.
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 };
 
 // The tiles in software, per thread (a thread's tile registers): the Intel SDM's semantics of
@@ -110,6 +114,23 @@ struct Emulated {
     static std::atomic<int64_t> n{0};
     return n;
   }
+  // Lines prefetched through prefetch() in this process, and how many of them a tile load of the same
+  // thread read at least kPrefetchLead tile loads later (tests: that a prefetch schedule fetches the
+  // lines the tiles read, well before they read them).
+  static constexpr int64_t kPrefetchLead = 16;
+  static std::atomic<int64_t>& prefetched_lines() {
+    static std::atomic<int64_t> n{0};
+    return n;
+  }
+  static std::atomic<int64_t>& prefetched_lines_loaded() {
+    static std::atomic<int64_t> n{0};
+    return n;
+  }
+  static void prefetch(const void* p) {
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+    if (pending_lines().emplace(reinterpret_cast<uintptr_t>(p) / kTileBytes, tile_loads()).second)
+      prefetched_lines().fetch_add(1);
+  }
   static void configure(const TileConfig& cfg) {
     TORCH_CHECK(cfg.palette_id == 1, "AMX emulation: palette ", int(cfg.palette_id), " (only palette 1)");
     File& f = file();
@@ -126,6 +147,7 @@ struct Emulated {
     File& f = file();
     f.configured = false;
     std::memset(f.data, 0, sizeof(f.data));
+    pending_lines().clear();
   }
   template <int T>
   static void zero() {
@@ -136,8 +158,21 @@ struct Emulated {
     uint8_t* d = tile(T);
     const File& f = file();
     std::memset(d, 0, kTileRows * kTileBytes);
-    for (int r = 0; r < f.rows[T]; ++r)
-      std::memcpy(d + r * kTileBytes, static_cast<const uint8_t*>(src) + r * stride, f.colsb[T]);
+    auto& pending = pending_lines();
+    const int64_t now = tile_loads()++;
+    for (int r = 0; r < f.rows[T]; ++r) {
+      const uint8_t* row = static_cast<const uint8_t*>(src) + r * stride;
+      std::memcpy(d + r * kTileBytes, row, f.colsb[T]);
+      if (pending.empty()) continue;
+      const uintptr_t first = reinterpret_cast<uintptr_t>(row) / kTileBytes;
+      const uintptr_t last = (reinterpret_cast<uintptr_t>(row) + f.colsb[T] - 1) / kTileBytes;
+      for (uintptr_t line = first; line <= last; ++line) {
+        const auto it = pending.find(line);
+        if (it == pending.end()) continue;
+        if (now - it->second >= kPrefetchLead) prefetched_lines_loaded().fetch_add(1);
+        pending.erase(it);
+      }
+    }
   }
   template <int T>
   static void store(void* dst, int64_t stride) {
@@ -179,6 +214,16 @@ struct Emulated {
     float x;
     std::memcpy(&x, &bits, sizeof(x));
     return x;
+  }
+  // Lines (address / 64) prefetched by this thread and not yet tile-loaded, with the thread's count
+  // of tile loads when each was prefetched.
+  static std::unordered_map<uintptr_t, int64_t>& pending_lines() {
+    static thread_local std::unordered_map<uintptr_t, int64_t> lines;
+    return lines;
+  }
+  static int64_t& tile_loads() {
+    static thread_local int64_t n = 0;
+    return n;
   }
   static uint8_t* tile(int t) {
     File& f = file();

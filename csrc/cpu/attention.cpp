@@ -257,6 +257,20 @@ inline int64_t sdpa_min_rows() {
   return value;
 }
 
+// How the AMX pipeline fetches the blocks ahead (SPARSEVER_CPU_AMX_PREFETCH, read per op call):
+//   pages   one line of every 4 KiB page of the next segment's block, at its first unit (prefetch_pages);
+//   stream  every line of the blocks the next iteration reads first, a few per tile step of this one
+//           (PrefetchStream, as the vdpbf16ps path does).
+enum class AmxPrefetch { kPages, kStream };
+
+inline AmxPrefetch amx_prefetch_from_env() {
+  const char* env = std::getenv("SPARSEVER_CPU_AMX_PREFETCH");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "pages") == 0) return AmxPrefetch::kPages;
+  TORCH_CHECK(std::strcmp(env, "stream") == 0, "SPARSEVER_CPU_AMX_PREFETCH=", env,
+              ": allowed values are 'pages' (the default) and 'stream'");
+  return AmxPrefetch::kStream;
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 using bf16 = c10::BFloat16;
 
@@ -347,6 +361,39 @@ SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, i
     }
   }
 }
+
+// The next block's K and V lines, prefetched a few per step of the current block's dot products (or
+// tile steps): at the rate DRAM delivers them, instead of a burst that stalls the core on full miss
+// buffers. Each of K and V is n_rows runs of contiguous elements; one left empty is skipped.
+struct CorePrefetch {
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+};
+
+struct PrefetchStream {
+  const char* base[2] = {nullptr, nullptr};  // K, V
+  int64_t stride[2] = {0, 0}, lines_per_row[2] = {1, 1}, total[2] = {0, 0};
+  int64_t next = 0;
+  int per_step = 1;
+  void add(int i, const bf16* p, int64_t n_rows, int64_t n_row_elems, int64_t stride_elems) {
+    base[i] = reinterpret_cast<const char*>(p);
+    stride[i] = stride_elems * static_cast<int64_t>(sizeof(bf16));
+    lines_per_row[i] = (n_row_elems * static_cast<int64_t>(sizeof(bf16)) + 63) / 64;
+    total[i] = n_rows * lines_per_row[i];
+  }
+  // Issue: a type with a static prefetch(const void*) (an amx_tiles.h backend, to follow the AMX
+  // path's prefetches on the emulated tiles).
+  template <typename Issue = CorePrefetch>
+  inline void step() {
+    for (int k = 0; k < per_step; ++k, ++next) {
+      int64_t idx = next;
+      const int which = idx < total[0] ? 0 : 1;
+      if (which == 1) idx -= total[0];
+      if (idx >= total[which]) return;
+      const int64_t row = idx / lines_per_row[which], off = (idx % lines_per_row[which]) * 64;
+      Issue::prefetch(base[which] + row * stride[which] + off);
+    }
+  }
+};
 
 // ---- the AMX layout: a pipeline of tile products under the softmax's vector work ----
 //
@@ -456,7 +503,8 @@ inline const bf16* amx_unit_values(const AmxUnit& u, std::vector<bf16>& copy, in
 // Rows [0, rows) of one (request, KV head) over the segments `sgs` (an item), on the AMX layout.
 template <typename Tiles>
 SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q, int rows, float scale, float* m,
-                            float* l, float* acc, amx::TileState<Tiles>& tiles, AmxPipelineBuffers& buf) {
+                            float* l, float* acc, amx::TileState<Tiles>& tiles, AmxPipelineBuffers& buf,
+                            AmxPrefetch prefetch) {
   if (sgs.empty()) return;
   const int d = sgs.front().d, bs = sgs.front().bs;
   auto& units = buf.units;
@@ -475,7 +523,7 @@ SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q,
   const int n = static_cast<int>(units.size());
   auto scores_of = [&](int u) {
     const AmxUnit& un = units[u];
-    if (un.r0 == 0) {  // the next segment's block, while this one is computed
+    if (prefetch == AmxPrefetch::kPages && un.r0 == 0) {  // the next segment's block, while this one is computed
       const size_t next = static_cast<size_t>(un.sg - sgs.data()) + 1;
       if (next < sgs.size()) {
         prefetch_pages(sgs[next].k_block, static_cast<int64_t>(bs) * d);
@@ -505,9 +553,32 @@ SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q,
     st.m1 = un.m1;
     return st;
   };
+  // Iteration u runs P V(u - 1) and Q K^T(u + 1), so iteration u + 1 first reads V of unit u and K of
+  // unit u + 2: new blocks where that unit is its segment's first. `stream` spreads their lines over
+  // iteration u's `steps` tile steps (u = -1: the first unit's Q K^T).
+  auto stream_ahead = [&](int u, int steps) {
+    PrefetchStream pf;
+    pf.per_step = 0;
+    if (prefetch != AmxPrefetch::kStream || steps == 0) return pf;
+    if (u + 2 < n && units[u + 2].r0 == 0) {  // K [token groups][D/2][16][2]: the range is contiguous
+      const AmxUnit& un = units[u + 2];
+      pf.add(0, un.sg->k_block + static_cast<int64_t>(un.a_lo) * d, 1, static_cast<int64_t>(un.ntp) * d, 0);
+    }
+    if (u >= 0 && units[u].r0 == 0) {  // V [D/16][bs/2][16][2]: one run per dim group, bs * 16 apart
+      const AmxUnit& un = units[u];
+      pf.add(1, un.sg->v_block + static_cast<int64_t>(un.a_lo) * 16, d / 16, static_cast<int64_t>(un.ntp) * 16,
+             static_cast<int64_t>(bs) * 16);
+    }
+    pf.per_step = static_cast<int>((pf.total[0] + pf.total[1] + steps - 1) / steps);
+    return pf;
+  };
   {
     AmxScoreSteps<Tiles> first = scores_of(0);
-    while (!first.done()) first.step(tiles);
+    PrefetchStream pf = stream_ahead(-1, first.total());
+    while (!first.done()) {
+      first.step(tiles);
+      pf.step<Tiles>();
+    }
   }
   for (int u = 0; u < n; ++u) {
     const AmxUnit& un = units[u];
@@ -518,6 +589,7 @@ SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q,
     if (u + 1 < n) next = scores_of(u + 1);
     const int steps = (u > 0 ? pv.total() : 0) + (u + 1 < n ? next.total() : 0);
     const int per_row = (steps + un_rows - 1) / un_rows;
+    PrefetchStream pf = stream_ahead(u, steps);
     auto run = [&](int count) {
       for (; count > 0; --count) {
         if (!pv.done()) {
@@ -527,6 +599,7 @@ SPARSEVER_AMX void amx_item(const std::vector<BlockSegment>& sgs, const bf16* q,
         } else {
           return;
         }
+        pf.step<Tiles>();
       }
     };
     float* alpha = buf.alpha.data() + (u % 2) * 32;
@@ -565,31 +638,6 @@ inline __mmask32 token_mask(int base, int lo, int hi) {
   const uint64_t bits = ((uint64_t{1} << (b - a)) - 1) << a;
   return static_cast<__mmask32>(bits);
 }
-
-// The next block's K and V lines, prefetched a few per step of the current block's dot products: at
-// the rate DRAM delivers them, instead of a burst that stalls the core on full miss buffers.
-struct PrefetchStream {
-  const char* base[2] = {nullptr, nullptr};  // K, V
-  int64_t stride[2] = {0, 0}, lines_per_row[2] = {1, 1}, total[2] = {0, 0};
-  int64_t next = 0;
-  int per_step = 1;
-  void add(int i, const bf16* p, int64_t n_rows, int64_t n_row_elems, int64_t stride_elems) {
-    base[i] = reinterpret_cast<const char*>(p);
-    stride[i] = stride_elems * static_cast<int64_t>(sizeof(bf16));
-    lines_per_row[i] = (n_row_elems * static_cast<int64_t>(sizeof(bf16)) + 63) / 64;
-    total[i] = n_rows * lines_per_row[i];
-  }
-  inline void step() {
-    for (int k = 0; k < per_step; ++k, ++next) {
-      int64_t idx = next;
-      const int which = idx < total[0] ? 0 : 1;
-      if (which == 1) idx -= total[0];
-      if (idx >= total[which]) return;
-      const int64_t row = idx / lines_per_row[which], off = (idx % lines_per_row[which]) * 64;
-      _mm_prefetch(base[which] + row * stride[which] + off, _MM_HINT_T1);
-    }
-  }
-};
 
 // C[r, 0 .. 16 N) (+)= sum_i A[r, 2i .. 2i + 1] . B[i][0 .. 16 N) for R rows: A bf16 rows a_stride apart
 // (pairs along the reduction), B vectors of 16 bf16 pairs, b_step apart per reduction step. Both
@@ -719,7 +767,8 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
                     const torch::Tensor& value_cache, const torch::Tensor& block_table,
                     const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
                     const std::optional<torch::Tensor>& selected, const std::optional<torch::Tensor>& num_selected,
-                    const std::optional<torch::Tensor>& tree_mask, float scale, bool emulate_tiles) {
+                    const std::optional<torch::Tensor>& tree_mask, float scale, bool emulate_tiles,
+                    AmxPrefetch amx_prefetch) {
   const int num_req = static_cast<int>(query_start_loc.size(0)) - 1;
   const int hq = static_cast<int>(query.size(1));
   const int d = static_cast<int>(query.size(2));
@@ -955,9 +1004,9 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch:
           }
           if (amx_layout) {
             if (emulate_tiles) {
-              amx_item(sgs, qb, rows, scale, m, l, acc, emulated_tiles, amx_buf);
+              amx_item(sgs, qb, rows, scale, m, l, acc, emulated_tiles, amx_buf, amx_prefetch);
             } else {
-              amx_item(sgs, qb, rows, scale, m, l, acc, tiles, amx_buf);  // prefetches the next blocks itself
+              amx_item(sgs, qb, rows, scale, m, l, acc, tiles, amx_buf, amx_prefetch);  // prefetches ahead itself
             }
           } else {
             for (size_t j = 0; j < sgs.size(); ++j)  // blocks are scattered: each streams in the next one
@@ -1044,6 +1093,7 @@ void block_sparse_tree_attention_cpu(torch::Tensor& out, const torch::Tensor& qu
                                      const std::optional<torch::Tensor>& tree_mask, double scale) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D]");
   bool emulate_tiles = false;  // the AMX layout's tile products on amx::Emulated (tests; amx_tiles.h)
+  auto amx_prefetch = sparsever::cpu::AmxPrefetch::kPages;
   if (key_cache.dim() == 6) {
     // vLLM-CPU's AMX layout: K [nb, Hkv, bs/16, D/2, 16, 2], V [nb, Hkv, D/16, bs/2, 16, 2].
     const int64_t bs = key_cache.size(2) * 16, d = key_cache.size(3) * 2;
@@ -1061,6 +1111,7 @@ void block_sparse_tree_attention_cpu(torch::Tensor& out, const torch::Tensor& qu
     TORCH_CHECK(query.scalar_type() == torch::kBFloat16, "the AMX KV layout holds bf16 only");
 #if defined(CPU_CAPABILITY_AVX512)
     emulate_tiles = sparsever::cpu::amx::emulation_enabled();
+    amx_prefetch = sparsever::cpu::amx_prefetch_from_env();
     TORCH_CHECK(sparsever::cpu::amx::tiles_usable(emulate_tiles),
                 "the AMX KV layout needs a CPU with AMX-BF16 (or SPARSEVER_CPU_AMX_EMULATE=1 on one with AVX512-BF16)");
 #else
@@ -1090,6 +1141,6 @@ void block_sparse_tree_attention_cpu(torch::Tensor& out, const torch::Tensor& qu
   SPARSEVER_DISPATCH_FLOAT_TYPES(query.scalar_type(), "block_sparse_tree_attention_cpu", [&] {
     sparsever::cpu::attention_impl<scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens,
                                              query_start_loc, selected, num_selected, tree_mask,
-                                             static_cast<float>(scale), emulate_tiles);
+                                             static_cast<float>(scale), emulate_tiles, amx_prefetch);
   });
 }

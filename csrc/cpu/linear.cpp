@@ -174,6 +174,15 @@ int64_t amx_emulated_products() {
 #endif
 }
 
+std::vector<int64_t> amx_emulated_prefetch_lines() {
+#if defined(CPU_CAPABILITY_AVX512)
+  using sparsever::cpu::amx::Emulated;
+  return {Emulated::prefetched_lines().load(), Emulated::prefetched_lines_loaded().load()};
+#else
+  return {0, 0};
+#endif
+}
+
 void dense_linear_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                       const std::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),

@@ -133,3 +133,65 @@ def test_move_kv_tokens_in_either_layout(isa):
         expect = b.clone()
         expect[db, :, dst % 32] = b[sb, :, src % 32]
         torch.testing.assert_close(a, expect, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4], CASES[5]],
+                         ids=["24-rows", "96-rows", "tree-sparse", "d64"])
+def test_streamed_prefetch_gives_the_same_output(case, amx_tiles, monkeypatch):
+    """SPARSEVER_CPU_AMX_PREFETCH=stream streams the blocks ahead in over the tile steps instead of one
+    line per page: prefetches only, so the output is the default's to the bit."""
+    seq_lens, q_lens, hkv, group, d, bs, tree, sparse = case
+    gen = torch.Generator().manual_seed(7)
+    amx, _, table = _caches(seq_lens, hkv, d, bs, gen)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), hkv * group, d, generator=gen).to(torch.bfloat16)
+    mask = _tree_mask(q_lens, gen) if tree else None
+    sel, nsel = _selection(seq_lens, q_lens, hkv, bs, gen) if sparse else (None, None)
+    outs = {}
+    for mode in ("pages", "stream"):
+        monkeypatch.setenv("SPARSEVER_CPU_AMX_PREFETCH", mode)
+        outs[mode] = ops.block_sparse_tree_attention(query, *paged_kv_views(amx, "amx"), table, seq, qsl,
+                                                     d ** -0.5, sel, nsel, mask)
+    amx_tiles()
+    assert not outs["stream"].isnan().any()
+    torch.testing.assert_close(outs["stream"], outs["pages"], rtol=0, atol=0)
+
+
+def test_unknown_amx_prefetch_is_refused(monkeypatch):
+    if not (ops.amx_available() or ops.amx_emulation_available()):
+        pytest.skip("needs AMX tiles or their emulation")
+    if not ops.amx_available():
+        monkeypatch.setenv("SPARSEVER_CPU_AMX_EMULATE", "1")
+    monkeypatch.setenv("SPARSEVER_CPU_AMX_PREFETCH", "lines")
+    gen = torch.Generator().manual_seed(1)
+    amx, _, table = _caches([40], 1, 64, 32, gen)
+    q = torch.randn(1, 1, 64, generator=gen).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="SPARSEVER_CPU_AMX_PREFETCH=lines: allowed values are 'pages'"):
+        ops.block_sparse_tree_attention(q, *paged_kv_views(amx, "amx"), table, torch.tensor([40], dtype=torch.int32),
+                                        torch.tensor([0, 1], dtype=torch.int32), 0.125)
+
+
+@pytest.mark.parametrize("q_len", [4, 16])
+def test_streamed_prefetch_fetches_what_the_tiles_read_next(q_len, monkeypatch):
+    """The stream's schedule, followed on the emulated tiles: it prefetches most of the context's K/V
+    lines (all but each work item's first block's K), and nearly every prefetched line is read by a
+    tile load at least 16 tile loads later (the rest: V of partial segments, read through a zero-padded
+    copy). Prefetching the blocks of the iteration under way instead reaches 0.86-0.90 here."""
+    if not ops.amx_emulation_available():
+        pytest.skip("the AMX emulation needs the AVX-512 build on a CPU with AVX512-BF16")
+    monkeypatch.setenv("SPARSEVER_CPU_AMX_EMULATE", "1")
+    monkeypatch.setenv("SPARSEVER_CPU_AMX_PREFETCH", "stream")
+    hkv, group, d, bs, ctx = 2, 6, 128, 128, 4096
+    gen = torch.Generator().manual_seed(5)
+    amx, _, table = _caches([ctx + q_len], hkv, d, bs, gen)
+    query = torch.randn(q_len, hkv * group, d, generator=gen).to(torch.bfloat16)
+    issued0, loaded0 = ops.amx_emulated_prefetch_lines()
+    ops.block_sparse_tree_attention(query, *paged_kv_views(amx, "amx"), table,
+                                    torch.tensor([ctx + q_len], dtype=torch.int32),
+                                    torch.tensor([0, q_len], dtype=torch.int32), d ** -0.5)
+    issued, loaded = (a - b for a, b in zip(ops.amx_emulated_prefetch_lines(), (issued0, loaded0)))
+    kv_lines = ctx // bs * hkv * 2 * bs * d * 2 // 64  # the context's K and V, 64-byte lines
+    assert issued >= 0.75 * kv_lines, (issued, kv_lines)
+    assert issued <= 1.05 * kv_lines, (issued, kv_lines)
+    assert loaded >= 0.97 * issued, (loaded, issued)
