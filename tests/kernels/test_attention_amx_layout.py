@@ -81,15 +81,23 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("seq_lens,q_lens,hkv,group,d,bs,tree,sparse", CASES)
-def test_amx_layout_matches_reference(seq_lens, q_lens, hkv, group, d, bs, tree, sparse, amx_tiles):
-    gen = torch.Generator().manual_seed(sum(seq_lens) + d)
+def _case_inputs(seq_lens, q_lens, hkv, group, d, bs, tree, sparse, seed):
+    """A case's caches (AMX and vec layouts), block table, seq_lens, query_start_loc, query, tree mask
+    and block selection."""
+    gen = torch.Generator().manual_seed(seed)
     amx, vec, table = _caches(seq_lens, hkv, d, bs, gen)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     query = torch.randn(int(qsl[-1]), hkv * group, d, generator=gen).to(torch.bfloat16)
     mask = _tree_mask(q_lens, gen) if tree else None
     sel, nsel = _selection(seq_lens, q_lens, hkv, bs, gen) if sparse else (None, None)
+    return amx, vec, table, seq, qsl, query, mask, sel, nsel
+
+
+@pytest.mark.parametrize("seq_lens,q_lens,hkv,group,d,bs,tree,sparse", CASES)
+def test_amx_layout_matches_reference(seq_lens, q_lens, hkv, group, d, bs, tree, sparse, amx_tiles):
+    amx, vec, table, seq, qsl, query, mask, sel, nsel = _case_inputs(seq_lens, q_lens, hkv, group, d, bs, tree,
+                                                                     sparse, seed=sum(seq_lens) + d)
     scale = d ** -0.5
 
     out = ops.block_sparse_tree_attention(query, *paged_kv_views(amx, "amx"), table, seq, qsl, scale,
@@ -140,14 +148,8 @@ def test_move_kv_tokens_in_either_layout(isa):
 def test_streamed_prefetch_gives_the_same_output(case, amx_tiles, monkeypatch):
     """SPARSEVER_CPU_AMX_PREFETCH=stream streams the blocks ahead in over the tile steps instead of one
     line per page: prefetches only, so the output is the default's to the bit."""
-    seq_lens, q_lens, hkv, group, d, bs, tree, sparse = case
-    gen = torch.Generator().manual_seed(7)
-    amx, _, table = _caches(seq_lens, hkv, d, bs, gen)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
-    query = torch.randn(int(qsl[-1]), hkv * group, d, generator=gen).to(torch.bfloat16)
-    mask = _tree_mask(q_lens, gen) if tree else None
-    sel, nsel = _selection(seq_lens, q_lens, hkv, bs, gen) if sparse else (None, None)
+    amx, _, table, seq, qsl, query, mask, sel, nsel = _case_inputs(*case, seed=7)
+    d = query.shape[-1]
     outs = {}
     for mode in ("pages", "stream"):
         monkeypatch.setenv("SPARSEVER_CPU_AMX_PREFETCH", mode)
