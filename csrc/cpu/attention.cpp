@@ -362,13 +362,14 @@ SPARSEVER_AVX512_BF16 inline void softmax_rows_to_bf16(const BlockSegment& sg, i
   }
 }
 
-// The next block's K and V lines, prefetched a few per step of the current block's dot products (or
-// tile steps): at the rate DRAM delivers them, instead of a burst that stalls the core on full miss
-// buffers. Each of K and V is n_rows runs of contiguous elements; one left empty is skipped.
+// A software prefetch into L2 (PrefetchStream's default issuer).
 struct CorePrefetch {
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 };
 
+// The next block's K and V lines, prefetched a few per step of the current block's dot products (or
+// tile steps): at the rate DRAM delivers them, instead of a burst that stalls the core on full miss
+// buffers. Each of K and V is n_rows runs of contiguous elements; one left empty is skipped.
 struct PrefetchStream {
   const char* base[2] = {nullptr, nullptr};  // K, V
   int64_t stride[2] = {0, 0}, lines_per_row[2] = {1, 1}, total[2] = {0, 0};
