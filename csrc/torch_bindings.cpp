@@ -25,8 +25,8 @@ TORCH_LIBRARY(sparsever, m) {
   // Tile products run on the emulated tiles (SPARSEVER_CPU_AMX_EMULATE=1) in this process: tests check
   // that the AMX path ran.
   m.def("amx_emulated_products() -> int", &amx_emulated_products);
-  // [lines prefetched on the emulated tiles' thread, of them read by a later tile load]: tests check
-  // the AMX attention's prefetch schedule.
+  // [lines prefetched through the emulated tiles, of them those a tile load of the same thread read at
+  // least 16 tile loads later]: tests check the AMX attention's prefetch schedule.
   m.def("amx_emulated_prefetch_lines() -> int[]", &amx_emulated_prefetch_lines);
 
   // key_cache [nb, Hkv, bs, D] strided view; slot_mapping [N] int32/int64 (negative = skip);

@@ -202,8 +202,8 @@ def amx_emulated_products() -> int:
 
 
 def amx_emulated_prefetch_lines() -> tuple[int, int]:
-    """(lines the AMX path prefetched on the emulated tiles in this process, of them those a later tile
-    load of the same thread read): tests of its prefetch schedule."""
+    """(lines the AMX path prefetched on the emulated tiles in this process, of them those a tile load of
+    the same thread read at least 16 tile loads later): tests of its prefetch schedule."""
     issued, loaded = _ops.amx_emulated_prefetch_lines()
     return int(issued), int(loaded)
 

