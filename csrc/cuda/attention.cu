@@ -1,7 +1,8 @@
-// CUDA launcher: block-sparse tree attention (body in csrc/kernels/attention.cuh).
+// CUDA launcher: block-sparse tree attention (bodies in csrc/kernels/attention.cuh and
+// attention_mma.cuh, host launch code in attention_launch.cuh).
 #include "cuda/cuda_launcher.cuh"
 #include "cuda/ops_cuda.h"
-#include "kernels/attention.cuh"
+#include "kernels/attention_launch.cuh"
 
 namespace sparsever {
 namespace cuda {

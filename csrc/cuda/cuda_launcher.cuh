@@ -2,6 +2,8 @@
 // current stream of the tensors' device, with the dynamic shared memory opt-in above 48 KiB.
 #pragma once
 
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include <c10/cuda/CUDAException.h>
@@ -16,12 +18,18 @@ struct CudaLauncher {
   cudaStream_t stream;
   int num_sms;
   int forced_splits = 0;
+  // mma.sync / ldmatrix / cp.async kernels may run: sm_80 or later, and not switched off with
+  // SPARSEVER_CUDA_ATTENTION=cuda_cores (the GPU kit times both paths in one run).
+  bool tensor_cores = false;
 
   static CudaLauncher current() {
     int device = c10::cuda::current_device();
-    int sms = 0;
+    int sms = 0, major = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return CudaLauncher{c10::cuda::getCurrentCUDAStream().stream(), sms, 0};
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    const char* mode = std::getenv("SPARSEVER_CUDA_ATTENTION");
+    const bool cuda_cores = mode != nullptr && std::strcmp(mode, "cuda_cores") == 0;
+    return CudaLauncher{c10::cuda::getCurrentCUDAStream().stream(), sms, 0, major >= 8 && !cuda_cores};
   }
 
   template <typename... Params, typename... Args>

@@ -3,7 +3,8 @@
 //     launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, kernel, args...)
 // plus two fields the launch heuristics read:
 //     int num_sms        parallelism to fill (SM count on a GPU; small in SIMT tests);
-//     int forced_splits  0 = heuristic split-K factor; > 0 forces it (tests exercise every split path).
+//     int forced_splits  0 = heuristic split-K factor; > 0 forces it (tests exercise every split path);
+//     bool tensor_cores  kernels built on mma.sync / ldmatrix / cp.async may run (sm_80+, or emulated).
 // csrc/cuda/cuda_launcher.cuh (kernel<<<...>>> on the current stream) and csrc/simt/simt_launcher.h
 // (simt::launch) are the two implementations.
 #pragma once

@@ -9,6 +9,9 @@
 //   * __shared__ variables are `static thread_local`: one copy per OS thread, i.e. per running block.
 //     Dynamic shared memory is a per-block buffer sized at launch (SV_DYNAMIC_SHARED in compat.cuh).
 //   * Atomics are real atomics (blocks run concurrently on several OS threads).
+//   * Asynchronous copies (cp.async) are queued per thread and land in shared memory only when the thread
+//     waits for their group (cp.async.wait_group): a kernel that reads a stage before waiting for it
+//     reads stale data, as it may on a GPU, and its tests fail.
 //   * Misuse that CUDA leaves undefined is reported as an error rather than silently tolerated:
 //     __syncthreads reached from different source lines in one phase, warp masks that disagree,
 //     shuffles that read from an absent lane, deadlock.
@@ -177,12 +180,22 @@ inline void make_context(Context& ctx, char* stack, size_t size, void (*fn)(void
 // ---------------------------------------------------------------------------------------------
 enum class FiberState : uint8_t { kRunnable, kWaitBlock, kWaitWarp, kDone };
 
+// One queued cp.async: `src_bytes` bytes copied from src, the rest of `bytes` zero-filled (PTX src-size).
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  unsigned bytes;
+  unsigned src_bytes;
+};
+
 struct Fiber {
   Context ctx;
   dim3 thread_idx;
   unsigned linear = 0;
   FiberState state = FiberState::kRunnable;
   uint64_t wait_generation = 0;
+  std::vector<AsyncCopy> async_open;                 // issued since the last commit_group
+  std::vector<std::vector<AsyncCopy>> async_groups;  // committed groups, oldest first
 };
 
 struct Barrier {
@@ -319,6 +332,17 @@ inline T shuffle_from(unsigned mask, const T& value, int src_lane) {
   T out;
   std::memcpy(&out, slots[src_lane], sizeof(T));
   return out;
+}
+
+// Every lane's `value` (all 32 lanes of the warp must take part): the warp-wide operand gather that
+// emulated warp-synchronous instructions (mma.sync, ldmatrix) are built on.
+template <typename T>
+inline void warp_allgather(const T& value, T (&out)[kWarpSize]) {
+  auto slots = warp_exchange(0xffffffffu, value);
+  if (block().warps[fiber().linear / kWarpSize].exist_mask != 0xffffffffu) {
+    abandon("simt: a warp-synchronous matrix instruction needs all 32 lanes of the warp");
+  }
+  for (int l = 0; l < kWarpSize; ++l) std::memcpy(&out[l], slots[l], sizeof(T));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -518,6 +542,40 @@ inline const dim3& grid_dim() { return detail::block().grid_dim; }
 inline unsigned char* dynamic_shared_memory() { return detail::block().dynamic_smem; }
 inline void syncthreads(const char* file, int line) { detail::block_barrier(file, line); }
 inline void syncwarp(unsigned mask) { detail::warp_barrier(mask); }
+
+// Instruction counters of the emulated warp-level instructions, so tests can assert which path ran.
+struct Counters {
+  std::atomic<uint64_t> mma{0};         // mma.sync tiles
+  std::atomic<uint64_t> ldmatrix{0};    // ldmatrix instructions (per warp)
+  std::atomic<uint64_t> async_bytes{0};  // bytes landed by cp.async
+};
+inline Counters& counters() {
+  static Counters c;
+  return c;
+}
+
+// cp.async: queue a copy of this thread; it lands when a wait_group covers its group.
+inline void async_copy(void* dst, const void* src, unsigned bytes, unsigned src_bytes) {
+  if (src_bytes > bytes) detail::abandon("simt: cp.async src-size larger than its copy size");
+  detail::fiber().async_open.push_back({dst, src, bytes, src_bytes});
+}
+inline void async_commit_group() {
+  detail::Fiber& f = detail::fiber();
+  f.async_groups.push_back(std::move(f.async_open));
+  f.async_open.clear();
+}
+// Land every committed group but the newest `pending` ones (cp.async.wait_group pending).
+inline void async_wait_group(int pending) {
+  detail::Fiber& f = detail::fiber();
+  while (int(f.async_groups.size()) > pending) {
+    for (const detail::AsyncCopy& c : f.async_groups.front()) {
+      if (c.src_bytes > 0) std::memcpy(c.dst, c.src, c.src_bytes);
+      if (c.bytes > c.src_bytes) std::memset(static_cast<unsigned char*>(c.dst) + c.src_bytes, 0, c.bytes - c.src_bytes);
+      counters().async_bytes += c.bytes;
+    }
+    f.async_groups.erase(f.async_groups.begin());
+  }
+}
 
 template <typename T>
 inline T shfl_sync(unsigned mask, T var, int src_lane, int width = kWarpSize) {

@@ -1,19 +1,27 @@
 // Test-only ops (namespace sparsever_simt) that run the CUDA kernel bodies of KV selection and
 // block-sparse tree attention on the SIMT executor, through the same host launch code as csrc/cuda.
-// Each op takes the production schema plus `forced_splits` (0 = heuristic) and `num_sms`.
+// Each op takes the production schema plus `forced_splits` (0 = heuristic) and `num_sms`; attention also
+// `tensor_cores` (false: the CUDA-core kernel even where the tensor-core one applies).
 #include <torch/library.h>
 
-#include "kernels/attention.cuh"
+#include "kernels/attention_launch.cuh"
 #include "kernels/kv_selection.cuh"
 #include "simt/simt_launcher.h"
 
 namespace {
 
-simt::Launcher launcher(int64_t num_sms, int64_t forced_splits) {
+simt::Launcher launcher(int64_t num_sms, int64_t forced_splits, bool tensor_cores = true) {
   simt::Launcher l;
   l.num_sms = int(num_sms);
   l.forced_splits = int(forced_splits);
+  l.tensor_cores = tensor_cores;
   return l;
+}
+
+// [mma.sync tiles, ldmatrix instructions, cp.async bytes] the emulation has run so far (all kernels).
+std::vector<int64_t> emulated_instructions() {
+  const simt::Counters& c = simt::counters();
+  return {int64_t(c.mma.load()), int64_t(c.ldmatrix.load()), int64_t(c.async_bytes.load())};
 }
 
 void update_block_key_summaries(const at::Tensor& key_cache, const at::Tensor& slot_mapping, int64_t block_size,
@@ -37,10 +45,10 @@ void block_sparse_tree_attention(at::Tensor& out, const at::Tensor& query, const
                                  const std::optional<at::Tensor>& selected,
                                  const std::optional<at::Tensor>& num_selected,
                                  const std::optional<at::Tensor>& tree_mask, double scale, int64_t num_sms,
-                                 int64_t forced_splits) {
+                                 int64_t forced_splits, bool tensor_cores) {
   sparsever::kernels::block_sparse_tree_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens,
                                                        query_start_loc, selected, num_selected, tree_mask, scale,
-                                                       launcher(num_sms, forced_splits));
+                                                       launcher(num_sms, forced_splits, tensor_cores));
 }
 
 }  // namespace
@@ -58,6 +66,7 @@ TORCH_LIBRARY_FRAGMENT(sparsever_simt, m) {
   m.def(
       "block_sparse_tree_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, Tensor? selected, "
-      "Tensor? num_selected, Tensor? tree_mask, float scale, int num_sms=4, int forced_splits=0) -> ()",
+      "Tensor? num_selected, Tensor? tree_mask, float scale, int num_sms=4, int forced_splits=0, bool tensor_cores=True) -> ()",
       &block_sparse_tree_attention);
+  m.def("emulated_instructions() -> int[]", &emulated_instructions);
 }
