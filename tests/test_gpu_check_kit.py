@@ -51,3 +51,37 @@ def test_ext_info_reports_each_ops_kernels(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert main(["ext-info"]) == 1
     assert "no CUDA kernel for: update_block_key_summaries" in capsys.readouterr().err
+
+
+def _synthetic_speed(ours_factor: float) -> dict:
+    """A speed phase's result at every shape gpu.json names; ours = ours_factor x the floor."""
+    bw = 4000.0
+    attention = []
+    for ctx in (8192, 32768, 131072):
+        for q in (1, 4, 8, 16):
+            floor = 2 * (ctx + q) * 8 * 128 * 2 / (bw * 1e9)
+            attention.append({"ctx": ctx, "q_len": q, "floor_s": floor, "ours_dense_s": ours_factor * floor,
+                              "ours_dense_cuda_cores_s": 10 * floor, "flex_s": 2 * floor, "sdpa_s": 3 * floor,
+                              "ours_sparse_1_8_s": ours_factor * floor / 8, "select_1_8_s": floor / 50})
+    batched = [{"requests": r, "ctx": 32768, "q_len": 4, "floor_s": 1e-4, "ours_dense_s": 1e-4, "flex_s": 2e-4,
+                "ours_dense_cuda_cores_s": 1e-3} for r in (8, 32)]
+    ffn = [{"tokens": t, "dense_s": 1e-4, "topk_0.25_s": 1e-4 / (2 / ours_factor), "topk_0.5_s": 8e-5}
+           for t in (1, 4, 16)]
+    moe = [{"tokens": t, "ours_s": 1e-5 * ours_factor, "grouped_gemm_s": 2e-5, "ours_gbps": 3000 / ours_factor}
+           for t in (1, 4, 16)]
+    return {"copy_bandwidth": {"gbps": bw}, "attention": attention, "batched": batched, "ffn": ffn, "moe": moe}
+
+
+def test_gpu_summary_keys_and_aims():
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    import check
+
+    fast = check.gpu_summary(_synthetic_speed(1.1), "abc1234")
+    assert set(fast["aims"].values()) == {"met"}, fast["aims"]
+    cell = fast["attention"]["131072"]["16"]
+    assert set(cell) >= {"floor_us", "ours_dense_us", "ours_sparse_1_8_us", "select_us", "flex_us", "sdpa_us",
+                         "flashinfer_us"} and cell["flashinfer_us"] is None
+    assert set(fast["batched"]) == {"8", "32"} and set(fast["ffn"]) == {"1", "4", "16"} == set(fast["moe"])
+    slow = check.gpu_summary(_synthetic_speed(2.5), "abc1234")  # slower than FlexAttention, under 70% of the floor
+    assert slow["aims"]["dense_vs_best"] == slow["aims"]["dense_roof"] == "not met"
+    assert slow["aims"]["ffn"] == slow["aims"]["moe"] == "not met"

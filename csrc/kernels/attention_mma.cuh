@@ -42,8 +42,10 @@ struct AttentionMmaLayout {
   static constexpr size_t kBytes = kQBytes + kKvBytes + kCodeBytes;
 };
 
+// Min. blocks 1: without it ptxas holds some variants under ~168 registers and spills; two CTAs per SM
+// still fit in registers and shared memory.
 template <typename T, int D, int kRowWarps>
-__global__ void __launch_bounds__(kMmaWarps * kWarpSize) tree_attention_mma_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kMmaWarps * kWarpSize, 1) tree_attention_mma_kernel(const AttentionParams p) {
   using L = AttentionMmaLayout<D, kRowWarps>;
   constexpr int kKeyWarps = kMmaWarps / kRowWarps;
   constexpr int kWarpKeys = kMmaTileKeys / kKeyWarps;  // keys of a tile one warp scores: 16, 32 or 64

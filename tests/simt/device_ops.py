@@ -4,11 +4,14 @@
 the executor build, so the same hypothesis cases check `torch.ops.sparsever.*` on a GPU (bench/gpu/check.py
 runs them so). Per call it copies every tensor argument to the device with its strides (the KV caches are
 strided views of one storage), drops the SIMT-only trailing arguments (num_sms, forced_splits: the real
-launcher reads the SM count and picks the split itself), and copies the op's mutated outputs back into
+launcher reads the SM count and picks the split itself; attention's tensor_cores=False becomes
+SPARSEVER_CUDA_ATTENTION=cuda_cores for the call), and copies the op's mutated outputs back into
 the caller's CPU tensors.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -36,9 +39,17 @@ class DeviceOps:
         written = [i for i, a in enumerate(schema) if a.alias_info is not None and a.alias_info.is_write]
 
         def call(*args):
-            args = args[: len(schema)]  # the SIMT ops' extra launch arguments
+            extra = args[len(schema):]  # the SIMT ops' extra launch arguments
+            args = args[: len(schema)]
+            cuda_cores = name == "block_sparse_tree_attention" and len(extra) >= 3 and not extra[2]
             moved = [to_device_strided(a, self.device) if isinstance(a, torch.Tensor) else a for a in args]
-            op(*moved)
+            if cuda_cores:
+                os.environ["SPARSEVER_CUDA_ATTENTION"] = "cuda_cores"
+            try:
+                op(*moved)
+            finally:
+                if cuda_cores:
+                    os.environ.pop("SPARSEVER_CUDA_ATTENTION", None)
             for i in written:
                 if moved[i] is not args[i]:
                     args[i].copy_(moved[i].cpu())

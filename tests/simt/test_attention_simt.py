@@ -1,6 +1,8 @@
 """CUDA kernel bodies of KV block summaries, block selection and block-sparse tree attention, run by the SIMT
 executor and compared with vllm_sparsever.reference on random small shapes (hypothesis) and edge cases."""
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -20,7 +22,7 @@ def ops():
     return kernel_ops()
 
 
-def run_attention(ops, case, use_selection, use_tree, forced_splits, num_sms=4):
+def run_attention(ops, case, use_selection, use_tree, forced_splits, num_sms=4, tensor_cores=True):
     gen = torch.Generator().manual_seed(case["seed"])
     bs, d, hkv, group, dtype = case["block_size"], case["head_dim"], case["hkv"], case["group"], case["dtype"]
     table, seq_lens, query_lens, qsl, nb = make_requests(case["seqs"], bs, gen)
@@ -46,9 +48,10 @@ def run_attention(ops, case, use_selection, use_tree, forced_splits, num_sms=4):
                                           num_selected, tree, scale)
     out = torch.full_like(query, 7.0)
     ops.block_sparse_tree_attention(out, query, k_cache, v_cache, table, seq_lens, qsl, selected, num_selected,
-                                    tree, scale, num_sms, forced_splits)
+                                    tree, scale, num_sms, forced_splits, tensor_cores)
     tol = TOL[dtype]
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+    return out
 
 
 seq_strategy = st.lists(st.tuples(st.integers(0, 150), st.integers(1, 6)), min_size=1, max_size=3)
@@ -104,3 +107,46 @@ def test_attention_wide_ctas_and_row_passes(ops, use_tree):
     for use_selection in (False, True):
         for splits in (0, 3):
             run_attention(ops, case, use_selection, use_tree, splits)
+
+
+def emulated_mma_tiles(ops) -> int:
+    """mma.sync tiles the SIMT emulation has run; 0 through the device adapter (real GPUs count nothing)."""
+    counters = getattr(ops, "emulated_instructions", None)
+    return counters()[0] if counters is not None else 0
+
+
+def simt_counts(ops) -> bool:
+    return not os.environ.get("SPARSEVER_SIMT_DEVICE")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_len,group", [(1, 4), (4, 4), (8, 4), (16, 4), (10, 8)])
+def test_attention_tensor_cores(ops, dtype, head_dim, q_len, group):
+    # 4 / 16 / 32 / 64 / 80 query rows: every CTA shape of the tensor-core kernel (16, 32, 64 rows per
+    # pass) and a second row pass; beside it a shorter request in the same launch. On a GPU (the kit) the same
+    # cases compare the tensor-core kernel with the CUDA-core one, without the instruction counts.
+    case = dict(seqs=[(150, q_len), (37, max(1, q_len // 2))], block_size=16, head_dim=head_dim, hkv=2, group=group,
+                dtype=dtype, layout="gpu", top_k=2, sink=1, local=1, seed=q_len * 7 + head_dim)
+    for use_selection, use_tree, splits in [(False, False, 1), (True, True, 3), (False, True, 0), (True, False, 2)]:
+        before = emulated_mma_tiles(ops)
+        mma_out = run_attention(ops, case, use_selection, use_tree, splits)
+        assert emulated_mma_tiles(ops) > before or not simt_counts(ops), "the tensor-core kernel did not run"
+        before = emulated_mma_tiles(ops)
+        cuda_core_out = run_attention(ops, case, use_selection, use_tree, splits, tensor_cores=False)
+        assert emulated_mma_tiles(ops) == before, "tensor_cores=False still ran mma"
+        tol = TOL[dtype]
+        torch.testing.assert_close(mma_out.float(), cuda_core_out.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("head_dim,layout,dtype", [(80, "gpu", torch.bfloat16), (64, "cpu", torch.bfloat16),
+                                                   (64, "gpu", torch.float32)])
+def test_attention_cuda_core_kernel_where_tensor_cores_do_not_apply(ops, head_dim, layout, dtype):
+    # Head dims other than 64/128, vLLM-CPU's transposed K (no 16-byte key rows), fp32: the CUDA-core kernel.
+    if not simt_counts(ops):
+        pytest.skip("which kernel ran is counted by the SIMT emulation only; the case itself runs in the other tests")
+    case = dict(seqs=[(90, 4)], block_size=16, head_dim=head_dim, hkv=1, group=4, dtype=dtype, layout=layout,
+                top_k=2, sink=1, local=1, seed=1)
+    before = emulated_mma_tiles(ops)
+    run_attention(ops, case, use_selection=True, use_tree=True, forced_splits=2)
+    assert emulated_mma_tiles(ops) == before

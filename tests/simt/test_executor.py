@@ -1,4 +1,5 @@
-"""The SIMT executor itself: shared memory, barriers, warp shuffles/votes, atomics, error reporting.
+"""The SIMT executor itself: shared memory, barriers, warp shuffles/votes, atomics, error reporting, and the
+emulated tensor-core (mma.sync, ldmatrix) and asynchronous-copy (cp.async) instructions.
 
 Each test runs with both context-switch implementations (x86-64 assembly and the portable ucontext).
 """
@@ -79,3 +80,25 @@ def test_executor_still_works_after_an_error(ops):
         ops.divergent_barrier()
     x = torch.randn(500)
     torch.testing.assert_close(ops.block_sum(x, 1), x.sum().view(1), rtol=1e-5, atol=1e-4)
+
+
+def test_cp_async_lands_only_at_its_wait_group(ops):
+    src = torch.arange(32 * 3 * 4, dtype=torch.int32)
+    out = ops.async_copy(src)  # [phase, thread, chunk, 4]
+    want = src.view(32, 3, 4)
+    stale = torch.full((32, 4), -1, dtype=torch.int32)
+    assert torch.equal(out[0], torch.full((32, 3, 4), -1, dtype=torch.int32))  # nothing before a wait
+    assert torch.equal(out[1, :, 0], want[:, 0]) and torch.equal(out[1, :, 1], stale)  # wait_group 2: oldest
+    assert torch.equal(out[2, :, 1], want[:, 1]) and torch.equal(out[2, :, 2], stale)
+    assert torch.equal(out[3, :, 2], torch.zeros(32, 4, dtype=torch.int32))  # src-size 0 zero-fills
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mma_tile_with_ldmatrix_operands(ops, dtype):
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(16, 32, generator=gen).to(dtype)
+    b = torch.randn(32, 16, generator=gen).to(dtype)
+    out = ops.mma_tile(a, b)
+    want = a.double() @ b.double()  # 16-bit products are exact in fp32; only the fp32 sums round
+    torch.testing.assert_close(out[0].double(), want, rtol=1e-5, atol=1e-5)  # B as [n][k] (the K path)
+    torch.testing.assert_close(out[1].double(), want, rtol=1e-5, atol=1e-5)  # B as [k][n], .trans (the V path)
