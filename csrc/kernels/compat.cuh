@@ -67,6 +67,7 @@ inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
   return ::simt::shfl_up_sync(mask, var, delta, width);
 }
 inline unsigned __ballot_sync(unsigned mask, int predicate) { return ::simt::ballot_sync(mask, predicate); }
+inline unsigned __match_any_sync(unsigned mask, unsigned value) { return ::simt::match_any_sync(mask, value); }
 inline int __any_sync(unsigned mask, int predicate) { return ::simt::ballot_sync(mask, predicate) != 0; }
 inline int __all_sync(unsigned mask, int predicate) {
   return ::simt::ballot_sync(mask, predicate) == ::simt::ballot_sync(mask, 1);

@@ -54,9 +54,15 @@ SV_DEVICE void block_topk_ascending(ScoreFn score, int n, int k, int* out, Block
     for (int i = tid; i < 256; i += nthreads) s.hist[i] = 0;
     __syncthreads();
     const unsigned prefix = s.prefix;
-    for (int i = tid; i < n; i += nthreads) {
-      unsigned key = order_key(score(i));
-      if ((key & mask) == prefix) atomicAdd(&s.hist[(key >> shift) & 255u], 1u);
+    // Scores of one magnitude share their high digits, so per-key shared-memory atomics would pile onto a few
+    // bins and serialise: the lanes of a warp that hold one digit add their count once (warp-aggregated).
+    for (int base = 0; base < n; base += nthreads) {  // whole warps iterate together (match_any below)
+      const int i = base + tid;
+      const unsigned key = i < n ? order_key(score(i)) : 0u;
+      const bool counted = i < n && (key & mask) == prefix;
+      const unsigned digit = counted ? (key >> shift) & 255u : 256u;
+      const unsigned peers = __match_any_sync(kFullMask, digit);
+      if (counted && (peers & ((1u << lane) - 1u)) == 0) atomicAdd(&s.hist[digit], unsigned(__popc(peers)));
     }
     __syncthreads();
     if (warp == 0) {

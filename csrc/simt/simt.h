@@ -622,6 +622,19 @@ inline unsigned ballot_sync(unsigned mask, int predicate) {
   return out;
 }
 
+// Lanes of the mask whose `value` equals this lane's (sm_70+'s __match_any_sync).
+inline unsigned match_any_sync(unsigned mask, unsigned value) {
+  auto slots = detail::warp_exchange(mask, value);
+  unsigned active = mask & detail::block().warps[detail::warp_id()].exist_mask;
+  unsigned out = 0;
+  for (int l = 0; l < kWarpSize; ++l) {
+    unsigned v;
+    std::memcpy(&v, slots[l], sizeof(unsigned));
+    if ((active >> l & 1u) && v == value) out |= 1u << l;
+  }
+  return out;
+}
+
 // Atomics on global or shared memory (GCC builtins: blocks run on several OS threads). The generic
 // __atomic_load/__atomic_compare_exchange forms accept floating-point types as well.
 template <typename T, typename Op>
