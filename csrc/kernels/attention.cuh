@@ -12,6 +12,7 @@
 
 #include "compat.cuh"
 #include "host_utils.cuh"
+#include "last_cta.cuh"
 
 namespace sparsever {
 namespace kernels {
@@ -52,6 +53,7 @@ struct AttentionParams {
   float* part_max;  // [num_splits, T, Hq]
   float* part_sum;  // [num_splits, T, Hq]
   int num_tokens;
+  int* split_counters;  // [R * Hkv] arrival counters: the last split merges (tensor-core kernel), or nullptr
 };
 
 // Shared memory (floats): q[rows][D] | k[kAttnTile][D + 1] | v[kAttnTile][D] | p[rows][kAttnTile], then
@@ -281,6 +283,34 @@ __global__ void __launch_bounds__(kWarps * kWarpSize) block_sparse_tree_attentio
       }
     }
   }
+}
+
+// Merge the splits of one (token, query head) with one warp, in the last CTA of the kernel that wrote them
+// (read with __ldcg: L2, not a possibly stale L1); `weights` holds num_splits floats of the warp's shared memory.
+template <typename T>
+SV_DEVICE void merge_attention_splits_warp(const AttentionParams& p, int tok, int head, float* weights) {
+  const int lane = threadIdx.x % kWarpSize;
+  auto index = [&](int s) { return (int64_t(s) * p.num_tokens + tok) * p.num_heads + head; };
+  float m = -INFINITY;
+  for (int s = lane; s < p.num_splits; s += kWarpSize) m = fmaxf(m, __ldcg(p.part_max + index(s)));
+  m = warp_reduce_max(m);
+  float total = 0.0f;
+  for (int s = lane; s < p.num_splits; s += kWarpSize) {
+    const float ms = __ldcg(p.part_max + index(s));
+    const float w = ms == -INFINITY ? 0.0f : __expf(ms - m);
+    total += __ldcg(p.part_sum + index(s)) * w;
+    weights[s] = w;
+  }
+  total = warp_reduce_sum(total);
+  __syncwarp();
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;  // no allowed key -> zeros
+  T* o = static_cast<T*>(p.out) + tok * p.out_stride_t + head * p.out_stride_h;
+  for (int d = lane; d < p.head_dim; d += kWarpSize) {
+    float v = 0.0f;
+    for (int s = 0; s < p.num_splits; ++s) v += weights[s] * __ldcg(p.part_out + index(s) * p.head_dim + d);
+    o[d] = from_float<T>(v * inv);
+  }
+  __syncwarp();  // the weights are rewritten for the next row
 }
 
 // Merge the splits of one (request, query head): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.

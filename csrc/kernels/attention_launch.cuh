@@ -157,6 +157,8 @@ void block_sparse_tree_attention_impl(at::Tensor& out, const at::Tensor& query, 
                        vectorize && can_vectorize(query.data_ptr(), elem, head_dim, {query.stride(0), query.stride(1)});
   p.num_splits = attention_num_splits(num_req * num_kv_heads, max_ctx_keys + max_query_keys, launch.num_sms,
                                       launch.forced_splits, use_mma ? kMmaTileKeys : kAttnTile);
+  TORCH_CHECK(!use_mma || p.num_splits <= kMmaMaxSplits, "at most ", kMmaMaxSplits, " splits");
+  if (use_mma && p.num_splits > 1) p.split_counters = arrival_counters(out, num_req * num_kv_heads);
   at::Tensor part_out, part_max, part_sum;
   if (p.num_splits > 1) {
     auto f32 = out.options().dtype(at::kFloat);

@@ -10,7 +10,8 @@
 //     probabilities go from the QK^T accumulators to PV's A operand in registers (FlashAttention-2);
 //   * 4 warps: with up to 16 query rows each warp takes a quarter of every tile (its own online softmax),
 //     with 17-32 rows two warps per 16 rows share a tile, with more each warp has 16 rows of the tile; the
-//     warps' partial softmax states merge in shared memory, and the splits' in the combine kernel.
+//     warps' partial softmax states merge in shared memory, the splits' in the last split's CTA to finish
+//     (last_cta.cuh): one launch, so selection + attention are two.
 #pragma once
 
 #include "attention.cuh"
@@ -22,6 +23,7 @@ namespace kernels {
 constexpr int kMmaWarps = 4;
 constexpr int kMmaTileKeys = 64;  // keys per pipeline stage
 constexpr int kMmaStages = 2;
+constexpr int kMmaMaxSplits = 64;  // the split heuristic's cap; the last split's merge weights fit in smem
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -38,6 +40,7 @@ struct AttentionMmaLayout {
   // After the key loop the K/V stages hold each warp's partial state: O [16][D], max [16], sum [16].
   static constexpr size_t kMergeBytes = size_t(kMmaWarps) * 16 * (D + 2) * sizeof(float);
   static_assert(kMergeBytes <= kKvBytes, "the warps' partial states must fit in the K/V stages");
+  static_assert(size_t(kMmaWarps) * kMmaMaxSplits * sizeof(float) <= kKvBytes, "split merge weights");
   static constexpr size_t kCodeBytes = size_t(kMmaStages) * kMmaTileKeys * sizeof(int);
   static constexpr size_t kBytes = kQBytes + kKvBytes + kCodeBytes;
 };
@@ -291,15 +294,25 @@ __global__ void __launch_bounds__(kMmaWarps * kWarpSize, 1) tree_attention_mma_k
         const int64_t idx = (int64_t(split) * p.num_tokens + tok) * p.num_heads + head;
         p.part_out[idx * D + d] = acc;
         if (d == 0) {
-          p.part_max[idx] = m == -INFINITY ? -INFINITY : m * kLn2;  // the combine kernel works in base e
+          p.part_max[idx] = m == -INFINITY ? -INFINITY : m * kLn2;  // the merge works in base e
           p.part_sum[idx] = sum;
         }
       }
     }
   }
+  if (p.num_splits > 1) {
+    // The last split of this (request, KV head) to finish merges all splits: no combine launch.
+    __shared__ int last_flag;
+    if (!arrive_last(p.split_counters + r * p.num_kv_heads + h, p.num_splits, &last_flag)) return;
+    float* weights = reinterpret_cast<float*>(smem + L::kQBytes) + warp * kMmaMaxSplits;  // K/V stages are free
+    for (int row = warp; row < num_rows; row += kMmaWarps) {
+      merge_attention_splits_warp<T>(p, t0 + row / group, h * group + row % group, weights);
+    }
+  }
 }
 
-// Rows per CTA pass from the most query rows a request may have: 16, 32 or 64.
+// One launch: the splits merge in the kernel (p.split_counters). Rows per CTA pass from the most query rows
+// a request may have: 16, 32 or 64.
 template <typename T, int D, class Launcher>
 void launch_attention_mma(const AttentionParams& p, int num_req, int64_t max_rows, const Launcher& launch) {
   const dim3 grid(unsigned(p.num_splits), unsigned(p.num_kv_heads), unsigned(num_req));
@@ -310,10 +323,6 @@ void launch_attention_mma(const AttentionParams& p, int num_req, int64_t max_row
     launch(grid, block, AttentionMmaLayout<D, 2>::kBytes, tree_attention_mma_kernel<T, D, 2>, p);
   } else {
     launch(grid, block, AttentionMmaLayout<D, 4>::kBytes, tree_attention_mma_kernel<T, D, 4>, p);
-  }
-  if (p.num_splits > 1) {
-    launch(dim3(unsigned(p.num_heads), unsigned(num_req)), dim3(std::min(256, std::max(32, p.head_dim))), 0,
-           combine_attention_splits_kernel<T>, p);
   }
 }
 

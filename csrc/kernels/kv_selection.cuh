@@ -5,6 +5,7 @@
 
 #include "compat.cuh"
 #include "host_utils.cuh"
+#include "last_cta.cuh"
 #include "topk.cuh"
 
 namespace sparsever {
@@ -95,13 +96,13 @@ void update_block_key_summaries_impl(const at::Tensor& key_cache, const at::Tens
 }
 
 // ---- select_kv_blocks -----------------------------------------------------------------------------
-// One CTA per (KV head, request): Quest upper bounds of the middle blocks (one warp per block, summed over
-// the GQA group's pooled queries) into a global scratch row, then the block-wide top-k; sink and local
-// blocks are added around it. The selection is shared by all of the request's query tokens.
+// One launch. CTAs of kScoreBlocksPerCta middle blocks each write Quest upper bounds (one warp per block,
+// summed over the GQA group's pooled queries) into a global scratch row per (request, KV head); the last of a
+// row's CTAs to finish (last_cta.cuh) takes the block-wide top-k and writes the selection with the sink and
+// local blocks around it. The selection is shared by all of the request's query tokens.
 
 constexpr int kSelectThreads = 256;
-// Quest scores are computed by many CTAs (kScoreBlocksPerCta middle blocks each), then one CTA per
-// (KV head, request) picks the top-k: one CTA scoring a long context alone would take milliseconds.
+// Many CTAs score (one scoring a long context alone would take milliseconds); one per row picks the top-k.
 constexpr int kScoreBlocksPerCta = 64;
 
 // How many context blocks request r has (capped at the block table's width).
@@ -111,95 +112,96 @@ SV_DEVICE int selection_context_blocks(const int* seq_lens, const int* query_len
   return min_of(div_up(ctx_len, block_size), max_blocks);
 }
 
+struct SelectParams {
+  const int* block_table;
+  int64_t bt_stride;
+  int max_blocks;
+  const int* seq_lens;
+  const int* query_lens;
+  int block_size, top_k, num_sink, num_local;
+  int num_heads, num_kv_heads, head_dim;
+  const float* key_min;
+  const float* key_max;
+  float* scores;  // [R * Hkv, max_blocks] scratch
+  int* selected;
+  int64_t sel_stride_r, sel_stride_h;
+  int slots;
+  int* num_selected;
+  int64_t ns_stride_r, ns_stride_h;
+  int* counters;  // [R * Hkv] arrival counters (last_cta.cuh)
+};
+
 // scores[(r, h)][i] = sum_g sum_d max(q_g[d] * min[d], q_g[d] * max[d]) over the middle blocks i of
-// chunk blockIdx.x (one warp per block); requests whose budget keeps every block are skipped.
+// chunk blockIdx.x, then (last CTA of the row) sinks, the top-k middle blocks by those scores, local blocks.
 template <typename TQ>
 __global__ void __launch_bounds__(kSelectThreads)
-    quest_block_scores_kernel(const TQ* __restrict__ query_pooled, int64_t q_stride_r, int64_t q_stride_h,
-                              int64_t q_stride_d, const float* __restrict__ key_min,
-                              const float* __restrict__ key_max, const int* __restrict__ block_table,
-                              int64_t bt_stride, int max_blocks, const int* __restrict__ seq_lens,
-                              const int* __restrict__ query_lens, int block_size, int budget, int num_sink,
-                              int num_local, int num_heads, int num_kv_heads, int head_dim,
-                              float* __restrict__ scores) {
+    select_kv_blocks_kernel(const TQ* __restrict__ query_pooled, int64_t q_stride_r, int64_t q_stride_h,
+                            int64_t q_stride_d, const SelectParams p) {
   SV_DYNAMIC_SHARED(float, q);  // [group, head_dim] pooled queries of this KV head's query heads
+  __shared__ BlockTopkScratch topk_scratch;
+  __shared__ int last_flag;
   const int chunk = blockIdx.x;
   const int h = blockIdx.y;
   const int r = blockIdx.z;
   const int tid = threadIdx.x;
-  const int n = selection_context_blocks(seq_lens, query_lens, r, block_size, max_blocks);
-  const int middle = n - num_sink - num_local;
+  const int n = selection_context_blocks(p.seq_lens, p.query_lens, r, p.block_size, p.max_blocks);
+  const int middle = n - p.num_sink - p.num_local;
+  const int budget = p.top_k + p.num_sink + p.num_local;
   const int first = chunk * kScoreBlocksPerCta;
-  if (n <= budget || first >= middle) return;  // dense request, or past its middle blocks
-  const int group = num_heads / num_kv_heads;
-  for (int i = tid; i < group * head_dim; i += blockDim.x) {
-    const int g = i / head_dim, d = i % head_dim;
-    q[i] = to_float(query_pooled[r * q_stride_r + (h * group + g) * q_stride_h + d * q_stride_d]);
-  }
-  __syncthreads();
-  float* row_scores = scores + (int64_t(r) * num_kv_heads + h) * max_blocks;
-  const int lane = tid % kWarpSize, warp = tid / kWarpSize, num_warps = blockDim.x / kWarpSize;
-  const int* table = block_table + r * bt_stride;
-  const int last = min_of(middle, first + kScoreBlocksPerCta);
-  for (int i = first + warp; i < last; i += num_warps) {
-    const int64_t phys = table[num_sink + i];
-    const float* lo = key_min + (phys * num_kv_heads + h) * head_dim;
-    const float* hi = key_max + (phys * num_kv_heads + h) * head_dim;
-    float s = 0.0f;
-    for (int d = lane; d < head_dim; d += kWarpSize) {
-      const float a = lo[d], b = hi[d];
-      for (int g = 0; g < group; ++g) {
-        const float qv = q[g * head_dim + d];
-        s += fmaxf(qv * a, qv * b);
-      }
+  float* row_scores = p.scores + (int64_t(r) * p.num_kv_heads + h) * p.max_blocks;
+  if (n > budget && first < middle) {  // else: a dense request, or past its middle blocks
+    const int group = p.num_heads / p.num_kv_heads;
+    for (int i = tid; i < group * p.head_dim; i += blockDim.x) {
+      const int g = i / p.head_dim, d = i % p.head_dim;
+      q[i] = to_float(query_pooled[r * q_stride_r + (h * group + g) * q_stride_h + d * q_stride_d]);
     }
-    s = warp_reduce_sum(s);
-    if (lane == 0) row_scores[i] = s;
+    __syncthreads();
+    const int lane = tid % kWarpSize, warp = tid / kWarpSize, num_warps = blockDim.x / kWarpSize;
+    const int* table = p.block_table + r * p.bt_stride;
+    const int last = min_of(middle, first + kScoreBlocksPerCta);
+    for (int i = first + warp; i < last; i += num_warps) {
+      const int64_t phys = table[p.num_sink + i];
+      const float* lo = p.key_min + (phys * p.num_kv_heads + h) * p.head_dim;
+      const float* hi = p.key_max + (phys * p.num_kv_heads + h) * p.head_dim;
+      float s = 0.0f;
+      for (int d = lane; d < p.head_dim; d += kWarpSize) {
+        const float a = lo[d], b = hi[d];
+        for (int g = 0; g < group; ++g) {
+          const float qv = q[g * p.head_dim + d];
+          s += fmaxf(qv * a, qv * b);
+        }
+      }
+      s = warp_reduce_sum(s);
+      if (lane == 0) row_scores[i] = s;
+    }
   }
-}
+  if (!arrive_last(p.counters + r * p.num_kv_heads + h, gridDim.x, &last_flag)) return;
 
-// One CTA per (KV head, request): sinks, the top-k middle blocks by the scores above, local blocks.
-// (A template only so that the header may be included by several translation units.)
-template <int kThreads = kSelectThreads>
-__global__ void __launch_bounds__(kThreads)
-    select_kv_blocks_kernel(const int* __restrict__ seq_lens, const int* __restrict__ query_lens, int max_blocks,
-                            int block_size, int top_k, int num_sink, int num_local, int num_kv_heads,
-                            const float* __restrict__ scores, int* __restrict__ selected, int64_t sel_stride_r,
-                            int64_t sel_stride_h, int slots, int* __restrict__ num_selected,
-                            int64_t ns_stride_r, int64_t ns_stride_h) {
-  __shared__ BlockTopkScratch topk_scratch;
-  const int h = blockIdx.x;
-  const int r = blockIdx.y;
-  const int tid = threadIdx.x;
-  int* sel = selected + r * sel_stride_r + h * sel_stride_h;
-  const int n = selection_context_blocks(seq_lens, query_lens, r, block_size, max_blocks);
-  const int budget = top_k + num_sink + num_local;
+  int* sel = p.selected + r * p.sel_stride_r + h * p.sel_stride_h;
   if (n <= budget) {  // short context: every context block, i.e. dense
-    for (int i = tid; i < slots; i += blockDim.x) sel[i] = i < n ? i : -1;
-    if (tid == 0) num_selected[r * ns_stride_r + h * ns_stride_h] = min_of(n, slots);
+    for (int i = tid; i < p.slots; i += blockDim.x) sel[i] = i < n ? i : -1;
+    if (tid == 0) p.num_selected[r * p.ns_stride_r + h * p.ns_stride_h] = min_of(n, p.slots);
     return;
   }
-  const int middle = n - num_sink - num_local;
-  const float* row_scores = scores + (int64_t(r) * num_kv_heads + h) * max_blocks;
   // Layout of the row: sinks [0, num_sink), top-k middle blocks (ascending), local blocks, then -1.
-  int* middle_out = sel + num_sink;
-  if (budget <= slots) {
-    block_topk_ascending([&](int i) { return row_scores[i]; }, middle, top_k, middle_out, topk_scratch);
+  int* middle_out = sel + p.num_sink;
+  if (budget <= p.slots) {
+    block_topk_ascending([&](int i) { return __ldcg(row_scores + i); }, middle, p.top_k, middle_out, topk_scratch);
   }
   __syncthreads();
-  for (int i = tid; i < slots; i += blockDim.x) {
-    if (i < num_sink) {
+  for (int i = tid; i < p.slots; i += blockDim.x) {
+    if (i < p.num_sink) {
       sel[i] = i;
-    } else if (i < num_sink + top_k) {
-      if (budget <= slots) sel[i] += num_sink;  // top-k wrote indices relative to the middle range
+    } else if (i < p.num_sink + p.top_k) {
+      if (budget <= p.slots) sel[i] += p.num_sink;  // top-k wrote indices relative to the middle range
     } else if (i < budget) {
-      sel[i] = n - num_local + (i - num_sink - top_k);
+      sel[i] = n - p.num_local + (i - p.num_sink - p.top_k);
     } else {
       sel[i] = -1;
     }
   }
   // The host checks slots >= budget; a smaller row would have been rejected there.
-  if (tid == 0) num_selected[r * ns_stride_r + h * ns_stride_h] = budget <= slots ? budget : 0;
+  if (tid == 0) p.num_selected[r * p.ns_stride_r + h * p.ns_stride_h] = budget <= p.slots ? budget : 0;
 }
 
 template <class Launcher>
@@ -243,22 +245,37 @@ void select_kv_blocks_impl(const at::Tensor& query_pooled, const at::Tensor& key
   if (num_req == 0 || num_kv_heads == 0) return;
   at::Tensor scores = at::empty({num_req * num_kv_heads, std::max<int64_t>(max_blocks, 1)},
                                 query_pooled.options().dtype(at::kFloat));
+  SelectParams p{};
+  p.block_table = block_table.data_ptr<int>();
+  p.bt_stride = block_table.stride(0);
+  p.max_blocks = int(max_blocks);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.query_lens = query_lens.data_ptr<int>();
+  p.block_size = int(block_size);
+  p.top_k = int(top_k);
+  p.num_sink = int(num_sink);
+  p.num_local = int(num_local);
+  p.num_heads = int(num_heads);
+  p.num_kv_heads = int(num_kv_heads);
+  p.head_dim = int(head_dim);
+  p.key_min = key_min.data_ptr<float>();
+  p.key_max = key_max.data_ptr<float>();
+  p.scores = scores.data_ptr<float>();
+  p.selected = selected.data_ptr<int>();
+  p.sel_stride_r = selected.stride(0);
+  p.sel_stride_h = selected.stride(1);
+  p.slots = int(slots);
+  p.num_selected = num_selected.data_ptr<int>();
+  p.ns_stride_r = num_selected.stride(0);
+  p.ns_stride_h = num_selected.stride(1);
+  p.counters = arrival_counters(selected, num_req * num_kv_heads);
   const size_t smem = size_t(num_heads / num_kv_heads) * head_dim * sizeof(float);
-  const int budget = int(top_k + num_sink + num_local);
   const unsigned chunks = unsigned(std::max<int64_t>(1, div_up<int64_t>(max_blocks, kScoreBlocksPerCta)));
   SV_DISPATCH_FLOAT_TYPES(query_pooled.scalar_type(), "select_kv_blocks", [&] {
     launch(dim3(chunks, unsigned(num_kv_heads), unsigned(num_req)), dim3(kSelectThreads), smem,
-           quest_block_scores_kernel<scalar_t>, query_pooled.data_ptr<scalar_t>(), query_pooled.stride(0),
-           query_pooled.stride(1), query_pooled.stride(2), key_min.data_ptr<float>(), key_max.data_ptr<float>(),
-           block_table.data_ptr<int>(), block_table.stride(0), int(max_blocks), seq_lens.data_ptr<int>(),
-           query_lens.data_ptr<int>(), int(block_size), budget, int(num_sink), int(num_local), int(num_heads),
-           int(num_kv_heads), int(head_dim), scores.data_ptr<float>());
+           select_kv_blocks_kernel<scalar_t>, query_pooled.data_ptr<scalar_t>(), query_pooled.stride(0),
+           query_pooled.stride(1), query_pooled.stride(2), p);
   });
-  launch(dim3(unsigned(num_kv_heads), unsigned(num_req)), dim3(kSelectThreads), 0, select_kv_blocks_kernel<>,
-         seq_lens.data_ptr<int>(), query_lens.data_ptr<int>(), int(max_blocks), int(block_size), int(top_k),
-         int(num_sink), int(num_local), int(num_kv_heads), scores.data_ptr<float>(), selected.data_ptr<int>(),
-         selected.stride(0), selected.stride(1), int(slots), num_selected.data_ptr<int>(), num_selected.stride(0),
-         num_selected.stride(1));
 }
 
 }  // namespace kernels

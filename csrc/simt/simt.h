@@ -521,6 +521,18 @@ inline void run_grid(dim3 grid, dim3 block_dim, size_t smem_bytes, const std::fu
 
 }  // namespace detail
 
+// Counters of launches and of the emulated warp-level instructions, so tests can assert which path ran.
+struct Counters {
+  std::atomic<uint64_t> mma{0};         // mma.sync tiles
+  std::atomic<uint64_t> ldmatrix{0};    // ldmatrix instructions (per warp)
+  std::atomic<uint64_t> async_bytes{0};  // bytes landed by cp.async
+  std::atomic<uint64_t> launches{0};     // kernel launches (simt::launch)
+};
+inline Counters& counters() {
+  static Counters c;
+  return c;
+}
+
 // Launch `kernel` like kernel<<<grid, block, smem_bytes>>>(args...): arguments are converted to the
 // kernel's parameter types once and every thread receives its own copy, as CUDA passes them by value.
 template <typename... Params, typename... Args>
@@ -531,6 +543,7 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, void (*kernel)(Params...),
     auto copy = packed;
     std::apply(kernel, copy);
   };
+  ++counters().launches;
   detail::run_grid(grid, block, smem_bytes, body);
 }
 
@@ -542,17 +555,6 @@ inline const dim3& grid_dim() { return detail::block().grid_dim; }
 inline unsigned char* dynamic_shared_memory() { return detail::block().dynamic_smem; }
 inline void syncthreads(const char* file, int line) { detail::block_barrier(file, line); }
 inline void syncwarp(unsigned mask) { detail::warp_barrier(mask); }
-
-// Instruction counters of the emulated warp-level instructions, so tests can assert which path ran.
-struct Counters {
-  std::atomic<uint64_t> mma{0};         // mma.sync tiles
-  std::atomic<uint64_t> ldmatrix{0};    // ldmatrix instructions (per warp)
-  std::atomic<uint64_t> async_bytes{0};  // bytes landed by cp.async
-};
-inline Counters& counters() {
-  static Counters c;
-  return c;
-}
 
 // cp.async: queue a copy of this thread; it lands when a wait_group covers its group.
 inline void async_copy(void* dst, const void* src, unsigned bytes, unsigned src_bytes) {

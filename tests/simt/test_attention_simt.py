@@ -150,3 +150,43 @@ def test_attention_cuda_core_kernel_where_tensor_cores_do_not_apply(ops, head_di
     before = emulated_mma_tiles(ops)
     run_attention(ops, case, use_selection=True, use_tree=True, forced_splits=2)
     assert emulated_mma_tiles(ops) == before
+
+
+def launches(ops) -> int:
+    return ops.emulated_instructions()[3]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_selection_plus_attention_is_two_launches(ops, splits):
+    # Issue 60: selection and tensor-core attention are one launch each (the block scores' top-k runs in the
+    # last scoring CTA of a row, the splits merge in the last split to finish), so a CUDA graph captures two
+    # kernels. The arrival counters reset themselves: the second round reuses them.
+    if not simt_counts(ops):
+        pytest.skip("launches are counted by the SIMT executor only")
+    gen = torch.Generator().manual_seed(4)
+    bs, d, hkv, group, top_k = 16, 64, 2, 4, 3
+    table, seq_lens, query_lens, qsl, nb = make_requests([(300, 4), (170, 2)], bs, gen)
+    k_cache, v_cache = make_kv_cache(nb, hkv, bs, d, torch.bfloat16, "gpu", gen)
+    query = torch.randn(int(qsl[-1]), hkv * group, d, generator=gen).to(torch.bfloat16)
+    kmin, kmax = torch.zeros(nb, hkv, d), torch.zeros(nb, hkv, d)
+    reference.update_block_key_summaries(k_cache, torch.arange(nb * bs, dtype=torch.int64), bs, kmin, kmax)
+    pooled = reference.pool_queries(query, qsl)
+    want_sel, want_n = torch.empty(2, hkv, top_k + 2, dtype=torch.int32), torch.empty(2, hkv, dtype=torch.int32)
+    reference.select_kv_blocks(pooled, kmin, kmax, table, seq_lens, query_lens, bs, top_k, 1, 1, want_sel, want_n)
+    want = torch.empty_like(query)
+    reference.block_sparse_tree_attention(want, query, k_cache, v_cache, table, seq_lens, qsl, want_sel, want_n,
+                                          None, d**-0.5)
+    for _ in range(2):
+        sel, nsel = torch.full_like(want_sel, 99), torch.full_like(want_n, 99)
+        out = torch.full_like(query, 7.0)
+        before = launches(ops)
+        ops.select_kv_blocks(pooled, kmin, kmax, table, seq_lens, query_lens, bs, top_k, 1, 1, sel, nsel)
+        ops.block_sparse_tree_attention(out, query, k_cache, v_cache, table, seq_lens, qsl, sel, nsel, None,
+                                        d**-0.5, 4, splits, True)
+        assert launches(ops) - before == 2
+        assert torch.equal(sel, want_sel) and torch.equal(nsel, want_n)
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+    before = launches(ops)
+    ops.block_sparse_tree_attention(out, query, k_cache, v_cache, table, seq_lens, qsl, sel, nsel, None, d**-0.5, 4,
+                                    splits, False)
+    assert launches(ops) - before == (2 if splits > 1 else 1)  # the CUDA-core kernel keeps its combine launch

@@ -18,10 +18,11 @@ simt::Launcher launcher(int64_t num_sms, int64_t forced_splits, bool tensor_core
   return l;
 }
 
-// [mma.sync tiles, ldmatrix instructions, cp.async bytes] the emulation has run so far (all kernels).
+// [mma.sync tiles, ldmatrix instructions, cp.async bytes, kernel launches] the executor has run so far.
 std::vector<int64_t> emulated_instructions() {
   const simt::Counters& c = simt::counters();
-  return {int64_t(c.mma.load()), int64_t(c.ldmatrix.load()), int64_t(c.async_bytes.load())};
+  return {int64_t(c.mma.load()), int64_t(c.ldmatrix.load()), int64_t(c.async_bytes.load()),
+          int64_t(c.launches.load())};
 }
 
 void update_block_key_summaries(const at::Tensor& key_cache, const at::Tensor& slot_mapping, int64_t block_size,
