@@ -20,8 +20,9 @@ CHECK_DIR = ROOT / "build" / "cuda_check_test"
 
 pytestmark = pytest.mark.slow
 
-# Kernels that spilled a few bytes before this check existed; any other kernel that spills fails.
-KNOWN_SPILLS = ("block_sparse_tree_attention_kernel", "ffn_gate_kernel", "moe_down_kernel")
+# Kernels that spill a few bytes today (the CUDA-core attention's head_dim 65-160 variants on sm_80: 4 B);
+# any other kernel that spills fails, and so does an entry here that no longer spills (keep the list true).
+KNOWN_SPILLS = ("block_sparse_tree_attention_kernel",)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +48,10 @@ def test_no_new_register_spills(compile_check):
     assert compile_check.returncode == 0
     spilling = [line for f in sorted(CHECK_DIR.glob("*.summary")) for line in f.read_text().splitlines()
                 if "SPILL" in line]
-    assert spilling or KNOWN_SPILLS == (), "no spills left: empty KNOWN_SPILLS"
     new = [line for line in spilling if not any(k in line for k in KNOWN_SPILLS)]
     assert not new, "kernels that spill registers:\n" + "\n".join(new)
+    gone = [k for k in KNOWN_SPILLS if not any(k in line for line in spilling)]
+    assert not gone, f"no longer spill, drop from KNOWN_SPILLS: {gone}"
     mma = [line for f in CHECK_DIR.glob("attention.cu.summary") for line in f.read_text().splitlines()
            if "tree_attention_mma_kernel" in line]
     assert len(mma) == 24, mma  # 2 dtypes x 2 head dims x 3 CTA shapes x 2 archs, none spilling

@@ -15,6 +15,9 @@ constexpr int kGemvRowsPerWarp = 2;
 constexpr int kGemvRowsPerCta = kGemvWarps * kGemvRowsPerWarp;
 constexpr int kGemvTokens = 8;  // tokens per weight pass (register accumulators: rows * tokens per lane)
 static_assert(kGemvRowsPerWarp * kGemvTokens <= kWarpSize, "one lane writes each (row, token) result");
+// 16-byte weight loads a lane issues before using the first (over all its rows): with one per row in
+// flight, a GEMV warp keeps too few bytes in flight to cover DRAM latency at the occupancy its registers allow.
+constexpr int kGemvLoadsInFlight = 8;
 
 template <typename T, int kVec>
 SV_DEVICE void load_as_float(const T* p, float (&v)[kVec]) {
@@ -37,10 +40,9 @@ SV_DEVICE void warp_dot_rows_tokens(const TW* const (&w)[kRows], const TX* const
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int t = 0; t < kTok; ++t) acc[r][t] = 0.0f;
-  for (int k = lane * kVec; k < len; k += kWarpSize * kVec) {
-    float wv[kRows][kVec];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) load_as_float<TW, kVec>(w[r] + k, wv[r]);
+  constexpr int kStep = kWarpSize * kVec;
+  // acc += w[.][k..k+kVec) x[.][k..k+kVec) for weights already in registers
+  auto accumulate = [&](const float (&wv)[kRows][kVec], int k) {
 #pragma unroll
     for (int t = 0; t < kTok; ++t) {
       if (t < ntok) {
@@ -52,6 +54,33 @@ SV_DEVICE void warp_dot_rows_tokens(const TW* const (&w)[kRows], const TX* const
           for (int e = 0; e < kVec; ++e) acc[r][t] = fmaf(wv[r][e], xv[e], acc[r][t]);
       }
     }
+  };
+  int k = lane * kVec;
+  if constexpr (kVec > 1) {
+    // kSteps steps of every row loaded (raw) before any is used.
+    constexpr int kSteps = kGemvLoadsInFlight / kRows > 1 ? kGemvLoadsInFlight / kRows : 1;
+    for (; k + (kSteps - 1) * kStep < len; k += kSteps * kStep) {
+      AlignedVec<TW, kVec> raw[kSteps][kRows];
+#pragma unroll
+      for (int u = 0; u < kSteps; ++u)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) raw[u][r] = *reinterpret_cast<const AlignedVec<TW, kVec>*>(w[r] + k + u * kStep);
+#pragma unroll
+      for (int u = 0; u < kSteps; ++u) {
+        float wv[kRows][kVec];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) wv[r][e] = to_float(raw[u][r].val[e]);
+        accumulate(wv, k + u * kStep);
+      }
+    }
+  }
+  for (; k < len; k += kStep) {
+    float wv[kRows][kVec];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) load_as_float<TW, kVec>(w[r] + k, wv[r]);
+    accumulate(wv, k);
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r)

@@ -227,3 +227,23 @@ def test_dispatch_reads_only_kept_experts_and_empty_tokens(ops):
     assert int(n) == 2 and torch.isfinite(out).all()
     assert torch.equal(out[4], torch.zeros(64))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_loads_in_flight_and_their_tail(ops, dtype):
+    # A hidden size of 1344: with 16-byte loads, whole groups of kGemvLoadsInFlight steps per lane, then a
+    # tail of single steps that some lanes of the warp take and others do not (FFN gate/up, MoE gate/up).
+    gen = torch.Generator().manual_seed(11)
+    h, inter = 1344, 40
+    w_gate_up, w_down_t = ffn_weights(h, inter, dtype, gen)
+    x = torch.randn(9, h, generator=gen).to(dtype)
+    check_ffn(ops, x, w_gate_up, w_down_t, [4, 5], 12, forced_splits=2)
+    x, w13, w2, logits = moe_problem(9, h, 24, 6, dtype, gen)
+    w, ids = torch.empty(9, 2), torch.empty(9, 2, dtype=torch.int32)
+    reference.moe_route_and_prune(logits, 2, 0.0, None, 0, True, w, ids)
+    out, used = torch.empty_like(x), torch.zeros(1, dtype=torch.int32)
+    ops.moe_grouped_dispatch(out, x, w, ids, w13, w2, used)
+    expected, rused = torch.empty_like(x), torch.empty(1, dtype=torch.int32)
+    reference.moe_grouped_dispatch(expected, x, w, ids, w13, w2, rused)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
