@@ -771,8 +771,11 @@ def flex_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention) if q.is_cuda else flex_attention
-        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+        cfg = torch._dynamo.config  # one compiled specialisation per shape: the strongest baseline
+        for name in ("cache_size_limit", "recompile_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(64, getattr(cfg, name)))
 
     def verify_mask(b, h, q_idx, kv_idx):
         return kv_idx <= ctx + q_idx
