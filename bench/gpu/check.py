@@ -802,9 +802,10 @@ def speed_attention(device: str, timer: Timer, ctx: int, q_len: int, reps: int, 
     hq, hkv, hd, bs, dtype = 32, 8, 128, 16, torch.bfloat16
     per_req = -(-(ctx + q_len) // bs)
     n_blocks = per_req * requests
-    # vLLM's FlashAttention cache: [2, num_blocks, block_size, Hkv, D]; the op takes [nb, Hkv, bs, D] views.
-    kv = torch.randn(2, n_blocks, bs, hkv, hd, device=device).to(dtype)
-    k_cache, v_cache = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    # vLLM 0.32's FlashAttention cache (docs/compat.md): [num_blocks, block_size, Hkv, 2 * D], K then V in each
+    # token's row; the op takes [nb, Hkv, bs, D] strided views of it.
+    kv = torch.randn(n_blocks, bs, hkv, 2 * hd, device=device).to(dtype)
+    k_cache, v_cache = kv[..., :hd].transpose(1, 2), kv[..., hd:].transpose(1, 2)
     perm = torch.randperm(n_blocks, device=device).int()
     table = perm.view(requests, per_req)
     seq_lens = torch.full((requests,), ctx + q_len, dtype=torch.int32, device=device)
