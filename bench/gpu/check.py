@@ -771,11 +771,9 @@ def flex_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
-        cfg = torch._dynamo.config  # one compiled specialisation per shape: the strongest baseline
-        for name in ("cache_size_limit", "recompile_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(64, getattr(cfg, name)))
+        # torch.compile's defaults, as a user calls it: the first shape compiles static, the next ones share
+        # one dynamic-shape compile (a compile per shape would take minutes of the GPU machine's time).
+        _FLEX["fn"] = torch.compile(flex_attention) if q.is_cuda else flex_attention
 
     def verify_mask(b, h, q_idx, kv_idx):
         return kv_idx <= ctx + q_idx

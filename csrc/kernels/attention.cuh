@@ -66,8 +66,10 @@ inline size_t attention_smem_bytes(int head_dim, int warps, int rows_per_warp) {
   return floats * sizeof(float) + kAttnTile * (sizeof(int) + 2 * sizeof(int64_t));
 }
 
+// Min. blocks 1: without it ptxas held some sm_80 variants near 72 registers and spilled; shared memory
+// limits residency before registers do.
 template <typename T, int kDPerLane, int kVec, int kWarps, int kRowsPerWarp>
-__global__ void __launch_bounds__(kWarps * kWarpSize) block_sparse_tree_attention_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kWarps * kWarpSize, 1) block_sparse_tree_attention_kernel(const AttentionParams p) {
   constexpr int kAttnThreads = kWarps * kWarpSize;
   constexpr int kAttnRows = kWarps * kRowsPerWarp;  // query rows per CTA pass
   const int split = blockIdx.x;
