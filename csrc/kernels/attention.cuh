@@ -56,6 +56,53 @@ struct AttentionParams {
   int* split_counters;  // [R * Hkv] arrival counters: the last split merges (tensor-core kernel), or nullptr
 };
 
+// One request's keys for one KV head, in the order both attention kernels read them: its (selected) context
+// blocks (positions < ctx_len inside them; padding and unselected slots invalid), then its own query tokens.
+struct RequestKeys {
+  int t0, q_len, ctx_len, group, num_rows, ctx_keys, total_keys;
+  const int* sel;  // selected logical blocks, or nullptr (dense)
+
+  SV_DEVICE RequestKeys(const AttentionParams& p, int r, int h) {
+    t0 = p.query_start_loc[r];
+    q_len = p.query_start_loc[r + 1] - t0;
+    ctx_len = max_of(p.seq_lens[r] - q_len, 0);
+    group = p.num_heads / p.num_kv_heads;
+    num_rows = q_len * group;
+    sel = nullptr;
+    int num_ctx_blocks = div_up(ctx_len, p.block_size);
+    if (p.selected != nullptr) {
+      sel = p.selected + r * p.sel_stride_r + h * p.sel_stride_h;
+      num_ctx_blocks = p.num_selected[r * p.ns_stride_r + h * p.ns_stride_h];
+    }
+    ctx_keys = num_ctx_blocks * p.block_size;  // includes padding past ctx_len (masked)
+    total_keys = ctx_keys + q_len;
+  }
+
+  // Key `key` of the list: kKeyContext, the index of a query token, or kKeyInvalid; `pos` its position.
+  SV_DEVICE int code(const AttentionParams& p, int key, int& pos) const {
+    pos = 0;
+    if (key < ctx_keys) {
+      const int logical = sel != nullptr ? sel[key / p.block_size] : key / p.block_size;
+      pos = logical * p.block_size + key % p.block_size;
+      return logical >= 0 && pos < ctx_len ? kKeyContext : kKeyInvalid;
+    }
+    if (key < total_keys) {
+      pos = ctx_len + (key - ctx_keys);
+      return key - ctx_keys;
+    }
+    return kKeyInvalid;
+  }
+
+  // Whether query row `row` ((token, head of the group) pairs, token-major) may attend to a key of `code`:
+  // context keys always, query tokens by the tree mask or causally.
+  SV_DEVICE bool allows(const AttentionParams& p, int row, int code) const {
+    if (row >= num_rows || code == kKeyInvalid) return false;
+    if (code == kKeyContext) return true;
+    const int tok = row / group;
+    return p.tree_mask != nullptr ? p.tree_mask[(t0 + tok) * p.mask_stride + code] != 0 : code <= tok;
+  }
+};
+
 // Shared memory (floats): q[rows][D] | k[kAttnTile][D + 1] | v[kAttnTile][D] | p[rows][kAttnTile], then
 // per-key ints: code[kAttnTile] and int64 offsets k_off/v_off[kAttnTile]; rows = warps * rows per warp.
 inline size_t attention_smem_bytes(int head_dim, int warps, int rows_per_warp) {
@@ -80,25 +127,10 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 1) block_sparse_tree_atten
   const int warp = tid / kWarpSize;
   const int D = p.head_dim;
 
-  const int t0 = p.query_start_loc[r];
-  const int q_len = p.query_start_loc[r + 1] - t0;
-  if (q_len <= 0) return;
-  const int seq_len = p.seq_lens[r];
-  const int ctx_len = max_of(seq_len - q_len, 0);
-  const int group = p.num_heads / p.num_kv_heads;
-  const int num_rows = q_len * group;
-
-  int num_ctx_blocks;
-  const int* sel = nullptr;
-  if (p.selected != nullptr) {
-    sel = p.selected + r * p.sel_stride_r + h * p.sel_stride_h;
-    num_ctx_blocks = p.num_selected[r * p.ns_stride_r + h * p.ns_stride_h];
-  } else {
-    num_ctx_blocks = div_up(ctx_len, p.block_size);
-  }
-  const int ctx_keys = num_ctx_blocks * p.block_size;  // includes padding past ctx_len (masked)
-  const int total_keys = ctx_keys + q_len;
-  const int num_tiles = div_up(total_keys, kAttnTile);
+  const RequestKeys keys(p, r, h);
+  if (keys.q_len <= 0) return;
+  const int t0 = keys.t0, group = keys.group, num_rows = keys.num_rows;
+  const int num_tiles = div_up(keys.total_keys, kAttnTile);
   const int tiles_per_split = div_up(num_tiles, p.num_splits);
   const int tile_begin = split * tiles_per_split;
   const int tile_end = min_of(num_tiles, tile_begin + tiles_per_split);
@@ -145,18 +177,8 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 1) block_sparse_tree_atten
     for (int tile = tile_begin; tile < tile_end; ++tile) {
       __syncthreads();  // previous tile fully consumed
       if (tid < kAttnTile) {
-        // Map tile slot -> cache position: selected context block keys first, then the query tokens.
-        const int key = tile * kAttnTile + tid;
-        int c = kKeyInvalid;
-        int pos = 0;
-        if (key < ctx_keys) {
-          const int logical = sel != nullptr ? sel[key / p.block_size] : key / p.block_size;
-          pos = logical * p.block_size + key % p.block_size;
-          if (logical >= 0 && pos < ctx_len) c = kKeyContext;
-        } else if (key < total_keys) {
-          c = key - ctx_keys;
-          pos = ctx_len + c;
-        }
+        int pos;
+        const int c = keys.code(p, tile * kAttnTile + tid, pos);
         int64_t ko = 0, vo = 0;
         if (c != kKeyInvalid) {
           const int64_t phys = table[pos / p.block_size];
@@ -214,17 +236,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 1) block_sparse_tree_atten
         float* p_rows = p_s + (warp * kRowsPerWarp) * kAttnTile;
 #pragma unroll
         for (int i = 0; i < kRowsPerWarp; ++i) {
-          const int row = warp_row0 + i;
-          bool allowed = false;
-          if (row < num_rows && key_code != kKeyInvalid) {
-            if (key_code == kKeyContext) {
-              allowed = true;
-            } else {
-              const int tok = row / group;  // local index of the query token
-              allowed = p.tree_mask != nullptr ? p.tree_mask[(t0 + tok) * p.mask_stride + key_code] != 0
-                                               : key_code <= tok;
-            }
-          }
+          const bool allowed = keys.allows(p, warp_row0 + i, key_code);
           const float logit = allowed ? s[i] : -INFINITY;
           const float new_max = fmaxf(row_max[i], warp_reduce_max(logit));
           // -inf guards: a row with nothing allowed so far keeps max -inf and contributes zeros.

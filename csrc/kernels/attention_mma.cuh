@@ -64,22 +64,10 @@ __global__ void __launch_bounds__(kMmaWarps * kWarpSize, 1) tree_attention_mma_k
   const int row_warp = warp % kRowWarps, key_warp = warp / kRowWarps;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
 
-  const int t0 = p.query_start_loc[r];
-  const int q_len = p.query_start_loc[r + 1] - t0;
-  if (q_len <= 0) return;
-  const int seq_len = p.seq_lens[r];
-  const int ctx_len = max_of(seq_len - q_len, 0);
-  const int group = p.num_heads / p.num_kv_heads;
-  const int num_rows = q_len * group;
-  const int* sel = nullptr;
-  int num_ctx_blocks = div_up(ctx_len, p.block_size);
-  if (p.selected != nullptr) {
-    sel = p.selected + r * p.sel_stride_r + h * p.sel_stride_h;
-    num_ctx_blocks = p.num_selected[r * p.ns_stride_r + h * p.ns_stride_h];
-  }
-  const int ctx_keys = num_ctx_blocks * p.block_size;
-  const int total_keys = ctx_keys + q_len;
-  const int num_tiles = div_up(total_keys, kMmaTileKeys);
+  const RequestKeys keys(p, r, h);
+  if (keys.q_len <= 0) return;
+  const int t0 = keys.t0, group = keys.group, num_rows = keys.num_rows;
+  const int num_tiles = div_up(keys.total_keys, kMmaTileKeys);
   const int tiles_per_split = div_up(num_tiles, p.num_splits);
   const int tile_begin = split * tiles_per_split;
   const int tile_end = min_of(num_tiles, tile_begin + tiles_per_split);
@@ -102,16 +90,8 @@ __global__ void __launch_bounds__(kMmaWarps * kWarpSize, 1) tree_attention_mma_k
   // index, or invalid: zero-filled and masked).
   auto load_tile = [&](int tile, int stage) {
     const int j = tid / kThreadsPerKey;
-    const int key = tile * kMmaTileKeys + j;
-    int c = kKeyInvalid, pos = 0;
-    if (key < ctx_keys) {
-      const int logical = sel != nullptr ? sel[key / p.block_size] : key / p.block_size;
-      pos = logical * p.block_size + key % p.block_size;
-      if (logical >= 0 && pos < ctx_len) c = kKeyContext;
-    } else if (key < total_keys) {
-      c = key - ctx_keys;
-      pos = ctx_len + c;
-    }
+    int pos;
+    const int c = keys.code(p, tile * kMmaTileKeys + j, pos);
     const bool valid = c != kKeyInvalid;
     int64_t phys = 0, off = 0;
     if (valid) {
@@ -129,14 +109,6 @@ __global__ void __launch_bounds__(kMmaWarps * kWarpSize, 1) tree_attention_mma_k
       mma::cp_async_16(v_dst + chunk * 8, v_src + chunk * 8, valid);
     }
     if (tid % kThreadsPerKey == 0) code_s[stage * kMmaTileKeys + j] = c;
-  };
-
-  // Whether query row `row` (of the whole request) may attend to a key with code `c`.
-  auto allowed = [&](int row, int c) -> bool {
-    if (c == kKeyContext) return row < num_rows;
-    if (c == kKeyInvalid || row >= num_rows) return false;
-    const int tok = row / group;
-    return p.tree_mask != nullptr ? p.tree_mask[(t0 + tok) * p.mask_stride + c] != 0 : c <= tok;
   };
 
   const float scale_log2 = p.scale * kLog2e;  // softmax in base 2: exp2f is one instruction
@@ -198,7 +170,7 @@ __global__ void __launch_bounds__(kMmaWarps * kWarpSize, 1) tree_attention_mma_k
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + g + (e >= 2 ? 8 : 0);
           const int c = codes[n * 8 + 2 * t + (e & 1)];
-          s[n][e] = allowed(row, c) ? s[n][e] * scale_log2 : -INFINITY;
+          s[n][e] = keys.allows(p, row, c) ? s[n][e] * scale_log2 : -INFINITY;
           tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
         }
       }

@@ -72,24 +72,20 @@ SV_DEVICE void m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint
 #endif
 }
 
-// Four 8x8 16-bit matrices from shared memory; `row` is this lane's row address (16-byte aligned).
-SV_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+// Four 8x8 16-bit matrices from shared memory (transposed with kTrans); `row` is this lane's row address
+// (16-byte aligned).
+template <bool kTrans>
+SV_DEVICE void ldmatrix(uint32_t (&r)[4], const void* row) {
 #if defined(SV_MMA_UNSUPPORTED)
   __trap();
 #else
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(row)));
-#endif
-}
-
-SV_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
-#if defined(SV_MMA_UNSUPPORTED)
-  __trap();
-#else
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(row)));
+#define SV_LDMATRIX(op) asm volatile(op " {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row)))
+  if constexpr (kTrans) {
+    SV_LDMATRIX("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16");
+  } else {
+    SV_LDMATRIX("ldmatrix.sync.aligned.m8n8.x4.shared.b16");
+  }
+#undef SV_LDMATRIX
 #endif
 }
 
@@ -194,9 +190,6 @@ inline void ldmatrix(uint32_t (&r)[4], const void* row) {
   if (lane == 0) ++::simt::counters().ldmatrix;
 }
 
-inline void ldmatrix_x4(uint32_t (&r)[4], const void* row) { ldmatrix<false>(r, row); }
-inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) { ldmatrix<true>(r, row); }
-
 inline void cp_async_16(void* smem, const void* global, bool valid) {
   if (reinterpret_cast<uintptr_t>(smem) % 16 != 0 || (valid && reinterpret_cast<uintptr_t>(global) % 16 != 0)) {
     ::simt::detail::abandon("simt: cp.async of 16 bytes needs 16-byte aligned addresses");
@@ -210,6 +203,9 @@ inline void cp_async_wait() {
 }
 
 #endif  // __CUDACC__
+
+SV_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) { ldmatrix<false>(r, row); }
+SV_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) { ldmatrix<true>(r, row); }
 
 }  // namespace mma
 }  // namespace kernels
