@@ -64,6 +64,22 @@ def test_mtp_maps_to_vllms_method_without_a_model():
     assert cfg.to_vllm_speculative_kwargs() == {"method": "mtp", "num_speculative_tokens": 1}
 
 
+def test_drafting_off_proposes_nothing_and_needs_no_token_count():
+    from types import SimpleNamespace
+
+    from vllm_sparsever.drafting.factory import make_proposer
+
+    cfg = SparseverConfig.from_dict({"method": "sparsever", "draft_source": "none"})
+    assert cfg.num_speculative_tokens == 1
+    # vLLM drives it like its n-gram drafter; sparsever's runner asks the proposer instead, which drafts nothing.
+    assert cfg.to_vllm_speculative_kwargs() == {"method": "ngram", "num_speculative_tokens": 1}
+    proposer = make_proposer(cfg, max_model_len=512)
+    step = SimpleNamespace(req_ids=["a", "b"], depth=1)
+    assert proposer.lookahead == 0 and proposer.plan_depth(step) == 0
+    assert proposer.propose(step) == [[], []]
+    assert not (proposer.proposes_late or proposer.cuts_vllm_drafts or proposer.wants_target_states)
+
+
 def test_passthrough_fields_reach_vllm():
     cfg = SparseverConfig.from_dict(
         {"method": "sparsever", "model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}
@@ -88,7 +104,10 @@ def test_serialization_round_trip():
         ({"num_speculative_tokens": "3", "model": "d"}, ["num_speculative_tokens", "integer"]),
         ({"num_speculative_tokens": True, "model": "d"}, ["num_speculative_tokens", "integer"]),
         ({"num_speculative_tokens": 3, "draft_source": "medusa"},
-         ["draft_source", "'draft_model', 'ngram', 'early_exit', 'eagle', 'eagle3', 'mtp'"]),
+         ["draft_source", "'draft_model', 'ngram', 'early_exit', 'eagle', 'eagle3', 'mtp', 'none'"]),
+        ({"draft_source": "none", "model": "d"}, ["model", "must be omitted", "'none'"]),
+        ({"draft_source": "none", "early_exit": {"enabled": True}}, ["early_exit.enabled", "'none'", "allowed"]),
+        ({"draft_source": "none", "adaptive": {"enabled": True}}, ["adaptive.enabled", "draft_source='none'"]),
         ({"num_speculative_tokens": 3, "draft_source": "eagle3"}, ["model", "required", "eagle3 head"]),
         ({"num_speculative_tokens": 3, "draft_source": "mtp", "model": "h"}, ["model", "must be omitted", "mtp"]),
         ({"num_speculative_tokens": 3, "draft_source": "eagle", "model": "h", "early_exit": {"enabled": True}},

@@ -320,7 +320,9 @@ class EarlyExitConfig:
 VLLM_DRAFTERS = ("eagle", "eagle3", "mtp")
 # vLLM drafters whose head sparsever runs itself in the hierarchy (drafting/eagle_head.py).
 EAGLE_HEAD_SOURCES = ("eagle", "eagle3")
-DRAFT_SOURCES = ("draft_model", "ngram", "early_exit", *VLLM_DRAFTERS)
+# "none": drafting off, every step a plain decode step on sparsever's engine and kernels (the kernels-only
+# baseline of the benchmarks; the state EVICT's guard switches a step to).
+DRAFT_SOURCES = ("draft_model", "ngram", "early_exit", *VLLM_DRAFTERS, "none")
 INTERMEDIATE_VERIFIERS = ("early_exit", "sparse")
 TREE_DRAFT_SOURCES = ("draft_model", "early_exit", "eagle", "eagle3")  # drafters with probabilities to grow trees by
 # EVICT chains from n-gram matches too (calibrated per depth), and vLLM's drafters' chains (their probabilities)
@@ -335,8 +337,8 @@ class SparseverConfig:
     # Draft source: a separate draft model ("model" set), n-gram prompt lookup, the target's own
     # first layers plus a trained exit head ("early_exit", see the early_exit section), or one of
     # vLLM's own model-based drafters (VLLM_DRAFTERS: "eagle"/"eagle3" with `model` the head's
-    # folder, "mtp" the target's MTP layers).
-    draft_source: Literal["draft_model", "ngram", "early_exit", "eagle", "eagle3", "mtp"] = "draft_model"
+    # folder, "mtp" the target's MTP layers), or "none": no drafting at all.
+    draft_source: Literal["draft_model", "ngram", "early_exit", "eagle", "eagle3", "mtp", "none"] = "draft_model"
     model: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
@@ -406,6 +408,8 @@ class SparseverConfig:
                     f"unknown field {key!r} in the sparsever speculative_config; "
                     f"allowed fields: {', '.join(allowed)}"
                 )
+        if "num_speculative_tokens" not in kwargs and kwargs.get("draft_source") == "none":
+            kwargs["num_speculative_tokens"] = 1  # vLLM's spec-decode config wants >= 1; nothing is drafted
         if "num_speculative_tokens" not in kwargs:
             raise SparseverConfigError(
                 "num_speculative_tokens: required (an integer >= 1, the number of draft tokens per step)"
@@ -453,6 +457,14 @@ class SparseverConfig:
                 raise SparseverConfigError(
                     "model: must be omitted with draft_source='early_exit' (the target drafts for "
                     "itself with its first layers and a trained exit head)"
+                )
+        elif self.draft_source == "none":
+            if self.model is not None:
+                raise SparseverConfigError("model: must be omitted with draft_source='none' (drafting is off)")
+            if self.early_exit.enabled:
+                raise SparseverConfigError(
+                    "early_exit.enabled: hierarchical verification verifies drafts, and draft_source='none' "
+                    "drafts nothing (allowed: early_exit.enabled=false)"
                 )
         else:
             if self.model is not None:

@@ -77,6 +77,11 @@ def ngram_run(tiny_target):
     )
 
 
+@pytest.fixture(scope="module")
+def drafting_off_run(tiny_target):
+    return _run(tiny_target, {"method": "sparsever", "draft_source": "none"})
+
+
 def test_baseline_is_not_degenerate(baseline):
     assert len(baseline) == NUM_PROMPTS
     assert all(len(t) == MAX_TOKENS for t in baseline)
@@ -115,6 +120,16 @@ def test_ngram_greedy_equals_plain_greedy(baseline, ngram_run):
     for i, (want, got) in enumerate(zip(baseline, tokens, strict=True)):
         assert got == want, f"prompt {i} differs"
     assert m["num_drafts"] > 0
+
+
+def test_drafting_off_is_plain_decoding_on_sparsevers_engine(baseline, drafting_off_run):
+    # draft_source 'none': the kernels-only baseline of the benchmarks. Nothing drafted or verified, no
+    # vLLM drafter run, and plain greedy output.
+    tokens, m, workers = drafting_off_run
+    assert tokens == baseline
+    assert m["num_drafts"] == 0 and m["num_draft_tokens"] == 0 and m["num_verify_steps"] == 0
+    assert m["num_steps"] >= MAX_TOKENS
+    assert workers and all(w["model_runner"].startswith("Sparsever") for w in workers), workers
 
 
 def test_plugin_registered_in_front_end_engine_core_and_worker(registration_log, draft_model_run):

@@ -17,6 +17,7 @@ def check_scheduling(config: SparseverConfig, proposer: Proposer | None, async_s
 
 def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | None:
     """sparsever's proposer, or None when vLLM's drafter proposes as it is (draft model, n-gram, EAGLE;
+    draft_source='none': a proposer that proposes nothing;
     with adaptive, EVICT cuts an EAGLE head's chains, drafting/vllm_drafter.py):
     the self-drafter for draft_source='early_exit'; with early_exit.enabled, the hierarchy over the
     drafter (self-drafter, prompt lookup, draft model, or an EAGLE head sparsever runs itself) and the
@@ -24,6 +25,10 @@ def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | Non
     front end, see resolve_self_draft)."""
     from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
 
+    if config.draft_source == "none":
+        from vllm_sparsever.drafting.no_draft import NoDraftProposer
+
+        return NoDraftProposer()
     ee = config.early_exit
     trees = {"tree": config.tree if config.tree.enabled else None,
              "adaptive": config.adaptive if config.adaptive.enabled else None}

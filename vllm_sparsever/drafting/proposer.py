@@ -2,7 +2,7 @@
 
 One proposer class per method, as vLLM's `v1/spec_decode`: the draft model (draft_model.py), n-gram
 prompt lookup (prompt_lookup.py), the target's own early exit (self_draft.py), an EAGLE head run by
-sparsever (eagle_head.py), and hierarchical
+sparsever (eagle_head.py), drafting off (no_draft.py), and hierarchical
 verification over one of them (hierarchical.py). `factory.make_proposer` builds the one a config asks
 for. Proposers are driven by the runner once per step; the defaults here are those of a proposer
 that drafts chains and learns nothing from verification.
