@@ -1,0 +1,100 @@
+"""bench/harness.py, the end-to-end benchmark harness: its summary rules on made-up rounds, and one --quick
+run on the tiny models (2 rounds, plain and one approximate candidate)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import harness  # noqa: E402
+
+
+def _run(tok_s, outputs, drafts=0.0, accepted=0.0):
+    tokens = sum(len(o) for o in outputs)
+    return {"seconds": tokens / tok_s, "output_tokens": tokens, "tok_s": tok_s, "outputs": outputs,
+            "num_drafts": drafts, "num_draft_tokens": 2 * drafts, "num_accepted_tokens": accepted,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+
+
+def test_round_order_rotates_every_method_through_every_slot():
+    methods = harness.baseline_methods("d", [1, 2], quick=False)
+    names = [m.name for m in methods]
+    assert names == ["plain", "vllm-draft_model-k1", "vllm-draft_model-k2", "sparsever-kernels-only"]
+    orders = [[m.name for m in harness.round_order(methods, r)] for r in range(4)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert [o[0] for o in orders] == names  # each method leads one round
+    assert harness.baseline_methods(None, [3], quick=False)[1].spec["method"] == "ngram"
+    assert [m.name for m in harness.baseline_methods("d", [3], quick=True)] == ["plain"]
+
+
+def test_candidates_parse_with_the_draft_and_their_kind():
+    m = harness.parse_candidate('c={"method": "sparsever", "model": "DRAFT", "num_speculative_tokens": 3}', "/d")
+    assert m.spec["model"] == "/d" and m.lossless and m.role == "candidate"
+    assert not harness.parse_candidate('s={"method": "sparsever", "ffn": {"enabled": true}}', None).lossless
+    for bad in ("noequals", 'x={"model": "DRAFT"}', "x=[1]", "x={"):
+        with pytest.raises(SystemExit):
+            harness.parse_candidate(bad, None)
+
+
+def test_summary_spreads_ratios_best_k_and_flags():
+    plain_out = [[1, 2, 3], [4, 5, 6]]
+    other = [[1, 2, 3], [4, 5, 9]]
+    methods = [harness.Method("plain", None, "plain"),
+               harness.Method("vllm-draft_model-k1", {}, "vllm_fixed"),
+               harness.Method("vllm-draft_model-k3", {}, "vllm_fixed"),
+               harness.Method("sparsever-kernels-only", {}, "kernels_only"),
+               harness.Method("cand", {}, "candidate"),
+               harness.Method("sparse", {}, "candidate", lossless=False)]
+    rounds = [{"plain": _run(10, plain_out), "vllm-draft_model-k1": _run(11, plain_out, 4, 2),
+               "vllm-draft_model-k3": _run(13, plain_out, 4, 6), "sparsever-kernels-only": _run(12, plain_out),
+               "cand": _run(18, other if r == 1 else plain_out, 4, 8), "sparse": _run(20, other)}
+              for r in range(3)]
+    rounds[2]["plain"] = _run(8, plain_out)
+    s = harness.summarize(methods, rounds, "float32")
+    p = s["methods"]["plain"]
+    assert p["tok_s_per_round"] == [10, 10, 8] and p["tok_s_median"] == 10 and (p["tok_s_min"], p["tok_s_max"]) == (8, 10)
+    assert p["tok_s_pooled"] == pytest.approx(18 / (0.6 + 0.6 + 6 / 8))  # all tokens over all seconds
+    assert s["best_fixed"] == "vllm-draft_model-k3" and s["best_fixed_k"] == 3
+    c = s["methods"]["cand"]
+    assert c["vs_plain"] == pytest.approx(1.8) and c["vs_kernels_only"] == pytest.approx(1.5)
+    assert c["vs_best_fixed"] == pytest.approx(18 / 13) and c["mean_acceptance_length"] == 3.0
+    # fp32: a lossless method whose output differs in any round is flagged; an approximate one only
+    # as compared over different texts
+    assert c["divergent_prompts"] == [1] and c["flags"] == ["different_texts", "not_identical"]
+    assert s["methods"]["sparse"]["flags"] == ["different_texts"]
+    assert s["flagged"] == {"cand": ["different_texts", "not_identical"], "sparse": ["different_texts"]}
+    # bf16: near-ties flip; reported beside vLLM's own divergence, not called a broken lossless claim
+    assert harness.summarize(methods, rounds, "bfloat16")["methods"]["cand"]["flags"] == ["different_texts"]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_quick_run_on_the_tiny_models(tmp_path, tiny_target, tiny_draft):
+    from tiny_models import prompts
+
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts(3)))
+    # Approximate on purpose: FFN verification over 5% of the neurons changes the greedy text.
+    lossy = {"method": "sparsever", "model": "DRAFT", "num_speculative_tokens": 3,
+             "ffn": {"enabled": True, "keep_ratio": 0.05}}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "harness.py"), "--quick", "--target", str(tiny_target), "--draft",
+         str(tiny_draft), "--candidate", f"sparse-ffn={json.dumps(lossy)}", "--prompts-file",
+         str(tmp_path / "prompts.json"), "--prompt-format", "text", "--dtype", "float32", "--max-tokens", "24",
+         "--max-model-len", "512", "--out-dir", str(tmp_path), "--tag", "quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [result] = tmp_path.glob("harness_quick_*.json")
+    record = json.loads(result.read_text())
+    assert {"command", "commit", "machine", "rounds", "orders", "raw", "summary", "metric"} <= set(record)
+    assert record["machine"]["cpu"] and set(record["machine"]["isa"]) == set(harness.ISA_FLAGS)
+    assert record["orders"] == [["plain", "sparse-ffn"], ["sparse-ffn", "plain"]]  # interleaved, rotated
+    assert len(record["raw"]) == 2 and all(set(r) == {"plain", "sparse-ffn"} for r in record["raw"])
+    s = record["summary"]["methods"]
+    assert s["plain"]["flags"] == [] and len(s["plain"]["tok_s_per_round"]) == 2
+    assert s["sparse-ffn"]["divergent_prompts"] and s["sparse-ffn"]["flags"] == ["different_texts"]
+    assert (tmp_path / result.name.replace(".json", ".md")).exists()
