@@ -7,6 +7,7 @@ same sources are valid CUDA for the architectures users run, and that they compi
 written for.
 """
 
+import os
 import re
 import shutil
 import site
@@ -30,7 +31,7 @@ def compile_check():
     proc = subprocess.run(
         ["bash", str(ROOT / "tools" / "check_cuda_compile.sh")],
         cwd=ROOT, capture_output=True, text=True, timeout=1800,
-        env={**__import__("os").environ, "SPARSEVER_CUDA_CHECK_DIR": str(CHECK_DIR)},
+        env={**os.environ, "SPARSEVER_CUDA_CHECK_DIR": str(CHECK_DIR)},
     )
     return proc
 
@@ -73,7 +74,7 @@ def sass_functions(obj: Path, arch: str) -> dict[str, str]:
     tool = find_cuobjdump()
     assert tool, ("no cuobjdump with nvdisasm found (CUDA toolkit, or Triton's bundled copy); "
                   "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
-    env = {**__import__("os").environ, "PATH": f"{Path(tool).parent}:{__import__('os').environ.get('PATH', '')}"}
+    env = {**os.environ, "PATH": f"{Path(tool).parent}:{os.environ.get('PATH', '')}"}
     text = subprocess.run([tool, "-sass", "-arch", arch, str(obj)], capture_output=True, text=True, check=True,
                           env=env, timeout=600).stdout
     parts = re.split(r"\n\s*Function : (\S+)\n", text)
