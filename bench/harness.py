@@ -275,7 +275,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tag", default="harness")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    args.rounds = args.rounds or (2 if args.quick else 3)
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 3
     if args.rounds < 1 or args.batch_size < 1:
         p.error("--rounds and --batch-size must be >= 1")
     return args
