@@ -26,6 +26,7 @@ constexpr int kAttnRowsPerWarpNarrow = 4;  // up to 16 rows: 4 per warp, so ever
 constexpr int kAttnTile = kWarpSize;                           // keys per tile: one key per lane for QK^T
 constexpr int kKeyInvalid = -2;                                // tile slot past the end / outside the context
 constexpr int kKeyContext = -1;                                // context key: every row may attend
+constexpr int kMaxAttnSplits = 64;  // the split heuristic's cap; a merging warp keeps one weight per split
 
 struct AttentionParams {
   void* out;
@@ -299,8 +300,9 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 1) block_sparse_tree_atten
   }
 }
 
-// Merge the splits of one (token, query head) with one warp, in the last CTA of the kernel that wrote them
-// (read with __ldcg: L2, not a possibly stale L1); `weights` holds num_splits floats of the warp's shared memory.
+// Merge the splits of one (token, query head) with one warp: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+// Partials are read with __ldcg (L2, not a possibly stale L1: the tensor-core kernel merges in the last CTA of
+// the launch that wrote them); `weights` holds num_splits floats of the warp's shared memory.
 template <typename T>
 SV_DEVICE void merge_attention_splits_warp(const AttentionParams& p, int tok, int head, float* weights) {
   const int lane = threadIdx.x % kWarpSize;
@@ -327,34 +329,16 @@ SV_DEVICE void merge_attention_splits_warp(const AttentionParams& p, int tok, in
   __syncwarp();  // the weights are rewritten for the next row
 }
 
-// Merge the splits of one (request, query head): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+// Merge the splits of a request's tokens for one query head (the CUDA-core kernel's second launch): one CTA
+// per (query head, request), a warp per token.
+constexpr int kCombineWarps = 4;
+
 template <typename T>
-__global__ void combine_attention_splits_kernel(const AttentionParams p) {
-  const int head = blockIdx.x;
-  const int r = blockIdx.y;
-  const int t0 = p.query_start_loc[r], t1 = p.query_start_loc[r + 1];
-  const int D = p.head_dim;
-  for (int tok = t0; tok < t1; ++tok) {
-    float global_max = -INFINITY;
-    for (int s = 0; s < p.num_splits; ++s)
-      global_max = fmaxf(global_max, p.part_max[(int64_t(s) * p.num_tokens + tok) * p.num_heads + head]);
-    float total = 0.0f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      const int64_t idx = (int64_t(s) * p.num_tokens + tok) * p.num_heads + head;
-      const float m = p.part_max[idx];
-      if (m != -INFINITY) total += p.part_sum[idx] * __expf(m - global_max);
-    }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    T* o = static_cast<T*>(p.out) + tok * p.out_stride_t + head * p.out_stride_h;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      float v = 0.0f;
-      for (int s = 0; s < p.num_splits; ++s) {
-        const int64_t idx = (int64_t(s) * p.num_tokens + tok) * p.num_heads + head;
-        const float m = p.part_max[idx];
-        if (m != -INFINITY) v += p.part_out[idx * D + d] * __expf(m - global_max);
-      }
-      o[d] = from_float<T>(v * inv);
-    }
+__global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_attention_splits_kernel(const AttentionParams p) {
+  __shared__ float weights[kCombineWarps][kMaxAttnSplits];
+  const int head = blockIdx.x, r = blockIdx.y, warp = threadIdx.x / kWarpSize;
+  for (int tok = p.query_start_loc[r] + warp; tok < p.query_start_loc[r + 1]; tok += kCombineWarps) {
+    merge_attention_splits_warp<T>(p, tok, head, weights[warp]);
   }
 }
 

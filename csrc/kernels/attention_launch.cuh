@@ -9,7 +9,7 @@
 namespace sparsever {
 namespace kernels {
 
-// Split-K factor from shapes only (no device read), capped at 64 splits.
+// Split-K factor from shapes only (no device read), capped at kMaxAttnSplits.
 inline int attention_num_splits(int64_t num_ctas, int64_t max_keys, int num_sms, int forced, int tile_keys) {
   if (forced > 0) return forced;
   const int64_t max_tiles = div_up<int64_t>(max_keys, tile_keys);
@@ -17,7 +17,7 @@ inline int attention_num_splits(int64_t num_ctas, int64_t max_keys, int num_sms,
   // least 2 tiles per split so the partials' write and merge stay small next to the keys read.
   const int64_t want = div_up<int64_t>(4 * int64_t(num_sms), std::max<int64_t>(num_ctas, 1));
   const int64_t cap = std::max<int64_t>(1, max_tiles / 2);
-  return int(std::max<int64_t>(1, std::min<int64_t>({want, cap, 64})));
+  return int(std::max<int64_t>(1, std::min<int64_t>({want, cap, int64_t(kMaxAttnSplits)})));
 }
 
 // CTA shapes by the most query rows a request may have: up to 16 (4 warps x 4 rows), up to 32 (4 x 8),
@@ -47,7 +47,7 @@ void launch_attention(const AttentionParams& p, int num_req, AttnShape shape, co
       break;
   }
   if (p.num_splits > 1) {
-    launch(dim3(unsigned(p.num_heads), unsigned(num_req)), dim3(std::min(256, std::max(32, p.head_dim))), 0,
+    launch(dim3(unsigned(p.num_heads), unsigned(num_req)), dim3(kCombineWarps * kWarpSize), 0,
            combine_attention_splits_kernel<T>, p);
   }
 }
@@ -157,7 +157,7 @@ void block_sparse_tree_attention_impl(at::Tensor& out, const at::Tensor& query, 
                        vectorize && can_vectorize(query.data_ptr(), elem, head_dim, {query.stride(0), query.stride(1)});
   p.num_splits = attention_num_splits(num_req * num_kv_heads, max_ctx_keys + max_query_keys, launch.num_sms,
                                       launch.forced_splits, use_mma ? kMmaTileKeys : kAttnTile);
-  TORCH_CHECK(!use_mma || p.num_splits <= kMmaMaxSplits, "at most ", kMmaMaxSplits, " splits");
+  TORCH_CHECK(p.num_splits <= kMaxAttnSplits, "at most ", kMaxAttnSplits, " splits");
   if (use_mma && p.num_splits > 1) p.split_counters = arrival_counters(out, num_req * num_kv_heads);
   at::Tensor part_out, part_max, part_sum;
   if (p.num_splits > 1) {

@@ -23,7 +23,6 @@ namespace kernels {
 constexpr int kMmaWarps = 4;
 constexpr int kMmaTileKeys = 64;  // keys per pipeline stage
 constexpr int kMmaStages = 2;
-constexpr int kMmaMaxSplits = 64;  // the split heuristic's cap; the last split's merge weights fit in smem
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -40,7 +39,7 @@ struct AttentionMmaLayout {
   // After the key loop the K/V stages hold each warp's partial state: O [16][D], max [16], sum [16].
   static constexpr size_t kMergeBytes = size_t(kMmaWarps) * 16 * (D + 2) * sizeof(float);
   static_assert(kMergeBytes <= kKvBytes, "the warps' partial states must fit in the K/V stages");
-  static_assert(size_t(kMmaWarps) * kMmaMaxSplits * sizeof(float) <= kKvBytes, "split merge weights");
+  static_assert(size_t(kMmaWarps) * kMaxAttnSplits * sizeof(float) <= kKvBytes, "split merge weights");
   static constexpr size_t kCodeBytes = size_t(kMmaStages) * kMmaTileKeys * sizeof(int);
   static constexpr size_t kBytes = kQBytes + kKvBytes + kCodeBytes;
 };
@@ -276,7 +275,7 @@ __global__ void __launch_bounds__(kMmaWarps * kWarpSize, 1) tree_attention_mma_k
     // The last split of this (request, KV head) to finish merges all splits: no combine launch.
     __shared__ int last_flag;
     if (!arrive_last(p.split_counters + r * p.num_kv_heads + h, p.num_splits, &last_flag)) return;
-    float* weights = reinterpret_cast<float*>(smem + L::kQBytes) + warp * kMmaMaxSplits;  // K/V stages are free
+    float* weights = reinterpret_cast<float*>(smem + L::kQBytes) + warp * kMaxAttnSplits;  // K/V stages are free
     for (int row = warp; row < num_rows; row += kMmaWarps) {
       merge_attention_splits_warp<T>(p, t0 + row / group, h * group + row % group, weights);
     }
