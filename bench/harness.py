@@ -150,6 +150,8 @@ def run_engine(method: Method, args: argparse.Namespace, prompts: list[str]) -> 
     timed together; the greedy outputs and vLLM's spec-decode counters of the timed part."""
     from vllm import LLM, SamplingParams
 
+    from vllm_sparsever.metrics import get_metrics, reset_metrics
+
     llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=not args.compile, max_model_len=args.max_model_len,
               max_num_seqs=max(args.batch_size, 1), seed=0, speculative_config=method.spec, disable_log_stats=False,
               async_scheduling=False)
@@ -164,8 +166,11 @@ def run_engine(method: Method, args: argparse.Namespace, prompts: list[str]) -> 
         metrics = llm.get_metrics()
         return {n: float(sum(getattr(m, "value", 0) for m in metrics if m.name == n)) for n in SPEC_COUNTERS}
 
+    sparsever = (method.spec or {}).get("method") == "sparsever"
     try:
         generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))
+        if sparsever:
+            reset_metrics(llm)
         before = counters()
         start = time.perf_counter()
         results = []
@@ -173,6 +178,7 @@ def run_engine(method: Method, args: argparse.Namespace, prompts: list[str]) -> 
             results += generate(prompts[i:i + args.batch_size], params)
         seconds = time.perf_counter() - start
         after = counters()
+        worker = sparsever_counters(get_metrics(llm)) if sparsever else None
     finally:
         del llm
         gc.collect()
@@ -181,7 +187,17 @@ def run_engine(method: Method, args: argparse.Namespace, prompts: list[str]) -> 
     tokens = sum(len(o) for o in outputs)
     return {"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds, "outputs": outputs,
             "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "sparsever": worker}
+
+
+def sparsever_counters(metrics: dict[str, Any]) -> dict[str, Any]:
+    """What a sparsever engine's worker measured over the timed requests: step, verify and draft time,
+    steps, and its drafter's counters (EVICT's planned depths, skipped, probe and plain-check steps)."""
+    keep = ("num_steps", "num_verify_steps", "step_time_s", "verify_time_s", "draft_time_s",
+            "num_dense_fallbacks", "per_position_acceptance")
+    out = {k: metrics.get(k) for k in keep if k in metrics}
+    out["drafting"] = metrics.get("drafting") or {}
+    return out
 
 
 # ---- the summary ----------------------------------------------------------------------------------
@@ -250,6 +266,24 @@ def markdown(record: dict) -> str:
                      f"{len(e['divergent_prompts'])}/{record['num_prompts']} | {', '.join(e['flags']) or '-'} |")
     lines += ["", f"Best vLLM fixed chain: {s['best_fixed'] or '-'}. Round orders: "
               + "; ".join(", ".join(order) for order in record["orders"])]
+    worker_lines = []
+    for name in s["methods"]:
+        for r, rd in enumerate(record["raw"]):
+            w = rd[name].get("sparsever")
+            if not w:
+                continue
+            d = w["drafting"]
+            planned = {k.rsplit("_", 1)[1]: v for k, v in d.items() if k.startswith("evict_planned_depth_")}
+            worker_lines.append(
+                f"| {name} | {r + 1} | {w.get('num_steps')} | {w.get('num_verify_steps')} | "
+                f"{f(w.get('step_time_s'))} | {f(w.get('draft_time_s'))} | "
+                f"{d.get('evict_skipped_drafting_steps', '-')} | {d.get('evict_plain_check_steps', '-')} | "
+                f"{d.get('evict_probe_steps', '-')} | {planned or '-'} |")
+    if worker_lines:
+        lines += ["", "Sparsever workers (timed requests): steps, verify steps, step and draft seconds, EVICT's "
+                  "skipped-drafting, plain-check and probe steps, planned depths (depth: steps).", "",
+                  "| method | round | steps | verify steps | step s | draft s | skipped | plain checks | probes "
+                  "| planned depths |", "|---|---|---|---|---|---|---|---|---|---|", *worker_lines]
     return "\n".join(lines) + "\n"
 
 

@@ -97,4 +97,9 @@ def test_quick_run_on_the_tiny_models(tmp_path, tiny_target, tiny_draft):
     s = record["summary"]["methods"]
     assert s["plain"]["flags"] == [] and len(s["plain"]["tok_s_per_round"]) == 2
     assert s["sparse-ffn"]["divergent_prompts"] and s["sparse-ffn"]["flags"] == ["different_texts"]
+    # The sparsever engine's worker counters cover the timed requests only (reset after the warm-up).
+    for r in record["raw"]:
+        assert r["plain"]["sparsever"] is None
+        worker = r["sparse-ffn"]["sparsever"]
+        assert worker["num_steps"] >= 3 * 24 // 4 and worker["num_verify_steps"] >= 1 and worker["step_time_s"] > 0
     assert (tmp_path / result.name.replace(".json", ".md")).exists()
