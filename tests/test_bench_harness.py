@@ -32,6 +32,13 @@ def test_round_order_rotates_every_method_through_every_slot():
     assert [m.name for m in harness.baseline_methods("d", [3], quick=True)] == ["plain"]
 
 
+def test_cpu_class_names_the_generation_a_vm_hides():
+    assert harness.cpu_class("AMD EPYC", "26", {"avx512f", "avx512_bf16", "avx2"}) == "AMD Zen 5 (AVX512-BF16)"
+    assert harness.cpu_class("AMD EPYC", "25", {"avx512f", "avx512_bf16", "avx2"}) == "AMD Zen 4 (AVX512-BF16)"
+    assert harness.cpu_class("AMD EPYC", "25", {"avx2"}) == "AMD Zen 3 (AVX2)"
+    assert harness.cpu_class("Intel(R) Xeon(R) Processor", "6", {"amx_tile", "avx512f"}) == "Intel Xeon (AMX)"
+
+
 def test_candidates_parse_with_the_draft_and_their_kind():
     m = harness.parse_candidate('c={"method": "sparsever", "model": "DRAFT", "num_speculative_tokens": 3}', "/d")
     assert m.spec["model"] == "/d" and m.lossless and m.role == "candidate"
