@@ -110,3 +110,55 @@ def test_quick_run_on_the_tiny_models(tmp_path, tiny_target, tiny_draft):
         worker = r["sparse-ffn"]["sparsever"]
         assert worker["num_steps"] >= 3 * 24 // 4 and worker["num_verify_steps"] >= 1 and worker["step_time_s"] > 0
     assert (tmp_path / result.name.replace(".json", ".md")).exists()
+
+
+def _record(cls: str, plain: float, kernels: float, fixed: float, cand: float, batch: int = 1) -> dict:
+    out = [[1, 2, 3]]
+    methods = [harness.Method("plain", None, "plain"), harness.Method("vllm-draft_model-k2", {}, "vllm_fixed"),
+               harness.Method("sparsever-kernels-only", {}, "kernels_only"),
+               harness.Method("evict", {"method": "sparsever"}, "candidate"),
+               harness.Method("sparse", {}, "candidate", lossless=False)]
+    rounds = [{"plain": _run(plain, out), "vllm-draft_model-k2": _run(fixed, out, 4, 4),
+               "sparsever-kernels-only": _run(kernels, out), "evict": _run(cand, out, 4, 6),
+               "sparse": _run(cand * 2, out)} for _ in range(3)]
+    return {"command": "python bench/harness.py ...", "commit": "abc", "rounds": 3, "batch_size": batch,
+            "num_prompts": 1, "max_tokens": 3, "dtype": "bfloat16", "metric": "whole request",
+            "date": "2026-12-05T00:00:00+00:00", "machine": {"cpu": "AMD EPYC", "cpu_class": cls},
+            "summary": harness.summarize(methods, rounds, "bfloat16")}
+
+
+def test_summary_file_built_from_named_runs_with_baselines_and_aims(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import summaries
+
+    runs = {"b1": _record("AMD Zen 5 (AVX512-BF16)", 10, 10, 12, 16),
+            "b8": _record("AMD Zen 5 (AVX512-BF16)", 20, 19, 15, 19.3, batch=8),
+            "moe": _record("AMD Zen 5 (AVX512-BF16)", 30, 31, 40, 41),
+            "xeon": _record("Intel Xeon (AMX)", 5, 6, 7, 10)}
+    for name, record in runs.items():
+        (tmp_path / f"harness_{name}.json").write_text(json.dumps(record))
+    summaries.main(["evict", f"qwen.batch_1={tmp_path / 'harness_b1.json'}",
+                    f"qwen.batch_8={tmp_path / 'harness_b8.json'}", f"moe.batch_1={tmp_path / 'harness_moe.json'}",
+                    f"qwen.batch_1={tmp_path / 'harness_xeon.json'}", "--out-dir", str(tmp_path)])
+    s = json.loads((tmp_path / "evict.json").read_text())
+    assert s["machine"] == "AMD Zen 5 (AVX512-BF16)" and s["rounds"] == 3
+    b1 = s["qwen"]["batch_1"]
+    assert (b1["autoregressive_tok_s"], b1["sparsever_kernels_only_tok_s"]) == (10, 10)
+    assert b1["draft_model_best"] == {"k": 2, "mode": "vllm-draft_model-k2", "tok_s": 12}
+    # the approximate candidate is faster but never the lossless summary's best
+    assert b1["evict_best"]["mode"] == "evict" and b1["evict_best"]["tok_s"] == 16
+    assert b1["results_file"] == "harness_b1" and s["sources"]["qwen.batch_8"] == "harness_b8"
+    assert s["moe"]["batch_1"]["fixed_chain_best"]["tok_s"] == 40
+    aims = s["aims"]
+    assert aims["batch_1: best lossless >= 1.5x kernels only and >= 1.25x vLLM's best fixed chain"] == "met"
+    # 19.3 < 0.97 x 20 (plain): below the best of the three
+    assert aims["batch_8: EVICT >= 0.97x the best of plain, kernels only and vLLM's best fixed chain"] == "not met"
+    assert aims["serving 8: the same"] == "not measured"
+    # another CPU class goes under other_machines, with its own slots
+    assert s["other_machines"]["Intel Xeon (AMX)"]["qwen"]["batch_1"]["autoregressive_tok_s"] == 5
+    # a --quick run lacks the baselines and is refused
+    quick = _record("AMD Zen 5 (AVX512-BF16)", 10, 10, 12, 16)
+    del quick["summary"]["methods"]["sparsever-kernels-only"]
+    (tmp_path / "harness_quick.json").write_text(json.dumps(quick))
+    with pytest.raises(SystemExit, match="three baselines"):
+        summaries.main(["evict", f"qwen.batch_1={tmp_path / 'harness_quick.json'}", "--out-dir", str(tmp_path)])

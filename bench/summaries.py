@@ -1,0 +1,159 @@
+"""Rebuild a summary file (bench/results/summary/<name>.json) from named harness runs.
+
+    python bench/summaries.py evict qwen.batch_1=bench/results/harness_X.json qwen.batch_8=... moe.batch_1=...
+
+Each SLOT=RUN puts one harness run (bench/harness.py's JSON) at SLOT: plain vLLM, sparsever's kernels
+alone (drafting off), vLLM's best fixed chain, and the best lossless candidate, each as its median
+over the run's rounds with min-max, plus the ratios, the identity flags and the run's name and
+command. The runs of one CPU class make the main entry; runs on another class go under
+`other_machines.<class>` with the same slots. `aims` states each aim of the issues that name the file
+as "met", "not met" or "not measured". Nothing is copied by hand: the file says which run each figure
+comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SUMMARY = ROOT / "bench" / "results" / "summary"
+
+# Slots per summary file, and the key its fixed-chain baseline goes under there.
+SLOTS = {
+    "evict": {"qwen.batch_1": "draft_model_best", "qwen.batch_8": "draft_model_best",
+              "moe.batch_1": "fixed_chain_best"},
+}
+
+
+def spread(entry: dict) -> dict[str, float]:
+    return {"median": entry["tok_s_median"], "min": entry["tok_s_min"], "max": entry["tok_s_max"],
+            "pooled": entry["tok_s_pooled"]}
+
+
+def slot_entry(run: dict, run_name: str, fixed_key: str) -> dict[str, Any]:
+    """One harness run as a summary slot."""
+    methods = run["summary"]["methods"]
+    missing = [m for m in ("plain", "sparsever-kernels-only") if m not in methods]
+    if missing or not run["summary"].get("best_fixed"):
+        raise SystemExit(f"{run_name}: a summary needs the three baselines; this run lacks "
+                         f"{missing or ['vLLM fixed chains']} (a --quick run?)")
+    candidates = {n: e for n, e in methods.items()
+                  if e["role"] == "candidate" and e["lossless"] and "not_identical" not in e["flags"]}
+    if not candidates:
+        raise SystemExit(f"{run_name}: no lossless candidate to summarise")
+    best = max(candidates, key=lambda n: candidates[n]["tok_s_median"])
+    fixed_name = run["summary"]["best_fixed"]
+    plain, kernels, fixed, cand = (methods[n] for n in ("plain", "sparsever-kernels-only", fixed_name, best))
+    fixed_entry = {"k": run["summary"]["best_fixed_k"], "mode": fixed_name, "tok_s": fixed["tok_s_median"]}
+    return {
+        "results_file": run_name, "command": run["command"], "commit": run["commit"], "rounds": run["rounds"],
+        "batch_size": run["batch_size"], "prompts": run["num_prompts"], "max_tokens": run["max_tokens"],
+        "dtype": run["dtype"], "metric": run["metric"],
+        "autoregressive_tok_s": plain["tok_s_median"],
+        "sparsever_kernels_only_tok_s": kernels["tok_s_median"],
+        fixed_key: fixed_entry,
+        "evict_best": {"mode": best, "tok_s": cand["tok_s_median"], "config": cand["speculative_config"],
+                       "mean_acceptance_length": cand["mean_acceptance_length"]},
+        "spread": {"plain": spread(plain), "kernels_only": spread(kernels), "best_fixed": spread(fixed),
+                   "evict": spread(cand)},
+        "evict_vs_plain": cand["tok_s_median"] / plain["tok_s_median"],
+        "evict_vs_kernels_only": cand["tok_s_median"] / kernels["tok_s_median"],
+        "evict_vs_best_fixed": cand["tok_s_median"] / fixed["tok_s_median"],
+        "kernels_only_vs_plain": kernels["tok_s_median"] / plain["tok_s_median"],
+        "flags": {n: e["flags"] for n, e in methods.items() if e["flags"]},
+        "divergent_prompts": {"evict": len(cand["divergent_prompts"]),
+                              "vllm_max": run["summary"]["vllm_divergent_prompts_max"]},
+    }
+
+
+def verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else "met" if ok else "not met"
+
+
+def evict_aims(entry: dict) -> dict[str, str]:
+    """Issue 63's aims on this file's slots (harness medians)."""
+    def get(path: str) -> dict | None:
+        node: Any = entry
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    b1, b8 = get("qwen.batch_1"), get("qwen.batch_8")
+    serving = entry.get("serving") or {}
+
+    def never_below(slot: dict | None, fixed_key: str = "draft_model_best") -> bool | None:
+        if not slot:
+            return None
+        best_other = max(slot["autoregressive_tok_s"], slot["sparsever_kernels_only_tok_s"], slot[fixed_key]["tok_s"])
+        return slot["evict_best"]["tok_s"] >= 0.97 * best_other
+
+    def serving_ok(c: str) -> bool | None:
+        s = serving.get(c)
+        if not s:
+            return None
+        return s["evict_tok_s"] >= 0.97 * max(s["no_spec_tok_s"], s["sparsever_kernels_only_tok_s"], s["best_fixed_tok_s"])
+
+    return {
+        "batch_1: best lossless >= 1.5x kernels only and >= 1.25x vLLM's best fixed chain": verdict(
+            None if not b1 else b1["evict_vs_kernels_only"] >= 1.5 and b1["evict_vs_best_fixed"] >= 1.25),
+        "batch_8: EVICT >= 0.97x the best of plain, kernels only and vLLM's best fixed chain": verdict(never_below(b8)),
+        "serving 8: the same": verdict(serving_ok("8")),
+        "serving 32: the same": verdict(serving_ok("32")),
+    }
+
+
+def build(name: str, assignments: list[str], command: str) -> dict[str, Any]:
+    slots = SLOTS[name]
+    machines: dict[str, dict] = {}
+    order: list[str] = []
+    for text in assignments:
+        slot, sep, path = text.partition("=")
+        if not sep or slot not in slots:
+            raise SystemExit(f"{name}: expected SLOT=RUN with SLOT one of {sorted(slots)}, got {text!r}")
+        run_path = Path(path)
+        run = json.loads(run_path.read_text())
+        cls = run["machine"].get("cpu_class") or f"{run['machine'].get('cpu')} (class not recorded)"
+        if cls not in machines:
+            machines[cls] = {"sources": {}}
+            order.append(cls)
+        node = machines[cls]
+        group, key = slot.split(".", 1)
+        node.setdefault(group, {})[key] = slot_entry(run, run_path.stem, slots[slot])
+        node["sources"][slot] = run_path.stem
+        node["rounds"] = min(node.get("rounds", run["rounds"]), run["rounds"])
+        node["date"] = max(node.get("date", ""), run["date"][:10])
+    main = order[0]
+    out = {"machine": main, "date": machines[main]["date"], "command": command, **machines[main]}
+    out["aims"] = evict_aims(out)
+    if len(order) > 1:
+        out["other_machines"] = {}
+        for cls in order[1:]:
+            entry = machines[cls]
+            entry["aims"] = evict_aims(entry)
+            out["other_machines"][cls] = entry
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("name", choices=sorted(SLOTS))
+    p.add_argument("runs", nargs="+", metavar="SLOT=RUN", help="the first run's CPU class is the main machine")
+    p.add_argument("--out-dir", type=Path, default=SUMMARY)
+    args = p.parse_args(argv)
+    command = " ".join(["python", "bench/summaries.py", *(argv if argv is not None else sys.argv[1:])])
+    summary = build(args.name, args.runs, command)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / f"{args.name}.json"
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary["aims"], indent=1))
+    print(f"wrote {path} ({dt.date.today()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
