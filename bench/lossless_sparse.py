@@ -445,7 +445,7 @@ def main(argv=None) -> int:
     check_documents(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     # A long prompt's prefill chunk can outlast vLLM's 300-s step timeout on a CPU without AVX-512
-    # (bench/results/README.md, "Long context on an AVX2 CPU").
+    # (bench/results/long_context_avx2_bf16_attempt_20261128.md).
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
     from vllm_sparsever.cli import resolve_model
     from vllm_sparsever.models.limits import model_max_len

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engine workers compute on every core: vLLM-CPU otherwise reserves one of CI's two cores for the front
-# end, which idles while a test waits on its engine (bench/results/README.md, "Test suite time").
+# end, which idles while a test waits on its engine (bench/results/test_suite_time_20261128.md).
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 # Offline test engines run in the test process (vLLM's in-process engine core and worker): each start
 # skips two process spawns with their imports. Tests of the process layout (registration in every
