@@ -20,7 +20,9 @@ seconds). Greedy outputs are compared with plain decoding's: in fp32 a lossless 
 token-identical (else it is flagged `not_identical`); in bf16 near-ties flip, so each method's divergent
 prompts are reported beside vLLM's own methods'. A method whose texts differ from plain's is flagged
 `different_texts`: its tokens/s were measured over other texts. Tokens/s divide output tokens by the
-wall time of the whole batch of requests (prefill included: `metric` "whole request").
+wall time of the whole batch of requests (prefill included: `metric` "whole request"), or with
+`--metric decode` each request's first to last output token (prefill left out; batch 1); both are kept
+in the raw numbers.
 """
 
 from __future__ import annotations
@@ -201,7 +203,16 @@ def run_engine(method: Method, args: argparse.Namespace, prompts: list[str]) -> 
     drafts, draft_tokens, accepted = (after[n] - before[n] for n in SPEC_COUNTERS)
     outputs = [list(r.outputs[0].token_ids) for r in results]
     tokens = sum(len(o) for o in outputs)
-    return {"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds, "outputs": outputs,
+    # Decode time: each request's first to last output token (vLLM's request stats), prefill left out.
+    decode_s = sum(r.metrics.last_token_ts - r.metrics.first_token_ts for r in results)
+    decode_tokens = sum(len(o) - 1 for o in outputs)
+    if args.metric == "decode":
+        timed_s, timed_tokens = decode_s, decode_tokens
+    else:
+        timed_s, timed_tokens = seconds, tokens
+    return {"seconds": timed_s, "output_tokens": timed_tokens, "tok_s": timed_tokens / timed_s,
+            "wall_s": seconds, "all_output_tokens": tokens, "decode_s": decode_s, "decode_tokens": decode_tokens,
+            "outputs": outputs,
             "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "sparsever": worker}
 
@@ -311,6 +322,14 @@ def load_prompts(args: argparse.Namespace) -> list[str]:
         if not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts)):
             raise SystemExit("--prompts-file: a JSON list of strings")
         return prompts[: args.num_prompts]
+    if args.long_context:
+        # Long documents cut to --long-context tokens with a question about them (data/long_context.py).
+        from transformers import AutoTokenizer
+
+        from vllm_sparsever.data.long_context import long_context_prompts
+
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        return [row["prompt"] for row in long_context_prompts(tokenizer, args.long_context, n=args.num_prompts)]
     from vllm_sparsever.data import load_prompts as dataset
 
     return [row["prompt"] for category in args.categories for row in dataset(category, n=args.num_prompts)]
@@ -328,11 +347,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--categories", nargs="+", default=["mt_bench", "humaneval"])
     p.add_argument("--num-prompts", type=int, default=4, help="per category (or from --prompts-file)")
     p.add_argument("--prompts-file", help="a JSON list of prompt strings instead of the data sets")
+    p.add_argument("--long-context", type=int, metavar="TOKENS",
+                   help="long documents cut to TOKENS tokens, with a question on each, instead of the data sets "
+                        "(--num-prompts documents; give --max-model-len above TOKENS + --max-tokens)")
     p.add_argument("--prompt-format", choices=["chat", "text"], default="chat")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--compile", action="store_true", help="torch.compile (default: enforce_eager)")
+    p.add_argument("--metric", choices=["whole-request", "decode"], default="whole-request",
+                   help="tokens/s over the batches' wall time (prefill included), or over each request's first "
+                        "to last output token (batch 1 only: long prompts, whose prefill would dominate)")
     p.add_argument("--tag", default="harness")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -340,6 +365,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rounds = 2 if args.quick else 3
     if args.rounds < 1 or args.batch_size < 1:
         p.error("--rounds and --batch-size must be >= 1")
+    if args.long_context and args.long_context + args.max_tokens > args.max_model_len:
+        p.error(f"--long-context {args.long_context} + --max-tokens {args.max_tokens} exceeds --max-model-len "
+                f"{args.max_model_len}")
+    if args.metric == "decode" and args.batch_size != 1:
+        p.error("--metric decode: batch 1 only (a batch's requests decode over the same seconds)")
     return args
 
 
@@ -361,7 +391,7 @@ def main(argv=None) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
         "target": args.target, "draft": draft, "dtype": args.dtype, "batch_size": args.batch_size,
         "max_tokens": args.max_tokens, "num_prompts": len(prompts), "prompts": prompts, "rounds": args.rounds,
-        "metric": "whole request", "orders": [], "raw": [],
+        "metric": "decode" if args.metric == "decode" else "whole request", "orders": [], "raw": [],
     }
     rounds: list[dict[str, dict]] = []
     bar = tqdm(total=args.rounds * len(methods), desc="engines (rounds x methods)", unit="engine")

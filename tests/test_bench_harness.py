@@ -92,7 +92,7 @@ def test_quick_run_on_the_tiny_models(tmp_path, tiny_target, tiny_draft):
         [sys.executable, str(ROOT / "bench" / "harness.py"), "--quick", "--target", str(tiny_target), "--draft",
          str(tiny_draft), "--candidate", f"sparse-ffn={json.dumps(lossy)}", "--prompts-file",
          str(tmp_path / "prompts.json"), "--prompt-format", "text", "--dtype", "float32", "--max-tokens", "24",
-         "--max-model-len", "512", "--out-dir", str(tmp_path), "--tag", "quick"],
+         "--max-model-len", "512", "--metric", "decode", "--out-dir", str(tmp_path), "--tag", "quick"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [result] = tmp_path.glob("harness_quick_*.json")
@@ -109,6 +109,12 @@ def test_quick_run_on_the_tiny_models(tmp_path, tiny_target, tiny_draft):
         assert r["plain"]["sparsever"] is None
         worker = r["sparse-ffn"]["sparsever"]
         assert worker["num_steps"] >= 3 * 24 // 4 and worker["num_verify_steps"] >= 1 and worker["step_time_s"] > 0
+    # --metric decode: tokens/s over each request's first to last token, the wall time kept beside it
+    assert record["metric"] == "decode"
+    for r in record["raw"]:
+        for run in r.values():
+            assert 0 < run["decode_s"] < run["wall_s"] and run["seconds"] == run["decode_s"]
+            assert run["output_tokens"] == run["decode_tokens"] == run["all_output_tokens"] - 3
     assert (tmp_path / result.name.replace(".json", ".md")).exists()
 
 

@@ -505,3 +505,62 @@ def test_a_seeded_request_is_drafted_and_verified_as_configured(monkeypatch):
     drafts = seeded.propose_trees(step(2).with_depth(depth))
     assert drafts[0] == [100, 101, 102, 103] and drafts[1] == []
     assert seeded.evict.stats.stopped_early_steps == 1  # row 1 stopped; row 0 grew on
+
+
+def test_guard_measures_a_plain_step_at_a_batch_size_it_never_decoded_plainly():
+    """The batch-8 failure: plain steps were measured at one row only (a warm-up, the first requests),
+    and an 8-row plain step priced from them looked costlier than it is, so drafting kept on at batch
+    8 where it did not pay. A plain step at 1 row does not stand in for 8 rows: the guard measures one
+    there, and then skips."""
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    evict = _measured(Evict(_profile(0.002, base_s=0.02), guard=True, depth_prior=0.8), 0.01)  # 1 row, plain seen
+    rows, ctx = 8, [256] * 8
+    evict.observe_drafting(rows, [0.03], 0.03)
+    for _ in range(5):  # verify steps at 8 rows take what the profile says
+        evict.observe_step([2] * rows, ctx, evict.cost([2] * rows, ctx, "chain"))
+    # An 8-row plain step priced at the 1-row ratio (3x: one row's fixed costs) makes drafting look paying.
+    evict.observe_step([1], [256], 3.0 * evict.cost([1], [256], "chain"))
+    shape = DraftShape(cap=3, budgets=(3,) * rows)
+    assert evict._best(evict._outlook(ctx, shape, 0, [1.0] * rows, [0.0] * rows, [1] * rows)) > 0
+    assert evict.plan_depth(ctx, shape) == 0 and evict.stats.plain_check_steps == 1
+    evict.observe_step([1] * rows, ctx, evict.cost([1] * rows, ctx, "chain"))  # measured: as the profile says
+    assert all(evict.plan_depth(ctx, shape) == 0 for _ in range(10))
+    assert evict.stats.skipped_drafting_steps == 10 and evict.stats.plain_check_steps == 1
+    # A 12-row batch is in the same class (8-15 rows): no new check there.
+    ctx12 = [256] * 12
+    evict.plan_depth(ctx12, DraftShape(cap=3, budgets=(3,) * 12))
+    assert evict.stats.plain_check_steps == 1
+
+
+def test_guard_decodes_plainly_when_the_requests_end_before_drafting_pays_back_its_catch_up():
+    """The batch-8 failure: new short requests at a high batch size, where drafting saves a little a
+    step, and the draft model's prefill of their prompts (its catch-up) costs more than drafting can
+    save before they end. Requests with many tokens left, or no max_tokens, still draft."""
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    rows, ctx = 8, [256] * 8
+    shape = DraftShape(cap=3, budgets=(3,) * rows)
+
+    def fresh() -> Evict:
+        evict = _measured(Evict(_profile(0.002, base_s=0.05), guard=True, depth_prior=0.9), 0.01, rows=rows)
+        evict.observe_catch_up(1000, 0.5)  # 0.5 ms a token of prompt
+        return evict
+
+    evict = fresh()
+    outlook = evict._outlook(ctx, shape, 0, [1.0] * rows, [0.0] * rows, [1] * rows)
+    best = evict._best(outlook)
+    assert best > 0  # drafting pays per step...
+    (pt, ps), (t, s) = outlook[0], outlook[best]
+    saving_per_token = ps / pt - s / t
+    prompts = 8 * 150  # ...but 8 new prompts' catch-up costs 0.6 s
+    break_even = 0.6 / (rows * saving_per_token)  # tokens per request that would pay it back
+    short, long = int(break_even * 0.5), int(break_even * 2) + 1
+    assert evict.plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=short) == 0
+    assert evict.stats.catch_up_deferred_steps == 1
+    assert fresh().plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=long) > 0
+    assert fresh().plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=None) > 0
+    assert fresh().plan_depth(ctx, shape, 0, prompt_tokens=0, horizon_tokens=short) > 0  # nothing to catch up on
+    unguarded = _measured(Evict(_profile(0.002, base_s=0.05), guard=False, depth_prior=0.9), 0.01, rows=rows)
+    unguarded.observe_catch_up(1000, 0.5)
+    assert unguarded.plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=short) > 0

@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from vllm_sparsever.compat.runner import DraftStep, draft_budgets
+from vllm_sparsever.compat.runner import DraftStep, RequestLimits, draft_budgets
 from vllm_sparsever.drafting.drafter import RoundDrafter, collect_draft_requests
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
 
 
-def _step(sampled, num_tokens, allocated, lookahead, depth, max_model_len=1000) -> DraftStep:
+def _step(sampled, num_tokens, allocated, lookahead, depth, max_model_len=1000, remaining=None) -> DraftStep:
     num_tokens = np.array(num_tokens)
     budgets, slot_limited = draft_budgets(sampled, num_tokens, np.array(allocated), lookahead, max_model_len)
     tokens = np.zeros((len(sampled), max(num_tokens) + 1), dtype=np.int64)
@@ -19,7 +19,8 @@ def _step(sampled, num_tokens, allocated, lookahead, depth, max_model_len=1000) 
         if s:
             tokens[row, num_tokens[row] - 1] = s[-1]
     return DraftStep(req_ids=[f"r{i}" for i in range(len(sampled))], sampled=sampled, num_tokens=num_tokens,
-                     budgets=budgets, depth=depth, token_ids=tokens, limits_of=lambda rows: [],
+                     budgets=budgets, depth=depth, token_ids=tokens,
+                     limits_of=lambda rows: [RequestLimits(frozenset(), remaining) for _ in rows],
                      slot_limited=slot_limited)
 
 
@@ -72,7 +73,7 @@ class _TreeCounting(TreeDrafting, _Counting):
     def __init__(self, planned):
         super().__init__(_Stats(), num_speculative_tokens=4, max_model_len=1000)
         self.init_trees(None, SimpleNamespace(), 4)  # adaptive on: chains as one-branch trees
-        self.evict = SimpleNamespace(plan_depth=lambda contexts, shape, catch_up: planned)
+        self.evict = SimpleNamespace(plan_depth=lambda contexts, shape, catch_up, **weighed: planned)
         self.grown_levels = []
         self.target = SimpleNamespace(tree_sampling_supported=lambda row: True, seeded_sampling=lambda row: False)
 
@@ -113,7 +114,8 @@ def test_a_catch_up_no_longer_than_the_prompt_the_target_computed_rides_with_it(
     monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)
     drafter = _TreeCounting(planned=2)
     weighed = []
-    drafter.evict.plan_depth = lambda contexts, shape, catch_up: weighed.append(catch_up) or 2
+    handed = []
+    drafter.evict.plan_depth = lambda contexts, shape, catch_up, **kw: weighed.append(catch_up) or handed.append(kw) or 2
     drafter.evict.truncate = lambda trees, contexts, draft_time_s, mask, whole: trees
     drafter.evict.observe_drafting = lambda rows, passes, seconds: None
     drafter.evict.observe_catch_up = lambda tokens, seconds: None
@@ -127,6 +129,9 @@ def test_a_catch_up_no_longer_than_the_prompt_the_target_computed_rides_with_it(
     drafter.plan_depth(step)
     drafter.plan_depth(step)  # a step decoded plainly (e.g. a plain check) keeps the credit
     assert weighed == [0, 0] and drafter.tree_stats.catch_ups_with_prompt == 0
+    # The prompt's part is handed in apart (weighed against the tokens left, not rented), and the
+    # horizon is unbounded here (no max_tokens).
+    assert handed[-1] == {"prompt_tokens": 1100, "horizon_tokens": None}
     drafter.propose_trees(step.with_depth(2))  # it drafts: the credit is spent
     assert drafter.tree_stats.catch_ups_with_prompt == 1
     drafter.plan_depth(step)
@@ -164,3 +169,18 @@ def test_reset_stats_zeroes_the_tree_and_evict_counters():
     assert drafter.tree_stats.trees == 0 and drafter.tree_stats.catch_ups_with_prompt == 0
     assert not hasattr(drafter.evict.stats, "steps")  # a fresh one of its type
     assert drafter.request_state()["draft_trees"] == 0
+
+
+def test_the_horizon_is_the_most_tokens_a_request_may_still_emit(monkeypatch):
+    """EVICT weighs a catch-up against what drafting can save before the requests end: the step hands
+    in the largest remaining max_tokens of its requests, or None when one has no max_tokens."""
+    import vllm_sparsever.drafting.tree_drafter as tree_drafter
+
+    monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)
+    drafter = _TreeCounting(planned=2)
+    handed = []
+    drafter.evict.plan_depth = lambda contexts, shape, catch_up, **kw: handed.append(kw) or 2
+    drafter.plan_depth(_step([[7], [8]], [4, 6], [64, 64], lookahead=4, depth=4, remaining=40))
+    assert handed[-1]["horizon_tokens"] == 40
+    drafter.plan_depth(_step([[7], [8]], [4, 6], [64, 64], lookahead=4, depth=4, remaining=None))
+    assert handed[-1]["horizon_tokens"] is None

@@ -33,7 +33,9 @@ Times (`StepClock`) are measured end to end on this engine, or predicted by the 
   moves it by EMA: interference and first runs of a shape only add time, and a warm-up step taken
   for the steady cost would lock a cheap drafter out until its next probe);
 - catch-up (a draft model's prompt, or the tokens it did not see while drafting was skipped) is a
-  one-off: it is kept out of the pass time and priced only in a probe's cost.
+  one-off: it is kept out of the pass time and priced in a probe's cost, in the rent-or-buy of a
+  long catch-up (`_defer_catch_up`), and against what drafting can still save before the requests
+  reach their max_tokens (`_pays_back`).
 
 Guard (Cascade's worst case): when the best depth is 0 the step does not draft. Skipping, it probes
 (drafts anyway, to refresh the acceptance measurements) once the plain decoding time skipped since
@@ -43,9 +45,10 @@ itself out on a wrong time: while it skips, plain steps are measured and the pla
 them. The converse holds too: while drafting pays, only verify steps are measured, and a plain
 step's time read from them carries the profile's error wherever its grid did not reach (long
 contexts); so the guard decodes one step plainly, to measure it, in a context band where no plain
-step was measured, and again every PLAIN_CHECK_EVERY drafting steps there (per band, not per batch
-size: the profile's error is in how time grows with context, and a batch size measured plainly
-stands in for its neighbours). `adaptive.guard: false` always drafts at least one level;
+step was measured, and again every PLAIN_CHECK_EVERY drafting steps there (per band and batch-size
+class, 1, 2-3, 4-7, 8-15, ... rows: the profile's error is in how time grows with context and rows,
+and a batch size measured plainly stands in for its neighbours, not for 8x as many rows). `adaptive.guard:
+false` always drafts at least one level;
 `adaptive.depth: "cap"` drafts to the cap (EVICT then only truncates, and the guard compares the cap
 with plain decoding).
 Depth probe: a depth below which drafting always stops is never verified, so its acceptance would
@@ -171,6 +174,12 @@ def context_band(contexts: list[int]) -> int:
     """Context bands for the verify-time ratio: <512, <1K, <2K, ... tokens per row (mean)."""
     mean = sum(contexts) / max(len(contexts), 1)
     return max(0, int(math.log2(max(mean, 1.0) / 256.0)))
+
+
+def plain_check_key(contexts: list[int]) -> tuple[int, int]:
+    """Where a measured plain step stands in for others: its rows class (1, 2-3, 4-7, ... rows) and
+    context band."""
+    return len(contexts).bit_length(), context_band(contexts)
 
 
 class StepClock:
@@ -322,7 +331,7 @@ class Evict:
         self._skipped_s: dict[int, float] = {}  # guard, per batch size: plain time skipped since the last probe
         self._catch_up_forgone_s = 0.0  # guard: time drafting would have saved while a catch-up was deferred
         self._skips: dict[int, int] = {}
-        self._since_plain: dict[int, int] = {}  # guard: drafting steps since a plain step, per context band
+        self._since_plain: dict[tuple[int, int], int] = {}  # guard: drafting steps since a plain step, per (rows class, band)
         self._since_depth_probe = 0  # depth probe: drafting steps since the last one
         self._depth_probes: dict[int, int] = {}  # depth probe: probes made per depth
         self._forced_levels = 0  # levels this step drafts whatever the stopping rule says (a depth probe)
@@ -354,7 +363,7 @@ class Evict:
         kind, mask = ("plain", "chain") if plain else ("verify", mask)
         self.clock.observe_ratio(kind, len(query_tokens), contexts, seconds, self.cost(query_tokens, contexts, mask))
         if plain:
-            self._since_plain[context_band(contexts)] = 0
+            self._since_plain[plain_check_key(contexts)] = 0
         if gap_s is not None:
             self.clock.observe_gap(gap_s)
 
@@ -404,10 +413,13 @@ class Evict:
         """The number of further levels with the best rate (the fewest on a tie)."""
         return max(range(floor, len(outlook)), key=lambda e: (outlook[e][0] / outlook[e][1], -e))
 
-    def plan_depth(self, contexts: list[int], shape: DraftShape, catch_up_tokens: int = 0) -> int:
+    def plan_depth(self, contexts: list[int], shape: DraftShape, catch_up_tokens: int = 0, *,
+                   prompt_tokens: int = 0, horizon_tokens: int | None = None) -> int:
         """Levels to draft this step, 0 to skip drafting (the module docstring's decision 1 and the
         guard). `contexts[i]`: request i's tokens before its root; the drafter has `catch_up_tokens`
-        tokens to catch up on before it drafts."""
+        tokens to catch up on before it drafts, besides `prompt_tokens` of new prompts (rented
+        with their prompt, not deferred); `horizon_tokens`: the most output tokens any of the
+        step's requests may still emit (their max_tokens; None: unbounded)."""
         rows = len(contexts)
         self._forced_levels = 0
         if not rows or shape.cap <= 0:
@@ -423,7 +435,8 @@ class Evict:
             best = self._best(outlook, floor)
         if best and self.min_draft_tokens and shape.mask == "chain":
             best = max(best, min(self.min_draft_tokens, shape.cap))
-        if best and not floor and self._defer_catch_up(outlook, best, catch_up_tokens):
+        if best and not floor and (self._defer_catch_up(outlook, best, catch_up_tokens) or not self._pays_back(
+                outlook, best, rows, catch_up_tokens + prompt_tokens, horizon_tokens)):
             self.stats.catch_up_deferred_steps += 1
             return self._planned(0)
         if best:
@@ -481,11 +494,25 @@ class Evict:
             return False
         return True
 
+    def _pays_back(self, outlook: list[tuple[float, float]], best: int, rows: int, catch_up_tokens: int,
+                   horizon_tokens: int | None) -> bool:
+        """Guard: whether drafting can save its catch-up's cost before the step's requests end. At
+        most `horizon_tokens` more tokens per request are emitted, so drafting saves at most
+        rows * horizon_tokens * (plain seconds per token - drafting seconds per token); a catch-up
+        that costs more (new short requests at a high batch size, where drafting saves little a
+        step) is never paid back, and the step decodes plainly. Unbounded or unmeasured: it pays."""
+        per_token_s = self.clock.catch_up_s_per_token
+        if catch_up_tokens < CATCH_UP_MIN_TOKENS or horizon_tokens is None or per_token_s is None:
+            return True
+        (plain_tokens, plain_s), (tokens, seconds) = outlook[0], outlook[best]
+        saving_per_token = plain_s / plain_tokens - seconds / tokens
+        return rows * max(horizon_tokens, 0) * saving_per_token >= catch_up_tokens * per_token_s
+
     def _plain_check_due(self, contexts: list[int]) -> bool:
         """Guard, while drafting pays: whether to decode this step plainly to measure a plain step in
-        this context band (none measured there, or PLAIN_CHECK_EVERY drafting steps ago; module
-        docstring)."""
-        key = context_band(contexts)
+        this context band and rows class (none measured there, or PLAIN_CHECK_EVERY drafting steps ago;
+        module docstring)."""
+        key = plain_check_key(contexts)
         since = self._since_plain.get(key)
         due = since is None or since >= PLAIN_CHECK_EVERY
         self._since_plain[key] = 0 if due else since + 1  # (a check whose step mixed in a prefill waits too)

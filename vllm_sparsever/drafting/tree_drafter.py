@@ -149,8 +149,12 @@ class TreeDrafting:
         reqs = collect_draft_requests(step, self.num_speculative_tokens)
         if not reqs.rows:
             return 0
-        return self.plan_levels(list(reqs.positions), self._draft_shape(reqs), self._catch_up_to_plan(reqs),
-                                seeded=any(self._seeded(reqs)))
+        catch_up = self._catch_up_to_plan(reqs)
+        prompts = max(self._catch_up_tokens(reqs) - catch_up, 0)
+        remaining = [lim.remaining_tokens for lim in step.limits_of(reqs.rows)]
+        horizon = max(remaining) if remaining and all(r is not None for r in remaining) else None
+        return self.plan_levels(list(reqs.positions), self._draft_shape(reqs), catch_up, seeded=any(self._seeded(reqs)),
+                                prompt_tokens=prompts, horizon_tokens=horizon)
 
     def propose_trees(self, step: DraftStep) -> list[list[int]]:
         """Trees of `step.depth` levels at most (`plan_depth`), each within its request's budget."""
@@ -198,12 +202,15 @@ class TreeDrafting:
         self.tree_stats.time_s += time.perf_counter() - start
         return drafts
 
-    def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int, seeded: bool = False) -> int:
+    def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int, seeded: bool = False, *,
+                    prompt_tokens: int = 0, horizon_tokens: int | None = None) -> int:
         """EVICT's depth for this step (0: skip drafting), the same on every tensor-parallel rank;
-        with a seeded sampled request (`seeded`) the cap."""
+        with a seeded sampled request (`seeded`) the cap. (Evict.plan_depth: the catch-up, the new
+        prompts' and the requests' remaining tokens.)"""
         if seeded:
             return self.evict.plan_seeded(shape.cap)
-        return _agreed(self.evict.plan_depth(contexts, shape, catch_up_tokens))
+        return _agreed(self.evict.plan_depth(contexts, shape, catch_up_tokens, prompt_tokens=prompt_tokens,
+                                             horizon_tokens=horizon_tokens))
 
     def _seeded(self, reqs: DraftRequests) -> list[bool]:
         """Per request, whether it samples with a seed: EVICT leaves its draft shape as configured

@@ -66,7 +66,8 @@ class VllmDrafterChains(TreeDrafting, RoundDrafter):
         self._depth = max(1, self._levels)
         return self._depth
 
-    def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int, seeded: bool = False) -> int:
+    def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int, seeded: bool = False, *,
+                    prompt_tokens: int = 0, horizon_tokens: int | None = None) -> int:
         return min(self._levels, shape.cap)  # planned before vLLM drafted (plan_before_vllm_drafts)
 
     def propose(self, step: DraftStep) -> list[list[int]]:
