@@ -27,7 +27,11 @@ SUMMARY = ROOT / "bench" / "results" / "summary"
 SLOTS = {
     "evict": {"qwen.batch_1": "draft_model_best", "qwen.batch_8": "draft_model_best",
               "moe.batch_1": "fixed_chain_best"},
+    "long_context": {"contexts.8192": "draft_model_best", "contexts.32768": "draft_model_best"},
 }
+# Figures a summary holds that no harness run gives (step and kernel timings, from their own scripts):
+# kept from the previous file, under the machine they were measured on.
+KEPT = {"long_context": ("verify_step_ms", "roof_fraction", "roof_kernel", "attainable_fraction", "sources")}
 
 
 def spread(entry: dict) -> dict[str, float]:
@@ -50,6 +54,8 @@ def slot_entry(run: dict, run_name: str, fixed_key: str) -> dict[str, Any]:
     fixed_name = run["summary"]["best_fixed"]
     plain, kernels, fixed, cand = (methods[n] for n in ("plain", "sparsever-kernels-only", fixed_name, best))
     fixed_entry = {"k": run["summary"]["best_fixed_k"], "mode": fixed_name, "tok_s": fixed["tok_s_median"]}
+    approximate = {n: e for n, e in methods.items() if e["role"] == "candidate" and not e["lossless"]}
+    best_approx = max(approximate, key=lambda n: approximate[n]["tok_s_median"]) if approximate else None
     return {
         "results_file": run_name, "command": run["command"], "commit": run["commit"], "rounds": run["rounds"],
         "batch_size": run["batch_size"], "prompts": run["num_prompts"], "max_tokens": run["max_tokens"],
@@ -65,6 +71,8 @@ def slot_entry(run: dict, run_name: str, fixed_key: str) -> dict[str, Any]:
         "evict_vs_kernels_only": cand["tok_s_median"] / kernels["tok_s_median"],
         "evict_vs_best_fixed": cand["tok_s_median"] / fixed["tok_s_median"],
         "kernels_only_vs_plain": kernels["tok_s_median"] / plain["tok_s_median"],
+        **({"best_approximate": {"mode": best_approx, "tok_s": approximate[best_approx]["tok_s_median"],
+                                 "vs_plain": approximate[best_approx]["vs_plain"]}} if best_approx else {}),
         "flags": {n: e["flags"] for n, e in methods.items() if e["flags"]},
         "divergent_prompts": {"evict": len(cand["divergent_prompts"]),
                               "vllm_max": run["summary"]["vllm_divergent_prompts_max"]},
@@ -107,7 +115,27 @@ def evict_aims(entry: dict) -> dict[str, str]:
     }
 
 
-def build(name: str, assignments: list[str], command: str) -> dict[str, Any]:
+def long_context_aims(entry: dict) -> dict[str, str]:
+    """Issue 63's long-context aims (decode tokens/s, harness medians)."""
+    out = {}
+    for ctx in ("8192", "32768"):
+        slot = (entry.get("contexts") or {}).get(ctx)
+        ok = None if not slot else slot["evict_vs_kernels_only"] >= 1.5 and slot["evict_vs_best_fixed"] >= 1.2
+        out[f"{ctx}: best lossless >= 1.5x kernels only and >= 1.2x vLLM's best fixed chain over the same draft"] = \
+            verdict(ok)
+    return out
+
+
+def long_context_slot(slot: dict) -> dict:
+    """The keys long_context.json names, beside the harness slot's own."""
+    return {**slot, "draft_model_tok_s": slot["draft_model_best"]["tok_s"], "draft_model_k": slot["draft_model_best"]["k"],
+            "best_lossless": {"mode": slot["evict_best"]["mode"], "tok_s": slot["evict_best"]["tok_s"]}}
+
+
+AIMS = {"evict": evict_aims, "long_context": long_context_aims}
+
+
+def build(name: str, assignments: list[str], command: str, previous: dict | None = None) -> dict[str, Any]:
     slots = SLOTS[name]
     machines: dict[str, dict] = {}
     order: list[str] = []
@@ -123,19 +151,27 @@ def build(name: str, assignments: list[str], command: str) -> dict[str, Any]:
             order.append(cls)
         node = machines[cls]
         group, key = slot.split(".", 1)
-        node.setdefault(group, {})[key] = slot_entry(run, run_path.stem, slots[slot])
+        entry = slot_entry(run, run_path.stem, slots[slot])
+        node.setdefault(group, {})[key] = long_context_slot(entry) if name == "long_context" else entry
+        node["metric"] = run["metric"]
         node["sources"][slot] = run_path.stem
         node["rounds"] = min(node.get("rounds", run["rounds"]), run["rounds"])
         node["date"] = max(node.get("date", ""), run["date"][:10])
+    aims = AIMS[name]
     main = order[0]
     out = {"machine": main, "date": machines[main]["date"], "command": command, **machines[main]}
-    out["aims"] = evict_aims(out)
-    if len(order) > 1:
-        out["other_machines"] = {}
-        for cls in order[1:]:
-            entry = machines[cls]
-            entry["aims"] = evict_aims(entry)
-            out["other_machines"][cls] = entry
+    out["aims"] = aims(out)
+    others = {}
+    for cls in order[1:]:
+        entry = machines[cls]
+        entry["aims"] = aims(entry)
+        others[cls] = entry
+    kept = {k: previous[k] for k in KEPT.get(name, ()) if previous and k in previous}
+    if kept:
+        # Not from harness runs: kept beside them under the machine that measured them.
+        others[f"{previous.get('machine')} (kept from the previous summary)"] = {"date": previous.get("date"), **kept}
+    if others:
+        out["other_machines"] = others
     return out
 
 
@@ -146,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=SUMMARY)
     args = p.parse_args(argv)
     command = " ".join(["python", "bench/summaries.py", *(argv if argv is not None else sys.argv[1:])])
-    summary = build(args.name, args.runs, command)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"{args.name}.json"
+    previous = json.loads(path.read_text()) if path.exists() else None
+    summary = build(args.name, args.runs, command, previous)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary["aims"], indent=1))
     print(f"wrote {path} ({dt.date.today()})")

@@ -168,3 +168,29 @@ def test_summary_file_built_from_named_runs_with_baselines_and_aims(tmp_path):
     (tmp_path / "harness_quick.json").write_text(json.dumps(quick))
     with pytest.raises(SystemExit, match="three baselines"):
         summaries.main(["evict", f"qwen.batch_1={tmp_path / 'harness_quick.json'}", "--out-dir", str(tmp_path)])
+
+
+def test_long_context_summary_keeps_step_timings_under_their_own_machine(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import summaries
+
+    record = _record("AMD Zen 5 (AVX512-BF16)", 4, 4.4, 6, 7.2)
+    record["metric"] = "decode"
+    (tmp_path / "harness_8k.json").write_text(json.dumps(record))
+    previous = {"machine": "Intel(R) Xeon(R) Processor, 2 cores", "date": "2026-12-02",
+                "verify_step_ms": {"32768": {"decode_1": 357.9}}, "roof_fraction": {"32768": {"4": 0.15}},
+                "contexts": {"8192": {"autoregressive_tok_s": 3.5}}}
+    (tmp_path / "long_context.json").write_text(json.dumps(previous))
+    summaries.main(["long_context", f"contexts.8192={tmp_path / 'harness_8k.json'}", "--out-dir", str(tmp_path)])
+    s = json.loads((tmp_path / "long_context.json").read_text())
+    c = s["contexts"]["8192"]
+    assert s["metric"] == "decode" and s["rounds"] == 3 and "32768" not in s["contexts"]
+    assert (c["autoregressive_tok_s"], c["sparsever_kernels_only_tok_s"]) == (4, 4.4)
+    assert (c["draft_model_tok_s"], c["draft_model_k"]) == (6, 2) and c["best_lossless"] == {"mode": "evict", "tok_s": 7.2}
+    assert c["best_approximate"]["mode"] == "sparse"
+    # 7.2 / 4.4 = 1.64x kernels only and 1.2x the chain: met at 8K; 32K not measured
+    aims = list(s["aims"].values())
+    assert aims == ["met", "not measured"]
+    # the old machine's step timings stay, under that machine, not mixed into this one's entry
+    kept = s["other_machines"]["Intel(R) Xeon(R) Processor, 2 cores (kept from the previous summary)"]
+    assert kept["verify_step_ms"] == previous["verify_step_ms"] and "verify_step_ms" not in s
