@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_decode import RESULTS, hardware, versions  # noqa: E402
+from record import RESULTS, hardware, versions  # noqa: E402
 
 from vllm_sparsever import _custom_ops as ops  # noqa: E402
 from vllm_sparsever.config import SparseverConfig  # noqa: E402

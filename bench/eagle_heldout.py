@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_decode import RESULTS, hardware, versions  # noqa: E402
+from record import RESULTS, hardware, versions  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_decode import RESULTS, hardware, versions  # noqa: E402
+from record import RESULTS, hardware, versions  # noqa: E402
 
 KEYS = ("aux", "scale", "positions", "lr", "epochs", "draft_vocab", "intermediate")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
+from record import RESULTS, binding_env, hardware, versions  # noqa: E402
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_decode import RESULTS, ROOT, binding_env, hardware, versions  # noqa: E402
+from record import RESULTS, ROOT, binding_env, hardware, versions  # noqa: E402
 
 from vllm_sparsever.integration import WORKER_MODULES  # noqa: E402
 

@@ -1,15 +1,18 @@
-"""`vllm serve` throughput per concurrency: no speculation, vLLM's `draft_model`, and sparsever modes,
-measured with vLLM's own load tool (`vllm bench serve`) on the same prompts, in one run.
+"""`vllm serve` throughput per concurrency: the harness's three baselines (no speculation, vLLM's
+`draft_model` chains at --ks, sparsever with drafting off) and sparsever's EVICT candidates, measured
+with vLLM's own load tool (`vllm bench serve`) on the same prompts, in one run. (bench/harness.py times
+engines in-process; this times servers, so it keeps its own loop.)
 
     python bench/serve_load.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
-        --concurrency 1 8 32 64 --rounds 2
+        --concurrency 1 8 32 64
 
 Each round starts one server per method (method order reversed every other round: machines are
 noisy, interleaving spreads the noise), sends an untimed warm-up request, then runs `vllm bench
 serve` at each concurrency (greedy, fixed output length, prompts from the project's data: mt_bench,
-humaneval, gsm8k; as many requests as the concurrency, at least --min-prompts). Writes JSON (command, models, hardware, versions, binding, load
-average, every raw number from vLLM's tool, acceptance from /metrics), a markdown table with
-ratios to the no-speculation server, and a plot under bench/results/.
+humaneval, gsm8k; as many requests as the concurrency, at least --min-prompts). Writes JSON (command,
+models, hardware, versions, binding, load average, every raw number from vLLM's tool, acceptance from
+/metrics, and per concurrency the medians over rounds a summary takes: `serving`), a markdown table
+with ratios to the no-speculation server, and a plot under bench/results/.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,9 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
+from record import RESULTS, binding_env, hardware, versions  # noqa: E402
 
 CATEGORIES = ("mt_bench", "humaneval", "gsm8k")  # short prompts: decoding, not prefill, is measured
+KERNELS_ONLY = "sparsever-kernels-only"
 
 
 def methods(args) -> dict[str, dict | None]:
@@ -39,13 +44,16 @@ def methods(args) -> dict[str, dict | None]:
     draft = str(resolve_model(args.draft))
     profile = str(args.cost_profile) if args.cost_profile else None
     evict = {"enabled": True, **({"cost_profile": profile} if profile else {})}
+    fixed = {f"vllm-draft_model-k{k}": {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+             for k in args.ks}
     return {
         "no-spec": None,
-        "draft_model": {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k},
-        "sparsever-evict-chain": {"method": "sparsever", "model": draft, "num_speculative_tokens": args.k + 2,
+        KERNELS_ONLY: {"method": "sparsever", "draft_source": "none"},
+        **fixed,
+        "sparsever-evict-chain": {"method": "sparsever", "model": draft, "num_speculative_tokens": args.evict_chain_k,
                                   "adaptive": evict},
         "sparsever-ngram-evict": {"method": "sparsever", "draft_source": "ngram", "prompt_lookup_max": 4,
-                                  "prompt_lookup_min": 2, "num_speculative_tokens": args.k + 2,
+                                  "prompt_lookup_min": 2, "num_speculative_tokens": args.evict_chain_k,
                                   "adaptive": evict},
     }
 
@@ -116,15 +124,36 @@ def run_method(name: str, spec: dict | None, target: str, prompts: Path, args, o
     return {"runs": results, "acceptance": acc}
 
 
+def tok_s(rounds: list[dict], concurrency: int) -> float:
+    """A method's output tokens/s at this concurrency: the median over rounds."""
+    return statistics.median(r["output_throughput"] for rnd in rounds for r in rnd["runs"]
+                             if r["concurrency"] == concurrency)
+
+
+def serving(results: dict, concurrency: list[int]) -> dict[str, dict]:
+    """Per concurrency, the medians a summary compares: no speculation, sparsever's kernels alone, vLLM's
+    best chain and the best EVICT candidate (None where --methods left one out)."""
+    out = {}
+    for c in concurrency:
+        medians = {name: tok_s(res, c) for name, res in results.items()}
+        fixed = {n: v for n, v in medians.items() if n.startswith("vllm-draft_model-k")}
+        evict = {n: v for n, v in medians.items() if n not in ("no-spec", KERNELS_ONLY) and n not in fixed}
+        best_fixed, best_evict = max(fixed, key=fixed.get, default=None), max(evict, key=evict.get, default=None)
+        out[str(c)] = {"no_spec_tok_s": medians.get("no-spec"),
+                       "sparsever_kernels_only_tok_s": medians.get(KERNELS_ONLY),
+                       "best_fixed_tok_s": fixed.get(best_fixed), "best_fixed": best_fixed,
+                       "evict_tok_s": evict.get(best_evict), "evict_mode": best_evict}
+    return out
+
+
 def table(results: dict, concurrency: list[int]) -> str:
-    head = "| method | " + " | ".join(f"c={c} tok/s (x no-spec)" for c in concurrency) + " | mean acc. len |"
+    head = "| method | " + " | ".join(f"c={c} tok/s median (x no-spec)" for c in concurrency) + " | mean acc. len |"
     lines = [head, "|" + "---|" * (len(concurrency) + 2)]
     base = results.get("no-spec")
     for name, res in results.items():
         cells = []
         for c in concurrency:
-            tput = _mean([r["output_throughput"] for rnd in res for r in rnd["runs"] if r["concurrency"] == c])
-            ref = _mean([r["output_throughput"] for rnd in base for r in rnd["runs"] if r["concurrency"] == c]) if base else None
+            tput, ref = tok_s(res, c), tok_s(base, c) if base else None
             cells.append(f"{tput:.2f} ({tput / ref:.2f}x)" if ref else f"{tput:.2f}")
         accs = [rnd["acceptance"]["mean_acceptance_length"] for rnd in res if rnd["acceptance"]["mean_acceptance_length"]]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {_mean(accs):.2f} |" if accs else
@@ -145,8 +174,7 @@ def plot(results: dict, concurrency: list[int], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, res in results.items():
-        ys = [_mean([r["output_throughput"] for rnd in res for r in rnd["runs"] if r["concurrency"] == c])
-              for c in concurrency]
+        ys = [tok_s(res, c) for c in concurrency]
         ax.plot(concurrency, ys, marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
@@ -163,11 +191,12 @@ def parse_args(argv=None):
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
     p.add_argument("--methods", nargs="+", default=None)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--prompts-per-category", type=int, default=16)
-    p.add_argument("-k", type=int, default=3)
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="vLLM draft_model's chain lengths")
+    p.add_argument("--evict-chain-k", type=int, default=5, help="EVICT chains: the cap")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--cost-profile", type=Path, default=ROOT / "bench/results/verify_cost_qwen2.5-coder-1.5b_bf16.json")
@@ -185,6 +214,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     target = str(resolve_model(args.target))
     all_methods = methods(args)
+    unknown = sorted(set(args.methods or ()) - set(all_methods))
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; allowed: {', '.join(all_methods)}")
     chosen = {n: all_methods[n] for n in (args.methods or list(all_methods))}
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M")
     work = Path(tempfile.mkdtemp(prefix="serve_load_"))
@@ -202,6 +234,7 @@ def main(argv=None) -> None:
         "command": " ".join([sys.executable, *sys.argv]), "date": stamp, "target": args.target, "draft": args.draft,
         "hardware": hardware(), "versions": versions(), "binding": binding_env(), "args": vars(args) | {
             "cost_profile": str(args.cost_profile)}, "methods": chosen, "results": results,
+        "serving": serving(results, args.concurrency),
     }
     name = f"serve_load_{args.tag}_{stamp}"
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
+from record import RESULTS, binding_env, hardware, versions  # noqa: E402
 
 
 def tree_rss_mb(pid: int) -> float:

@@ -33,7 +33,7 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
+from record import RESULTS, binding_env, hardware, versions  # noqa: E402
 
 PAIRS = {
     "qwen": {"target": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b", "sparsities": ("attention", "ffn")},

@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_decode import RESULTS, binding_env, hardware, versions  # noqa: E402
+from record import RESULTS, binding_env, hardware, versions  # noqa: E402
 
 KERNELS = ("sparsever", "vllm")
 

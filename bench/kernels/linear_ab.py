@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from kernels.run import vllm_cpu_linear
-    from spec_decode import RESULTS, hardware, versions
+    from record import RESULTS, hardware, versions
     from vllm_sparsever import _custom_ops as ops
     from vllm_sparsever.verification.linear import padded_cpu_linear
 

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    from spec_decode import RESULTS, hardware, save_results, versions
+    from record import RESULTS, hardware, save_results, versions
     from vllm_sparsever.compat.model import use_c_kernels_for_norms_and_activations
 
     torch.set_num_threads(args.threads)

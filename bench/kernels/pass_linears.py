@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
     from kernels.linear_ab import MODELS, last_level_cache_bytes
     from kernels.run import vllm_cpu_linear
-    from spec_decode import RESULTS, hardware, save_results, versions
+    from record import RESULTS, hardware, save_results, versions
     from vllm_sparsever import _custom_ops as ops
     from vllm_sparsever.models.quantize import quantize_int8_per_channel
     from vllm_sparsever.verification.linear import padded_cpu_linear
