@@ -259,6 +259,7 @@ def test_guard_measures_a_plain_step_where_drafting_measured_only_verify_steps()
     # At a short context verify steps take the profile's time and drafting pays; plain steps were
     # never measured in that band: one check there, then drafting.
     for _ in range(10):
+        evict.observe_depth(1, 1)  # its draft accepted
         evict.observe_step([2], [512], evict.cost([2], [512], "chain"))
     assert evict.plan_depth([512], shape) == 0 and evict.stats.plain_check_steps == 2
     evict.observe_step([1], [512], evict.cost([1], [512], "chain"))
@@ -564,3 +565,70 @@ def test_guard_decodes_plainly_when_the_requests_end_before_drafting_pays_back_i
     unguarded = _measured(Evict(_profile(0.002, base_s=0.05), guard=False, depth_prior=0.9), 0.01, rows=rows)
     unguarded.observe_catch_up(1000, 0.5)
     assert unguarded.plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=short) > 0
+
+
+def _drafting_step(evict: Evict, rows: int, ctx: list[int], accepted: int, draft_s: float, verify_s: float) -> int:
+    """One step as the runner drives EVICT: plan the next step (its drafting time measured), then the
+    verify step of the drafts planned the step before, with `accepted` drafts accepted in all."""
+    from vllm_sparsever.adaptive.evict import DraftShape
+
+    depth = evict.plan_depth(ctx, DraftShape(cap=3, budgets=(3,) * rows))
+    if depth:
+        evict.observe_drafting(rows, [draft_s], draft_s)
+    if evict._draft_s_step:  # drafts planned the step before: a verify step
+        for i in range(rows):
+            evict.observe_depth(1, 1 if i < accepted else 0)
+        evict.observe_step([2] * rows, ctx, verify_s, "chain")
+    else:
+        evict.observe_step([1] * rows, ctx, evict.cost([1] * rows, ctx, "chain"), "chain")
+    return depth
+
+
+def test_guard_follows_realized_steps_where_the_model_says_drafting_pays():
+    """The model's drafting step can miss (rows ending apart, acceptance below its calibration, Python
+    around the passes): measured drafting steps that emit fewer tokens a second than measured plain
+    steps at this batch size turn drafting off, whatever the model says; measured ones that emit more
+    keep it on."""
+    rows, ctx = 8, [256] * 8
+
+    def optimistic() -> Evict:  # a model whose acceptance estimate stays at 0.9, whatever is accepted
+        evict = _measured(Evict(_profile(0.002, base_s=0.05), guard=True, depth_prior=0.9), 0.01, rows=rows)
+        evict.depths.conditional = lambda depths: [0.9] * depths
+        return evict
+
+    # Verify steps as the profile says, but only 1 of 8 drafts accepted: 9 tokens a step against 8 in
+    # a plain step that takes about half the time.
+    evict = optimistic()
+    depths = [_drafting_step(evict, rows, ctx, 1, 0.01, evict.cost([2] * rows, ctx, "chain")) for _ in range(12)]
+    # (one drafting step measured before: 7 more make REALIZED_MIN_STEPS; the model alone would keep drafting)
+    assert all(depths[:7]) and depths[7:] == [0] * 5, depths
+    assert evict.stats.realized_skipped_steps == evict.stats.skipped_drafting_steps == 5
+    # Every draft accepted: 16 tokens a step, more a second than plain: drafting stays on.
+    good = optimistic()
+    depths = [_drafting_step(good, rows, ctx, rows, 0.01, good.cost([2] * rows, ctx, "chain")) for _ in range(20)]
+    assert all(depths) and good.stats.realized_skipped_steps == 0, depths
+
+
+def test_a_steps_drafting_is_the_one_planned_the_step_before():
+    """The runner drafts for the next step before it reports this step's time: EVICT charges each
+    verify step the drafting planned in the step before it, and a catch-up not at all (a one-off)."""
+    from vllm_sparsever.adaptive.evict import DraftShape, plain_check_key
+
+    rows, ctx = 1, [256]
+    evict = _measured(Evict(_profile(0.002, base_s=0.05), guard=True, depth_prior=0.9), 0.01)
+    shape = DraftShape(cap=3, budgets=(3,))
+    evict._draft_s_next = 0.0  # (_measured's drafting was for a step it never ran)
+    key = plain_check_key(ctx)
+    (d_tokens, d_seconds, d_steps), (_, p_seconds, _) = evict._realized["draft"][key], evict._realized["plain"][key]
+    evict.plan_depth(ctx, shape)
+    evict.observe_drafting(rows, [0.01], 0.03)  # drafts for step 2
+    evict.observe_step([1], ctx, 0.1, "chain")  # step 1: plain, nothing drafted for it
+    evict.plan_depth(ctx, shape)
+    evict.observe_catch_up(100, 5.0)  # a one-off, not the step's
+    evict.observe_drafting(rows, [0.01], 0.02)  # drafts for step 3
+    evict.observe_depth(1, 1)
+    evict.observe_step([2], ctx, 0.2, "chain")  # step 2: its drafting, 0.03 s, was planned in step 1
+    tokens, seconds, steps = evict._realized["draft"][key]
+    assert tokens == pytest.approx(0.9 * d_tokens + 2) and steps == d_steps + 1
+    assert seconds == pytest.approx(0.9 * d_seconds + 0.2 + 0.03)
+    assert evict._realized["plain"][key][1] == pytest.approx(0.9 * p_seconds + 0.1)

@@ -47,8 +47,14 @@ step's time read from them carries the profile's error wherever its grid did not
 contexts); so the guard decodes one step plainly, to measure it, in a context band where no plain
 step was measured, and again every PLAIN_CHECK_EVERY drafting steps there (per band and batch-size
 class, 1, 2-3, 4-7, 8-15, ... rows: the profile's error is in how time grows with context and rows,
-and a batch size measured plainly stands in for its neighbours, not for 8x as many rows). `adaptive.guard:
-false` always drafts at least one level;
+and a batch size measured plainly stands in for its neighbours, not for 8x as many rows). Last, the model's drafting step can miss
+what a measured one shows (a batch's rows ending apart, acceptance below its estimate, drafting's
+Python): per batch-size class and context band the guard keeps the realized tokens per second of
+drafting steps (their drafting, verification and the engine's gap; a catch-up left out, it is priced
+above) and of plain steps, over about the last ten of each; once REALIZED_MIN_STEPS drafting steps
+were measured there, realized drafting slower than realized plain decoding skips drafting whatever
+the model says (`realized_skipped_steps`), probes included. `adaptive.guard: false` always drafts at
+least one level;
 `adaptive.depth: "cap"` drafts to the cap (EVICT then only truncates, and the guard compares the cap
 with plain decoding).
 Depth probe: a depth below which drafting always stops is never verified, so its acceptance would
@@ -93,6 +99,8 @@ PLAIN_CHECK_EVERY = 64  # guard: drafting steps between measured plain steps in 
 DEPTH_PROBE_EVERY = 4  # depth probe: drafting steps between probes of a depth still unmeasured
 DEPTH_PROBES = 24  # depth probe: probes of a depth at DEPTH_PROBE_EVERY; later ones at PLAIN_CHECK_EVERY
 DEPTH_PROBE_TRIALS = 16  # depth probe: (decayed) measurements that make a depth measured
+REALIZED_DECAY = 0.9  # guard: per step, older realized steps fade (a window of about ten steps)
+REALIZED_MIN_STEPS = 8  # guard: drafting steps measured before their realized rate may overrule the model
 
 
 class AcceptanceCalibration:
@@ -265,6 +273,7 @@ class EvictStats:
     probe_steps: int = 0  # steps the guard drafted in although drafting did not pay, to re-measure
     plain_check_steps: int = 0  # steps the guard decoded plainly although drafting paid, to measure a plain step
     catch_up_deferred_steps: int = 0  # steps decoded plainly although drafting paid, its catch-up not yet earned
+    realized_skipped_steps: int = 0  # of the skipped steps: the model said drafting pays, measured steps said not
     depth_probe_steps: int = 0  # steps drafted one level deeper than planned, to measure that depth
     stopped_early_steps: int = 0  # drafting steps stopped before the planned depth (stopping rule)
     seeded_steps: int = 0  # steps with a seeded sampled request: drafted to the configured depth
@@ -284,6 +293,7 @@ class EvictStats:
             "evict_probe_steps": self.probe_steps,
             "evict_plain_check_steps": self.plain_check_steps,
             "evict_catch_up_deferred_steps": self.catch_up_deferred_steps,
+            "evict_realized_skipped_steps": self.realized_skipped_steps,
             "evict_depth_probe_steps": self.depth_probe_steps,
             "evict_stopped_early_steps": self.stopped_early_steps,
             "evict_seeded_steps": self.seeded_steps,
@@ -335,6 +345,12 @@ class Evict:
         self._since_depth_probe = 0  # depth probe: drafting steps since the last one
         self._depth_probes: dict[int, int] = {}  # depth probe: probes made per depth
         self._forced_levels = 0  # levels this step drafts whatever the stopping rule says (a depth probe)
+        # guard: realized (tokens, seconds, steps) per kind ("draft", "plain") and plain_check_key, decayed;
+        # a step's drafting ran during the step before it, and its acceptance is seen before its time
+        self._realized: dict[str, dict[tuple[int, int], list[float]]] = {"draft": {}, "plain": {}}
+        self._draft_s_next = 0.0  # steady drafting for the next step (catch-ups are one-offs, left out)
+        self._draft_s_step = 0.0  # drafting for the step being measured
+        self._accepted_step = 0  # drafts accepted in the step being measured
 
     # ---- costs ------------------------------------------------------------------------------
 
@@ -366,16 +382,43 @@ class Evict:
             self._since_plain[plain_check_key(contexts)] = 0
         if gap_s is not None:
             self.clock.observe_gap(gap_s)
+        # Realized: what the step emitted per second, its drafting and the engine's gap included.
+        drafted = not plain or self._draft_s_step > 0
+        seconds += self._draft_s_step + (gap_s if gap_s is not None and gap_s <= MAX_GAP_S else 0.0)
+        table = self._realized["draft" if drafted else "plain"]
+        tokens, total, steps = table.get(plain_check_key(contexts), (0.0, 0.0, 0))
+        table[plain_check_key(contexts)] = [REALIZED_DECAY * tokens + len(query_tokens) + self._accepted_step,
+                                            REALIZED_DECAY * total + seconds, steps + 1]
+        self._draft_s_step, self._accepted_step = 0.0, 0
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A drafter's catch-up pass over `tokens` tokens took `seconds` (for the probe's cost)."""
         self.clock.observe_catch_up(tokens, seconds)
 
     def observe_drafting(self, rows: int, pass_times: list[float], total_s: float) -> None:
+        """A drafting step's passes and its whole drafting time, catch-up left out (for the next step)."""
         self.clock.observe_drafting(rows, pass_times, total_s)
+        self._draft_s_next += total_s
 
     def observe_depth(self, verified_depth: int, accepted_depth: int) -> None:
+        """A request's drafts verified to `verified_depth`, accepted to `accepted_depth`."""
         self.depths.observe(verified_depth, accepted_depth)
+        self._accepted_step += accepted_depth
+
+    def _next_step(self) -> None:
+        """Planning the next step: the drafting measured so far belongs to the step now running."""
+        self._draft_s_step, self._draft_s_next = self._draft_s_next, 0.0
+
+    def _realized_loses(self, contexts: list[int]) -> bool:
+        """Guard: whether this engine's measured drafting steps emitted fewer tokens per second than its
+        measured plain steps, at this batch-size class and context band (the model's estimate of a
+        drafting step can miss: a batch's rows ending apart, acceptance below its calibration, Python
+        around the passes). Needs REALIZED_MIN_STEPS drafting steps and a plain one measured there."""
+        key = plain_check_key(contexts)
+        draft, plain = self._realized["draft"].get(key), self._realized["plain"].get(key)
+        if not draft or not plain or draft[2] < REALIZED_MIN_STEPS:
+            return False
+        return draft[0] / draft[1] < plain[0] / plain[1]
 
     # ---- depth: before and while drafting ----------------------------------------------------
 
@@ -422,6 +465,7 @@ class Evict:
         step's requests may still emit (their max_tokens; None: unbounded)."""
         rows = len(contexts)
         self._forced_levels = 0
+        self._next_step()
         if not rows or shape.cap <= 0:
             return 0
         outlook = self._outlook(contexts, shape, 0, [1.0] * rows, [0.0] * rows, [1] * rows)
@@ -433,6 +477,9 @@ class Evict:
             best = shape.cap if (floor or rate[shape.cap] >= rate[0]) else 0
         else:
             best = self._best(outlook, floor)
+        if best and not floor and self._realized_loses(contexts):
+            self.stats.realized_skipped_steps += 1
+            best = 0
         if best and self.min_draft_tokens and shape.mask == "chain":
             best = max(best, min(self.min_draft_tokens, shape.cap))
         if best and not floor and (self._defer_catch_up(outlook, best, catch_up_tokens) or not self._pays_back(
@@ -472,6 +519,7 @@ class Evict:
         """The depth of a step with a seeded sampled request: `depth`, the configured one (module
         docstring)."""
         self._forced_levels = 0
+        self._next_step()
         self.stats.seeded_steps += 1
         return self._planned(depth)
 
