@@ -10,7 +10,8 @@ Every run has, besides the candidates (`--candidate NAME=JSON`, a speculative co
 for the draft model's path):
   * plain vLLM decoding, no speculative config;
   * vLLM's own fixed chains at k = --ks (default 1..5) over the drafter at hand (`draft_model` with
-    --draft, else `ngram`); the summary names the best k;
+    --draft, else `ngram`), or the ones given with --fixed NAME-kN=JSON (e.g. `eagle3` over a head);
+    the summary names the best k;
   * sparsever with drafting off (`"draft_source": "none"`): sparsever's kernels alone, so a candidate's
     gain splits into kernels (plain -> kernels only) and speculation (kernels only -> candidate).
 `--quick` keeps plain and the candidates only. Each round runs every method once (one engine each, one at
@@ -33,6 +34,7 @@ import gc
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -56,11 +58,14 @@ class Method:
     lossless: bool = True
 
 
-def baseline_methods(draft: str | None, ks: list[int], quick: bool) -> list[Method]:
+def baseline_methods(draft: str | None, ks: list[int], quick: bool, fixed: list[Method] | None = None) -> list[Method]:
+    """Plain decoding, vLLM's fixed chains (`fixed` where given, e.g. `eagle3` over a head; else
+    `draft_model` over --draft or `ngram` at --ks) and sparsever with drafting off."""
     out = [Method("plain", None, "plain")]
     if quick:
         return out
-    for k in ks:
+    out += fixed or []
+    for k in ks if not fixed else ():
         if draft:
             spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
             out.append(Method(f"vllm-draft_model-k{k}", spec, "vllm_fixed"))
@@ -71,22 +76,36 @@ def baseline_methods(draft: str | None, ks: list[int], quick: bool) -> list[Meth
     return out
 
 
-def parse_candidate(text: str, draft: str | None) -> Method:
+def parse_fixed(text: str, draft: str | None) -> Method:
+    """--fixed NAME=JSON: one of vLLM's fixed chains, given explicitly (NAME ends in -k<N>)."""
+    m = parse_candidate(text, draft, "--fixed")
+    if not m.name.rsplit("-k", 1)[-1].isdigit() or "-k" not in m.name:
+        raise SystemExit(f"--fixed {m.name}: a fixed chain's name ends in -k<N> (its number of drafts)")
+    if m.spec.get("method") == "sparsever":
+        raise SystemExit(f"--fixed {m.name}: vLLM's own methods only (sparsever's go in --candidate)")
+    return Method(m.name, m.spec, "vllm_fixed")
+
+
+def parse_candidate(text: str, draft: str | None, flag: str = "--candidate") -> Method:
     """NAME=JSON (a speculative config; the string DRAFT stands for the draft model's path)."""
     name, sep, raw = text.partition("=")
     if not sep or not name:
-        raise SystemExit(f"--candidate: expected NAME=JSON, got {text!r}")
+        raise SystemExit(f"{flag}: expected NAME=JSON, got {text!r}")
     try:
         spec = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise SystemExit(f"--candidate {name}: not JSON ({exc})") from exc
+        raise SystemExit(f"{flag} {name}: not JSON ({exc})") from exc
     if not isinstance(spec, dict):
-        raise SystemExit(f"--candidate {name}: a speculative config is a JSON object, got {raw!r}")
+        raise SystemExit(f"{flag} {name}: a speculative config is a JSON object, got {raw!r}")
     if spec.get("model") == "DRAFT":
         if not draft:
-            raise SystemExit(f"--candidate {name}: names DRAFT, but no --draft was given")
+            raise SystemExit(f"{flag} {name}: names DRAFT, but no --draft was given")
         spec["model"] = draft
-    approximate = any((spec.get(s) or {}).get("enabled") for s in ("attention", "ffn", "moe"))
+    # Sparse sections verify approximately, unless they only drive the hierarchy's intermediate level
+    # (the full level then verifies densely: lossless).
+    hierarchy = spec.get("early_exit") or {}
+    sparse_hierarchy = hierarchy.get("enabled") and hierarchy.get("intermediate") == "sparse"
+    approximate = not sparse_hierarchy and any((spec.get(s) or {}).get("enabled") for s in ("attention", "ffn", "moe"))
     return Method(name, spec, "candidate", lossless=not approximate)
 
 
@@ -341,6 +360,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft", help="draft model name or path: vLLM's chains use it (else n-gram)")
     p.add_argument("--candidate", action="append", default=[], metavar="NAME=JSON")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="vLLM chain lengths")
+    p.add_argument("--fixed", action="append", default=[], metavar="NAME-kN=JSON",
+                   help="vLLM's fixed chains given explicitly (e.g. eagle3 over a head at each k); replaces "
+                        "the draft_model / ngram chains at --ks")
     p.add_argument("--rounds", type=int, default=None, help="default 3 (2 with --quick)")
     p.add_argument("--quick", action="store_true", help="2 rounds, plain and the candidates only")
     p.add_argument("--batch-size", type=int, default=1)
@@ -381,13 +403,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.target = resolve_model(args.target, "--target")
     draft = resolve_model(args.draft, "--draft") if args.draft else None
-    methods = baseline_methods(draft, args.ks, args.quick) + [parse_candidate(c, draft) for c in args.candidate]
+    fixed = [parse_fixed(f, draft) for f in args.fixed]
+    methods = baseline_methods(draft, args.ks, args.quick, fixed) + [parse_candidate(c, draft) for c in args.candidate]
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise SystemExit(f"--candidate: method names must be unique, got {names}")
     prompts = load_prompts(args)
     record: dict[str, Any] = {
-        "tag": args.tag, "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit(),
+        "tag": args.tag, "command": shlex.join([Path(sys.executable).name, *sys.argv]), "commit": commit(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
         "target": args.target, "draft": draft, "dtype": args.dtype, "batch_size": args.batch_size,
         "max_tokens": args.max_tokens, "num_prompts": len(prompts), "prompts": prompts, "rounds": args.rounds,

@@ -39,10 +39,25 @@ def test_cpu_class_names_the_generation_a_vm_hides():
     assert harness.cpu_class("Intel(R) Xeon(R) Processor", "6", {"amx_tile", "avx512f"}) == "Intel Xeon (AMX)"
 
 
+def test_fixed_chains_given_explicitly_replace_the_draft_models():
+    fixed = [harness.parse_fixed(f'vllm-eagle3-k{k}={{"method": "eagle3", "model": "/head", '
+                                 f'"num_speculative_tokens": {k}}}', "/d") for k in (1, 3)]
+    names = [m.name for m in harness.baseline_methods("/d", [1, 2, 3], quick=False, fixed=fixed)]
+    assert names == ["plain", "vllm-eagle3-k1", "vllm-eagle3-k3", "sparsever-kernels-only"]
+    assert all(m.role == "vllm_fixed" for m in fixed)
+    for bad in ('eagle={"method": "eagle3"}', 'x-k2={"method": "sparsever"}'):
+        with pytest.raises(SystemExit):
+            harness.parse_fixed(bad, None)
+
+
 def test_candidates_parse_with_the_draft_and_their_kind():
     m = harness.parse_candidate('c={"method": "sparsever", "model": "DRAFT", "num_speculative_tokens": 3}', "/d")
     assert m.spec["model"] == "/d" and m.lossless and m.role == "candidate"
     assert not harness.parse_candidate('s={"method": "sparsever", "ffn": {"enabled": true}}', None).lossless
+    # sparse sections that only drive the hierarchy's intermediate level: the full level is dense
+    hier = ('h={"method": "sparsever", "attention": {"enabled": true}, '
+            '"early_exit": {"enabled": true, "intermediate": "sparse"}}')
+    assert harness.parse_candidate(hier, None).lossless
     for bad in ("noequals", 'x={"model": "DRAFT"}', "x=[1]", "x={"):
         with pytest.raises(SystemExit):
             harness.parse_candidate(bad, None)
