@@ -175,10 +175,12 @@ def test_install_for_the_dense_kernel_alone_skips_a_model_it_cannot_serve():
 def test_linear_kernel_auto(monkeypatch, capability, dtype):
     """linear_kernel "auto": sparsever's dense_linear where vLLM-CPU's 16-bit linear is torch's (a CPU
     without AVX-512, a bf16/fp16 target); vLLM's with few-token calls padded to 4 rows for such a
-    target on AVX512-BF16 without AMX (oneDNN's slower 1-3 row path); vLLM's otherwise, and always on
-    GPUs."""
+    target on AVX512-BF16 without AMX where oneDNN's 1-row path is measured slower (padding_pays: AMD
+    Zen 4, not Zen 5); vLLM's otherwise, and always on GPUs."""
     from vllm_sparsever.verification import linear
 
+    pays = {"yes": True}
+    monkeypatch.setattr(linear, "padding_pays", lambda dtype: pays["yes"])
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2" if capability == "AVX2" else "AVX512")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: capability in ("AVX512-BF16", "AMX"))
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: capability == "AMX")
@@ -187,6 +189,8 @@ def test_linear_kernel_auto(monkeypatch, capability, dtype):
     expected = ("sparsever" if capability == "AVX2" and sixteen_bit
                 else "vllm-padded" if capability == "AVX512-BF16" and sixteen_bit else "vllm")
     assert linear.resolve_linear_kernel("auto", dtype) == expected
+    pays["yes"] = False  # measured: a 1-row call is not the slower one here
+    assert linear.resolve_linear_kernel("auto", dtype) == ("vllm" if expected == "vllm-padded" else expected)
     for choice in ("vllm", "sparsever", "hybrid", "vllm-padded"):
         assert linear.resolve_linear_kernel(choice, dtype) == choice
     monkeypatch.setattr(linear, "is_cpu_platform", lambda: False)
@@ -194,6 +198,19 @@ def test_linear_kernel_auto(monkeypatch, capability, dtype):
     for choice in ("sparsever", "hybrid", "vllm-padded"):
         with pytest.raises(RuntimeError, match=rf"linear_kernel: '{choice}' runs on CPU only"):
             linear.resolve_linear_kernel(choice, dtype)
+
+
+def test_padding_is_chosen_by_measurement_with_a_margin():
+    from vllm_sparsever.verification.linear import PADDING_MIN_GAIN, padding_decision, padding_pays
+
+    assert padding_decision(one_row_s=1.0, padded_s=0.5)  # Zen 4's oneDNN: 1-3 rows read slowly
+    assert not padding_decision(one_row_s=0.60, padded_s=0.74)  # Zen 5's (measured)
+    assert not padding_decision(one_row_s=1.0, padded_s=PADDING_MIN_GAIN * 1.01)  # within the noise: no
+    if torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported():
+        # the real measurement: a decision, once per process
+        first = padding_pays(torch.bfloat16)
+        assert isinstance(first, bool) and padding_pays(torch.bfloat16) is first
+        assert padding_pays.cache_info().hits >= 1
 
 
 def test_hybrid_linears_keep_both_weights_and_switch_on_the_token_count():

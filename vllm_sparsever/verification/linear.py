@@ -22,12 +22,18 @@ linear (oneDNN), with a call of fewer than `PADDED_ROWS` tokens padded with zero
 oneDNN reads a bf16 weight more slowly for 1-3 rows there than for 4 (a decode step's linears and a
 draft pass are 1-row calls); the extra rows cost nothing on a weight-bound call. Each output row is
 its input row's product, so the real rows are those of a 4-row call (as a verify step's are).
+`linear_kernel: "auto"` picks it only where a 1-row call of vLLM-CPU's linear is measured slower than
+a padded one: once per process, on a weight larger than the caches (AMD Zen 4: yes; Zen 5, with the
+same ISA: no, and padding there costs a decode step its 3 extra rows).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import statistics
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,11 +71,47 @@ def slow_16bit_cpu_linear(dtype: torch.dtype) -> bool:
 
 
 def few_row_slow_16bit_cpu_linear(dtype: torch.dtype) -> bool:
-    """Whether vLLM-CPU's own linear for `dtype` is oneDNN on AVX512-BF16 without AMX, which reads
-    the weight more slowly for 1-3 rows than for `PADDED_ROWS` (measured on AMD Zen 4)."""
+    """Whether vLLM-CPU's own linear for `dtype` is oneDNN on AVX512-BF16 without AMX and reads the
+    weight more slowly for 1 row than for `PADDED_ROWS` here (measured: `padding_pays`)."""
     return (is_cpu_platform() and dtype in _SIXTEEN_BIT
             and torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported())
+            and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
+            and padding_pays(dtype))
+
+
+# The measurement behind `padding_pays`: a weight past the last-level caches (as a model's are), and
+# the padded call at least this much faster than the 1-row one (a margin over timing noise).
+PADDING_PROBE_SHAPE = (8192, 4096)
+PADDING_MIN_GAIN = 0.9
+
+
+@functools.cache
+def padding_pays(dtype: torch.dtype) -> bool:
+    """Whether vLLM-CPU's linear over a `dtype` weight runs a call padded to `PADDED_ROWS` rows faster
+    than a 1-row call on this CPU: timed once per process (about 0.1 s), interleaved, median of 7."""
+    from vllm_sparsever.compat.linear import stock_cpu_linear
+
+    weight = torch.randn(PADDING_PROBE_SHAPE, dtype=torch.float32).to(dtype)
+    linear = stock_cpu_linear(weight)
+    del weight  # (packed by vLLM-CPU; the plain copy is dropped)
+    rows = {1: torch.randn(1, PADDING_PROBE_SHAPE[1]).to(dtype), PADDED_ROWS: torch.randn(PADDED_ROWS,
+                                                                                       PADDING_PROBE_SHAPE[1]).to(dtype)}
+    times: dict[int, list[float]] = {1: [], PADDED_ROWS: []}
+    for rep in range(9):
+        for n, x in rows.items():
+            start = time.perf_counter()
+            linear(x)
+            if rep >= 2:  # two warm-up rounds: first calls create oneDNN primitives
+                times[n].append(time.perf_counter() - start)
+    decision = padding_decision(statistics.median(times[1]), statistics.median(times[PADDED_ROWS]))
+    logger.info("vllm_sparsever: vLLM-CPU's linear, 1 row %.2f ms, %d rows %.2f ms: %s", 1e3 * statistics.median(times[1]),
+                PADDED_ROWS, 1e3 * statistics.median(times[PADDED_ROWS]), "pad" if decision else "no padding")
+    return decision
+
+
+def padding_decision(one_row_s: float, padded_s: float) -> bool:
+    """Pad calls of few rows where the padded call is clearly the faster (PADDING_MIN_GAIN)."""
+    return padded_s < PADDING_MIN_GAIN * one_row_s
 
 
 def resolve_linear_kernel(choice: str, dtype: torch.dtype) -> str:
