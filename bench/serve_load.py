@@ -51,7 +51,8 @@ def methods(args) -> dict[str, dict | None]:
         KERNELS_ONLY: {"method": "sparsever", "draft_source": "none"},
         **fixed,
         "sparsever-evict-chain": {"method": "sparsever", "model": draft, "num_speculative_tokens": args.evict_chain_k,
-                                  "adaptive": evict},
+                                  "adaptive": evict,
+                                  **({"draft_vocab": args.draft_vocab} if args.draft_vocab else {})},
         "sparsever-ngram-evict": {"method": "sparsever", "draft_source": "ngram", "prompt_lookup_max": 4,
                                   "prompt_lookup_min": 2, "num_speculative_tokens": args.evict_chain_k,
                                   "adaptive": evict},
@@ -104,7 +105,8 @@ def run_method(name: str, spec: dict | None, target: str, prompts: Path, args, o
 
     serve_args = [target, "--served-model-name", "served", "--dtype", args.dtype, "--max-model-len",
                   str(args.max_model_len), "--max-num-seqs", str(max(args.concurrency)), "--seed", "0",
-                  *(["--enforce-eager"] if args.eager else [])]
+                  # every method alike, as the harness runs them (sparsever's draft-model drafter needs it)
+                  "--no-async-scheduling", *(["--enforce-eager"] if args.eager else [])]
     if spec is not None:
         serve_args += ["--speculative-config", json.dumps(spec)]
     log = out_dir / f"server_{name}_{time.time_ns()}.log"
@@ -199,7 +201,9 @@ def parse_args(argv=None):
     p.add_argument("--evict-chain-k", type=int, default=5, help="EVICT chains: the cap")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--cost-profile", type=Path, default=ROOT / "bench/results/verify_cost_qwen2.5-coder-1.5b_bf16.json")
+    p.add_argument("--cost-profile", type=Path, default=None,
+                   help="EVICT's verify-cost profile (default: the target's own, from profile-verify on this machine)")
+    p.add_argument("--draft-vocab", type=int, default=None, help="EVICT chains over the draft: its draft_vocab")
     p.add_argument("--tag", default="qwen")
     p.add_argument("--eager", action="store_true",
                    help="--enforce-eager (fast start; the committed results use it). Use --dtype float32 on CPUs "
@@ -233,7 +237,7 @@ def main(argv=None) -> None:
     out = {
         "command": " ".join([sys.executable, *sys.argv]), "date": stamp, "target": args.target, "draft": args.draft,
         "hardware": hardware(), "versions": versions(), "binding": binding_env(), "args": vars(args) | {
-            "cost_profile": str(args.cost_profile)}, "methods": chosen, "results": results,
+            "cost_profile": str(args.cost_profile) if args.cost_profile else "the target's own"}, "methods": chosen, "results": results,
         "serving": serving(results, args.concurrency),
     }
     name = f"serve_load_{args.tag}_{stamp}"

@@ -273,7 +273,7 @@ class EvictStats:
     probe_steps: int = 0  # steps the guard drafted in although drafting did not pay, to re-measure
     plain_check_steps: int = 0  # steps the guard decoded plainly although drafting paid, to measure a plain step
     catch_up_deferred_steps: int = 0  # steps decoded plainly although drafting paid, its catch-up not yet earned
-    realized_skipped_steps: int = 0  # of the skipped steps: the model said drafting pays, measured steps said not
+    realized_skipped_steps: int = 0  # steps the model said drafting pays and measured steps said not (skipped or probed)
     depth_probe_steps: int = 0  # steps drafted one level deeper than planned, to measure that depth
     stopped_early_steps: int = 0  # drafting steps stopped before the planned depth (stopping rule)
     seeded_steps: int = 0  # steps with a seeded sampled request: drafted to the configured depth
