@@ -4,7 +4,11 @@ creates any actor (the platform puts it in `parallel_config.ray_runtime_env`, wh
 
 1. its resource lookup reads the custom Ray resource instead of Ray's accelerator ids;
 2. before the CPU worker starts, the process is bound to its CPUs (`binding`);
-3. the shared-memory all-reduce name gets the Ray node id, so ranks on different nodes use gloo.
+3. the shared-memory all-reduce name gets the Ray node id, so ranks on different nodes use gloo;
+4. gloo binds to the interface that holds this node's Ray address (`GLOO_SOCKET_IFNAME`), unless the
+   node's own environment names one: by default gloo binds to the address the host name resolves
+   to, often the loopback (`127.0.1.1 myhost` in /etc/hosts), which a rank on another host cannot
+   reach.
 """
 
 from __future__ import annotations
@@ -18,12 +22,17 @@ logger = logging.getLogger("vllm_sparsever")
 _installed = False
 # OMP_NUM_THREADS as the user set it: Ray sets it to 1 for actors later (at actor creation).
 _user_omp_threads: int | None = None
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+# GLOO_SOCKET_IFNAME as this node's `ray start` environment set it (vLLM later copies the driver's
+# environment into the worker with setdefault: the head's interface name, maybe not this host's).
+_node_gloo_ifname: str | None = None
 
 
 def install() -> None:
-    global _installed, _user_omp_threads
+    global _installed, _user_omp_threads, _node_gloo_ifname
     if _installed:
         return
+    _node_gloo_ifname = os.environ.get(GLOO_IFNAME_ENV) or None
     from vllm_sparsever.compat import ray_executor as compat
     from vllm_sparsever.integration.ray_cpu import binding
 
@@ -67,6 +76,7 @@ def install() -> None:
                     "%d threads", os.getpid(), local_rank, workers_on_node,
                     "unbound" if chosen.cpus is None else list(chosen.cpus), chosen.num_threads)
         _suffix_dist_ident()
+        _bind_gloo_to_node_interface()
         return original_initialize(self, local_rank, env_vars, distributed_init_method,
                                    driver_env_vars, assigned_physical_gpu_ids)
 
@@ -74,6 +84,36 @@ def install() -> None:
     proc.initialize_worker = initialize_worker
     proc._sparsever_ray_cpu = True
     _installed = True
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` on this host, or None."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+def _bind_gloo_to_node_interface() -> None:
+    """GLOO_SOCKET_IFNAME: the node's own value, else the interface of this node's Ray address
+    (the address the other ranks reach it at), else whatever was there (left alone)."""
+    if _node_gloo_ifname:
+        os.environ[GLOO_IFNAME_ENV] = _node_gloo_ifname
+        return
+    import ray
+
+    address = ray.util.get_node_ip_address()
+    name = interface_of(address)
+    if name is None:
+        logger.warning("sparsever Ray CPU worker: no interface holds this node's Ray address %s; gloo "
+                       "binds where %s=%r says (unset: the host name's address)", address,
+                       GLOO_IFNAME_ENV, os.environ.get(GLOO_IFNAME_ENV))
+        return
+    os.environ[GLOO_IFNAME_ENV] = name
+    logger.info("sparsever Ray CPU worker pid %d: gloo on %s (%s, this node's Ray address)",
+                os.getpid(), name, address)
 
 
 def _suffix_dist_ident() -> None:
