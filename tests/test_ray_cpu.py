@@ -2,6 +2,8 @@
 
 The end-to-end deployment test is tests/e2e/test_ray_cpu.py."""
 
+import os
+
 import pytest
 
 from vllm_sparsever.integration import ray_cpu
@@ -120,3 +122,27 @@ def test_ray_parallel_config_refusals(monkeypatch):
     monkeypatch.setattr(platform, "uses_ray_v2_executor", lambda: False)
     with pytest.raises(ValueError, match="VLLM_USE_RAY_V2_EXECUTOR_BACKEND"):
         check_ray_parallel_config(SimpleNamespace(data_parallel_size=1))
+
+
+def test_gloo_binds_to_the_interface_of_the_node_address_unless_the_node_names_one(monkeypatch):
+    """Across hosts gloo must not bind where the host name resolves (often 127.0.x.1): the Ray
+    worker sets GLOO_SOCKET_IFNAME to the interface that holds its node's Ray address."""
+    import ray
+
+    from vllm_sparsever.integration.ray_cpu import worker_hook
+
+    assert worker_hook.interface_of("127.0.0.1") == "lo"
+    assert worker_hook.interface_of("203.0.113.77") is None
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    monkeypatch.setattr(worker_hook, "_node_gloo_ifname", None)
+    monkeypatch.setenv(worker_hook.GLOO_IFNAME_ENV, "eth-of-the-head")  # copied from the driver
+    worker_hook._bind_gloo_to_node_interface()
+    assert os.environ[worker_hook.GLOO_IFNAME_ENV] == "lo"
+    monkeypatch.setattr(worker_hook, "_node_gloo_ifname", "bond0")  # the node's own choice wins
+    worker_hook._bind_gloo_to_node_interface()
+    assert os.environ[worker_hook.GLOO_IFNAME_ENV] == "bond0"
+    monkeypatch.setattr(worker_hook, "_node_gloo_ifname", None)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "203.0.113.77")  # no interface holds it
+    monkeypatch.setenv(worker_hook.GLOO_IFNAME_ENV, "kept")
+    worker_hook._bind_gloo_to_node_interface()
+    assert os.environ[worker_hook.GLOO_IFNAME_ENV] == "kept"
