@@ -135,14 +135,20 @@ def test_gloo_binds_to_the_interface_of_the_node_address_unless_the_node_names_o
     assert worker_hook.interface_of("203.0.113.77") is None
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
     monkeypatch.setattr(worker_hook, "_node_gloo_ifname", None)
+    monkeypatch.setattr(worker_hook, "_node_host_ip", None)
     monkeypatch.setenv(worker_hook.GLOO_IFNAME_ENV, "eth-of-the-head")  # copied from the driver
-    worker_hook._bind_gloo_to_node_interface()
+    monkeypatch.delenv(worker_hook.HOST_IP_ENV, raising=False)
+    worker_hook._set_node_addresses()
     assert os.environ[worker_hook.GLOO_IFNAME_ENV] == "lo"
+    assert os.environ[worker_hook.HOST_IP_ENV] == "127.0.0.1"  # vLLM's address: the node's Ray address
+    monkeypatch.setattr(worker_hook, "_node_host_ip", "10.0.0.9")
+    worker_hook._set_node_addresses()
+    assert os.environ[worker_hook.HOST_IP_ENV] == "10.0.0.9"
     monkeypatch.setattr(worker_hook, "_node_gloo_ifname", "bond0")  # the node's own choice wins
-    worker_hook._bind_gloo_to_node_interface()
+    worker_hook._set_node_addresses()
     assert os.environ[worker_hook.GLOO_IFNAME_ENV] == "bond0"
     monkeypatch.setattr(worker_hook, "_node_gloo_ifname", None)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "203.0.113.77")  # no interface holds it
     monkeypatch.setenv(worker_hook.GLOO_IFNAME_ENV, "kept")
-    worker_hook._bind_gloo_to_node_interface()
+    worker_hook._set_node_addresses()
     assert os.environ[worker_hook.GLOO_IFNAME_ENV] == "kept"

@@ -38,8 +38,8 @@ RAY = Path(sys.executable).with_name("ray")
 VLLM = Path(sys.executable).with_name("vllm")
 MODELS = "/tmp/models"  # the same path on both hosts, each host's own copy (its /tmp is private)
 PORT = 8000  # vllm serve's default
-START_TIMEOUT_S = 420
-LOST_BOUND_S = 90  # every in-flight request ends with an error within this after the host is lost
+START_TIMEOUT_S = float(os.environ.get("SPARSEVER_TEST_RAY_START_S", 420))
+LOST_BOUND_S = 120  # every in-flight request ends with an error within this after the host is lost (Ray: ~60 s)
 SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-model-len", "512",
                "--served-model-name", "tiny"]
 VERIFY_LAYER = 1  # of the tiny target's 2 layers: the hierarchy's early-exit verifier
@@ -138,9 +138,26 @@ class Cluster:
             except requests.RequestException:
                 pass
             if time.time() > deadline:
+                stacks = self.diagnose()
                 proc.kill()
-                pytest.fail(f"vllm serve did not start in time:\n{log.read_text()[-6000:]}")
+                pytest.fail(f"vllm serve did not start in time:\n{log.read_text()[-3000:]}\n{stacks}")
             time.sleep(1)
+
+    def diagnose(self) -> str:
+        """Where the vLLM processes of both hosts are (py-spy, if installed) and Ray's worker logs."""
+        out = []
+        spy = Path(sys.executable).with_name("py-spy")
+        for host in (self.head, self.worker):
+            for pid, cmd in vllm_processes(host):
+                if spy.exists():
+                    done = host.run([str(spy), "dump", "--pid", str(pid)], self.base_env, timeout=60)
+                    out.append(f"--- {host.name} {pid} {cmd[:80]}\n{done.stdout[-3000:]}{done.stderr[-500:]}")
+            logs = host.path("/tmp/ray/session_latest/logs")
+            for path in sorted(logs.glob("worker-*")) if logs.exists() else []:
+                text = path.read_text(errors="replace")
+                if "RayWorkerProc" in text or "Error" in text:
+                    out.append(f"--- {host.name} {path.name}\n{text[-2000:]}")
+        return "\n".join(out)
 
     def stop_server(self, proc) -> None:
         if proc.poll() is None:

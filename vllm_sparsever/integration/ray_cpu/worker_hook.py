@@ -8,7 +8,11 @@ creates any actor (the platform puts it in `parallel_config.ray_runtime_env`, wh
 4. gloo binds to the interface that holds this node's Ray address (`GLOO_SOCKET_IFNAME`), unless the
    node's own environment names one: by default gloo binds to the address the host name resolves
    to, often the loopback (`127.0.1.1 myhost` in /etc/hosts), which a rank on another host cannot
-   reach.
+   reach;
+5. vLLM's own address for this worker (`VLLM_HOST_IP`, which its tensor-parallel message queue
+   advertises to the other ranks) is the node's Ray address unless the node's environment sets
+   it: vLLM otherwise takes the default route's address, which on a host with several interfaces
+   may not be the one the other nodes reach (seen: a rank on another host waited forever).
 """
 
 from __future__ import annotations
@@ -26,13 +30,16 @@ GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 # GLOO_SOCKET_IFNAME as this node's `ray start` environment set it (vLLM later copies the driver's
 # environment into the worker with setdefault: the head's interface name, maybe not this host's).
 _node_gloo_ifname: str | None = None
+HOST_IP_ENV = "VLLM_HOST_IP"
+_node_host_ip: str | None = None  # VLLM_HOST_IP of this node's `ray start` environment
 
 
 def install() -> None:
-    global _installed, _user_omp_threads, _node_gloo_ifname
+    global _installed, _user_omp_threads, _node_gloo_ifname, _node_host_ip
     if _installed:
         return
     _node_gloo_ifname = os.environ.get(GLOO_IFNAME_ENV) or None
+    _node_host_ip = os.environ.get(HOST_IP_ENV) or None
     from vllm_sparsever.compat import ray_executor as compat
     from vllm_sparsever.integration.ray_cpu import binding
 
@@ -76,7 +83,7 @@ def install() -> None:
                     "%d threads", os.getpid(), local_rank, workers_on_node,
                     "unbound" if chosen.cpus is None else list(chosen.cpus), chosen.num_threads)
         _suffix_dist_ident()
-        _bind_gloo_to_node_interface()
+        _set_node_addresses()
         return original_initialize(self, local_rank, env_vars, distributed_init_method,
                                    driver_env_vars, assigned_physical_gpu_ids)
 
@@ -96,15 +103,17 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def _bind_gloo_to_node_interface() -> None:
-    """GLOO_SOCKET_IFNAME: the node's own value, else the interface of this node's Ray address
-    (the address the other ranks reach it at), else whatever was there (left alone)."""
-    if _node_gloo_ifname:
-        os.environ[GLOO_IFNAME_ENV] = _node_gloo_ifname
-        return
+def _set_node_addresses() -> None:
+    """VLLM_HOST_IP: the node's own value, else this node's Ray address (the address the other
+    ranks reach it at). GLOO_SOCKET_IFNAME: the node's own value, else the interface of that
+    address, else whatever was there (left alone)."""
     import ray
 
     address = ray.util.get_node_ip_address()
+    os.environ[HOST_IP_ENV] = _node_host_ip or address
+    if _node_gloo_ifname:
+        os.environ[GLOO_IFNAME_ENV] = _node_gloo_ifname
+        return
     name = interface_of(address)
     if name is None:
         logger.warning("sparsever Ray CPU worker: no interface holds this node's Ray address %s; gloo "
