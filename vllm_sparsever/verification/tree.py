@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from vllm_sparsever.metrics import counters_summary
-from vllm_sparsever.plan import DraftTopology
+from vllm_sparsever.trees import DraftTopology
 
 
 @dataclass
