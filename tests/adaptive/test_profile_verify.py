@@ -4,9 +4,23 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+@pytest.mark.parametrize("config, dtype", [
+    ({"dtype": "bfloat16"}, "bfloat16"),             # transformers >= 4.56 writes "dtype"
+    ({"torch_dtype": "float16"}, "float16"),
+    ({"torch_dtype": "float32"}, "float32"),
+    ({}, "float32"),
+])
+def test_profile_dtype_auto_is_the_models_own(tmp_path, config, dtype):
+    # A profile measured in fp32 for a bf16 engine has the wrong shape; "auto" follows the model.
+    from vllm_sparsever.offline.profile_verify_cli import model_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_dtype(tmp_path) == dtype
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_profile_verify_writes_a_fitted_profile(tiny_dir, tmp_path, capfd):
     import shutil
 
@@ -24,6 +38,7 @@ def test_profile_verify_writes_a_fitted_profile(tiny_dir, tmp_path, capfd):
     err = capfd.readouterr().err
     assert "profile-verify: 100%" in err and "12/12" in err, err[-2000:]
     assert json.loads(out.read_text())["coef"] == profile.coef
+    assert profile.dtype == "float32"  # --dtype auto: the tiny model's config
     masks = {m.mask for m in profile.measurements}
     assert masks == {"tree", "chain"}
     # rows 1: q in 1,4,16 x ctx 64,256; rows 2: the same -> 12 points per mask.

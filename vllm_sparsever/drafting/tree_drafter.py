@@ -12,6 +12,7 @@ EAGLE / EAGLE-3 head sparsever runs itself (drafting/eagle_head.py).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ from vllm_sparsever.step import DraftStep
 from vllm_sparsever.drafting.drafter import DraftRequests, collect_draft_requests
 from vllm_sparsever.drafting.tree import TreeGrowth
 from vllm_sparsever.trees import DraftTree
+
+logger = logging.getLogger("vllm_sparsever")
 
 
 @dataclass
@@ -69,6 +72,13 @@ class TreeDrafting:
             from vllm_sparsever.adaptive.evict import Evict
 
             profile = resolve_cost_profile(self.adaptive.cost_profile, target.model_config.model)
+            served = str(target.model_config.dtype).removeprefix("torch.")
+            if profile.dtype not in (served, "auto"):
+                # EVICT scales the profile to measured steps, but its shape (how time grows with
+                # tokens) differs between a compute-bound fp32 step and a bandwidth-bound bf16 one.
+                logger.warning("adaptive.cost_profile: measured in %s, the engine serves in %s; measure it "
+                               "again with `vllm-sparsever profile-verify %s --dtype %s`", profile.dtype, served,
+                               target.model_config.model, served)
             self.evict = Evict(profile, min_draft_tokens=self.adaptive.min_draft_tokens, guard=self.adaptive.guard,
                                depth=self.adaptive.depth, depth_prior=self.depth_prior)
             target_moe = target.moe_routing

@@ -20,7 +20,9 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p = subparsers.add_parser("profile-verify", help="measure the target's verify cost (for adaptive/EVICT)")
     p.add_argument("model", help="target: built model name or folder")
     p.add_argument("--out", default=None, help="also write the profile here")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="the dtype the engine will serve in (default auto: the model's own, as vLLM picks it); "
+                        "a profile measured in another dtype has another shape (fp32 steps are compute-bound)")
     p.add_argument("--max-context", type=positive_int, default=None,
                    help=f"largest context length measured (default {DEFAULT_MAX_CONTEXT}, or what the model's "
                         f"maximum length leaves room for)")
@@ -58,6 +60,13 @@ def hardware() -> str:
     return platform.processor() or platform.machine()
 
 
+def model_dtype(model: str | Path) -> str:
+    """The dtype the model's config names (bfloat16 or float16), else float32: what "auto" profiles."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    return {"bfloat16": "bfloat16", "float16": "float16"}.get(dtype, "float32")
+
+
 def cmd_profile_verify(args: argparse.Namespace) -> int:
     from vllm import LLM
 
@@ -68,6 +77,7 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
     from vllm_sparsever.offline.profile_verify import MEASURE_ON_WORKER
 
     model = resolve_model_arg(args.model, "MODEL")
+    dtype = args.dtype if args.dtype != "auto" else model_dtype(model)
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
@@ -83,7 +93,7 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
     # "auto", its attention backend: verify steps (chains, trees) attend as served, in the KV layout
     # vLLM picks (no sparsity set-up to change it). No request runs.
     spec = {"method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": 1, "profile": "none"}
-    llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
+    llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=max_len,
               max_num_batched_tokens=max(max_len, 2048), tensor_parallel_size=args.tensor_parallel_size,
               speculative_config=spec, seed=0)
     try:
@@ -94,7 +104,7 @@ def cmd_profile_verify(args: argparse.Namespace) -> int:
         from vllm_sparsever.compat.engine import shutdown_llm
 
         shutdown_llm(llm)
-    profile = VerifyCostProfile(model=str(model), hardware=hardware(), dtype=args.dtype,
+    profile = VerifyCostProfile(model=str(model), hardware=hardware(), dtype=dtype,
                                 measurements=[Measurement(**m) for m in rows],
                                 moe=list(moe) if moe else None).fit()
     path = profile.save(default_cost_profile_path(model))
