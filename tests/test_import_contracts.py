@@ -75,7 +75,7 @@ def runner_references(path: Path) -> list[int]:
 
 
 def test_proposers_never_hold_the_runner(tmp_path):
-    # Proposers get compat.runner.TargetView at load (the part of the runner drafting may use).
+    # Proposers get a step.TargetView at load (the part of the runner drafting may use).
     drafting = sorted((PACKAGE / "drafting").glob("*.py"))
     assert len(drafting) > 10
     uses = [f"{p.relative_to(ROOT)}:{line}" for p in drafting for line in runner_references(p)]

@@ -8,12 +8,12 @@ from vllm_sparsever.plan import (
     AnchorSelection,
     AnchorSelections,
     AnchorSelectionUnavailable,
-    DraftTopology,
     VerifyLevel,
     active_plan,
     build_verification_plan,
     current_plan,
 )
+from vllm_sparsever.trees import DraftTopology
 
 
 def _known_plan(step=7, **kwargs):

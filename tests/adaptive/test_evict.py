@@ -6,7 +6,7 @@ import pytest
 
 from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile
 from vllm_sparsever.adaptive.evict import PLAIN_CHECK_EVERY, AcceptanceCalibration, Evict
-from vllm_sparsever.plan import DraftTree
+from vllm_sparsever.trees import DraftTree
 
 
 def _profile(per_token_s: float, base_s: float = 0.05, per_ctx_s: float = 0.0) -> VerifyCostProfile:
@@ -480,14 +480,15 @@ def test_a_seeded_request_is_drafted_and_verified_as_configured(monkeypatch):
     import numpy as np
 
     import vllm_sparsever.drafting.tree_drafter as tree_drafter
-    from vllm_sparsever.compat.runner import DraftStep
+    from vllm_sparsever.step import DraftStep, RequestLimits
 
     monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)  # one rank, no TP group
 
     def step(rows: int) -> DraftStep:
         return DraftStep(req_ids=[f"r{i}" for i in range(rows)], sampled=[[7]] * rows,
                          num_tokens=np.array([100] * rows), budgets=np.array([4] * rows), depth=4,
-                         token_ids=np.zeros((rows, 101), dtype=np.int64), limits_of=lambda r: [], slot_limited=0)
+                         token_ids=np.zeros((rows, 101), dtype=np.int64),
+                         limits=[RequestLimits(frozenset(), None)] * rows, slot_limited=0)
 
     def engine() -> Evict:
         evict = _measured(Evict(_profile(0.05, base_s=0.1), guard=False, depth_prior=0.05), 0.03, rows=2)

@@ -8,7 +8,7 @@ import pytest
 from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile
 from vllm_sparsever.adaptive.evict import Evict
 from vllm_sparsever.adaptive.experts import ExpertUnionModel
-from vllm_sparsever.plan import DraftTree
+from vllm_sparsever.trees import DraftTree
 
 E, K = 32, 8
 

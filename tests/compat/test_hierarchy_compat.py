@@ -14,6 +14,7 @@ import torch
 
 from vllm_sparsever.compat import ngram as compat_ngram
 from vllm_sparsever.compat import runner as compat_runner
+from vllm_sparsever.integration.step_inputs import draft_step
 
 
 def test_ngram_matcher_proposes_what_followed_the_longest_match():
@@ -62,7 +63,7 @@ def test_draft_step_histories_and_request_limits_of_a_real_input_batch():
         )
         batch.add_request(states[f"r{i}"])
     runner = SimpleNamespace(input_batch=batch, requests=states, model_config=SimpleNamespace(max_model_len=256))
-    step = compat_runner.draft_step(runner, [[15], []], lookahead=3, depth=3)
+    step = draft_step(runner, [[15], []], lookahead=3, depth=3)
     assert step.req_ids == ["r0", "r1"] and step.sampled == [[15], []]
     assert step.history(0).tolist() == [11, 12, 13, 14, 15]
     assert step.history(1).tolist() == [21, 22]

@@ -222,7 +222,7 @@ def test_target_load_hooks_close_before_the_drafter_loads(linear_kernel):
 
 
 def test_windowed_block_table_keeps_the_sink_and_the_recent_blocks():
-    from vllm_sparsever.compat.runner import windowed_block_table
+    from vllm_sparsever.step import windowed_block_table
 
     table = torch.arange(100, 110, dtype=torch.int32).repeat(3, 1)  # 10 blocks of 4 positions per request
     seq_lens = torch.tensor([40, 40, 9], dtype=torch.int32)
@@ -238,3 +238,24 @@ def test_windowed_block_table_keeps_the_sink_and_the_recent_blocks():
     # The queries keep their places at the end: each position p >= the window's start maps to p - offset.
     offset = (8 - 1) * 4
     assert int(lens[0]) - 1 == 39 - offset
+
+
+def test_committed_tokens_of_a_real_input_batch():
+    batch = _input_batch()
+    req_ids, num_tokens, token_ids = compat_runner.committed_tokens(SimpleNamespace(input_batch=batch))
+    assert req_ids == ["r0", "r1"] and num_tokens.tolist() == [41, 6]  # prompt lengths, no output yet
+    assert token_ids[1, :6].tolist() == list(range(6))
+
+
+def test_eos_token_ids_of_the_model_config():
+    import dataclasses
+
+    from vllm.config import ModelConfig
+
+    assert "hf_text_config" in {f.name for f in dataclasses.fields(ModelConfig)}
+    assert callable(ModelConfig.try_get_generation_config)
+    config = SimpleNamespace(hf_text_config=SimpleNamespace(eos_token_id=2),
+                             try_get_generation_config=lambda: {"eos_token_id": [2, 7]})
+    assert compat_runner.eos_token_ids(config) == {2, 7}
+    config = SimpleNamespace(hf_text_config=SimpleNamespace(), try_get_generation_config=lambda: {})
+    assert compat_runner.eos_token_ids(config) == set()

@@ -12,6 +12,7 @@ from vllm_sparsever.compat import model as compat_model
 from vllm_sparsever.compat import runner as compat_runner
 from vllm_sparsever.compat import sampling as compat_sampling
 from vllm_sparsever.compat import vllm_config as compat_vllm_config
+from vllm_sparsever.integration.step_inputs import draft_step
 
 
 @pytest.mark.parametrize("module, layer_cls, model_cls", [
@@ -145,9 +146,11 @@ def test_slot_bookkeeping_of_a_real_input_batch():
     from tests.compat.test_runner import _input_batch
 
     batch = _input_batch(block_size=32)
-    runner = SimpleNamespace(input_batch=batch, model_config=SimpleNamespace(max_model_len=60))
+    runner = SimpleNamespace(input_batch=batch, model_config=SimpleNamespace(max_model_len=60),
+                             requests={"r0": SimpleNamespace(sampling_params=None),  # no limits
+                                       "r1": SimpleNamespace(sampling_params=None)})
     assert compat_runner.allocated_slots(runner).tolist() == [64, 32]  # 2 blocks, 1 block
-    step = compat_runner.draft_step(runner, [[1], [2]], lookahead=30, depth=3)
+    step = draft_step(runner, [[1], [2]], lookahead=30, depth=3)
     assert step.num_tokens.tolist() == [41, 6]  # prompt lengths
     # Budgets past each sampled token (positions 40, 5): row 0 up to max_model_len (60 - 40 - 1),
     # row 1 up to its allocated slots (32 - 5), counted as slot-limited.

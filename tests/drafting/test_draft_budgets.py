@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from vllm_sparsever.compat.runner import DraftStep, RequestLimits, draft_budgets
+from vllm_sparsever.step import DraftStep, RequestLimits, draft_budgets
 from vllm_sparsever.drafting.drafter import RoundDrafter, collect_draft_requests
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
 
@@ -20,7 +20,7 @@ def _step(sampled, num_tokens, allocated, lookahead, depth, max_model_len=1000, 
             tokens[row, num_tokens[row] - 1] = s[-1]
     return DraftStep(req_ids=[f"r{i}" for i in range(len(sampled))], sampled=sampled, num_tokens=num_tokens,
                      budgets=budgets, depth=depth, token_ids=tokens,
-                     limits_of=lambda rows: [RequestLimits(frozenset(), remaining) for _ in rows],
+                     limits=[RequestLimits(frozenset(), remaining) for _ in sampled],
                      slot_limited=slot_limited)
 
 
@@ -78,7 +78,7 @@ class _TreeCounting(TreeDrafting, _Counting):
         self.target = SimpleNamespace(tree_sampling_supported=lambda row: True, seeded_sampling=lambda row: False)
 
     def grow_trees(self, reqs, levels, shape, catch_up_tokens=0):
-        from vllm_sparsever.plan import DraftTree
+        from vllm_sparsever.trees import DraftTree
 
         self.grown_levels.append(levels)
         chains = [c[:levels] for c in self.draft(reqs)]

@@ -6,9 +6,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from vllm_sparsever.compat.runner import DraftStep, draft_budgets, request_limits
+from vllm_sparsever.compat.runner import request_limits
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
+from vllm_sparsever.step import DraftStep, RequestLimits, draft_budgets
 
 POSITION = 5  # the sampled token's position
 
@@ -24,7 +25,7 @@ def _step(h, sampled=10, max_tokens=100, stops=(99,)) -> DraftStep:
     budgets, slot_limited = draft_budgets([[sampled]], num_tokens, np.array([64]), h.lookahead, max_model_len=1000)
     assert budgets.tolist() == [h.lookahead] and slot_limited == 0
     return DraftStep(req_ids=["r0"], sampled=[[sampled]], num_tokens=num_tokens, budgets=budgets, depth=h.cap,
-                     token_ids=tokens, limits_of=lambda rows: request_limits(runner, rows))
+                     token_ids=tokens, limits=[RequestLimits(*limits) for limits in request_limits(runner, [0])])
 
 
 class Drafter:

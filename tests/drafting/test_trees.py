@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_sparsever.drafting.tree import TreeGrowth
-from vllm_sparsever.plan import DraftTree
-from vllm_sparsever.plan import DraftTopology, build_verification_plan, stacked_tree_mask
+from vllm_sparsever.plan import build_verification_plan
+from vllm_sparsever.trees import DraftTopology, DraftTree, stacked_tree_mask
 from vllm_sparsever.verification.tree import accept_greedy, accept_sampled, compact_accepted_kv
 
 V = 16

@@ -83,7 +83,7 @@ import numpy as np
 
 from vllm_sparsever.adaptive.cost import VerifyCostProfile
 from vllm_sparsever.adaptive.experts import ExpertUnionModel
-from vllm_sparsever.plan import DraftTree
+from vllm_sparsever.trees import DraftTree
 
 BINS = 20  # path-probability bins over log10 in [-5, 0]
 PRIOR = 8.0  # pseudo-observations at the drafter's own probability

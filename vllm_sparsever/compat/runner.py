@@ -12,6 +12,12 @@ Private symbols touched:
   `SchedulerOutput.scheduled_new_reqs` (`NewRequestData.req_id`, `.prompt_token_ids`,
   `.num_computed_tokens`: what the prefix cache supplied when the request was scheduled);
 - `ModelRunnerOutput.sampled_token_ids` / `.req_id_to_index` (absent on `AsyncModelRunnerOutput`);
+- the proposers' step input (`committed_tokens`, `allocated_slots`, `request_limits`, from which
+  integration/step_inputs.py builds `step.DraftStep`): `input_batch.num_tokens_no_spec`,
+  `.token_ids_cpu`, `.block_table.block_tables` (`num_blocks_per_row`, `block_size`) and
+  `runner.requests` (below);
+- the target's end-of-sequence tokens (`eos_token_ids`): `ModelConfig.hf_text_config.eos_token_id`
+  and `ModelConfig.try_get_generation_config()`;
 - `runner.drafter.load_model` (the draft model's load, after the target's): replaced on the
   instance by `intercept_drafter_load`;
 - self-drafting (`query_attention_context`): `runner.attn_groups` (`AttentionGroup.layer_names`,
@@ -40,8 +46,8 @@ Private symbols touched:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -203,31 +209,24 @@ def set_draft_token_ids(runner: Any, drafts: list[list[int]]) -> None:
     runner._draft_token_req_ids = list(runner.input_batch.req_ids)
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    """What ends a request: the tokens that stop it and how many output tokens it may still emit."""
-
-    stop_token_ids: frozenset[int]
-    remaining_tokens: int | None  # None: no max_tokens
-
-
-def request_limits(runner: Any, rows: list[int]) -> list[RequestLimits]:
-    """Per batch row: its stop tokens (EOS included unless ignore_eos) and remaining max_tokens,
-    counted from the tokens committed so far (the one sampled this step included)."""
+def request_limits(runner: Any, rows: Iterable[int]) -> list[tuple[frozenset[int], int | None]]:
+    """Per batch row of `rows`: (its stop tokens, EOS included unless ignore_eos; its remaining
+    max_tokens, counted from the tokens committed so far, the one sampled this step included; None
+    without max_tokens)."""
     batch = runner.input_batch
     out = []
     for row in rows:
         state = runner.requests[batch.req_ids[row]]
         params = state.sampling_params
         if params is None:  # pooling request: nothing to stop on
-            out.append(RequestLimits(frozenset(), None))
+            out.append((frozenset(), None))
             continue
         stops = params.all_stop_token_ids if not params.ignore_eos else set(params.stop_token_ids or ())
         remaining = None
         if params.max_tokens is not None:
             emitted = int(batch.num_tokens_no_spec[row]) - int(state.num_prompt_tokens)
             remaining = int(params.max_tokens) - emitted
-        out.append(RequestLimits(frozenset(int(t) for t in stops), remaining))
+        out.append((frozenset(int(t) for t in stops), remaining))
     return out
 
 
@@ -243,168 +242,34 @@ def allocated_slots(runner: Any) -> np.ndarray:
     return slots
 
 
-@dataclass(frozen=True)
-class DraftStep:
-    """A step's input to sparsever's proposers, read from vLLM's state once the step's tokens are
-    sampled and committed (`draft_step`). Per batch row: its request, the tokens sampled this step,
-    its token count (prompt + accepted output, drafts excluded; the sampled token is the last) and
-    its draft budget: the positions from its sampled token on that its drafting may write this step (the
-    proposer's lookahead, cut by max_model_len and the KV slots allocated to it; 0: it drafts
-    nothing). For the whole step: `depth`, the draft levels to propose (the fixed cap, or the depth
-    EVICT planned, `Proposer.plan_depth`; 0: skip drafting). The arrays view vLLM's buffers: read
-    them within the step."""
-
-    req_ids: list[str]
-    sampled: list[list[int]]
-    num_tokens: np.ndarray
-    budgets: np.ndarray
-    depth: int
-    token_ids: np.ndarray  # [max_num_reqs, max_model_len]: the rows' tokens
-    limits_of: Callable[[list[int]], list[RequestLimits]]  # see request_limits
-    slot_limited: int = 0  # rows whose allocated KV slots cut the lookahead (should stay 0)
-
-    def history(self, row: int) -> np.ndarray:
-        """The committed tokens of batch row `row` (prompt + accepted output, no drafts)."""
-        return self.token_ids[row, : int(self.num_tokens[row])]
-
-    def with_depth(self, depth: int) -> "DraftStep":
-        return replace(self, depth=depth)
-
-
-def draft_budgets(sampled: list[list[int]], num_tokens: np.ndarray, allocated: np.ndarray, lookahead: int,
-                  max_model_len: int) -> tuple[np.ndarray, int]:
-    """Per batch row, the positions from its sampled token on that its drafting may write (0 for a row
-    that sampled nothing), and how many rows the allocated KV slots cut: the scheduler reserves
-    `lookahead` slots for sparsever's proposers (`integration.speculative.self_draft_lookahead`)."""
-    budgets = np.zeros(len(sampled), dtype=np.int64)
-    slot_limited = 0
-    for row, tokens in enumerate(sampled):
-        if not tokens:
-            continue
-        position = int(num_tokens[row]) - 1  # where the token sampled this step sits
-        budget = min(lookahead, max_model_len - position - 1)
-        if int(allocated[row]) - position < budget:  # never write K/V past a request's allocated slots
-            budget = int(allocated[row]) - position
-            slot_limited += 1
-        budgets[row] = max(0, budget)
-    return budgets, slot_limited
-
-
-def draft_step(runner: Any, sampled_token_ids: list[list[int]], lookahead: int, depth: int) -> DraftStep:
-    """The proposers' input of this step (`runner.input_batch` after the step's bookkeeping):
-    budgets for a proposer that writes up to `lookahead` positions per request, `depth` levels."""
+def committed_tokens(runner: Any) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The batch after the step's bookkeeping: (request ids per row, each row's token count: prompt +
+    accepted output, drafts excluded, views of `input_batch.num_tokens_no_spec`; the rows' tokens
+    [max_num_reqs, max_model_len], `input_batch.token_ids_cpu`). Views of vLLM's buffers: read them
+    within the step."""
     batch = runner.input_batch
     n = batch.num_reqs
-    num_tokens = batch.num_tokens_no_spec[:n]
-    budgets, slot_limited = draft_budgets(sampled_token_ids, num_tokens, allocated_slots(runner), lookahead,
-                                          runner.model_config.max_model_len)
-    return DraftStep(req_ids=list(batch.req_ids[:n]), sampled=sampled_token_ids, num_tokens=num_tokens,
-                     budgets=budgets, depth=depth, token_ids=batch.token_ids_cpu,
-                     limits_of=lambda rows: request_limits(runner, rows), slot_limited=slot_limited)
+    return list(batch.req_ids[:n]), batch.num_tokens_no_spec[:n], batch.token_ids_cpu
 
 
-class TargetView:
-    """The part of the target's runner that sparsever's proposers use, built here once the target
-    has loaded: proposers hold this, never the runner. The loaded target (`model`) and the draft
-    model vLLM loaded, the device and configs, the live batch (`batch()`, `scheduled_token_ids`),
-    what a row's sampling allows (`tree_sampling_supported`), the n-gram bounds vLLM resolved, and
-    attention contexts for sparsever's own query passes over the runner's KV cache
-    (`attention_context`)."""
-
-    def __init__(self, runner: Any, moe_routing: tuple[int, int] | None = None) -> None:
-        self._runner = runner
-        self.moe_routing = moe_routing  # the target's (experts, top_k), MoE targets only
-
-    @property
-    def model(self) -> Any:
-        return self._runner.model
-
-    @property
-    def device(self) -> torch.device:
-        return self._runner.device
-
-    @property
-    def vllm_config(self) -> Any:
-        return self._runner.vllm_config
-
-    @property
-    def model_config(self) -> Any:
-        return self._runner.model_config
-
-    def draft_model(self) -> Any:
-        return draft_model(self._runner)
-
-    def stop_token_ids(self) -> set[int]:
-        """The target's end-of-sequence tokens (its config's and its generation config's)."""
-        config = self.model_config
-        ids: set[int] = set()
-        for value in (getattr(config.hf_text_config, "eos_token_id", None),
-                      config.try_get_generation_config().get("eos_token_id")):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(int(v) for v in value)
-        return ids
-
-    def eagle_head(self) -> Any:
-        """The EAGLE / EAGLE-3 head vLLM loaded, as sparsever runs it (compat.drafter.EagleHead)."""
-        from vllm_sparsever.compat.drafter import EagleHead
-
-        return EagleHead(self._runner)
-
-    def batch(self) -> BatchView:
-        return input_batch_view(self._runner)
-
-    def scheduled_token_ids(self, row: int, start: int, n: int) -> list[int]:
-        return scheduled_token_ids(self._runner, row, start, n)
-
-    def tree_sampling_supported(self, row: int) -> bool:
-        return tree_sampling_supported(self._runner, row)
-
-    def seeded_sampling(self, row: int) -> bool:
-        return seeded_sampling(self._runner, row)
-
-    def ngram_bounds(self) -> tuple[int, int]:
-        from vllm_sparsever.compat.ngram import ngram_bounds
-
-        return ngram_bounds(self._runner)
-
-    # vLLM's own drafter (EVICT over an EAGLE head): compat.drafter
-    def record_vllm_drafter(self) -> Any:
-        """A recorder of vLLM's drafter's passes (time, per-step draft probabilities)."""
-        from vllm_sparsever.compat.drafter import record_drafter
-
-        return record_drafter(self._runner)[0]
-
-    def vllm_drafts(self) -> list[list[int]]:
-        """The drafts vLLM's drafter proposed this step, per batch row."""
-        from vllm_sparsever.compat.drafter import proposed_drafts
-
-        return proposed_drafts(self._runner)
-
-    def step_contexts(self) -> list[int]:
-        """Per request of the step being run, its context length (what vLLM's drafter drafts after)."""
-        from vllm_sparsever.compat.drafter import step_contexts
-
-        return step_contexts(self._runner)
-
-    def block_table(self, layer_names: list[str]) -> tuple[torch.Tensor, int] | None:
-        """`layers_block_table`: the block table and block size `layer_names` share, if one."""
-        return layers_block_table(self._runner, layer_names)
-
-    def attention_context(self, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor,
-                          query_lens: list[int], kv_positions: torch.Tensor | None = None,
-                          block_table: torch.Tensor | None = None,
-                          window: tuple[int, int] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """`query_attention_context` over this runner's attention groups and batch."""
-        return query_attention_context(self._runner, layer_names, rows, positions, query_lens,
-                                       kv_positions=kv_positions, block_table=block_table, window=window)
+def eos_token_ids(model_config: Any) -> set[int]:
+    """The target's end-of-sequence tokens: `ModelConfig.hf_text_config.eos_token_id` and
+    `try_get_generation_config()["eos_token_id"]` (an int or a list each)."""
+    ids: set[int] = set()
+    for value in (getattr(model_config.hf_text_config, "eos_token_id", None),
+                  model_config.try_get_generation_config().get("eos_token_id")):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
 
 
 def query_attention_context(
     runner: Any, layer_names: list[str], rows: torch.Tensor, positions: torch.Tensor, query_lens: list[int],
     kv_positions: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-    window: tuple[int, int] | None = None,
+    read_window: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+    | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Attention metadata and slot mapping for `query_lens[i]` consecutive query tokens of batch
     row `rows[i]`, whose positions are `positions` (flattened, request after request), each token
@@ -414,9 +279,9 @@ def query_attention_context(
     tokens: context length + query index, their positions being context length + depth).
     `block_table` [rows, blocks] (CPU int32): rows index it instead of the batch's block tables
     (synthetic requests: the verify-cost profiler, offline/profile_verify.py).
-    `window` (sink, recent): the queries attend to the KV blocks holding the first `sink` positions
-    and those from `recent` positions before the request's end (and from its first query token on),
-    read through a compacted block table (`windowed_block_table`); K/V are written where they belong.
+    `read_window(block table [rows, blocks], sequence lengths, first query positions, block size)`:
+    the (block table, sequence lengths) the queries read through instead (a sliding window such as
+    `step.windowed_block_table`'s); K/V are written where they belong.
     """
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -448,9 +313,9 @@ def query_attention_context(
             block = table_cpu[token_rows, pos_cpu // bs].long()
             slot = block * bs + pos_cpu % bs
             read_table, read_lens = table_cpu[rows.cpu().long()], seq_lens
-            if window is not None:
+            if read_window is not None:
                 firsts = pos_cpu[query_start_loc[:-1].long()]
-                read_table, read_lens = windowed_block_table(read_table, seq_lens, firsts, bs, *window)
+                read_table, read_lens = read_window(read_table, seq_lens, firsts, bs)
             common = CommonAttentionMetadata(
                 query_start_loc=query_start_loc.to(device),
                 query_start_loc_cpu=query_start_loc,
@@ -473,26 +338,6 @@ def query_attention_context(
     if wanted:
         raise ValueError(f"attention layers not in the runner's attention groups: {sorted(wanted)}")
     return per_layer, slots
-
-
-def windowed_block_table(table: torch.Tensor, seq_lens: torch.Tensor, first_queries: torch.Tensor, block_size: int,
-                         sink: int, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block table, sequence lengths) that read, per request, only the blocks holding positions
-    < `sink` and those from min(first query position, seq_len - `recent`) on, in order: queries at the
-    end of a sequence attend causally to that part of it (StreamingLLM's sink + recent window, on
-    whole blocks). `table` [reqs, blocks] (CPU), `seq_lens` / `first_queries` [reqs]."""
-    out, lens = table.clone(), seq_lens.clone()
-    num_sink = -(-sink // block_size)
-    for i in range(int(table.shape[0])):
-        length = int(seq_lens[i])
-        start = min(int(first_queries[i]), max(0, length - recent)) // block_size
-        if start <= num_sink:
-            continue
-        last = (length - 1) // block_size
-        kept = torch.cat([table[i, :num_sink], table[i, start: last + 1]])
-        out[i, : kept.numel()] = kept
-        lens[i] = num_sink * block_size + length - start * block_size
-    return out, lens
 
 
 def layers_block_table(runner: Any, layer_names: list[str]) -> tuple[torch.Tensor, int] | None:

@@ -7,4 +7,8 @@
 - hierarchical verification over one of them (hierarchical.py, its intermediate level intermediate.py);
 - what drafters share: requests and rounds (drafter.py), draft trees (tree.py, tree_drafter.py), query
   batches for sparsever's own passes on the target's KV cache (queries.py).
+
+Proposers are written against the plugin's step API on the base floor: each step's input
+(`step.DraftStep`), the read-only target they hold (`step.TargetView`) and the tree types
+(`trees.DraftTree`, `trees.DraftTopology`); integration/ builds the first two over vLLM's runner.
 """

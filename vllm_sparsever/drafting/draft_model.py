@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from vllm_sparsever.metrics import counters_summary
-from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.step import DraftStep
 from vllm_sparsever.drafting.draft_kv import DraftKV, SharedDraftBlocks
 from vllm_sparsever.drafting.draft_vocab import ContextDraftVocab
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter

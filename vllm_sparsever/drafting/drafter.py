@@ -1,5 +1,5 @@
 """What sparsever's drafters share: the requests to draft for in a step (`DraftRequests`, collected
-from the step's input, `compat.runner.DraftStep`, within each request's reserved KV slots) and
+from the step's input, `step.DraftStep`, within each request's reserved KV slots) and
 `RoundDrafter`, the base of the drafters hierarchical verification runs in rounds (n-gram prompt
 lookup, the draft model): each drafts after the tokens the hierarchy holds pending, and proposes on
 its own when the hierarchy is switched off."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.step import DraftStep
 from vllm_sparsever.drafting.proposer import Proposer
 
 
@@ -60,7 +60,7 @@ class RoundDrafter(Proposer):
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.stats = stats
-        self.target: Any = None  # compat.runner.TargetView, once loaded
+        self.target: Any = None  # step.TargetView, once loaded
 
     def load(self, target: Any) -> None:
         self.target = target

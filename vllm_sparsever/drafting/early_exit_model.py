@@ -28,10 +28,10 @@ class EarlyExitModel:
         self.heads: dict[int, ExitHead] = {}
         self._trimmed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (ids, LM head rows)
         self._stack = None
-        self._target: Any = None  # compat.runner.TargetView
+        self._target: Any = None  # step.TargetView
 
     def load(self, target: Any) -> None:
-        """Bind to the loaded target (a compat.runner.TargetView) and load the heads of `layers`
+        """Bind to the loaded target (a step.TargetView) and load the heads of `layers`
         (ExitHeadError if the heads do not fit this model). Once per target: the drafter and the
         verifier share it."""
         from vllm_sparsever.compat.model import decoder_stack

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from vllm_sparsever.metrics import counters_summary
-from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.step import DraftStep
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.proposer import Proposer
 
@@ -103,7 +103,7 @@ class HierarchicalProposer(Proposer):
         self.reuse = reuse
         self._reusable: dict[str, ReusableStates] = {}
         self._stack: Any = None  # the target's decoder stack (forward_from_streams), looked up once
-        self.target: Any = None  # compat.runner.TargetView, once loaded
+        self.target: Any = None  # step.TargetView, once loaded
         self.stats = HierarchicalStats()
 
     def streams_for_step(self, num_scheduled_tokens: Any) -> tuple[int, torch.Tensor] | None:

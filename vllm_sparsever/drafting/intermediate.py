@@ -53,7 +53,7 @@ class SparseTargetVerifier:
     name = "sparse"
 
     def __init__(self) -> None:
-        self._target: Any = None  # compat.runner.TargetView
+        self._target: Any = None  # step.TargetView
         self._stack: Any = None
         self._passes = 0
 

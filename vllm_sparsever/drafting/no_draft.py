@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.step import DraftStep
 from vllm_sparsever.drafting.proposer import Proposer
 
 

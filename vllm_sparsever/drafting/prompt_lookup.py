@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.step import DraftStep
 from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
-from vllm_sparsever.plan import DraftTree
+from vllm_sparsever.trees import DraftTree
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
 
 # Prior score of an n-gram draft per depth (calibrated online): half the drafts at each depth accepted.

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_sparsever.compat.runner import DraftStep, TargetView
-from vllm_sparsever.plan import DraftTopology
+from vllm_sparsever.step import DraftStep, TargetView
+from vllm_sparsever.trees import DraftTopology
 
 
 class Proposer:

@@ -38,11 +38,11 @@ def run_query(target: Any, stack: Any, rows: Any, tokens: torch.Tensor, position
     """The first `num_layers` layers of `stack` (a compat.model.DecoderStack; None: every layer and
     the final norm) over the query tokens of batch rows `rows` (`lens[i]` consecutive tokens each,
     flattened request after request), attending to and writing the target's KV cache (`target`: a
-    compat.runner.TargetView). Returns the residual stream after those layers (the normed hidden
+    step.TargetView). Returns the residual stream after those layers (the normed hidden
     states after all). Tree queries (draft trees) give the slots' positions (`kv_positions`) and
     their ancestor mask (`tree_mask`). `aux_layers` (every layer only): (normed, the streams entering
     those layers), DecoderStack.run_all. `window` (sink, recent): attend to that part of the context
-    only (compat.runner.windowed_block_table)."""
+    only (step.windowed_block_table)."""
     from vllm_sparsever.compat.forward_context import query_forward_context
     from vllm_sparsever.plan import tree_attention
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.step import DraftStep
 from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.config import SparseverConfig, SparseverConfigError
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter

@@ -12,7 +12,7 @@ them) under the tree's ancestor mask (`plan.tree_attention`), after the root: th
 K/V go to slot ctx + 1 + k and are rewritten identically on later levels, so no draft K/V past the
 root has to be kept between levels or after drafting.
 
-`DraftTree` (in `plan`, where verification and EVICT read it) is what a drafter hands to
+`DraftTree` (trees.py, where verification and EVICT read it too) is what a drafter hands to
 verification: the nodes' tokens, their parents (-1 = the root) and path probabilities (EVICT's
 benefit estimate), parents before children.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_sparsever.plan import DraftTopology, DraftTree
+from vllm_sparsever.trees import DraftTopology, DraftTree
 
 
 class TreeGrowth:

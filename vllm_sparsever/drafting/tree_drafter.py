@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from vllm_sparsever.metrics import counters_summary
-from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.step import DraftStep
 from vllm_sparsever.drafting.drafter import DraftRequests, collect_draft_requests
 from vllm_sparsever.drafting.tree import TreeGrowth
-from vllm_sparsever.plan import DraftTree
+from vllm_sparsever.trees import DraftTree
 
 logger = logging.getLogger("vllm_sparsever")
 
@@ -277,7 +277,7 @@ class TreeDrafting:
         `levels` levels: the roots' pass (with the catch-up, if any), then one pass per level over
         every growing tree, while EVICT finds that one more level pays (`Evict.keep_drafting`).
         Returns the trees and the time of each pass (the roots' first)."""
-        from vllm_sparsever.plan import stacked_tree_mask
+        from vllm_sparsever.trees import stacked_tree_mask
 
         cfg = self.tree
         device = self.target.device

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_sparsever.compat.runner import DraftStep
+from vllm_sparsever.step import DraftStep
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
 from vllm_sparsever.metrics import counters_summary
-from vllm_sparsever.plan import DraftTree
+from vllm_sparsever.trees import DraftTree
 
 
 @dataclass

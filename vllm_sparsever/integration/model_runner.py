@@ -22,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from vllm_sparsever.compat.runner import (TargetView, async_scheduling, batch_num_rows, draft_step,
-                                         finished_request_ids, input_batch_view, prompt_tokens_to_compute,
-                                         sampled_tokens, scheduled_drafts, set_draft_token_ids, step_token_layout)
+from vllm_sparsever.compat.runner import (async_scheduling, batch_num_rows, finished_request_ids, input_batch_view,
+                                         prompt_tokens_to_compute, sampled_tokens, scheduled_drafts,
+                                         set_draft_token_ids, step_token_layout)
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.drafting.factory import check_scheduling, make_proposer
+from vllm_sparsever.integration.step_inputs import RunnerTargetView, draft_step
 from vllm_sparsever.integration.step_recorder import StepRecorder
 from vllm_sparsever.plan import VerificationPlan, active_plan, build_verification_plan
 from vllm_sparsever.verification.logits_params import honour_logits_params
@@ -74,7 +75,7 @@ class SparseverRunnerMixin:
         architecture = ",".join(self.model_config.architectures or [])
         install_modules(self.model, self.sparsever_runtime, architecture)
         if self.sparsever_proposer is not None:
-            self.sparsever_proposer.load(TargetView(self, self.sparsever_runtime.moe_routing))
+            self.sparsever_proposer.load(RunnerTargetView(self, self.sparsever_runtime.moe_routing))
             self.sparsever_runtime.experts_observer = self.sparsever_proposer.experts_observer()
 
     # ---- per-step hooks (what each step's times mean: step_recorder.py) --------------------

@@ -62,15 +62,17 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
                         masks: tuple[str, ...] = ("tree", "chain")) -> list[dict[str, Any]]:
     from vllm_sparsever.drafting.queries import final_hidden
     from vllm_sparsever.compat.model import decoder_stack
-    from vllm_sparsever.compat.runner import TargetView, kv_cache_blocks
-    from vllm_sparsever.plan import DraftTopology, active_plan, stacked_tree_mask
+    from vllm_sparsever.compat.runner import kv_cache_blocks
+    from vllm_sparsever.integration.step_inputs import RunnerTargetView
+    from vllm_sparsever.plan import active_plan
+    from vllm_sparsever.trees import DraftTopology, stacked_tree_mask
 
     from vllm_sparsever.compat.cpu_attention import attention_layers
     from vllm_sparsever.verification.attention import SparseverCPUAttentionImpl
     from vllm_sparsever.verification.expert_counter import probe_step_experts
 
     stack = decoder_stack(runner.model)
-    target = TargetView(runner)
+    target = RunnerTargetView(runner)
     first = attention_layers(runner.vllm_config, stack.attention_layer_names[:1])
     if not all(isinstance(layer.impl, SparseverCPUAttentionImpl) for layer in first.values()):
         raise RuntimeError("profile-verify: the engine runs without sparsever's attention backend (no tree mask)")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from vllm_sparsever.metrics import counters_summary
-from vllm_sparsever.plan import DraftTopology
+from vllm_sparsever.trees import DraftTopology
 
 
 @dataclass
@@ -92,9 +92,6 @@ def compact_accepted_kv(layer_kvs: list[Any], moves: list[tuple[int, int, list[i
     """Copy the K/V of accepted tree nodes into place in every layer: `moves` lists (batch row,
     context length, accepted node indices) per tree request; node i_j goes from position ctx+i_j
     to ctx+j. Returns the number of tokens moved (per layer)."""
-    from vllm_sparsever.compat.cpu_attention import layer_isa
-    from vllm_sparsever.verification.attention import move_kv_tokens
-
     src_pos: list[tuple[int, int]] = []
     dst_pos: list[tuple[int, int]] = []
     for row, ctx, path in moves:
@@ -102,8 +99,11 @@ def compact_accepted_kv(layer_kvs: list[Any], moves: list[tuple[int, int, list[i
             if node != j:
                 src_pos.append((row, ctx + node))
                 dst_pos.append((row, ctx + j))
-    if not src_pos:
-        return 0
+    if not src_pos or not layer_kvs:
+        return len(src_pos)
+    from vllm_sparsever.compat.cpu_attention import layer_isa
+    from vllm_sparsever.verification.attention import move_kv_tokens
+
     rows = torch.tensor([r for r, _ in src_pos], dtype=torch.long)
     src = torch.tensor([p for _, p in src_pos], dtype=torch.long)
     dst = torch.tensor([p for _, p in dst_pos], dtype=torch.long)
@@ -125,9 +125,11 @@ class TreeAcceptance:
     """Tree acceptance on verify steps, for the runner: counters, and the layers' KV caches (looked up
     once) that accepted paths are compacted in."""
 
-    def __init__(self) -> None:
+    def __init__(self, layer_kvs: list[Any] | None = None) -> None:
         self.stats = TreeVerifyStats()
-        self._layer_kvs: list[Any] | None = None
+        # The target's attention layers' KV caches (compat.runner.LayerKV); None: looked up from the
+        # runner on the first tree step.
+        self._layer_kvs = layer_kvs
 
     def reset_stats(self) -> None:
         self.stats = TreeVerifyStats()
@@ -139,7 +141,6 @@ class TreeAcceptance:
         requests have plain sampling (the drafter checks); a sampled decision is made once for every
         TP rank."""
         from vllm_sparsever.compat import runner as vllm_runner
-        from vllm_sparsever.compat.cpu_attention import attention_layer_names
         from vllm_sparsever.compat.sampling import same_on_every_tp_rank
 
         stats = self.stats
@@ -171,6 +172,8 @@ class TreeAcceptance:
             stats.nodes_verified += req.num_draft_tokens
             stats.accepted_tokens += len(path)
         if self._layer_kvs is None:
+            from vllm_sparsever.compat.cpu_attention import attention_layer_names
+
             self._layer_kvs = vllm_runner.layer_kv_caches(runner, attention_layer_names(runner.model))
         stats.kv_moved_tokens += compact_accepted_kv(self._layer_kvs, moves)
         return paths
