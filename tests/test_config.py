@@ -68,6 +68,7 @@ def test_drafting_off_proposes_nothing_and_needs_no_token_count():
     from types import SimpleNamespace
 
     from vllm_sparsever.drafting.factory import make_proposer
+    from vllm_sparsever.step import DraftPlan
 
     cfg = SparseverConfig.from_dict({"method": "sparsever", "draft_source": "none"})
     assert cfg.num_speculative_tokens == 1
@@ -77,7 +78,7 @@ def test_drafting_off_proposes_nothing_and_needs_no_token_count():
     step = SimpleNamespace(req_ids=["a", "b"], depth=1)
     assert proposer.lookahead == 0 and proposer.plan_depth(step) == 0
     assert proposer.propose(step) == [[], []]
-    assert not (proposer.proposes_late or proposer.cuts_vllm_drafts or proposer.wants_target_states)
+    assert proposer.plan() == DraftPlan()  # inside the step, vLLM's drafter not run, no target states
 
 
 def test_passthrough_fields_reach_vllm():

@@ -7,6 +7,9 @@ owned by the plugin, on the base floor (plain data and narrow protocols; no vLLM
 - `TargetView`: the read-only part of the target's runner a proposer holds from `Proposer.load` on
   (the loaded target and draft model, the live batch as `BatchRows`, what a row's sampling allows,
   attention contexts for the proposer's own passes over the target's KV cache), never the runner.
+- `DraftPlan`: how a step's drafting runs, as the proposer plans it once the step's tokens are
+  sampled (`Proposer.plan`): now or after the step's bookkeeping, vLLM's own drafter first or not,
+  the step's target states handed over or not.
 - `windowed_block_table`: the StreamingLLM window (sink + recent blocks) a query pass may read
   through instead of a request's whole block table.
 
@@ -63,6 +66,21 @@ class DraftStep:
 
     def with_depth(self, depth: int) -> "DraftStep":
         return replace(self, depth=depth)
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """How a step's drafting runs (`Proposer.plan`, asked once per step right after sampling)."""
+
+    # Propose from the step's committed tokens, once vLLM's sample_tokens has done its bookkeeping
+    # (needs synchronous scheduling); else inside the step, where vLLM's drafter would propose.
+    after_bookkeeping: bool = False
+    # vLLM's own drafter runs this many draft steps first (its drafts are the proposer's to cut); 0: it
+    # does not run.
+    vllm_depth: int = 0
+    # The target's states of the step's tokens are handed over per request (`observe_target_states`)
+    # before the proposal.
+    target_states: bool = False
 
 
 def draft_budgets(sampled: list[list[int]], num_tokens: np.ndarray, allocated: np.ndarray, lookahead: int,
@@ -146,6 +164,15 @@ class TargetView(Protocol):
     @property
     def moe_routing(self) -> tuple[int, int] | None:
         """The target's (experts, top_k), MoE targets only."""
+
+    @property
+    def linear_kernel(self) -> str | None:
+        """The linear kernel the target's dense linears run on (sparse verification's, resolved);
+        None without sparse verification set up (offline tools)."""
+
+    def step_planners(self) -> dict[str, Any]:
+        """What a verification plan over the target needs from sparse verification
+        (`plan.build_verification_plan`'s planners), for a proposer's own passes over the target."""
 
     def draft_model(self) -> Any:
         """The draft model vLLM loaded for its `draft_model` method (ValueError without one)."""

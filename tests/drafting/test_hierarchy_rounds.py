@@ -9,7 +9,7 @@ import torch
 from vllm_sparsever.compat.runner import request_limits
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
-from vllm_sparsever.step import DraftStep, RequestLimits, draft_budgets
+from vllm_sparsever.step import DraftPlan, DraftStep, RequestLimits, draft_budgets
 
 POSITION = 5  # the sampled token's position
 
@@ -32,7 +32,9 @@ class Drafter:
     """Drafts `next_of[t]` chains: after token t, the tokens t+1, t+2, ..."""
 
     num_speculative_tokens = 3
-    wants_target_states = False
+
+    def plan(self):
+        return DraftPlan()
 
     def __init__(self):
         self.calls = []
@@ -108,8 +110,10 @@ def test_reuse_drops_the_verifier_correction_and_keeps_the_streams_of_the_rest()
 class StatesDrafter(Drafter):
     """A drafter that reads the target's states (an EAGLE head): records what it is handed."""
 
-    wants_target_states = True
     state_layers = (1, 2)
+
+    def plan(self):
+        return DraftPlan(after_bookkeeping=True, target_states=True)
 
     def __init__(self):
         super().__init__()
@@ -134,7 +138,7 @@ def test_a_drafter_reading_target_states_gets_each_intermediate_pass_states():
 
     drafter = StatesDrafter()
     h = HierarchicalProposer(drafter, SparseVerifier(wrong={13}), cap=6, rounds=3)
-    assert h.wants_target_states and h.state_layers == (1, 2)
+    assert h.plan() == DraftPlan(after_bookkeeping=True, target_states=True) and h.state_layers == (1, 2)
     assert h.propose(_step(h)) == [[11, 12, 113, 114, 115, 116]]
     assert drafter.observed == [("r0", 5, [10, 11, 12, 13], [5.0, 6.0, 7.0, 8.0]),
                                 ("r0", 8, [113, 114, 115, 116], [8.0, 9.0, 10.0, 11.0])]

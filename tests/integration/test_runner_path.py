@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from vllm_sparsever.config import SparseverConfig
-from vllm_sparsever.drafting.proposer import Proposer
+from vllm_sparsever.drafting.proposer import ProposesAfterBookkeeping, Proposer
 from vllm_sparsever.integration import model_runner
 from vllm_sparsever.metrics import METRICS_DIR_ENV
+from vllm_sparsever.step import DraftPlan
 from vllm_sparsever.trees import DraftTopology
 from vllm_sparsever.verification.tree import TreeAcceptance
 
@@ -231,19 +232,21 @@ def chain_after(token: int, n: int) -> list[int]:
 
 
 class FakeProposer(Proposer):
-    """Logs every call the runner makes; drafts `drafts_after(last token)` for each row with a
-    budget, `plan_depth` levels deep."""
+    """Logs every call the runner makes; plans every step as `plan` says; drafts
+    `drafts_after(last token)` for each row with a budget, `plan_depth` levels deep."""
 
     lookahead = 4
 
     def __init__(self, log: list, *, drafts_after=None, trees: dict[str, DraftTopology] | None = None,
-                 **flags: bool) -> None:
+                 plan: DraftPlan = DraftPlan()) -> None:
         self.log = log
         self.drafts_after = drafts_after or chain_after
         self.trees = trees or {}
-        for name, value in flags.items():
-            setattr(self, name, value)
+        self.draft_plan = plan
         self.steps: list[Any] = []
+
+    def check_scheduling(self, async_scheduling: bool) -> None:
+        self.log.append(("check_scheduling", async_scheduling))
 
     def load(self, target: Any) -> None:
         self.log.append(("load", type(target).__name__))
@@ -267,6 +270,10 @@ class FakeProposer(Proposer):
         self.log.append(("streams_for_step", list(num_scheduled_tokens)))
         return None
 
+    def forward_from_streams(self, streams: Any, positions: Any) -> Any:
+        self.log.append(("forward_from_streams", positions.tolist()))
+        return streams
+
     def observe_acceptance(self, req_id: str, verified: int, accepted_nodes: list[int]) -> None:
         self.log.append(("observe_acceptance", req_id, verified, accepted_nodes))
 
@@ -277,9 +284,9 @@ class FakeProposer(Proposer):
         assert seconds > 0
         self.log.append(("observe_step_time", query_tokens, contexts, mask))
 
-    def plan_before_vllm_drafts(self) -> int:
-        self.log.append("plan_before_vllm_drafts")
-        return 2
+    def plan(self) -> DraftPlan:
+        self.log.append("plan")
+        return self.draft_plan
 
     def plan_depth(self, step) -> int:
         self.log.append(("plan_depth", step.depth))
@@ -298,6 +305,7 @@ class FakeProposer(Proposer):
 
 class FakeRuntime:
     moe_routing = None
+    linear_kernel = "vllm"
     experts_observer = None
 
     def step_planners(self) -> dict[str, Any]:
@@ -313,7 +321,7 @@ def make_runner(monkeypatch):
     verification's start-up and load hooks are stubbed (the runner only sequences them)."""
     monkeypatch.delenv(METRICS_DIR_ENV, raising=False)  # no snapshot files
 
-    def make(proposer: FakeProposer, **config: Any):
+    def make(proposer: FakeProposer, async_scheduling: bool = False, **config: Any):
         log = proposer.log
         monkeypatch.setattr(model_runner, "start_sparse_verification", lambda cfg, vllm_config: FakeRuntime())
         monkeypatch.setattr(model_runner, "make_proposer", lambda cfg, max_model_len: proposer)
@@ -324,6 +332,7 @@ def make_runner(monkeypatch):
                             lambda model, runtime, arch: log.append(("install_modules", arch)))
         cls = model_runner.make_runner_class(FakeVllmRunner)
         runner = cls(log)
+        runner.use_async_scheduling = async_scheduling
         raw = {"method": "sparsever", "draft_source": "ngram", "num_speculative_tokens": K, **config}
         runner.init_sparsever(SparseverConfig.from_dict(raw), rank=0)
         runner.load_model()
@@ -340,11 +349,11 @@ PROMPT = [5, 6, 7, 8]
 # What a first step (the prompt) and a verify step each call, in order, with a proposer that
 # proposes inside sample_tokens after vLLM's bookkeeping (prompt lookup, the self-drafter).
 PREFILL_STEP = ["note_prompts", "vllm.execute_model", "vllm._prepare_inputs", "topologies", "streams_for_step",
-                "vllm._model_forward", "vllm.sample_tokens", "vllm._sample", "plan_depth", "propose",
+                "vllm._model_forward", "vllm.sample_tokens", "vllm._sample", "plan", "plan_depth", "propose",
                 "vllm.sample_tokens.done", "stats_by_level"]
 VERIFY_STEP = ["vllm.execute_model", "vllm._prepare_inputs", "topologies", "streams_for_step", "vllm._model_forward",
-               "vllm.sample_tokens", "vllm._sample", "observe_acceptance", "plan_depth", "propose",
-               "vllm.sample_tokens.done", "stats_by_level"]
+               "vllm.sample_tokens", "vllm._sample", "observe_acceptance", "plan", "plan_depth", "propose",
+               "vllm.sample_tokens.done", "observe_step_time", "stats_by_level"]
 
 
 # ---- tests -------------------------------------------------------------------------------------
@@ -359,8 +368,8 @@ def test_the_fake_runner_has_vllms_hook_signatures():
 def test_load_wires_the_proposer_after_the_target(make_runner):
     log: list = []
     runner = make_runner(FakeProposer(log))
-    assert log == ["honour_logits_params", "target_load_hooks", "vllm.load_model", ("install_modules", "FakeForCausalLM"),
-                   ("load", "RunnerTargetView"), "experts_observer"]
+    assert log == [("check_scheduling", False), "honour_logits_params", "target_load_hooks", "vllm.load_model",
+                   ("install_modules", "FakeForCausalLM"), ("load", "RunnerTargetView"), "experts_observer"]
     assert runner.sparsever_proposer.target.model is runner.model
 
 
@@ -375,7 +384,7 @@ def test_a_proposer_sees_each_step_in_order_and_the_recorder_records_it(make_run
     assert out.sampled_token_ids == [[first]]
     assert names(log) == PREFILL_STEP
     assert log[0] == ("note_prompts", {"r0": 4})
-    assert log[8] == ("plan_depth", K) and log[9] == ("propose", 2, [PROMPT + [first]])
+    assert log[9] == ("plan_depth", K) and log[10] == ("propose", 2, [PROMPT + [first]])
     assert runner._draft_token_ids == [[target_next(first), target_next(target_next(first))]]
     steps = runner.sparsever_steps.metrics
     assert (steps.num_steps, steps.num_verify_steps, steps.num_draft_tokens) == (1, 0, 0)
@@ -424,11 +433,11 @@ def test_a_late_proposer_proposes_after_sample_tokens_with_the_target_states(mak
     sample_tokens, its drafts set as the step's; one that drafts from the target's states (an EAGLE
     head) is handed each request's states of the step first."""
     log: list = []
-    runner = make_runner(FakeProposer(log, proposes_late=True, wants_target_states=True))
+    runner = make_runner(FakeProposer(log, plan=DraftPlan(after_bookkeeping=True, target_states=True)))
     del log[:]
     run_step(runner, schedule(runner, new={"r0": PROMPT}))
     assert names(log) == ["note_prompts", "vllm.execute_model", "vllm._prepare_inputs", "topologies",
-                          "streams_for_step", "vllm._model_forward", "vllm.sample_tokens", "vllm._sample",
+                          "streams_for_step", "vllm._model_forward", "vllm.sample_tokens", "vllm._sample", "plan",
                           "observe_target_states", "vllm.sample_tokens.done", "plan_depth", "propose", "stats_by_level"]
     assert ("observe_target_states", "r0", 0, PROMPT, PROMPT) in log
     first = target_next(PROMPT[-1])
@@ -437,19 +446,20 @@ def test_a_late_proposer_proposes_after_sample_tokens_with_the_target_states(mak
     del log[:]
     run_step(runner, schedule(runner))
     assert names(log) == ["vllm.execute_model", "vllm._prepare_inputs", "topologies", "streams_for_step",
-                          "vllm._model_forward", "vllm.sample_tokens", "vllm._sample", "observe_acceptance",
-                          "observe_target_states", "vllm.sample_tokens.done", "plan_depth", "propose", "stats_by_level"]
-    assert log[8] == ("observe_target_states", "r0", 4, [first, *drafts], [first, *drafts])
+                          "vllm._model_forward", "vllm.sample_tokens", "vllm._sample", "observe_acceptance", "plan",
+                          "observe_target_states", "vllm.sample_tokens.done", "plan_depth", "propose",
+                          "observe_step_time", "stats_by_level"]
+    assert log[9] == ("observe_target_states", "r0", 4, [first, *drafts], [first, *drafts])
 
 
 def test_a_proposer_that_cuts_vllms_drafts_plans_their_depth_first(make_runner):
     """EVICT over vLLM's EAGLE drafter: vLLM's drafter runs as deep as the proposer plans, and the
     proposer cuts its drafts after sample_tokens."""
     log: list = []
-    runner = make_runner(FakeProposer(log, cuts_vllm_drafts=True, proposes_late=True))
+    runner = make_runner(FakeProposer(log, plan=DraftPlan(after_bookkeeping=True, vllm_depth=2)))
     del log[:]
     run_step(runner, schedule(runner, new={"r0": PROMPT}))
-    assert names(log)[6:] == ["vllm.sample_tokens", "vllm._sample", "plan_before_vllm_drafts",
+    assert names(log)[6:] == ["vllm.sample_tokens", "vllm._sample", "plan",
                                "vllm.propose_draft_token_ids", "vllm.sample_tokens.done", "plan_depth", "propose",
                                "stats_by_level"]
     assert ("vllm.propose_draft_token_ids", 2) in log  # vLLM's drafter ran the planned depth
@@ -457,13 +467,41 @@ def test_a_proposer_that_cuts_vllms_drafts_plans_their_depth_first(make_runner):
 
 def test_a_proposer_that_prices_steps_gets_each_decode_steps_time(make_runner):
     log: list = []
-    runner = make_runner(FakeProposer(log, wants_step_times=True))
+    runner = make_runner(FakeProposer(log))
     run_step(runner, schedule(runner, new={"r0": PROMPT}))
     assert "observe_step_time" not in names(log)  # a prompt step is no decode step
     del log[:]
     run_step(runner, schedule(runner))
-    assert names(log) == VERIFY_STEP[:-1] + ["observe_step_time", "stats_by_level"]
+    assert names(log) == VERIFY_STEP
     assert log[-2] == ("observe_step_time", [3], [4], "chain")
+
+
+def test_a_full_pass_from_saved_streams_replaces_the_targets_forward(make_runner):
+    """Hierarchical verification with reuse: where the proposer has the step's streams saved, the
+    runner's forward is its `forward_from_streams`, with the step's plan active."""
+    log: list = []
+
+    class SavesStreams(FakeProposer):
+        def streams_for_step(self, num_scheduled_tokens: Any) -> Any:
+            super().streams_for_step(num_scheduled_tokens)
+            return torch.arange(int(sum(num_scheduled_tokens)), dtype=torch.float32)[:, None] + 5
+
+    runner = make_runner(SavesStreams(log))
+    run_step(runner, schedule(runner, new={"r0": PROMPT}))
+    del log[:]
+    run_step(runner, schedule(runner))
+    assert names(log) == [n if n != "vllm._model_forward" else "forward_from_streams" for n in VERIFY_STEP]
+    assert log[4] == ("forward_from_streams", [4, 5, 6])
+
+
+def test_a_proposer_that_needs_synchronous_scheduling_stops_the_start(make_runner):
+    class AfterBookkeeping(ProposesAfterBookkeeping, FakeProposer):
+        pass
+
+    with pytest.raises(ValueError, match="needs synchronous scheduling"):
+        make_runner(AfterBookkeeping([]), async_scheduling=True)
+    make_runner(AfterBookkeeping([]))
+    make_runner(FakeProposer([]), async_scheduling=True)
 
 
 def test_tree_acceptance_walks_the_tree_and_the_proposer_hears_the_path(make_runner):

@@ -37,6 +37,7 @@ from vllm_sparsever.step import DraftStep
 from vllm_sparsever.drafting.draft_kv import DraftKV, SharedDraftBlocks
 from vllm_sparsever.drafting.draft_vocab import ContextDraftVocab
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
+from vllm_sparsever.drafting.proposer import ProposesAfterBookkeeping
 from vllm_sparsever.drafting.queries import final_hidden, flatten_queries
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
 
@@ -59,9 +60,9 @@ class DraftModelStats:
                                                        "draft_time_s": "draft_model_time_s"})
 
 
-class DraftModelDrafter(TreeDrafting, RoundDrafter):
+class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
     level = "draft_model"
-    proposes_late = True  # from the committed tokens (vLLM's own draft_model proposes from device tensors)
+    # (after the bookkeeping: vLLM's own draft_model proposes from device tensors, before it)
 
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None,
                  adaptive: Any = None, draft_vocab: int | None = None,
@@ -96,15 +97,12 @@ class DraftModelDrafter(TreeDrafting, RoundDrafter):
             from vllm_sparsever import _custom_ops as ops
             from vllm_sparsever.config import SparseverConfigError
             from vllm_sparsever.verification.linear import head_rows_linear, resolve_linear_kernel, slow_16bit_cpu_linear
-            from vllm_sparsever.verification.runtime import get_runtime
 
             try:
                 head = plain_lm_head(model)
                 # torch's 16-bit linear is the slow one on CPUs without AVX-512 (verification/linear.py)
                 linear = ops.dense_linear if slow_16bit_cpu_linear(head.weight.dtype) else torch.nn.functional.linear
-                runtime = get_runtime()
-                kernel = (runtime.linear_kernel if runtime is not None
-                          else resolve_linear_kernel("auto", head.weight.dtype))
+                kernel = target.linear_kernel or resolve_linear_kernel("auto", head.weight.dtype)
                 self._vocab = ContextDraftVocab(head, self._draft_vocab, always=target.stop_token_ids(),
                                                 linear=linear, prepare=lambda rows: head_rows_linear(rows, kernel))
             except ValueError as e:

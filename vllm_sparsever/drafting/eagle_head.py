@@ -29,8 +29,10 @@ from typing import Any
 import torch
 
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
+from vllm_sparsever.drafting.proposer import ProposesAfterBookkeeping
 from vllm_sparsever.drafting.queries import flatten_queries
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
+from vllm_sparsever.step import DraftPlan
 
 
 @dataclass
@@ -124,10 +126,8 @@ class HeadRecord:
             self.states_base += cut
 
 
-class EagleHeadDrafter(TreeDrafting, RoundDrafter):
+class EagleHeadDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
     level = "eagle_head"
-    proposes_late = True  # from the committed tokens and the step's target states
-    wants_target_states = True
 
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None,
                  adaptive: Any = None) -> None:
@@ -153,6 +153,10 @@ class EagleHeadDrafter(TreeDrafting, RoundDrafter):
             self.aux_layers = aux_hidden_state_layers(target.model)
             if not self.aux_layers:
                 raise ValueError("EAGLE-3 head: the target collects no aux layer streams")
+
+    def plan(self) -> DraftPlan:
+        """From the committed tokens and the step's target states."""
+        return DraftPlan(after_bookkeeping=True, target_states=True)
 
     @property
     def state_layers(self) -> tuple[int, ...] | None:

@@ -8,11 +8,15 @@ from vllm_sparsever.drafting.proposer import Proposer
 
 def check_scheduling(config: SparseverConfig, proposer: Proposer | None, async_scheduling: bool) -> None:
     """A proposer that proposes after the step's bookkeeping needs synchronous scheduling."""
-    if proposer is not None and proposer.proposes_late and async_scheduling:
+    if proposer is None:
+        return
+    try:
+        proposer.check_scheduling(async_scheduling)
+    except ValueError as e:
         which = ("tree.enabled" if config.tree.enabled else
                  "adaptive.enabled" if config.adaptive.enabled else "early_exit.enabled")
         raise ValueError(f"{which} with draft_source={config.draft_source!r} needs synchronous scheduling "
-                         "(allowed: async_scheduling=False, e.g. --no-async-scheduling)")
+                         f"(allowed: async_scheduling=False, e.g. --no-async-scheduling): {e}") from e
 
 
 def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | None:

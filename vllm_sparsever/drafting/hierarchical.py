@@ -30,7 +30,8 @@ request's sampled token and every pending token but the last (the verifier's own
 which no pass has run yet), and written their K/V. The hierarchy then drops that correction from
 the pending tokens (the full target emits its own token there), keeps the residual stream at L_v
 of each remaining token, and the full pass starts at layer L_v from those streams
-(`ReusableStates`; `streams_for_step`, asked by the runner before its forward): at batch 1 it reads L_v fewer layers' weights.
+(`ReusableStates`; `streams_for_step`, asked by the runner before its forward, then
+`forward_from_streams`): at batch 1 it reads L_v fewer layers' weights.
 A step whose rows do not all have their streams (a prefill chunk, a row that drafted nothing) runs
 the whole model as usual.
 """
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 
 from vllm_sparsever.metrics import counters_summary
-from vllm_sparsever.step import DraftStep
+from vllm_sparsever.step import DraftPlan, DraftStep
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.proposer import Proposer
 
@@ -90,7 +91,9 @@ class HierarchicalProposer(Proposer):
         `predict()` (EarlyExitVerifier, SparseTargetVerifier)."""
         if reuse and verifier.name != "early_exit":
             raise ValueError("reuse of hidden states needs the early-exit intermediate verifier (the target's own layers)")
-        if drafter.wants_target_states and verifier.name != "sparse":
+        # An EAGLE head drafts each round from the target's states of the pending tokens.
+        self._drafter_reads_states = drafter.plan().target_states
+        if self._drafter_reads_states and verifier.name != "sparse":
             raise ValueError("an EAGLE head drafts from the target's states of the pending tokens, which only the "
                              "sparse target as intermediate verifier computes")
         self.drafter = drafter
@@ -146,13 +149,11 @@ class HierarchicalProposer(Proposer):
             self._stack = decoder_stack(self.target.model)
         return self._stack.run_from(layer, streams, positions)
 
-    @property
-    def proposes_late(self) -> bool:
-        return self.drafter.proposes_late
+    def check_scheduling(self, async_scheduling: bool) -> None:
+        self.drafter.check_scheduling(async_scheduling)
 
-    @property
-    def wants_target_states(self) -> bool:
-        return self.drafter.wants_target_states
+    def plan(self) -> DraftPlan:
+        return self.drafter.plan()
 
     @property
     def state_layers(self) -> tuple[int, ...] | None:
@@ -263,7 +264,7 @@ class HierarchicalProposer(Proposer):
             predicted, ran = self.verifier.predict(*args, with_streams=True)
             for j, stream in zip(which, ran, strict=True):
                 streams[j] = stream
-        elif self.drafter.wants_target_states:  # an EAGLE head drafts the next round from them
+        elif self._drafter_reads_states:  # an EAGLE head drafts the next round from them
             predicted, states = self.verifier.predict(*args, with_states=True, state_layers=self.drafter.state_layers)
             for j, seq, state in zip(which, args[1], states, strict=True):
                 self.drafter.observe_target_states(sub.req_ids[j], sub.positions[j], seq, state)

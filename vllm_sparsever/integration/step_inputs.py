@@ -1,15 +1,39 @@
-"""The step API's objects (step.py) built over vLLM's runner from what compat/runner.py reads: each
-step's `DraftStep` and the `TargetView` proposers load with."""
+"""The step's inputs built over vLLM's runner from what compat/runner.py reads: the step API's objects
+(step.py: each step's `DraftStep` and the `TargetView` proposers load with), the step's
+`VerificationPlan` (plan.py) and its target states per request."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_sparsever.compat import runner as vllm_runner
+from vllm_sparsever.plan import VerificationPlan, build_verification_plan
 from vllm_sparsever.step import BatchRows, DraftStep, RequestLimits, draft_budgets, windowed_block_table
+
+
+def verification_plan(runner: Any, step_index: int, scheduler_output: Any, num_scheduled_tokens: np.ndarray,
+                      proposer: Any, runtime: Any, sparsify: bool) -> VerificationPlan:
+    """The step's verification plan (built once, in `_prepare_inputs`), with the topologies of the
+    proposer's draft trees."""
+    batch = vllm_runner.input_batch_view(runner)
+    drafts = vllm_runner.scheduled_drafts(scheduler_output)
+    return build_verification_plan(
+        step=step_index,
+        req_ids=batch.req_ids,
+        num_scheduled_tokens=num_scheduled_tokens,
+        num_computed_tokens=batch.num_computed_tokens,
+        scheduled_spec_decode_tokens=drafts,
+        topologies=proposer.topologies(drafts) if proposer is not None else None,
+        block_table=batch.block_table_cpu,
+        block_size=batch.block_size,
+        device=runner.device,
+        sparsify=sparsify,
+        **runtime.step_planners(),
+    )
 
 
 def draft_step(runner: Any, sampled_token_ids: list[list[int]], lookahead: int, depth: int) -> DraftStep:
@@ -31,9 +55,15 @@ class RunnerTargetView:
     allows, the n-gram bounds vLLM resolved, vLLM's own drafter's proposals, and attention contexts
     for sparsever's own query passes over the runner's KV cache."""
 
-    def __init__(self, runner: Any, moe_routing: tuple[int, int] | None = None) -> None:
+    def __init__(self, runner: Any, runtime: Any = None) -> None:
+        """`runtime`: sparse verification's (verification.runtime), None where it is not set up."""
         self._runner = runner
-        self.moe_routing = moe_routing  # the target's (experts, top_k), MoE targets only
+        self._runtime = runtime
+        self.moe_routing = runtime.moe_routing if runtime is not None else None  # (experts, top_k), MoE only
+        self.linear_kernel = runtime.linear_kernel if runtime is not None else None
+
+    def step_planners(self) -> dict[str, Any]:
+        return self._runtime.step_planners() if self._runtime is not None else {}
 
     @property
     def model(self) -> Any:
@@ -108,3 +138,22 @@ class RunnerTargetView:
         return vllm_runner.query_attention_context(self._runner, layer_names, rows, positions, query_lens,
                                                    kv_positions=kv_positions, block_table=block_table,
                                                    read_window=read_window)
+
+
+def states_by_request(layout: list[tuple[str, int, list[int]]], tree_paths: dict[str, list[int]],
+                      states: torch.Tensor) -> list[tuple[str, int, list[int], torch.Tensor]]:
+    """The step's target states (`states`, one row per scheduled token in `layout`'s order, from
+    `compat.runner.step_token_layout`) per request: (req id, first position, token ids, rows). A
+    verified tree keeps the root's and its accepted path's (`tree_paths`: query indices), which hold
+    the positions after the root."""
+    out = []
+    offset = 0
+    for req_id, first, tokens in layout:
+        rows = states[offset: offset + len(tokens)]
+        offset += len(tokens)
+        path = tree_paths.get(req_id)
+        if path is not None:
+            keep = [0, *path]
+            tokens, rows = [tokens[j] for j in keep], rows[keep]
+        out.append((req_id, first, tokens, rows))
+    return out

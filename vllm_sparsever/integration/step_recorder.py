@@ -1,6 +1,6 @@
 """What the runner records per step: times (the engine's gap before the step, the target forward,
 sampling, drafting), accepted tokens per request, and where they go: sparsever's metrics (and their
-snapshots for the Prometheus collector) and a proposer that prices steps (EVICT).
+snapshots for the Prometheus collector) and the proposer (EVICT prices steps by their times).
 
 Step time = execute_model + sample_tokens. Verification time (on verify steps) = the target forward
 with its logits (execute_model) + rejection sampling (_sample); drafting is timed separately and is
@@ -50,12 +50,11 @@ class StepRecorder:
         finally:
             self._timing[part] = self._timing.get(part, 0.0) + time.perf_counter() - start
 
-    def note_decode_shape(self, runner: Any, proposer: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> None:
+    def note_decode_shape(self, runner: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> None:
         """(query tokens, context) per row when every row of the step decodes (1 + its drafts; no
-        prefill chunk), kept for a proposer that prices steps (EVICT); else None."""
+        prefill chunk), kept for the proposer's `observe_step_time` (EVICT prices steps by it); else
+        None."""
         self._decode_shape = None
-        if proposer is None or not proposer.wants_step_times:
-            return
         batch = input_batch_view(runner)
         drafts = scheduled_drafts(scheduler_output)
         queries, contexts = [], []
@@ -88,7 +87,7 @@ class StepRecorder:
                     proposer: Any, runtime: Any, drafting_stats: Any) -> None:
         """After sample_tokens (and late drafting): the step's times and acceptance into the metrics,
         the decode step's time (without `drafted_inside`, the drafting that ran inside sample_tokens)
-        to a proposer that prices steps."""
+        to the proposer."""
         timing, self._timing = self._timing, {}
         if plan is None or "execute" not in timing:
             return  # no forward ran this step (empty batch, pipeline pass-through)
