@@ -51,6 +51,26 @@ def test_vllm_internals_only_through_compat():
     assert not private, "vLLM symbols outside its public API, imported outside compat/:\n" + "\n".join(private)
 
 
+def evict_internals_read(path: Path) -> list[int]:
+    """Lines of a file that read the EVICT engine behind its facade (`EvictPolicy._evict`)."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Attribute) and node.attr == "_evict"]
+
+
+def test_evicts_members_are_read_only_inside_adaptive():
+    """Outside adaptive/, EVICT is asked through `adaptive.policy.EvictPolicy` only (import-linter
+    keeps its engine's modules out of reach; this keeps its engine object out of reach)."""
+    outside = [p for p in PACKAGE.rglob("*.py") if "adaptive" not in p.relative_to(PACKAGE).parts]
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in outside for line in evict_internals_read(p)]
+    assert not found, "EVICT's engine read outside adaptive/:\n" + "\n".join(found)
+
+
+def test_the_evict_check_sees_a_read(tmp_path):
+    sample = tmp_path / "m.py"
+    sample.write_text("def f(policy):\n    return policy._evict.stats\n")
+    assert evict_internals_read(sample) == [2]
+
+
 def test_the_check_sees_a_private_import(tmp_path):
     sample = tmp_path / "m.py"
     sample.write_text("def f():\n    from vllm.v1.worker import gpu_model_runner\n    from vllm import LLM\n")

@@ -1,5 +1,6 @@
 """Runs inside the worker for bench/evict_trace.py (through `sparsever_call`): wraps the runner's
-EVICT so each measured step and each depth decision is recorded."""
+EVICT (its facade, adaptive.policy.EvictPolicy) so each measured step and each depth decision is
+recorded."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ def install(worker: Any) -> bool:
                       "seconds": seconds, "gap_s": gap_s, "t": time.perf_counter()})
         return observe_step(query_tokens, contexts, seconds, mask, gap_s)
 
-    def traced_plan_depth(contexts, shape, catch_up_tokens=0):
-        depth = plan_depth(contexts, shape, catch_up_tokens)
+    def traced_plan_depth(contexts, shape, catch_up_tokens=0, **weighed):
+        depth = plan_depth(contexts, shape, catch_up_tokens, **weighed)
         TRACE.append({"kind": "plan", "depth": depth, "contexts": list(contexts), "catch_up_tokens": catch_up_tokens,
-                      "clock": evict.clock.summary(), "t": time.perf_counter()})
+                      "clock": {k: v for k, v in evict.summary().items() if k.startswith("evict_clock_")},
+                      "t": time.perf_counter()})
         return depth
 
     evict.observe_step, evict.plan_depth = traced_observe_step, traced_plan_depth

@@ -441,13 +441,14 @@ class _ScoredDrafter:
     probability `p` (token = position + 1), over a stand-in target with `seeded` rows."""
 
     @staticmethod
-    def make(p: float, seeded: set[int], evict: Evict):
+    def make(p: float, seeded: set[int], evict: "EvictPolicy"):
         from types import SimpleNamespace
 
         import torch
 
         from vllm_sparsever.drafting.drafter import RoundDrafter
-        from vllm_sparsever.drafting.tree_drafter import TreeDrafting
+        from vllm_sparsever.drafting.evict_proposer import EvictProposer
+        from vllm_sparsever.drafting.tree_drafter import TreeDrafting, chain_tree
 
         class Stats:
             slot_limited = 0
@@ -458,10 +459,12 @@ class _ScoredDrafter:
         class Drafter(TreeDrafting, RoundDrafter):
             def __init__(self):
                 super().__init__(Stats(), num_speculative_tokens=4, max_model_len=1000)
-                self.init_trees(None, SimpleNamespace(), 4)  # adaptive: chains as one-branch trees
-                self.evict = evict
+                self.init_trees(chain_tree(4))  # EVICT over chains: one-branch trees
                 self.target = SimpleNamespace(device="cpu", tree_sampling_supported=lambda row: True,
                                               seeded_sampling=lambda row: row in seeded)
+
+            def propose(self, step):
+                return self.propose_trees(step)
 
             def _tree_root_top(self, reqs, idx, k):
                 return (torch.full((len(idx), k), p),
@@ -471,18 +474,19 @@ class _ScoredDrafter:
                 picked = positions[wanted] + 1
                 return torch.full((len(wanted), k), p), picked[:, None].expand(len(wanted), k)
 
-        return Drafter()
+        proposer = EvictProposer(Drafter(), adaptive=None)
+        proposer.evict = evict  # in place of load(), which reads the cost profile
+        return proposer
 
 
-def test_a_seeded_request_is_drafted_and_verified_as_configured(monkeypatch):
-    """Through the tree drafter: with drafts not worth their cost, EVICT stops drafting and cuts the
-    unseeded request's chain, while the seeded one (row 0) grows to the configured 4 levels, whole."""
+def test_a_seeded_request_is_drafted_and_verified_as_configured():
+    """Through the tree drafter under EVICT's proposer: with drafts not worth their cost, EVICT stops
+    drafting and cuts the unseeded request's chain, while the seeded one (row 0) grows to the
+    configured 4 levels, whole."""
     import numpy as np
 
-    import vllm_sparsever.drafting.tree_drafter as tree_drafter
+    from vllm_sparsever.adaptive.policy import EvictPolicy
     from vllm_sparsever.step import DraftStep, RequestLimits
-
-    monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)  # one rank, no TP group
 
     def step(rows: int) -> DraftStep:
         return DraftStep(req_ids=[f"r{i}" for i in range(rows)], sampled=[[7]] * rows,
@@ -490,23 +494,24 @@ def test_a_seeded_request_is_drafted_and_verified_as_configured(monkeypatch):
                          token_ids=np.zeros((rows, 101), dtype=np.int64),
                          limits=[RequestLimits(frozenset(), None)] * rows, slot_limited=0)
 
-    def engine() -> Evict:
-        evict = _measured(Evict(_profile(0.05, base_s=0.1), guard=False, depth_prior=0.05), 0.03, rows=2)
+    def engine() -> EvictPolicy:
+        policy = EvictPolicy(_profile(0.05, base_s=0.1), guard=False, depth_prior=0.05)
+        _measured(policy._evict, 0.03, rows=2)
         for _ in range(20):
-            evict.observe_depth(1, 0)
-        return evict
+            policy._evict.observe_depth(1, 0)
+        return policy
 
     plain = _ScoredDrafter.make(0.05, set(), engine())
     depth = plain.plan_depth(step(2))
     assert depth < 4
-    assert [len(d) for d in plain.propose_trees(step(2).with_depth(depth))] == [0, 0]
+    assert [len(d) for d in plain.propose(step(2).with_depth(depth))] == [0, 0]
 
     seeded = _ScoredDrafter.make(0.05, {0}, engine())
     depth = seeded.plan_depth(step(2))
-    assert depth == 4 and seeded.evict.stats.seeded_steps == 1
-    drafts = seeded.propose_trees(step(2).with_depth(depth))
+    assert depth == 4 and seeded.evict.summary()["evict_seeded_steps"] == 1
+    drafts = seeded.propose(step(2).with_depth(depth))
     assert drafts[0] == [100, 101, 102, 103] and drafts[1] == []
-    assert seeded.evict.stats.stopped_early_steps == 1  # row 1 stopped; row 0 grew on
+    assert seeded.evict.summary()["evict_stopped_early_steps"] == 1  # row 1 stopped; row 0 grew on
 
 
 def test_guard_measures_a_plain_step_at_a_batch_size_it_never_decoded_plainly():

@@ -8,7 +8,8 @@ import numpy as np
 
 from vllm_sparsever.step import DraftStep, RequestLimits, draft_budgets
 from vllm_sparsever.drafting.drafter import RoundDrafter, collect_draft_requests
-from vllm_sparsever.drafting.tree_drafter import TreeDrafting
+from vllm_sparsever.drafting.evict_proposer import EvictProposer
+from vllm_sparsever.drafting.tree_drafter import TreeDrafting, chain_tree
 
 
 def _step(sampled, num_tokens, allocated, lookahead, depth, max_model_len=1000, remaining=None) -> DraftStep:
@@ -68,16 +69,18 @@ def test_a_chain_proposer_drafts_within_the_budget_and_the_steps_depth():
 
 
 class _TreeCounting(TreeDrafting, _Counting):
-    """A tree drafter whose EVICT plans a fixed depth and grows chains as deep as it is told."""
+    """A tree drafter that grows chains as deep as it is told."""
 
-    def __init__(self, planned):
+    def __init__(self):
         super().__init__(_Stats(), num_speculative_tokens=4, max_model_len=1000)
-        self.init_trees(None, SimpleNamespace(), 4)  # adaptive on: chains as one-branch trees
-        self.evict = SimpleNamespace(plan_depth=lambda contexts, shape, catch_up, **weighed: planned)
+        self.init_trees(chain_tree(4))  # EVICT over chains: one-branch trees
         self.grown_levels = []
         self.target = SimpleNamespace(tree_sampling_supported=lambda row: True, seeded_sampling=lambda row: False)
 
-    def grow_trees(self, reqs, levels, shape, catch_up_tokens=0):
+    def propose(self, step):
+        return self.propose_trees(step)
+
+    def grow_trees(self, reqs, levels, shape):
         from vllm_sparsever.trees import DraftTree
 
         self.grown_levels.append(levels)
@@ -85,102 +88,117 @@ class _TreeCounting(TreeDrafting, _Counting):
         return [DraftTree(c, list(range(-1, len(c) - 1)), [1.0] * len(c)) for c in chains], []
 
 
-def test_evicts_planned_depth_is_handed_in_with_the_step(monkeypatch):
-    import vllm_sparsever.drafting.tree_drafter as tree_drafter
+class _PlannedEvict:
+    """EVICT's facade (adaptive.policy.EvictPolicy) planning a fixed depth, keeping every tree; it
+    records what it is handed."""
 
-    monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)  # one rank, no TP group
-    drafter = _TreeCounting(planned=2)
-    drafter.evict.truncate = lambda trees, contexts, draft_time_s, mask, whole: trees
-    drafter.evict.observe_drafting = lambda rows, passes, seconds: None
-    drafter.evict.clock = SimpleNamespace(draft_s=lambda rows, passes: 0.0)
-    drafter.evict.stats = SimpleNamespace(drafted_depths={})
+    def __init__(self, planned):
+        self.planned = planned
+        self.weighed, self.handed, self.resets = [], [], 0
+
+    def plan_depth(self, contexts, shape, catch_up, *, seeded, **kw):
+        self.weighed.append(catch_up)
+        self.handed.append(kw)
+        return self.planned
+
+    def observe_drafting(self, rows, passes, seconds, catch_up):
+        pass
+
+    def truncate(self, trees, contexts, *, passes, mask, whole):
+        return trees
+
+    def reset_stats(self):
+        self.resets += 1
+
+    def summary(self):
+        return {"evict_steps": 0}
+
+
+def _evict_over(drafter, planned=2) -> EvictProposer:
+    proposer = EvictProposer(drafter, adaptive=None)
+    proposer.evict = _PlannedEvict(planned)  # in place of load(), which reads a cost profile
+    return proposer
+
+
+def test_evicts_planned_depth_is_handed_in_with_the_step():
+    drafter = _TreeCounting()
+    proposer = _evict_over(drafter, planned=2)
     step = _step([[7]], [4], [64], lookahead=4, depth=4)
-    depth = drafter.plan_depth(step)
+    assert drafter.plan_depth(step) == 4  # the drafter alone: the cap
+    depth = proposer.plan_depth(step)
     assert depth == 2
-    assert drafter.propose_trees(step.with_depth(depth)) == [[4, 5]]
+    assert proposer.propose(step.with_depth(depth)) == [[4, 5]]
     assert drafter.grown_levels == [2]
     # A step handed depth 0 (EVICT skips drafting) drafts nothing and grows nothing.
-    assert drafter.propose_trees(step.with_depth(0)) == [[]]
+    assert proposer.propose(step.with_depth(0)) == [[]]
     assert drafter.grown_levels == [2]
 
 
-def test_a_catch_up_no_longer_than_the_prompt_the_target_computed_rides_with_it(monkeypatch):
+def test_a_catch_up_no_longer_than_the_prompt_the_target_computed_rides_with_it():
     """EVICT weighs no catch-up while a request that has not drafted yet had at least that many prompt
     tokens computed by the target (the draft prefills with the prompt, as vLLM's draft_model does),
     through steps it decodes plainly; the credit is spent when the request drafts. A prompt the
     prefix cache supplied leaves the catch-up to rent or buy."""
-    import vllm_sparsever.drafting.tree_drafter as tree_drafter
-
-    monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)
-    drafter = _TreeCounting(planned=2)
-    weighed = []
-    handed = []
-    drafter.evict.plan_depth = lambda contexts, shape, catch_up, **kw: weighed.append(catch_up) or handed.append(kw) or 2
-    drafter.evict.truncate = lambda trees, contexts, draft_time_s, mask, whole: trees
-    drafter.evict.observe_drafting = lambda rows, passes, seconds: None
-    drafter.evict.observe_catch_up = lambda tokens, seconds: None
-    drafter.evict.clock = SimpleNamespace(draft_s=lambda rows, passes: 0.0)
-    drafter.evict.stats = SimpleNamespace(drafted_depths={})
+    drafter = _TreeCounting()
+    proposer = _evict_over(drafter)
+    weighed, handed = proposer.evict.weighed, proposer.evict.handed
     catch_up = {"tokens": 1100}
-    drafter._catch_up_tokens = lambda reqs: catch_up["tokens"]
+    drafter.catch_up_tokens = lambda reqs: catch_up["tokens"]
     step = _step([[7]], [4], [64], lookahead=4, depth=4)  # request r0
 
-    drafter.note_prompts({"r0": 4000})  # computed by the target: longer than the catch-up
-    drafter.plan_depth(step)
-    drafter.plan_depth(step)  # a step decoded plainly (e.g. a plain check) keeps the credit
+    proposer.note_prompts({"r0": 4000})  # computed by the target: longer than the catch-up
+    proposer.plan_depth(step)
+    proposer.plan_depth(step)  # a step decoded plainly (e.g. a plain check) keeps the credit
     assert weighed == [0, 0] and drafter.tree_stats.catch_ups_with_prompt == 0
     # The prompt's part is handed in apart (weighed against the tokens left, not rented), and the
     # horizon is unbounded here (no max_tokens).
     assert handed[-1] == {"prompt_tokens": 1100, "horizon_tokens": None}
-    drafter.propose_trees(step.with_depth(2))  # it drafts: the credit is spent
+    proposer.propose(step.with_depth(2))  # it drafts: the credit is spent
     assert drafter.tree_stats.catch_ups_with_prompt == 1
-    drafter.plan_depth(step)
+    proposer.plan_depth(step)
     assert weighed[-1] == 1100
 
-    drafter.note_prompts({"r0": 97})  # resumed, its prompt mostly from the prefix cache
+    proposer.note_prompts({"r0": 97})  # resumed, its prompt mostly from the prefix cache
     catch_up["tokens"] = 28000
-    drafter.plan_depth(step)
+    proposer.plan_depth(step)
     assert weighed[-1] == 28000 - 97  # only the part the prefix cache supplied is rented or bought
-    drafter.propose_trees(step.with_depth(2))
+    proposer.propose(step.with_depth(2))
     assert drafter.tree_stats.catch_ups_with_prompt == 1
 
     # A prompt tail the target computed (its prefix cached with the draft's K/V, as a document asked
     # again), then steps decoded plainly: each adds a token to the catch-up, none of them a prompt.
-    drafter.note_prompts({"r0": 97})
+    proposer.note_prompts({"r0": 97})
     for plain_steps in range(3):
         catch_up["tokens"] = 97 + plain_steps
-        drafter.plan_depth(step)
+        proposer.plan_depth(step)
         assert weighed[-1] == plain_steps
-    drafter.propose_trees(step.with_depth(2))
+    proposer.propose(step.with_depth(2))
     assert drafter.tree_stats.catch_ups_with_prompt == 2
 
-    drafter.note_prompts({"r0": 40000})
-    drafter.forget({"r0"})  # finished before it drafted
-    drafter.plan_depth(step)
+    proposer.note_prompts({"r0": 40000})
+    proposer.forget({"r0"})  # finished before it drafted
+    proposer.plan_depth(step)
     assert weighed[-1] == 99
 
 
 def test_reset_stats_zeroes_the_tree_and_evict_counters():
-    drafter = _TreeCounting(planned=2)
-    drafter.evict.stats = SimpleNamespace(steps=5)
+    drafter = _TreeCounting()
+    proposer = _evict_over(drafter)
     drafter.tree_stats.trees = 3
     drafter.tree_stats.catch_ups_with_prompt = 1
-    drafter.reset_stats()
+    proposer.reset_stats()
     assert drafter.tree_stats.trees == 0 and drafter.tree_stats.catch_ups_with_prompt == 0
-    assert not hasattr(drafter.evict.stats, "steps")  # a fresh one of its type
-    assert drafter.request_state()["draft_trees"] == 0
+    assert proposer.evict.resets == 1
+    assert proposer.request_state()["draft_trees"] == 0
+    assert proposer.stats_by_level()["evict"] == {"evict_steps": 0}
 
 
-def test_the_horizon_is_the_most_tokens_a_request_may_still_emit(monkeypatch):
+def test_the_horizon_is_the_most_tokens_a_request_may_still_emit():
     """EVICT weighs a catch-up against what drafting can save before the requests end: the step hands
     in the largest remaining max_tokens of its requests, or None when one has no max_tokens."""
-    import vllm_sparsever.drafting.tree_drafter as tree_drafter
-
-    monkeypatch.setattr(tree_drafter, "_agreed", lambda decision: decision)
-    drafter = _TreeCounting(planned=2)
-    handed = []
-    drafter.evict.plan_depth = lambda contexts, shape, catch_up, **kw: handed.append(kw) or 2
-    drafter.plan_depth(_step([[7], [8]], [4, 6], [64, 64], lookahead=4, depth=4, remaining=40))
+    proposer = _evict_over(_TreeCounting())
+    handed = proposer.evict.handed
+    proposer.plan_depth(_step([[7], [8]], [4, 6], [64, 64], lookahead=4, depth=4, remaining=40))
     assert handed[-1]["horizon_tokens"] == 40
-    drafter.plan_depth(_step([[7], [8]], [4, 6], [64, 64], lookahead=4, depth=4, remaining=None))
+    proposer.plan_depth(_step([[7], [8]], [4, 6], [64, 64], lookahead=4, depth=4, remaining=None))
     assert handed[-1]["horizon_tokens"] is None

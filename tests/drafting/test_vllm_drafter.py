@@ -5,14 +5,12 @@ import pytest
 import torch
 
 from vllm_sparsever.compat.drafter import DraftRecorder
-from vllm_sparsever.config import AdaptiveVerificationConfig
 from vllm_sparsever.drafting.drafter import DraftRequests
 from vllm_sparsever.drafting.vllm_drafter import VllmDrafterChains
 
 
 def _drafter(proposed, probabilities, seconds=0.02):
-    drafter = VllmDrafterChains(num_speculative_tokens=3, max_model_len=100,
-                                adaptive=AdaptiveVerificationConfig(enabled=True))
+    drafter = VllmDrafterChains(num_speculative_tokens=3, max_model_len=100)
     recorder = DraftRecorder()
     recorder.probabilities = [torch.tensor(p) for p in probabilities]
     recorder.seconds = seconds

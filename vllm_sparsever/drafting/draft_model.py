@@ -65,10 +65,9 @@ class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
     # (after the bookkeeping: vLLM's own draft_model proposes from device tensors, before it)
 
     def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None,
-                 adaptive: Any = None, draft_vocab: int | None = None,
-                 attention_window: int | None = None) -> None:
-        """`tree`/`adaptive`: DraftTreeConfig/AdaptiveVerificationConfig to draft trees (EVICT-cut
-        with adaptive), or None for chains in rounds. `draft_vocab`: draft over the lowest this many
+                 draft_vocab: int | None = None, attention_window: int | None = None) -> None:
+        """`tree`: a DraftTreeConfig to draft trees (EVICT-cut under drafting/evict_proposer.py), or
+        None for chains in rounds. `draft_vocab`: draft over the lowest this many
         token ids plus the context's (None: the whole vocabulary). `attention_window`: the recent
         positions the draft attends to besides the first block (None: the whole context)."""
         super().__init__(DraftModelStats(), num_speculative_tokens=num_speculative_tokens,
@@ -81,7 +80,7 @@ class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
         self._draft_vocab = draft_vocab
         self._vocab: ContextDraftVocab | None = None
         self._window = (1, attention_window) if attention_window is not None else None  # (sink, recent)
-        self.init_trees(tree, adaptive, num_speculative_tokens)
+        self.init_trees(tree)
 
     def load(self, target: Any) -> None:
         from vllm_sparsever.compat.model import (decoder_stack, plain_lm_head,
@@ -250,7 +249,7 @@ class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
 
     # ---- trees (TreeDrafting) ----------------------------------------------------------------
 
-    def _catch_up_tokens(self, reqs: DraftRequests) -> int:
+    def catch_up_tokens(self, reqs: DraftRequests) -> int:
         return sum(self._catch_up_size(reqs, i, []) for i in range(len(reqs.rows)))
 
     def _tree_root_top(self, reqs: DraftRequests, idx: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -129,10 +129,9 @@ class HeadRecord:
 class EagleHeadDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
     level = "eagle_head"
 
-    def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None,
-                 adaptive: Any = None) -> None:
-        """`tree`/`adaptive`: DraftTreeConfig/AdaptiveVerificationConfig to draft trees (EAGLE-2 style,
-        EVICT-cut with adaptive), or None for chains in rounds (the hierarchy's drafter)."""
+    def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None) -> None:
+        """`tree`: a DraftTreeConfig to draft trees (EAGLE-2 style; EVICT-cut under
+        drafting/evict_proposer.py), or None for chains in rounds (the hierarchy's drafter)."""
         super().__init__(EagleHeadStats(), num_speculative_tokens=num_speculative_tokens,
                          max_model_len=max_model_len)
         self.head: Any = None  # compat.drafter.EagleHead
@@ -142,7 +141,7 @@ class EagleHeadDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
         # of the last level's query (a node's children read their parent's).
         self._root_hidden: dict[int, torch.Tensor] = {}
         self._node_hidden: dict[int, torch.Tensor] = {}
-        self.init_trees(tree, adaptive, num_speculative_tokens)
+        self.init_trees(tree)
 
     def load(self, target: Any) -> None:
         from vllm_sparsever.compat.model import aux_hidden_state_layers
@@ -273,7 +272,7 @@ class EagleHeadDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
 
     # ---- trees (TreeDrafting) ----------------------------------------------------------------
 
-    def _catch_up_tokens(self, reqs: DraftRequests) -> int:
+    def catch_up_tokens(self, reqs: DraftRequests) -> int:
         total = 0
         for i in range(len(reqs.rows)):
             run = self._catch_up(reqs, i, [])

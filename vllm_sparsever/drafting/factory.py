@@ -21,44 +21,52 @@ def check_scheduling(config: SparseverConfig, proposer: Proposer | None, async_s
 
 def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | None:
     """sparsever's proposer, or None when vLLM's drafter proposes as it is (draft model, n-gram, EAGLE;
-    draft_source='none': a proposer that proposes nothing;
-    with adaptive, EVICT cuts an EAGLE head's chains, drafting/vllm_drafter.py):
+    draft_source='none': a proposer that proposes nothing); with adaptive, EVICT over the tree drafter
+    (drafting/evict_proposer.py; over vLLM's EAGLE / MTP drafter: its chains, drafting/vllm_drafter.py);
     the self-drafter for draft_source='early_exit'; with early_exit.enabled, the hierarchy over the
     drafter (self-drafter, prompt lookup, draft model, or an EAGLE head sparsever runs itself) and the
     intermediate verifier (layers resolved in the
     front end, see resolve_self_draft)."""
-    from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
-
     if config.draft_source == "none":
         from vllm_sparsever.drafting.no_draft import NoDraftProposer
 
         return NoDraftProposer()
+    drafter = _drafter(config, max_model_len)
+    if drafter is not None and config.adaptive.enabled:
+        from vllm_sparsever.drafting.evict_proposer import EvictProposer
+
+        return EvictProposer(drafter, config.adaptive)
+    return drafter
+
+
+def _drafter(config: SparseverConfig, max_model_len: int) -> Proposer | None:
+    """`make_proposer`'s proposer before EVICT wraps it."""
+    from vllm_sparsever.drafting.hierarchical import HierarchicalProposer
+    from vllm_sparsever.drafting.tree_drafter import chain_tree
+
     ee = config.early_exit
-    trees = {"tree": config.tree if config.tree.enabled else None,
-             "adaptive": config.adaptive if config.adaptive.enabled else None}
-    if config.draft_source == "draft_model" and (config.tree.enabled or config.adaptive.enabled):
+    k = config.num_speculative_tokens
+    # Trees as configured; EVICT alone: chains grown as one-branch trees (their path probabilities score them).
+    tree = config.tree if config.tree.enabled else chain_tree(k) if config.adaptive.enabled else None
+    if config.draft_source == "draft_model" and tree is not None:
         from vllm_sparsever.drafting.draft_model import DraftModelDrafter
 
         # (checked at start: no hierarchy with trees)
-        return DraftModelDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
-                                 draft_vocab=config.draft_vocab, attention_window=config.draft_attention_window,
-                                 **trees)
+        return DraftModelDrafter(num_speculative_tokens=k, max_model_len=max_model_len, tree=tree,
+                                 draft_vocab=config.draft_vocab, attention_window=config.draft_attention_window)
     if config.draft_source in EAGLE_HEAD_SOURCES and config.tree.enabled:
         from vllm_sparsever.drafting.eagle_head import EagleHeadDrafter
 
         # EAGLE-2 style trees: sparsever grows them with the head itself (vLLM's proposer drafts chains).
-        return EagleHeadDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
-                                **trees)
+        return EagleHeadDrafter(num_speculative_tokens=k, max_model_len=max_model_len, tree=tree)
     if config.draft_source in VLLM_DRAFTERS and config.adaptive.enabled:
         from vllm_sparsever.drafting.vllm_drafter import VllmDrafterChains
 
-        return VllmDrafterChains(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
-                                 adaptive=config.adaptive)
+        return VllmDrafterChains(num_speculative_tokens=k, max_model_len=max_model_len)
     if config.draft_source == "ngram" and config.adaptive.enabled:
         from vllm_sparsever.drafting.prompt_lookup import PromptLookupDrafter
 
-        return PromptLookupDrafter(num_speculative_tokens=config.num_speculative_tokens, max_model_len=max_model_len,
-                                   adaptive=config.adaptive)
+        return PromptLookupDrafter(num_speculative_tokens=k, max_model_len=max_model_len, tree=tree)
     if config.draft_source != "early_exit" and not ee.enabled:
         return None
     round_tokens = ee.round_tokens if ee.enabled else config.num_speculative_tokens
@@ -77,7 +85,7 @@ def make_proposer(config: SparseverConfig, max_model_len: int) -> Proposer | Non
         from vllm_sparsever.drafting.self_draft import SelfDraftProposer
 
         drafter = SelfDraftProposer(model, exit_layer=ee.draft_layer, num_speculative_tokens=round_tokens,
-                                    confidence=ee.draft_confidence, max_model_len=max_model_len, **trees)
+                                    confidence=ee.draft_confidence, max_model_len=max_model_len, tree=tree)
     elif config.draft_source in EAGLE_HEAD_SOURCES:
         from vllm_sparsever.drafting.eagle_head import EagleHeadDrafter
 

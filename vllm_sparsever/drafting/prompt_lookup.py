@@ -5,7 +5,7 @@ includes the tokens the hierarchy holds pending (vLLM's own n-gram drafter sees 
 only, so it cannot draft a second round). The matcher is vLLM's (compat.ngram), with the
 prompt-lookup bounds vLLM resolved for this engine. It reads no weights and writes no KV.
 
-With `adaptive` (EVICT) it proposes on its own as one-branch trees (chains): an n-gram match has
+Under EVICT (`adaptive`, drafting/evict_proposer.py) it proposes on its own as one-branch trees (chains): an n-gram match has
 no probabilities, so draft d of a chain gets the score NGRAM_SCORE**d, one calibration bin per
 depth, and EVICT's online calibration learns each depth's acceptance rate from what verification
 accepted. EVICT then cuts every request's chain to the length that pays for its verification.
@@ -48,12 +48,12 @@ class PromptLookupDrafter(TreeDrafting, RoundDrafter):
     depth_prior = NGRAM_SCORE
     one_pass = True
 
-    def __init__(self, *, num_speculative_tokens: int, max_model_len: int, adaptive: Any = None) -> None:
-        """`adaptive`: an AdaptiveVerificationConfig for EVICT-cut chains, or None."""
+    def __init__(self, *, num_speculative_tokens: int, max_model_len: int, tree: Any = None) -> None:
+        """`tree`: `tree_drafter.chain_tree` for chains as one-branch trees (EVICT-cut), or None."""
         super().__init__(PromptLookupStats(), num_speculative_tokens=num_speculative_tokens,
                          max_model_len=max_model_len)
         self._bounds = (0, 0)
-        self.init_trees(None, adaptive, num_speculative_tokens)
+        self.init_trees(tree)
 
     def load(self, target: Any) -> None:
         from vllm_sparsever.compat.ngram import match_ngram
@@ -86,12 +86,11 @@ class PromptLookupDrafter(TreeDrafting, RoundDrafter):
         return drafts
 
     def propose(self, step: DraftStep) -> list[list[int]]:
-        if self.adaptive is None:
+        if self.tree is None:
             return super().propose(step)
         return self.propose_trees(step)
 
-    def grow_trees(self, reqs: DraftRequests, levels: int, shape: Any,
-                   catch_up_tokens: int = 0) -> tuple[list[DraftTree], list[float]]:
+    def grow_trees(self, reqs: DraftRequests, levels: int, shape: Any) -> tuple[list[DraftTree], list[float]]:
         """EVICT's chains: each request's n-gram continuation of at most `levels` drafts, with a score
         per depth (module docstring); and the lookups' time (one pass for every level)."""
         start = time.perf_counter()

@@ -119,15 +119,14 @@ class SelfDraftProposer(TreeDrafting, RoundDrafter):
         confidence: float,
         max_model_len: int,
         tree: Any = None,
-        adaptive: Any = None,
     ) -> None:
-        """`tree`/`adaptive`: DraftTreeConfig/AdaptiveVerificationConfig to draft trees through
-        layers 0..L-1 under the tree mask (EVICT-cut with adaptive); None: chains."""
+        """`tree`: a DraftTreeConfig to draft trees through layers 0..L-1 under the tree mask
+        (EVICT-cut under drafting/evict_proposer.py); None: chains."""
         super().__init__(SelfDraftStats(), num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len)
         self.model = model
         self.exit_layer = exit_layer
         self.confidence = confidence
-        self.init_trees(tree, adaptive, num_speculative_tokens)
+        self.init_trees(tree)
 
     def load(self, target: Any) -> None:
         self.model.load(target)

@@ -1,4 +1,5 @@
-"""EVICT over vLLM's own model-based drafters (draft_source 'eagle' / 'eagle3' / 'mtp', `adaptive.enabled`).
+"""vLLM's own model-based drafters' chains for EVICT (draft_source 'eagle' / 'eagle3' / 'mtp',
+`adaptive.enabled`; drafting/evict_proposer.py wraps this drafter).
 
 Before vLLM's drafter (an EAGLE or EAGLE-3 head, or the target's MTP layers) runs in the step,
 EVICT plans the step's depth from its cost model and the steps it measured, and the drafter runs
@@ -18,7 +19,7 @@ from typing import Any
 from vllm_sparsever.step import DraftPlan, DraftStep
 from vllm_sparsever.drafting.drafter import DraftRequests, RoundDrafter
 from vllm_sparsever.drafting.proposer import ProposesAfterBookkeeping
-from vllm_sparsever.drafting.tree_drafter import TreeDrafting
+from vllm_sparsever.drafting.tree_drafter import TreeDrafting, chain_tree
 from vllm_sparsever.metrics import counters_summary
 from vllm_sparsever.trees import DraftTree
 
@@ -39,12 +40,11 @@ class VllmDrafterStats:
 class VllmDrafterChains(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
     level = "vllm_drafter"
 
-    def __init__(self, *, num_speculative_tokens: int, max_model_len: int, adaptive: Any) -> None:
+    def __init__(self, *, num_speculative_tokens: int, max_model_len: int) -> None:
         super().__init__(VllmDrafterStats(), num_speculative_tokens=num_speculative_tokens,
                          max_model_len=max_model_len)
-        self.init_trees(None, adaptive, num_speculative_tokens)
+        self.init_trees(chain_tree(num_speculative_tokens))
         self._recorder: Any = None
-        self._levels = num_speculative_tokens  # EVICT's depth for the current step
         self._depth = num_speculative_tokens  # the draft steps vLLM's drafter runs this step
 
     def load(self, target: Any) -> None:
@@ -52,25 +52,14 @@ class VllmDrafterChains(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
         self._recorder = target.record_vllm_drafter()
 
     def plan(self) -> DraftPlan:
-        """The proposal is vLLM's drafter's, as deep as EVICT plans the step (before it runs); the
-        cut comes after the step's bookkeeping."""
-        return DraftPlan(after_bookkeeping=True, vllm_depth=self._plan_vllm_depth())
+        """The proposal is vLLM's drafter's (inside the step, up to the configured depth: EVICT's
+        proposer plans how deep and says so through `run_vllm_drafter`); the cut comes after the
+        step's bookkeeping."""
+        return DraftPlan(after_bookkeeping=True, vllm_depth=self.num_speculative_tokens)
 
-    def _plan_vllm_depth(self) -> int:
-        """EVICT's depth for this step, before vLLM's drafter runs: the draft steps it is to run."""
-        from vllm_sparsever.adaptive.evict import DraftShape
-
-        contexts = self.target.step_contexts()
-        k = self.num_speculative_tokens
-        shape = DraftShape(cap=k, budgets=(k,) * len(contexts), first=1, later=1, mask="chain", one_pass=False)
-        seeded = any(self.target.seeded_sampling(row) for row in range(len(contexts)))
-        self._levels = super().plan_levels(contexts, shape, 0, seeded=seeded) if contexts else k
-        self._depth = max(1, self._levels)
-        return self._depth
-
-    def plan_levels(self, contexts: list[int], shape: Any, catch_up_tokens: int, seeded: bool = False, *,
-                    prompt_tokens: int = 0, horizon_tokens: int | None = None) -> int:
-        return min(self._levels, shape.cap)  # planned before vLLM drafted (plan)
+    def run_vllm_drafter(self, depth: int) -> None:
+        """vLLM's drafter runs `depth` draft steps this step."""
+        self._depth = depth
 
     def propose(self, step: DraftStep) -> list[list[int]]:
         self._proposed = self.target.vllm_drafts()
@@ -84,8 +73,7 @@ class VllmDrafterChains(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
         self.stats.drafts_kept += sum(len(d) for d in drafts)
         return drafts
 
-    def grow_trees(self, reqs: DraftRequests, levels: int, shape: Any,
-                   catch_up_tokens: int = 0) -> tuple[list[DraftTree], list[float]]:
+    def grow_trees(self, reqs: DraftRequests, levels: int, shape: Any) -> tuple[list[DraftTree], list[float]]:
         """Each request's chain as vLLM drafted it, its first `levels` drafts, scored by path
         probability; and the time of each of the drafter's passes."""
         probabilities = [p.tolist() for p in self._recorder.probabilities]
