@@ -5,6 +5,7 @@
   early_exit_model.py and exit_head.py), an EAGLE head sparsever runs (eagle_head.py), EVICT's cut of vLLM's
   own drafters (vllm_drafter.py), drafting off (no_draft.py);
 - hierarchical verification over one of them (hierarchical.py, its intermediate level intermediate.py);
+- EVICT over a tree drafter (evict_proposer.py: asks adaptive/ only through adaptive.policy.EvictPolicy);
 - what drafters share: requests and rounds (drafter.py), draft trees (tree.py, tree_drafter.py), query
   batches for sparsever's own passes on the target's KV cache (queries.py).
 
