@@ -94,7 +94,7 @@ class _PlannedEvict:
 
     def __init__(self, planned):
         self.planned = planned
-        self.weighed, self.handed, self.resets = [], [], 0
+        self.weighed, self.handed, self.resets, self.observed = [], [], 0, []
 
     def plan_depth(self, contexts, shape, catch_up, *, seeded, **kw):
         self.weighed.append(catch_up)
@@ -109,6 +109,12 @@ class _PlannedEvict:
 
     def reset_stats(self):
         self.resets += 1
+
+    def observe_acceptance(self, tree, verified, accepted_nodes):
+        self.observed.append(("acceptance", list(tree.tokens), verified, accepted_nodes))
+
+    def observe_step(self, query_tokens, contexts, seconds, mask, gap_s):
+        self.observed.append(("step", query_tokens, contexts, mask))
 
     def summary(self):
         return {"evict_steps": 0}
@@ -132,6 +138,39 @@ def test_evicts_planned_depth_is_handed_in_with_the_step():
     # A step handed depth 0 (EVICT skips drafting) drafts nothing and grows nothing.
     assert proposer.propose(step.with_depth(0)) == [[]]
     assert drafter.grown_levels == [2]
+
+
+def test_evict_hears_the_verdict_on_the_tree_proposed_and_each_steps_time():
+    drafter = _TreeCounting()
+    proposer = _evict_over(drafter)
+    step = _step([[7]], [4], [64], lookahead=4, depth=4)
+    proposer.propose(step.with_depth(proposer.plan_depth(step)))
+    proposer.observe_acceptance("r0", 2, [0])
+    proposer.observe_acceptance("r9", 1, [])  # no tree proposed for it: nothing to calibrate
+    proposer.observe_step_time([3], [4], 0.1, "chain", None)
+    assert proposer.evict.observed == [("acceptance", [4, 5], 2, [0]), ("step", [3], [4], "chain")]
+    assert proposer.topologies({"r0": [4, 5]}) == {}  # a chain
+
+
+def test_evict_plans_vllms_drafter_depth_before_it_runs():
+    """Over vLLM's own drafter (its plan runs it first): EVICT's depth is planned in `plan()`, vLLM's
+    drafter runs at least one step, and `plan_depth` hands the planned depth on."""
+    from vllm_sparsever.step import DraftPlan
+
+    class VllmChains(_TreeCounting):
+        def plan(self):
+            return DraftPlan(after_bookkeeping=True, vllm_depth=4)
+
+        def run_vllm_drafter(self, depth):
+            self.vllm_depth = depth
+
+    for planned, runs in ((3, 3), (0, 1)):
+        drafter = VllmChains()
+        proposer = _evict_over(drafter, planned=planned)
+        proposer.target = SimpleNamespace(step_contexts=lambda: [4], seeded_sampling=lambda row: False)
+        assert proposer.plan() == DraftPlan(after_bookkeeping=True, vllm_depth=runs) and drafter.vllm_depth == runs
+        assert proposer.plan_depth(_step([[7]], [4], [64], lookahead=4, depth=4)) == planned
+        assert proposer.evict.weighed == [0]  # planned once, before vLLM drafted
 
 
 def test_a_catch_up_no_longer_than_the_prompt_the_target_computed_rides_with_it():
