@@ -530,7 +530,7 @@ class Evict:
         catch-up's measured cost, then draft: at most twice the better choice in hindsight, however
         long the request turns out to be. An unmeasured catch-up is not deferred (it gets measured).
         (A catch-up riding with a prompt the target has just computed never reaches here:
-        TreeDrafting._catch_up_to_plan.)"""
+        drafting.evict_proposer.EvictProposer._catch_up_to_plan.)"""
         per_token_s = self.clock.catch_up_s_per_token
         if catch_up_tokens < CATCH_UP_MIN_TOKENS or per_token_s is None:
             self._catch_up_forgone_s = 0.0
