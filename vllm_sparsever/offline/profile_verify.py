@@ -68,8 +68,8 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
     from vllm_sparsever.trees import DraftTopology, stacked_tree_mask
 
     from vllm_sparsever.compat.cpu_attention import attention_layers
-    from vllm_sparsever.verification.attention import SparseverCPUAttentionImpl
-    from vllm_sparsever.verification.expert_counter import probe_step_experts
+    from vllm_sparsever.verification.sparse.attention import SparseverCPUAttentionImpl
+    from vllm_sparsever.verification.lossless.expert_counter import probe_step_experts
 
     stack = decoder_stack(runner.model)
     target = RunnerTargetView(runner)

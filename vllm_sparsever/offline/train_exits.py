@@ -86,7 +86,7 @@ class TrainExitsOptions:
 def generation_dtype_here() -> str:
     """bf16, except fp32 where vLLM-CPU's 16-bit linear is torch's slow path (no AVX-512), many times
     slower than fp32 (bench/results/README.md, "Verify steps on an AVX2 CPU")."""
-    from vllm_sparsever.verification.linear import slow_16bit_cpu_linear
+    from vllm_sparsever.verification.lossless.linear_kernel import slow_16bit_cpu_linear
 
     return "float32" if slow_16bit_cpu_linear(torch.bfloat16) else "bfloat16"
 
