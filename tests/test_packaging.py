@@ -37,6 +37,7 @@ SERVING_MODULES = [
     "vllm_sparsever",
     "vllm_sparsever.config",
     "vllm_sparsever.plan",
+    "vllm_sparsever.forward_scope",
     "vllm_sparsever.metrics",
     "vllm_sparsever._C_loader",
     "vllm_sparsever._custom_ops",

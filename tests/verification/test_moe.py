@@ -17,7 +17,8 @@ import torch
 
 from vllm_sparsever import reference as ref
 from vllm_sparsever.config import SparseverConfig
-from vllm_sparsever.plan import active_plan, build_verification_plan
+from vllm_sparsever.forward_scope import active_plan
+from vllm_sparsever.plan import build_verification_plan
 from vllm_sparsever.verification.sparse.runtime import SparseVerificationRuntime, install_runtime
 
 E, TOP_K, H, I = 8, 3, 128, 96

@@ -29,7 +29,8 @@ from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.drafting.factory import check_scheduling, make_proposer
 from vllm_sparsever.integration.step_inputs import RunnerTargetView, draft_step
 from vllm_sparsever.integration.step_recorder import StepRecorder
-from vllm_sparsever.plan import VerificationPlan, active_plan, build_verification_plan
+from vllm_sparsever.forward_scope import active_plan
+from vllm_sparsever.plan import VerificationPlan, build_verification_plan
 from vllm_sparsever.verification.lossless.logits_params import honour_logits_params
 from vllm_sparsever.verification.lossless.tree_acceptance import TreeAcceptance
 from vllm_sparsever.verification.sparse.setup import install_modules, start_sparse_verification, target_load_hooks

@@ -41,6 +41,7 @@ from vllm_sparsever.compat.cpu_attention import (
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
 )
+from vllm_sparsever.forward_scope import current_plan, current_tree_mask
 from vllm_sparsever.plan import (
     AnchorSelection,
     AnchorSelectionUnavailable,
@@ -48,8 +49,6 @@ from vllm_sparsever.plan import (
     RequestVerification,
     StepBatch,
     VerificationPlan,
-    current_plan,
-    current_tree_mask,
 )
 from vllm_sparsever.verification.lossless.kv_layout import (
     KERNEL_LAYOUT_ISAS,

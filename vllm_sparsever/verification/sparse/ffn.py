@@ -51,7 +51,8 @@ from vllm_sparsever.compat.linear import (
     use_plain_cpu_linear,
 )
 from vllm_sparsever.compat.worker import is_cpu_platform
-from vllm_sparsever.plan import TokenGroups, current_plan
+from vllm_sparsever.forward_scope import current_plan
+from vllm_sparsever.plan import TokenGroups
 from vllm_sparsever.verification.sparse.op_modules import OpModuleRegistry
 from vllm_sparsever.verification.sparse.runtime import (
     SparsePathUnavailable,

@@ -45,7 +45,8 @@ from vllm_sparsever.compat import fused_moe as vllm_moe
 from vllm_sparsever.compat.forward_context import skip_moe_layer_slot
 from vllm_sparsever.compat.worker import is_cpu_platform
 from vllm_sparsever.verification.sparse.op_modules import OpModuleRegistry
-from vllm_sparsever.plan import VerificationPlan, current_plan
+from vllm_sparsever.forward_scope import current_plan
+from vllm_sparsever.plan import VerificationPlan
 from vllm_sparsever.verification.sparse.runtime import (
     SparsePathUnavailable,
     SparseVerificationRuntime,
