@@ -30,7 +30,7 @@ from record import RESULTS, hardware, versions  # noqa: E402
 
 from vllm_sparsever import _custom_ops as ops  # noqa: E402
 from vllm_sparsever.config import SparseverConfig  # noqa: E402
-from vllm_sparsever.verification.runtime import STATS_SAMPLE_EVERY, SparseVerificationRuntime  # noqa: E402
+from vllm_sparsever.verification.sparse.runtime import STATS_SAMPLE_EVERY, SparseVerificationRuntime  # noqa: E402
 
 # Qwen2.5-Coder-1.5B (FFN, attention) and a Mixtral-style MoE with SmolLM2-135M's width
 # (smollm2-135m-moe: H 576, 8 experts of 192 neurons, top-6).

@@ -37,16 +37,13 @@ def main(argv=None) -> int:
     import torch
 
     from vllm_sparsever.cli import resolve_model
-    from vllm_sparsever.offline.train_eagle import (
-        MANIFEST_NAME,
-        TrainEagleOptions,
-        evaluate,
-        extract_features,
-        generated_text,
-        load_head,
-        python_code,
-    )
-    from vllm_sparsever.offline.train_exits import read_config
+    from vllm_sparsever.offline.common import read_config
+    from vllm_sparsever.offline.eagle3.features import extract_features
+    from vllm_sparsever.offline.eagle3.head import load_head
+    from vllm_sparsever.offline.eagle3.options import TrainEagleOptions
+    from vllm_sparsever.offline.eagle3.text import generated_text, python_code
+    from vllm_sparsever.offline.eagle3.training import evaluate
+    from vllm_sparsever.offline.train_eagle import MANIFEST_NAME
 
     started = dt.datetime.now(dt.timezone.utc)
     target = resolve_model(args.target)
@@ -57,7 +54,7 @@ def main(argv=None) -> int:
     heldout_rows, seqs, hf_model = text.heldout_rows, text.heldout, text.model
     _, code_rows = python_code(target, options)
     if hf_model is None:
-        from vllm_sparsever.offline.train_exits import load_target
+        from vllm_sparsever.offline.common import load_target
 
         hf_model, _ = load_target(target)
     heads = {path: load_head(path, config) for path in args.heads}

@@ -78,20 +78,13 @@ def main(argv=None) -> int:
     import torch
 
     from vllm_sparsever.cli import resolve_model
-    from vllm_sparsever.offline.train_eagle import (
-        MANIFEST_NAME,
-        TrainEagleOptions,
-        cached_features,
-        draft_vocabulary,
-        evaluate,
-        generated_text,
-        new_head,
-        save_head,
-        select_layers,
-        stream_rms,
-        train_head,
-    )
-    from vllm_sparsever.offline.train_exits import eos_token_ids, load_target, read_config
+    from vllm_sparsever.offline.common import eos_token_ids, load_target, read_config
+    from vllm_sparsever.offline.eagle3.features import cached_features, select_layers, stream_rms
+    from vllm_sparsever.offline.eagle3.head import new_head, save_head
+    from vllm_sparsever.offline.eagle3.options import TrainEagleOptions
+    from vllm_sparsever.offline.eagle3.text import generated_text
+    from vllm_sparsever.offline.eagle3.training import draft_vocabulary, evaluate, train_head
+    from vllm_sparsever.offline.train_eagle import MANIFEST_NAME
 
     started = dt.datetime.now(dt.timezone.utc)
     target = resolve_model(args.target)

@@ -37,6 +37,7 @@ SERVING_MODULES = [
     "vllm_sparsever",
     "vllm_sparsever.config",
     "vllm_sparsever.plan",
+    "vllm_sparsever.forward_scope",
     "vllm_sparsever.metrics",
     "vllm_sparsever._C_loader",
     "vllm_sparsever._custom_ops",
@@ -45,12 +46,16 @@ SERVING_MODULES = [
     "vllm_sparsever.integration.model_runner",
     "vllm_sparsever.integration.worker",
     "vllm_sparsever.verification.support",
-    "vllm_sparsever.verification.profile",
-    "vllm_sparsever.verification.setup",
-    "vllm_sparsever.verification.runtime",
-    "vllm_sparsever.verification.attention",
-    "vllm_sparsever.verification.ffn",
-    "vllm_sparsever.verification.moe",
+    "vllm_sparsever.verification.sparse.profile",
+    "vllm_sparsever.verification.sparse.setup",
+    "vllm_sparsever.verification.sparse.runtime",
+    "vllm_sparsever.verification.sparse.attention",
+    "vllm_sparsever.verification.sparse.ffn",
+    "vllm_sparsever.verification.sparse.moe",
+    "vllm_sparsever.verification.lossless.tree_acceptance",
+    "vllm_sparsever.verification.lossless.logits_params",
+    "vllm_sparsever.verification.lossless.linear_kernel",
+    "vllm_sparsever.verification.lossless.kv_layout",
 ]
 
 
@@ -96,7 +101,7 @@ def built(tmp_path_factory):
 
 def test_wheel_holds_every_module_and_both_extensions(built):
     wheel, _, modules = built
-    assert f"{PACKAGE}/verification/attention.py" in modules  # the list is the real one
+    assert f"{PACKAGE}/verification/sparse/attention.py" in modules  # the list is the real one
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
     missing = [m for m in modules if m not in names]

@@ -9,9 +9,7 @@ from vllm_sparsever.plan import (
     AnchorSelections,
     AnchorSelectionUnavailable,
     VerifyLevel,
-    active_plan,
     build_verification_plan,
-    current_plan,
 )
 from vllm_sparsever.trees import DraftTopology
 
@@ -109,14 +107,6 @@ def test_attention_planner_is_called_once_per_verify_step_with_the_batch():
         block_table=torch.arange(3 * 6, dtype=torch.int32).reshape(3, 6), block_size=4, attention_planner=planner)
     assert not plan.has_prefill_rows and plan.attention == "attention-plan"
     assert calls == [(["a", "c", "d"], ["a", "d"], [0, 4, 5, 7])]
-
-
-def test_active_plan_is_scoped():
-    plan = _known_plan()
-    assert current_plan() is None
-    with active_plan(plan):
-        assert current_plan() is plan
-    assert current_plan() is None
 
 
 def _selection(layer):

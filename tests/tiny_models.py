@@ -291,7 +291,8 @@ def train_tiny_eagle3(path: Path, target: Path, *, num_prompts: int = 40, epochs
     seconds on a tiny model): drafts the target often agrees with, when the target's next-token
     distributions are peaked (`make_tiny_exit_llama`). A random tiny model's text has little that
     generalizes, so engine tests put their own prompts in `extra_prompts` (trained on, not held out)."""
-    from vllm_sparsever.offline.train_eagle import TrainEagleOptions, train_eagle
+    from vllm_sparsever.offline.eagle3.options import TrainEagleOptions
+    from vllm_sparsever.offline.train_eagle import train_eagle
 
     path = Path(path)
     if (path / "config.json").exists():

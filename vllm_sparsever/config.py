@@ -371,7 +371,7 @@ class SparseverConfig:
     # vLLM-CPU's own; "vllm-padded" keeps it and runs calls of 1-3 tokens as 4-row calls (oneDNN
     # reads 16-bit weights faster for 4 rows than for 1-3 on AVX512-BF16 CPUs without AMX); "auto" is
     # "sparsever" for bf16/fp16 targets on CPUs without AVX-512, where vLLM-CPU's 16-bit linear is
-    # torch's, "vllm-padded" for them on AVX512-BF16 CPUs without AMX (verification/linear.py), else
+    # torch's, "vllm-padded" for them on AVX512-BF16 CPUs without AMX (verification/lossless/linear_kernel.py), else
     # "vllm". The draft model's (or head's) linears follow.
     linear_kernel: Literal["auto", "sparsever", "hybrid", "vllm", "vllm-padded"] = "auto"
     # vLLM SpeculativeConfig fields forwarded as they are.

@@ -6,7 +6,7 @@ the batch is computed there, once: which requests verify and where their draft t
 (`RequestVerification`), the token groups the FFN/MoE kernels run over (`TokenGroups`), and, when
 sparse attention is active, the attention rows, kept-block counts, compacted sequence lengths and
 kernel scheduling metadata (`AttentionStepPlan`, built by the attention backend's planner). Layers
-read the plan through `current_plan()` and never write it.
+read the plan of the forward now running through `forward_scope.current_plan()` and never write it.
 
 The one thing a plan cannot know before the forward is what the anchor layers select (selection
 scores the anchor's own queries). Those selections go into the plan's `AnchorSelections`, a typed
@@ -28,9 +28,8 @@ forward context): the sparse FFN and MoE wrappers are such ops.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -348,49 +347,3 @@ def _token_groups(requests: list[RequestVerification], num_tokens: int, device) 
         group_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         batch_rows=tuple(r.batch_index for r in requests),
     )
-
-
-# ---- the plan of the step being run ---------------------------------------------------------
-
-_current: VerificationPlan | None = None
-
-
-def current_plan() -> VerificationPlan | None:
-    """The plan of the target forward now running, or None outside one (draft model, warm-up)."""
-    return _current
-
-
-@contextlib.contextmanager
-def active_plan(plan: VerificationPlan | None) -> Iterator[None]:
-    """Make `plan` visible to layers and ops for the duration of one target forward (and its
-    tree mask to attention, see `tree_attention`)."""
-    global _current
-    previous, _current = _current, plan
-    try:
-        with tree_attention(plan.tree.mask if plan is not None and plan.tree is not None else None):
-            yield
-    finally:
-        _current = previous
-
-
-# ---- the tree mask of the forward being run -------------------------------------------------
-# Separate from the plan: the draft model's tree expansion (drafting/tree.py) attends with a tree
-# mask too, and must not be taken for a target verification.
-
-_tree_mask: torch.Tensor | None = None
-
-
-def current_tree_mask() -> torch.Tensor | None:
-    """[T, max_q_len] uint8 ancestor mask of the forward now running, or None (causal)."""
-    return _tree_mask
-
-
-@contextlib.contextmanager
-def tree_attention(mask: torch.Tensor | None) -> Iterator[None]:
-    """Attention layers run inside attend with `mask` (see `TreeStep.mask`) instead of causally."""
-    global _tree_mask
-    previous, _tree_mask = _tree_mask, mask
-    try:
-        yield
-    finally:
-        _tree_mask = previous

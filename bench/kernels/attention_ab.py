@@ -39,7 +39,7 @@ def child(so: str, contexts: list[int], q_lens: list[int], reps: int, threads: i
     """Load one build and print one JSON line per shape: the best of `reps` calls, rotating over
     enough copies of the cache that each call reads K/V from DRAM. `layout`: vLLM-CPU's plain KV
     layout (`vec`: K transposed) or its AMX-packed one (`amx`, read through the 6-D views of
-    `verification.attention.paged_kv_views`)."""
+    `verification.lossless.kv_layout.paged_kv_views`)."""
     import time
 
     import torch

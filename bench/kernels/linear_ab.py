@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     from kernels.run import vllm_cpu_linear
     from record import RESULTS, hardware, versions
     from vllm_sparsever import _custom_ops as ops
-    from vllm_sparsever.verification.linear import padded_cpu_linear
+    from vllm_sparsever.verification.lossless.linear_kernel import padded_cpu_linear
 
     dtype = getattr(torch, args.dtype)
     if args.threads:

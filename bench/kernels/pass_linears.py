@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from record import RESULTS, hardware, save_results, versions
     from vllm_sparsever import _custom_ops as ops
     from vllm_sparsever.models.quantize import quantize_int8_per_channel
-    from vllm_sparsever.verification.linear import padded_cpu_linear
+    from vllm_sparsever.verification.lossless.linear_kernel import padded_cpu_linear
 
     torch.set_num_threads(args.threads)
     amx = torch.cpu._is_amx_tile_supported()  # (also what lets this process use AMX tiles, as vLLM's worker does)

@@ -267,7 +267,8 @@ def bench_attention(model: str, ctx: int, q_len: int, dtype: torch.dtype, keep_f
     # selection per request shared by the KV heads; same number of kept blocks, so same bytes).
     from vllm import _custom_ops as vllm_ops
 
-    from vllm_sparsever.verification.attention import compact_block_table, heads_as_one, paged_kv_views
+    from vllm_sparsever.verification.lossless.kv_layout import paged_kv_views
+    from vllm_sparsever.verification.sparse.attention import compact_block_table, heads_as_one
 
     stock_kv = [r.view(nblk, hkv, 2 * bs, d).chunk(2, dim=2) for r in raws]  # vLLM's own view, vec ISA
 
@@ -389,7 +390,7 @@ class vllm_cpu_linear:  # noqa: N801 (a callable standing for one linear layer)
 def shared_weights_mlp(w_gate_up: torch.Tensor, w_down: torch.Tensor, name: str) -> torch.nn.Module:
     """The served FFN wrapper over one MLP loaded with `ffn.weights: "shared"` (plain weights, no packed
     copy; `ffn.gate: "auto"`): its dense steps are what this times."""
-    from vllm_sparsever.verification.ffn import SparseSwiGLUMLP
+    from vllm_sparsever.verification.sparse.ffn import SparseSwiGLUMLP
 
     class PlainMLP(torch.nn.Module):  # vLLM-CPU's MLP with "shared" weights: torch's linear on them
         def __init__(self) -> None:

@@ -8,7 +8,7 @@ import torch
 from vllm_sparsever import reference
 from vllm_sparsever.compat import check_signature
 from vllm_sparsever.compat import cpu_attention as vllm_attn
-from vllm_sparsever.verification.attention import paged_kv_views
+from vllm_sparsever.verification.lossless.kv_layout import paged_kv_views
 
 
 @pytest.mark.parametrize("cls,hooks", [
@@ -195,7 +195,7 @@ def test_vllm_attention_over_block_table_matches_reference(dtype):
 def test_register_cpu_attention_backend_overrides_cpu_attn():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_sparsever.verification.attention import SparseverCPUAttentionBackend
+    from vllm_sparsever.verification.sparse.attention import SparseverCPUAttentionBackend
 
     entry = AttentionBackendEnum.CPU_ATTN
     was_overridden = entry.is_overridden()
@@ -219,7 +219,7 @@ def test_registration_clears_the_selectors_memo(monkeypatch):
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_sparsever.verification.attention import SparseverCPUAttentionBackend
+    from vllm_sparsever.verification.sparse.attention import SparseverCPUAttentionBackend
 
     assert callable(selector._cached_get_attn_backend.cache_clear)
     cleared = []

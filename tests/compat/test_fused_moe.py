@@ -18,7 +18,7 @@ def _block(cfg, layer, preserve=None):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.models.mixtral import MixtralMoE
 
-    from vllm_sparsever.verification.moe import preserve_expert_weights
+    from vllm_sparsever.verification.sparse.moe import preserve_expert_weights
 
     with set_current_vllm_config(cfg):
         block = MixtralMoE(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
@@ -38,7 +38,7 @@ def _block(cfg, layer, preserve=None):
 
 
 def test_experts_signatures():
-    from vllm_sparsever.verification.moe import _raw_apply
+    from vllm_sparsever.verification.sparse.moe import _raw_apply
 
     cls = vllm_moe.experts_cls()
     found = tuple(inspect.signature(cls.apply).parameters)[1:]

@@ -190,8 +190,8 @@ def test_target_load_hooks_close_before_the_drafter_loads(linear_kernel):
     import torch
     import vllm.model_executor.layers.utils as layer_utils
 
-    from vllm_sparsever.verification.linear import sparsever_cpu_linear
-    from vllm_sparsever.verification.setup import target_load_hooks
+    from vllm_sparsever.verification.lossless.linear_kernel import sparsever_cpu_linear
+    from vllm_sparsever.verification.sparse.setup import target_load_hooks
 
     stock = layer_utils.dispatch_cpu_unquantized_gemm
     seen = []
@@ -211,12 +211,13 @@ def test_target_load_hooks_close_before_the_drafter_loads(linear_kernel):
                         or name.startswith("padded_cpu_linear"))
 
     runtime = SimpleNamespace(started_with={"ffn": True, "moe": False}, ffn=SimpleNamespace(weights="copy"),
-                              linear_kernel=linear_kernel)
+                              linear_kernel=linear_kernel, linear_layers={})
     runner = SimpleNamespace(drafter=Drafter())
     with target_load_hooks(runtime, runner):
         assert layer_utils.dispatch_cpu_unquantized_gemm is not stock  # target loading
         runner.drafter.load_model(None)
     assert seen == ([True, False] if linear_kernel == "vllm" else [False, True])
+    assert runtime.linear_layers == ({} if linear_kernel == "vllm" else {"draft model": 1})
     assert "load_model" not in vars(runner.drafter)
     assert layer_utils.dispatch_cpu_unquantized_gemm is stock
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_sparsever.compat import sampling
-from vllm_sparsever.verification.logits_params import apply_logit_bias, apply_min_p, needs_logits_params
+from vllm_sparsever.verification.lossless.logits_params import apply_logit_bias, apply_min_p, needs_logits_params
 
 
 def _speculative_config():

@@ -128,10 +128,10 @@ def test_context_vocab_takes_the_lowest_ids_from_their_prepared_product():
 @pytest.mark.parametrize("kernel", ["vllm", "vllm-padded", "sparsever", "hybrid"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_head_rows_linear_follows_the_linear_kernel(kernel, dtype):
-    """verification/linear.py head_rows_linear: on CPU the product with a draft's LM head rows, prepared
+    """verification/lossless/linear_kernel.py head_rows_linear: on CPU the product with a draft's LM head rows, prepared
     as the engine's linear_kernel prepares linears (dense_linear, or vLLM-CPU's packed linear for
     16-bit rows, padded under "vllm-padded"); torch's linear (None) for fp32 rows under "vllm"."""
-    from vllm_sparsever.verification.linear import head_rows_linear
+    from vllm_sparsever.verification.lossless.linear_kernel import head_rows_linear
 
     rows = (torch.randn(40, 64) * 0.1).to(dtype)
     product = head_rows_linear(rows, kernel)

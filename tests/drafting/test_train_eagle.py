@@ -14,15 +14,10 @@ import pytest
 import torch
 from tiny_models import make_tiny_exit_llama, train_tiny_eagle3
 
-from vllm_sparsever.offline.train_eagle import (
-    ARCHITECTURE,
-    MANIFEST_NAME,
-    TrainEagleError,
-    TrainEagleOptions,
-    default_aux_layers,
-    text_rows,
-    train_eagle,
-)
+from vllm_sparsever.offline.eagle3.head import ARCHITECTURE
+from vllm_sparsever.offline.eagle3.options import TrainEagleError, TrainEagleOptions
+from vllm_sparsever.offline.eagle3.text import text_rows
+from vllm_sparsever.offline.train_eagle import MANIFEST_NAME, default_aux_layers, train_eagle
 
 NUM_LAYERS = 6
 DRAFT_VOCAB = 200
@@ -155,14 +150,14 @@ def test_bad_text_options_are_named(model_dir, options, words):
 def test_a_head_trained_on_scaled_streams_saves_the_scale_into_fc(model_dir):
     """Trained on streams / RMS, saved to read the raw streams: the loaded head (no scale) drafts
     the same logits as the training head."""
-    from vllm_sparsever.offline.train_eagle import Eagle3Head, _rotary, load_head
+    from vllm_sparsever.offline.eagle3.head import Eagle3Head, load_head, rotary_embedding
 
     config = json.loads((model_dir / "config.json").read_text())
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     kv_heads, head_dim = config["num_key_value_heads"], config.get("head_dim") or hidden // heads
     torch.manual_seed(3)
     head = Eagle3Head(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=48, num_aux=3,
-                      eps=1e-6, rotary=_rotary(config, head_dim), lm_head=torch.randn(DRAFT_VOCAB, hidden))
+                      eps=1e-6, rotary=rotary_embedding(config, head_dim), lm_head=torch.randn(DRAFT_VOCAB, hidden))
     head.aux_inv_scale.copy_(torch.rand(3 * hidden) * 10 + 0.01)
     embed = torch.nn.Embedding(config["vocab_size"], hidden)
     tokens, aux = torch.randint(0, config["vocab_size"], (9,)), torch.randn(9, 3 * hidden)
@@ -184,8 +179,8 @@ def test_a_head_trained_on_scaled_streams_saves_the_scale_into_fc(model_dir):
 
 
 def test_features_are_cached_per_text_and_grow_by_layers(tmp_path, model_dir):
-    from vllm_sparsever.offline.train_eagle import FEATURES_DIRNAME, cached_features, extract_features
-    from vllm_sparsever.offline.train_exits import load_target
+    from vllm_sparsever.offline.common import load_target
+    from vllm_sparsever.offline.eagle3.features import FEATURES_DIRNAME, cached_features, extract_features
 
     (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
     model, _ = load_target(str(model_dir))
@@ -221,7 +216,7 @@ def test_features_are_cached_per_text_and_grow_by_layers(tmp_path, model_dir):
 
 def test_chat_text_leaves_out_the_benchmarks_prompts_and_spans_every_category(monkeypatch):
     import vllm_sparsever.data as data
-    from vllm_sparsever.offline.train_eagle import CHAT_CATEGORIES, EVALUATION_PROMPTS
+    from vllm_sparsever.offline.eagle3.text import CHAT_CATEGORIES, EVALUATION_PROMPTS
 
     sizes = dict(zip(CHAT_CATEGORIES, (30, 200, 40)))
     # As the data builders write them: every row has its `prompt` (mt_bench's first turn).
@@ -244,7 +239,7 @@ def test_chat_text_leaves_out_the_benchmarks_prompts_and_spans_every_category(mo
 
 
 def test_chat_text_has_its_own_defaults_and_flags_override_them():
-    from vllm_sparsever.offline.train_eagle import CHAT_DEFAULTS
+    from vllm_sparsever.offline.eagle3.options import CHAT_DEFAULTS
 
     chat = TrainEagleOptions.for_text("chat")
     assert all(getattr(chat, k) == v for k, v in CHAT_DEFAULTS.items()) and chat.text == "chat"

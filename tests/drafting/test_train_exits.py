@@ -15,13 +15,14 @@ import torch
 from tiny_models import make_tiny_exit_llama, prompts
 
 from vllm_sparsever.drafting.exit_head import ExitHead, ExitHeadManifest
+from vllm_sparsever.offline.common import TrainingError
 from vllm_sparsever.offline.train_exits import (
-    GENERATED_NAME,
     TrainExitsError,
     TrainExitsOptions,
     default_exit_layers,
     train_exits,
 )
+from vllm_sparsever.offline.training_text import GENERATED_NAME
 
 NUM_LAYERS = 6
 EXIT_LAYERS = (2, 3, 4)
@@ -199,11 +200,13 @@ def test_same_seed_same_heads_and_time_budget_stops_cleanly(result, model_dir, w
 
 def test_bad_inputs_raise_before_any_work(model_dir, workdir, monkeypatch):
     import vllm_sparsever.offline.train_exits as te
+    import vllm_sparsever.offline.training_text as text
 
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the inputs were checked")
 
-    monkeypatch.setattr(te, "generated_sequences", no_work)
+    monkeypatch.setattr(text, "generated_sequences", no_work)
+    monkeypatch.setattr(text, "load_target", no_work)
     monkeypatch.setattr(te, "load_target", no_work)
     for layers in ((0,), (NUM_LAYERS,), (2, 2)):
         with pytest.raises(TrainExitsError, match="--exit-layers") as exc:
@@ -212,11 +215,11 @@ def test_bad_inputs_raise_before_any_work(model_dir, workdir, monkeypatch):
             assert f"1..{NUM_LAYERS - 1}" in str(exc.value)
     with pytest.raises(TrainExitsError, match="--adapter-size.*1..128"):
         train_exits(str(model_dir), _options(workdir / "x", adapter_size=0))
-    with pytest.raises(TrainExitsError, match="--num-heldout-prompts"):
+    with pytest.raises(TrainingError, match="--num-heldout-prompts"):  # the shared text's check
         train_exits(str(model_dir), _options(workdir / "x", num_heldout_prompts=NUM_PROMPTS))
     with pytest.raises(TrainExitsError, match="--min-new-tokens: allowed 0..8"):
         train_exits(str(model_dir), _options(workdir / "x", max_new_tokens=8, min_new_tokens=9))
-    with pytest.raises(TrainExitsError, match="no-such-model.*known: .*smollm2-135m"):
+    with pytest.raises(TrainingError, match="no-such-model.*known: .*smollm2-135m"):
         train_exits("no-such-model", _options(workdir / "x"))
     other = workdir / "gptneox"
     other.mkdir()
@@ -228,7 +231,7 @@ def test_bad_inputs_raise_before_any_work(model_dir, workdir, monkeypatch):
 
 def test_missing_calibration_data_names_the_build_command(model_dir, workdir, monkeypatch):
     monkeypatch.setenv("VLLM_SPARSEVER_HOME", str(workdir / "empty_home"))
-    with pytest.raises(TrainExitsError, match="vllm-sparsever data build"):
+    with pytest.raises(TrainingError, match="vllm-sparsever data build"):
         train_exits(str(model_dir), _options(workdir / "x", prompt_rows=None))
 
 
@@ -269,7 +272,7 @@ def test_cli_reports_bad_flag_and_help_defaults_match_options(model_dir, capsys)
 
 
 def test_evaluation_articles_are_excluded_from_training_prompts():
-    from vllm_sparsever.offline.train_exits import exclude_evaluation_articles
+    from vllm_sparsever.offline.training_text import exclude_evaluation_articles
 
     rows = [{"id": "wikipedia/657", "prompt": "a"}, {"id": "wikipedia/659", "prompt": "b"},
             {"id": "wikipedia/7", "prompt": "c"}]

@@ -1,5 +1,5 @@
 """Draft trees without an engine: EAGLE-2 growth (drafting/tree.py), tree acceptance and the
-accepted path's K/V compaction (verification/tree.py), and the plan's tree step (plan.py)."""
+accepted path's K/V compaction (verification/lossless/tree_acceptance.py), and the plan's tree step (plan.py)."""
 
 from collections import Counter
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from vllm_sparsever.drafting.tree import TreeGrowth
 from vllm_sparsever.plan import build_verification_plan
 from vllm_sparsever.trees import DraftTopology, DraftTree, stacked_tree_mask
-from vllm_sparsever.verification.tree import accept_greedy, accept_sampled, compact_accepted_kv
+from vllm_sparsever.verification.lossless.tree_acceptance import accept_greedy, accept_sampled, compact_accepted_kv
 
 V = 16
 
@@ -170,7 +170,7 @@ class _LKV:
 
 
 def test_compact_accepted_kv_moves_the_path_into_place():
-    from vllm_sparsever.verification.attention import paged_kv_views
+    from vllm_sparsever.verification.lossless.kv_layout import paged_kv_views
 
     nb, hkv, bs, d = 6, 2, 4, 8
     kv = torch.randn(nb, hkv, bs, 2 * d)

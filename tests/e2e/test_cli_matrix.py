@@ -61,7 +61,7 @@ def test_generate(models, kind, tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_calibrate(models, kind, tmp_path):
-    from vllm_sparsever.verification.profile import CalibrationProfile
+    from vllm_sparsever.verification.sparse.profile import CalibrationProfile
 
     out = tmp_path / "profile.json"
     proc = _run("calibrate", str(models[kind]), "--output", str(out), "--num-windows", "2", "--no-progress", kind=kind)

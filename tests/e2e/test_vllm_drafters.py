@@ -149,8 +149,9 @@ def test_trained_head_drafts_in_vllm_what_its_training_forward_predicts(target, 
     token, but for near-ties (vLLM's batched CPU GEMMs round differently)."""
     import json
 
-    from vllm_sparsever.offline.train_eagle import extract_features, load_head
-    from vllm_sparsever.offline.train_exits import load_target
+    from vllm_sparsever.offline.common import load_target
+    from vllm_sparsever.offline.eagle3.features import extract_features
+    from vllm_sparsever.offline.eagle3.head import load_head
 
     proposals = vllm_eagle3_run[2]
     assert len(proposals) > NUM_PROMPTS

@@ -25,7 +25,7 @@ from vllm_sparsever.integration import model_runner
 from vllm_sparsever.metrics import METRICS_DIR_ENV
 from vllm_sparsever.step import DraftPlan
 from vllm_sparsever.trees import DraftTopology
-from vllm_sparsever.verification.tree import TreeAcceptance
+from vllm_sparsever.verification.lossless.tree_acceptance import TreeAcceptance
 
 VOCAB = 64
 K = 3  # num_speculative_tokens

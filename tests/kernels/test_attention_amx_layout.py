@@ -8,7 +8,7 @@ import torch
 import vllm_sparsever._custom_ops as ops
 import vllm_sparsever.reference as ref
 from vllm_sparsever.compat.cpu_attention import write_kv_cache
-from vllm_sparsever.verification.attention import move_kv_tokens, paged_kv_views
+from vllm_sparsever.verification.lossless.kv_layout import move_kv_tokens, paged_kv_views
 
 # vLLM-CPU chooses the AMX layout only on CPUs with AMX; its cache write runs on AVX512-BF16 CPUs too
 # (AMD Zen 4), where the kernel's AMX path runs on emulated tiles (the `amx_tiles` fixture).

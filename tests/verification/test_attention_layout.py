@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_sparsever.verification.attention import paged_kv_views
+from vllm_sparsever.verification.lossless.kv_layout import paged_kv_views
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -86,7 +86,7 @@ def test_vllm_kernel_on_compacted_table_matches_reference(isa, dtype):
     from vllm import _custom_ops as vllm_ops
 
     from vllm_sparsever import reference
-    from vllm_sparsever.verification.attention import compact_block_table
+    from vllm_sparsever.verification.sparse.attention import compact_block_table
 
     bs, d, hkv, group = 32, 64, 2, 2
     seq_lens, query_lens = [300, 226, 70], [4, 4, 1]  # 226 - 4 = 222: the query spans blocks 6 and 7
@@ -134,7 +134,7 @@ def test_vllm_kernel_on_compacted_table_matches_reference(isa, dtype):
 def test_folded_summaries_bound_the_keys_and_restart_with_a_block():
     """Folding written keys gives min <= key <= max for every key written since the block's first
     slot was (re)written; a rewrite from slot 0 drops the previous owner's keys."""
-    from vllm_sparsever.verification.attention import fold_block_key_summaries
+    from vllm_sparsever.verification.sparse.attention import fold_block_key_summaries
 
     nb, hkv, bs, d = 3, 2, 4, 8
     key_min = torch.zeros(nb, hkv, d)
@@ -156,7 +156,7 @@ def test_folded_summaries_bound_the_keys_and_restart_with_a_block():
 
 
 def test_dense_kernel_resolves_per_layout():
-    from vllm_sparsever.verification.attention import resolve_dense_kernel
+    from vllm_sparsever.verification.sparse.attention import resolve_dense_kernel
 
     for isa in ("vec", "vec16", "amx"):
         assert resolve_dense_kernel("auto", isa) == "sparsever"
@@ -170,7 +170,7 @@ def test_dense_kernel_resolves_per_layout():
 def test_decode_kernel_resolves_per_layout():
     """Decode steps: ours where it beat vLLM's vec kernel at one token; vLLM's AMX tiles (a tie) and
     layouts ours cannot read stay stock."""
-    from vllm_sparsever.verification.attention import resolve_decode_kernel
+    from vllm_sparsever.verification.sparse.attention import resolve_decode_kernel
 
     for isa in ("vec", "vec16"):
         assert resolve_decode_kernel("auto", isa) == "sparsever"

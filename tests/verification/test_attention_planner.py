@@ -14,8 +14,8 @@ import torch
 
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.plan import build_verification_plan
-from vllm_sparsever.verification.attention import AttentionPlanner
-from vllm_sparsever.verification.runtime import SparseVerificationRuntime, install_runtime
+from vllm_sparsever.verification.sparse.attention import AttentionPlanner
+from vllm_sparsever.verification.sparse.runtime import SparseVerificationRuntime, install_runtime
 
 BS, HEADS, KV_HEADS, HEAD_DIM = 32, 4, 2, 64
 

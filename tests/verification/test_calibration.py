@@ -23,7 +23,7 @@ from vllm_sparsever.offline.calibration.capture import (
     greedy_anchors,
     plan_windows,
 )
-from vllm_sparsever.verification.profile import CalibrationProfile, default_profile_path
+from vllm_sparsever.verification.sparse.profile import CalibrationProfile, default_profile_path
 
 NUM_LAYERS = 4
 BLOCK = 16

@@ -1,11 +1,11 @@
-"""ffn.gate: where the dense gate projection of a verify step runs (verification/ffn.py)."""
+"""ffn.gate: where the dense gate projection of a verify step runs (verification/sparse/ffn.py)."""
 
 import pytest
 import torch
 from torch import nn
 
 from vllm_sparsever.config import FFN_STOCK_GATE_MIN_BYTES
-from vllm_sparsever.verification.ffn import SparseSwiGLUMLP, resolve_gate
+from vllm_sparsever.verification.sparse.ffn import SparseSwiGLUMLP, resolve_gate
 
 
 def test_auto_takes_the_stock_linear_for_large_gates_only():
@@ -97,7 +97,7 @@ def test_shared_weights_dense_steps_run_the_op_for_few_tokens(gate, dtype):
     # With "shared" weights there is no packed copy: a dense step of up to dense_op_max_tokens tokens
     # runs the op at keep = I over the plain weights (every neuron: the MLP itself), beyond that torch's
     # linear.
-    from vllm_sparsever.verification.ffn import shared_dense_op_max_tokens
+    from vllm_sparsever.verification.sparse.ffn import shared_dense_op_max_tokens
 
     h, inter = 64, 96
     gen = torch.Generator().manual_seed(1)
@@ -139,7 +139,7 @@ def test_dense_kernel_vllm_keeps_dense_steps_on_the_stock_mlp():
 def test_dense_kernel_auto(monkeypatch, capability, dtype):
     """"auto": sparsever's op on dense steps where vLLM-CPU's 16-bit linear is torch's (no AVX-512),
     and wherever FFN sparsity keeps only plain ("shared") weights; vLLM's MLP otherwise."""
-    from vllm_sparsever.verification import ffn
+    from vllm_sparsever.verification.sparse import ffn
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(ffn, "is_cpu_platform", lambda: True)
@@ -160,7 +160,7 @@ def test_dense_kernel_auto(monkeypatch, capability, dtype):
 def test_install_for_the_dense_kernel_alone_skips_a_model_it_cannot_serve():
     """ffn.dense_kernel "auto" (nobody asked by name) leaves a model without SwiGLU MLPs stock; asked
     for by name, the error names the setting and what is allowed."""
-    from vllm_sparsever.verification.ffn import install_ffn
+    from vllm_sparsever.verification.sparse.ffn import install_ffn
 
     model = nn.Sequential(nn.Linear(4, 4))
     assert install_ffn(model, "TinyArch", weights="shared", dense_kernel="sparsever", field=None) == 0
@@ -177,31 +177,31 @@ def test_linear_kernel_auto(monkeypatch, capability, dtype):
     without AVX-512, a bf16/fp16 target); vLLM's with few-token calls padded to 4 rows for such a
     target on AVX512-BF16 without AMX where oneDNN's 1-row path is measured slower (padding_pays: AMD
     Zen 4, not Zen 5); vLLM's otherwise, and always on GPUs."""
-    from vllm_sparsever.verification import linear
+    from vllm_sparsever.verification.lossless import linear_kernel
 
     pays = {"yes": True}
-    monkeypatch.setattr(linear, "padding_pays", lambda dtype: pays["yes"])
+    monkeypatch.setattr(linear_kernel, "padding_pays", lambda dtype: pays["yes"])
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2" if capability == "AVX2" else "AVX512")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: capability in ("AVX512-BF16", "AMX"))
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: capability == "AMX")
-    monkeypatch.setattr(linear, "is_cpu_platform", lambda: True)
+    monkeypatch.setattr(linear_kernel, "is_cpu_platform", lambda: True)
     sixteen_bit = dtype != torch.float32
     expected = ("sparsever" if capability == "AVX2" and sixteen_bit
                 else "vllm-padded" if capability == "AVX512-BF16" and sixteen_bit else "vllm")
-    assert linear.resolve_linear_kernel("auto", dtype) == expected
+    assert linear_kernel.resolve_linear_kernel("auto", dtype) == expected
     pays["yes"] = False  # measured: a 1-row call is not the slower one here
-    assert linear.resolve_linear_kernel("auto", dtype) == ("vllm" if expected == "vllm-padded" else expected)
+    assert linear_kernel.resolve_linear_kernel("auto", dtype) == ("vllm" if expected == "vllm-padded" else expected)
     for choice in ("vllm", "sparsever", "hybrid", "vllm-padded"):
-        assert linear.resolve_linear_kernel(choice, dtype) == choice
-    monkeypatch.setattr(linear, "is_cpu_platform", lambda: False)
-    assert linear.resolve_linear_kernel("auto", dtype) == "vllm"
+        assert linear_kernel.resolve_linear_kernel(choice, dtype) == choice
+    monkeypatch.setattr(linear_kernel, "is_cpu_platform", lambda: False)
+    assert linear_kernel.resolve_linear_kernel("auto", dtype) == "vllm"
     for choice in ("sparsever", "hybrid", "vllm-padded"):
         with pytest.raises(RuntimeError, match=rf"linear_kernel: '{choice}' runs on CPU only"):
-            linear.resolve_linear_kernel(choice, dtype)
+            linear_kernel.resolve_linear_kernel(choice, dtype)
 
 
 def test_padding_is_chosen_by_measurement_with_a_margin():
-    from vllm_sparsever.verification.linear import PADDING_MIN_GAIN, padding_decision, padding_pays
+    from vllm_sparsever.verification.lossless.linear_kernel import PADDING_MIN_GAIN, padding_decision, padding_pays
 
     assert padding_decision(one_row_s=1.0, padded_s=0.5)  # Zen 4's oneDNN: 1-3 rows read slowly
     assert not padding_decision(one_row_s=0.60, padded_s=0.74)  # Zen 5's (measured)
@@ -221,7 +221,7 @@ def test_hybrid_linears_keep_both_weights_and_switch_on_the_token_count():
 
     from vllm_sparsever import _custom_ops as ops
     from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override
-    from vllm_sparsever.verification import linear
+    from vllm_sparsever.verification.lossless import linear_kernel
 
     packed_calls, removes = [], []
 
@@ -234,13 +234,13 @@ def test_hybrid_linears_keep_both_weights_and_switch_on_the_token_count():
         layer.cpu_linear = packed
 
     with cpu_gemm_dispatch_override(stock):
-        with linear.plain_linears(hybrid=True):
+        with linear_kernel.plain_linears(hybrid=True):
             lin = torch.nn.Module()
             w = torch.randn(6, 8, dtype=torch.bfloat16)
             lin.weight = torch.nn.Parameter(w, requires_grad=False)
             layer_utils.dispatch_cpu_unquantized_gemm(lin, remove_weight=True)
     assert removes == [False] and lin.weight.shape == (6, 8) and lin.cpu_linear is not packed
-    few = linear.hybrid_max_tokens(torch.bfloat16)
+    few = linear_kernel.hybrid_max_tokens(torch.bfloat16)
     assert few == (8 if ops.amx_available() else 4)
     for tokens in (1, few, few + 1, 40):
         x = torch.randn(tokens, 8, dtype=torch.bfloat16)
@@ -254,7 +254,7 @@ def test_padded_linear_runs_few_tokens_as_four_rows(shape):
     """linear_kernel "vllm-padded": a call of 1-3 tokens reaches vLLM-CPU's forward as a 4-row call
     whose extra rows are zeros, and returns its first rows in the input's leading shape; 4 and more
     tokens go through as they are."""
-    from vllm_sparsever.verification import linear
+    from vllm_sparsever.verification.lossless import linear_kernel
 
     w, b = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)
     calls = []
@@ -263,15 +263,15 @@ def test_padded_linear_runs_few_tokens_as_four_rows(shape):
         calls.append(x.clone())
         return torch.nn.functional.linear(x, w, bias)
 
-    forward = linear.padded_cpu_linear(stock)
+    forward = linear_kernel.padded_cpu_linear(stock)
     x = torch.randn(*shape, dtype=torch.bfloat16)
     out = forward(x, None, b)
     tokens = x.numel() // 8
     assert out.shape == (*shape[:-1], 6)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b))
     (seen,) = calls
-    if tokens < linear.PADDED_ROWS:
-        assert seen.shape == (linear.PADDED_ROWS, 8)
+    if tokens < linear_kernel.PADDED_ROWS:
+        assert seen.shape == (linear_kernel.PADDED_ROWS, 8)
         assert torch.equal(seen[:tokens], x.reshape(tokens, 8)) and not seen[tokens:].any()
     else:
         assert seen.shape == x.shape
@@ -285,7 +285,7 @@ def test_padded_linears_wrap_the_stock_forward_of_2d_weights():
     import vllm.model_executor.layers.utils as layer_utils
 
     from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override
-    from vllm_sparsever.verification import linear
+    from vllm_sparsever.verification.lossless import linear_kernel
 
     removes, rows = [], []
 
@@ -301,7 +301,7 @@ def test_padded_linears_wrap_the_stock_forward_of_2d_weights():
 
     layers = {}
     with cpu_gemm_dispatch_override(stock):
-        with linear.padded_linears():
+        with linear_kernel.padded_linears():
             for name, shape, dtype in (("bf16", (6, 8), torch.bfloat16), ("fp32", (6, 8), torch.float32),
                                        ("experts", (2, 6, 8), torch.bfloat16)):
                 layer = torch.nn.Module()
@@ -313,7 +313,7 @@ def test_padded_linears_wrap_the_stock_forward_of_2d_weights():
         rows.clear()
         x = torch.randn(1, 8, dtype=dtype)
         assert layers[name].cpu_linear(x, None, None).shape == (1, 6)
-        assert rows == [linear.PADDED_ROWS]
+        assert rows == [linear_kernel.PADDED_ROWS]
     assert layers["experts"].cpu_linear.__qualname__.endswith("stock.<locals>.forward")
 
 
@@ -323,13 +323,13 @@ def test_padded_linears_on_vllms_own_dispatch():
     within bf16 rounding."""
     import vllm.model_executor.layers.utils as layer_utils
 
-    from vllm_sparsever.verification import linear
+    from vllm_sparsever.verification.lossless import linear_kernel
 
     w = torch.randn(96, 64, dtype=torch.bfloat16)
     stock = torch.nn.Module()
     stock.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
     layer_utils.dispatch_cpu_unquantized_gemm(stock, remove_weight=False)
-    with linear.padded_linears():
+    with linear_kernel.padded_linears():
         padded = torch.nn.Module()
         padded.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
         layer_utils.dispatch_cpu_unquantized_gemm(padded, remove_weight=True)
@@ -345,11 +345,11 @@ def test_plain_linears_keep_the_weight_and_run_dense_linear():
     """While the target loads with linear_kernel "sparsever": a 2-D linear keeps its plain weight (vLLM's
     packing never runs) and its CPU forward is dense_linear; other weights go to the stock dispatch."""
     from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override
-    from vllm_sparsever.verification import linear
+    from vllm_sparsever.verification.lossless import linear_kernel
 
     stock_calls = []
     with cpu_gemm_dispatch_override(lambda layer, remove_weight, stock: stock_calls.append(layer)):
-        with linear.plain_linears():
+        with linear_kernel.plain_linears():
             import vllm.model_executor.layers.utils as layer_utils
 
             lin = torch.nn.Module()
@@ -359,7 +359,7 @@ def test_plain_linears_keep_the_weight_and_run_dense_linear():
             experts.weight = torch.nn.Parameter(torch.randn(2, 6, 8), requires_grad=False)
             layer_utils.dispatch_cpu_unquantized_gemm(experts, remove_weight=True)
     assert stock_calls == [experts]
-    assert lin.weight.shape == (6, 8) and lin.cpu_linear is linear.sparsever_cpu_linear
+    assert lin.weight.shape == (6, 8) and lin.cpu_linear is linear_kernel.sparsever_cpu_linear
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     torch.testing.assert_close(lin.cpu_linear(x, lin.weight, None).float(), x.float() @ lin.weight.float().t(),
                                rtol=2e-2, atol=2e-2)

@@ -6,8 +6,8 @@ import torch
 
 from vllm_sparsever.config import SparseverConfig, SparseverConfigError
 from vllm_sparsever.compat.engine_args import engine_args_cls, uses_cuda_graphs
-from vllm_sparsever.verification.moe import distinct_experts
-from vllm_sparsever.verification.runtime import SparseVerificationRuntime
+from vllm_sparsever.verification.sparse.moe import distinct_experts
+from vllm_sparsever.verification.sparse.runtime import SparseVerificationRuntime
 from vllm_sparsever.verification.support import check_cpu_only_kernels, check_cuda_graphs
 
 

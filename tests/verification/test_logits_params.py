@@ -1,4 +1,4 @@
-"""min_p and logit_bias on verification logits (verification/logits_params.py) against vLLM's own
+"""min_p and logit_bias on verification logits (verification/lossless/logits_params.py) against vLLM's own
 logits processors (`MinPLogitsProcessor`, `LogitBiasLogitsProcessor`) applied to one request's
 rows, as vLLM's sampler applies them without speculation."""
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_sparsever.verification.logits_params import apply_logit_bias, apply_min_p, needs_logits_params
+from vllm_sparsever.verification.lossless.logits_params import apply_logit_bias, apply_min_p, needs_logits_params
 
 VOCAB = 50
 

@@ -1,4 +1,4 @@
-"""MoE expert pruning on verify steps (vllm_sparsever/verification/moe.py).
+"""MoE expert pruning on verify steps (vllm_sparsever/verification/sparse/moe.py).
 
 Unit tests build vLLM's own `MixtralMoE` blocks in this process (single-rank gloo group) and
 compare the wrapped block with the stock block and with the reference ops; one engine test runs a
@@ -17,8 +17,9 @@ import torch
 
 from vllm_sparsever import reference as ref
 from vllm_sparsever.config import SparseverConfig
-from vllm_sparsever.plan import active_plan, build_verification_plan
-from vllm_sparsever.verification.runtime import SparseVerificationRuntime, install_runtime
+from vllm_sparsever.forward_scope import active_plan
+from vllm_sparsever.plan import build_verification_plan
+from vllm_sparsever.verification.sparse.runtime import SparseVerificationRuntime, install_runtime
 
 E, TOP_K, H, I = 8, 3, 128, 96
 ATOL = 2e-5
@@ -51,7 +52,7 @@ def _make_block(cfg, weights=None, preserve: str | None = None, layer: int | Non
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.models.mixtral import MixtralMoE
 
-    from vllm_sparsever.verification import moe
+    from vllm_sparsever.verification.sparse import moe
 
     layer = next(_names) if layer is None else layer
     with set_current_vllm_config(cfg):
@@ -130,7 +131,7 @@ def _reference(weights, x, threshold, group_start_loc, budget):
 @pytest.fixture(scope="module")
 def blocks(vllm_env):
     """Stock block, and wrapped blocks with shared / copied expert weights (same weights)."""
-    from vllm_sparsever.verification import moe
+    from vllm_sparsever.verification.sparse import moe
 
     stock, weights = _make_block(vllm_env)
     shared, _ = _make_block(vllm_env, weights, preserve="shared")
@@ -230,7 +231,7 @@ def test_mixed_step(vllm_env, blocks):
 
 
 def test_error_falls_back_to_stock(vllm_env, blocks, monkeypatch):
-    from vllm_sparsever.verification import moe
+    from vllm_sparsever.verification.sparse import moe
 
     stock, shared, _, _ = blocks
     x = _x(4, seed=5)
@@ -247,7 +248,7 @@ def test_error_falls_back_to_stock(vllm_env, blocks, monkeypatch):
 
 def test_programming_error_is_not_hidden(vllm_env, blocks, monkeypatch):
     """A TypeError (e.g. an op whose signature changed) must propagate, not verify densely."""
-    from vllm_sparsever.verification import moe
+    from vllm_sparsever.verification.sparse import moe
 
     _, shared, _, _ = blocks
     rt = _runtime(ratio_threshold=0.9, expert_budget=1)
@@ -285,7 +286,7 @@ def test_reference_check_hook(vllm_env, blocks):
 
 
 def test_install_errors(vllm_env):
-    from vllm_sparsever.verification import moe
+    from vllm_sparsever.verification.sparse import moe
 
     with pytest.raises(RuntimeError, match="no MoE block found in Linear; supported: MixtralForCausalLM"):
         moe.install_moe(torch.nn.Linear(4, 4))

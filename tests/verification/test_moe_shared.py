@@ -1,4 +1,4 @@
-"""MoE expert pruning on a Qwen2-MoE block with a shared expert (vllm_sparsever/verification/moe.py).
+"""MoE expert pruning on a Qwen2-MoE block with a shared expert (vllm_sparsever/verification/sparse/moe.py).
 
 vLLM's own `Qwen2MoeSparseMoeBlock` (routed experts + `shared_expert` with its sigmoid
 `shared_expert_gate`, run by the runner's `SharedExperts`) is built in this process; the wrapped
@@ -25,7 +25,7 @@ _names = itertools.count(100)
 
 @pytest.fixture(scope="module")
 def vllm_env(vllm_env):
-    from vllm_sparsever.verification.runtime import install_runtime
+    from vllm_sparsever.verification.sparse.runtime import install_runtime
 
     yield vllm_env
     install_runtime(None)
@@ -54,7 +54,7 @@ def _make_block(cfg, weights=None, preserve: str | None = None):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.models.qwen2_moe import Qwen2MoeSparseMoeBlock
 
-    from vllm_sparsever.verification import moe
+    from vllm_sparsever.verification.sparse import moe
 
     layer = next(_names)
     with set_current_vllm_config(cfg):
@@ -109,7 +109,7 @@ def _x(n, seed=0):
 @pytest.fixture(scope="module")
 def blocks(vllm_env):
     from vllm_sparsever.compat import fused_moe as vllm_moe
-    from vllm_sparsever.verification import moe
+    from vllm_sparsever.verification.sparse import moe
 
     stock, weights = _make_block(vllm_env)
     shared, _ = _make_block(vllm_env, weights, preserve="shared")
@@ -182,7 +182,7 @@ def test_mixed_step_with_shared_expert(vllm_env, blocks):
 
 def test_fallback_runs_the_shared_expert(vllm_env, blocks, monkeypatch):
     """A run-time problem in the sparse path: the stock forward (routed + shared) answers."""
-    from vllm_sparsever.verification import moe
+    from vllm_sparsever.verification.sparse import moe
 
     stock, shared, _, _ = blocks
     x = _x(4, seed=5)

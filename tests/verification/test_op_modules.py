@@ -2,7 +2,7 @@
 
 import gc
 
-from vllm_sparsever.verification.op_modules import OpModuleRegistry
+from vllm_sparsever.verification.sparse.op_modules import OpModuleRegistry
 
 
 class _Layer:

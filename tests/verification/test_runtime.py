@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from vllm_sparsever.config import SparseverConfig, SparseverConfigError
-from vllm_sparsever.verification.profile import CalibrationProfile
-from vllm_sparsever.verification.runtime import (
+from vllm_sparsever.verification.sparse.profile import CalibrationProfile
+from vllm_sparsever.verification.sparse.runtime import (
     STATS_SAMPLE_EVERY,
     SparsePathUnavailable,
     SparseVerificationRuntime,
@@ -110,8 +110,8 @@ def test_start_refuses_a_target_without_sparsevers_attention_backend(monkeypatch
     # A target whose attention layers got vLLM's stock CPU backend (another backend chosen for the
     # process first) would verify trees without their mask: start-up refuses it.
     from vllm_sparsever.compat import cpu_attention
-    from vllm_sparsever.verification.attention import SparseverCPUAttentionImpl
-    from vllm_sparsever.verification.setup import check_attention_backend
+    from vllm_sparsever.verification.sparse.attention import SparseverCPUAttentionImpl
+    from vllm_sparsever.verification.sparse.setup import check_attention_backend
 
     rt = SparseVerificationRuntime(_config(tree=True))
     stock = object.__new__(cpu_attention.CPUAttentionBackendImpl)

@@ -5,7 +5,7 @@ layer. A draft tree's tokens share context, so they share experts: real MoEs sit
 independent curve, the fine-grained MoEfied SmolLM2 at 71-84% (bench/results/moefication_fg_*.md).
 `ExpertUnionModel` keeps the independent form with an effective token count: N tokens route like
 1 + s(N - 1) independent ones, s in [0, 1] (s = 1: independent; s = 0: every token picks the same
-k). s is measured online from the target's verify steps (verification/expert_counter.py hands over
+k). s is measured online from the target's verify steps (verification/lossless/expert_counter.py hands over
 each layer's tokens and distinct experts) and starts at 1, the conservative guess: until steps are
 seen, a step is predicted to read as many experts as random tokens do, which is what the offline
 cost profile measured.

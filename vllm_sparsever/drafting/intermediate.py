@@ -69,7 +69,8 @@ class SparseTargetVerifier:
         """Predictions per request; `with_states`: (predictions, per request the target's states of
         its tokens an EAGLE head reads: the streams entering `state_layers` concatenated (EAGLE-3),
         or with None the final hidden states (EAGLE))."""
-        from vllm_sparsever.plan import VerifyLevel, active_plan, build_verification_plan
+        from vllm_sparsever.forward_scope import active_plan
+        from vllm_sparsever.plan import VerifyLevel, build_verification_plan
 
         target, stack = self._target, self._stack
         assert stack is not None, "SparseTargetVerifier.load() was not called"

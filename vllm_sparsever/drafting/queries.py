@@ -44,7 +44,7 @@ def run_query(target: Any, stack: Any, rows: Any, tokens: torch.Tensor, position
     those layers), DecoderStack.run_all. `window` (sink, recent): attend to that part of the context
     only (step.windowed_block_table)."""
     from vllm_sparsever.compat.forward_context import query_forward_context
-    from vllm_sparsever.plan import tree_attention
+    from vllm_sparsever.forward_scope import tree_attention
 
     names = stack.attention_layer_names if num_layers is None else stack.attention_layer_names[:num_layers]
     rows = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long)

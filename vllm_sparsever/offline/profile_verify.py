@@ -64,12 +64,12 @@ def measure_verify_cost(runner: Any, grid: list[tuple[int, int, int]], repeats: 
     from vllm_sparsever.compat.model import decoder_stack
     from vllm_sparsever.compat.runner import kv_cache_blocks
     from vllm_sparsever.integration.step_inputs import RunnerTargetView
-    from vllm_sparsever.plan import active_plan
+    from vllm_sparsever.forward_scope import active_plan
     from vllm_sparsever.trees import DraftTopology, stacked_tree_mask
 
     from vllm_sparsever.compat.cpu_attention import attention_layers
-    from vllm_sparsever.verification.attention import SparseverCPUAttentionImpl
-    from vllm_sparsever.verification.expert_counter import probe_step_experts
+    from vllm_sparsever.verification.sparse.attention import SparseverCPUAttentionImpl
+    from vllm_sparsever.verification.lossless.expert_counter import probe_step_experts
 
     stack = decoder_stack(runner.model)
     target = RunnerTargetView(runner)

@@ -8,12 +8,20 @@ from __future__ import annotations
 import argparse
 
 from vllm_sparsever.offline.args import positive_int
-from vllm_sparsever.offline.train_exits_cli import TEXT_KNOBS, add_text_flags
+from vllm_sparsever.offline.training_cli import (
+    TEXT_KNOBS,
+    TIME_BUDGET_KNOB,
+    add_knobs,
+    add_text_flags,
+    fit_text_lengths,
+    given_knobs,
+    run_job,
+    training_parser,
+)
 
 # flag -> (TrainEagleOptions field, type, help)
 _KNOBS = {
-    "--time-budget": ("time_budget_min", float,
-                      "minutes for the whole job; training stops early to stay inside (default: 55)"),
+    **TIME_BUDGET_KNOB,
     "--draft-vocab": ("draft_vocab", positive_int,
                       "draft vocabulary: the N most frequent tokens of the training text (default: 8192; "
                       "the whole vocabulary if it is smaller)"),
@@ -35,8 +43,8 @@ _KNOBS = {
 
 
 def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "train-eagle",
+    parser = training_parser(
+        subparsers, "train-eagle",
         help="train an EAGLE-3 draft head (self-distillation on the model's own text), in vLLM's format",
         description="Generates text with the target from the calibration prompts (wikipedia; the same "
         "cached text as train-exits) or, with --text chat, from chat, math and code prompts, then trains "
@@ -44,12 +52,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         "CPU, fp32, target frozen). Reports the held-out agreement per draft step and writes "
         "<model>/eagle3_head/, which vLLM's method 'eagle3' and sparsever's draft_source 'eagle3' load.",
     )
-    parser.add_argument("model", help="built model name or model folder (as given to vLLM)")
     parser.add_argument("--aux-layers", type=int, nargs="+", default=None,
                         help="target layers whose outputs the head reads, 0..num_layers (0 = the embeddings; "
                         "default: 2, L/2, L; vLLM's own default is 2, L/2, L-3)")
-    for flag, (dest, kind, text) in _KNOBS.items():
-        parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+    add_knobs(parser, _KNOBS)
     parser.add_argument("--train-positions", choices=("generated", "all"), default=None,
                         help="positions trained on in the generated sequences: the generated tokens, or "
                         "the prompts' too, teacher-forced (default: all)")
@@ -67,14 +73,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
 
 
 def _cmd_train_eagle(args: argparse.Namespace) -> int:
-    import sys
-
     from vllm_sparsever.models import resolve_model_arg
     from vllm_sparsever.offline.train_eagle import TrainEagleOptions, summary, train_eagle
-    from vllm_sparsever.offline.train_exits import TrainExitsError
-    from vllm_sparsever.offline.train_exits_cli import fit_text_lengths
 
-    given = {dest: getattr(args, dest) for dest, _, _ in _KNOBS.values() if getattr(args, dest) is not None}
+    given = given_knobs(args, _KNOBS)
     model = resolve_model_arg(args.model, "MODEL")
     text = args.text or "calibration"
     fit_text_lengths("train-eagle", model, given, TrainEagleOptions.for_text(text))
@@ -87,10 +89,4 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     if args.feature_scale:
         given["feature_scale"] = args.feature_scale
     options = TrainEagleOptions.for_text(text, **given, regenerate=args.regenerate, show_progress=not args.no_progress)
-    try:
-        result = train_eagle(model, options)
-    except TrainExitsError as exc:  # (TrainEagleError too)
-        print(f"vllm-sparsever train-eagle: error: {exc}", file=sys.stderr)
-        return 2
-    print(summary(result), flush=True)
-    return 0
+    return run_job("train-eagle", train_eagle, model, options, summary)

@@ -1,4 +1,5 @@
-"""Which targets each sparsity supports: checked in the front end, before any process starts."""
+"""Which targets and platforms each verification path supports (the sparsities, tree attention, the
+CPU-only lossless kernels): checked in the front end, before any process starts."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from vllm_sparsever.offline.calibration.capture import (
     register_attention,
 )
 from vllm_sparsever.offline.calibration.options import CalibrationError, CalibrationOptions
-from vllm_sparsever.verification.profile import CalibrationProfile, default_profile_path
+from vllm_sparsever.verification.sparse.profile import CalibrationProfile, default_profile_path
 
 KEEP_RATIO_GRID = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

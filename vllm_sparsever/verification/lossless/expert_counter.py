@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from vllm_sparsever.compat import fused_moe as vllm_moe
-from vllm_sparsever.plan import VerifyLevel, current_plan
+from vllm_sparsever.forward_scope import current_plan
+from vllm_sparsever.plan import VerifyLevel
 
 _probe: list[tuple[int, int, int]] | None = None  # (tokens, distinct experts, experts) per MoE layer run
 

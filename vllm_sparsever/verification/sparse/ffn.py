@@ -51,9 +51,10 @@ from vllm_sparsever.compat.linear import (
     use_plain_cpu_linear,
 )
 from vllm_sparsever.compat.worker import is_cpu_platform
-from vllm_sparsever.plan import TokenGroups, current_plan
-from vllm_sparsever.verification.op_modules import OpModuleRegistry
-from vllm_sparsever.verification.runtime import (
+from vllm_sparsever.forward_scope import current_plan
+from vllm_sparsever.plan import TokenGroups
+from vllm_sparsever.verification.sparse.op_modules import OpModuleRegistry
+from vllm_sparsever.verification.sparse.runtime import (
     SparsePathUnavailable,
     SparseVerificationRuntime,
     get_runtime,
@@ -264,7 +265,7 @@ def resolve_dense_kernel(choice: str, enabled: bool, weights: str, dtype: torch.
         return "sparsever" if weights == "shared" else "vllm"
     # The stock MLP on dense_linear (linear_kernel "sparsever") beats the op at keep = I, which also
     # scores and orders every neuron (bench/results/verify_step_qwen-zen3-linear-sparsever-mlp-stock_*).
-    from vllm_sparsever.verification.linear import slow_16bit_cpu_linear
+    from vllm_sparsever.verification.lossless.linear_kernel import slow_16bit_cpu_linear
 
     return "sparsever" if slow_16bit_cpu_linear(dtype) and linear_kernel == "vllm" else "vllm"
 

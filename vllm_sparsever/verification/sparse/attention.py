@@ -41,6 +41,7 @@ from vllm_sparsever.compat.cpu_attention import (
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
 )
+from vllm_sparsever.forward_scope import current_plan, current_tree_mask
 from vllm_sparsever.plan import (
     AnchorSelection,
     AnchorSelectionUnavailable,
@@ -48,61 +49,18 @@ from vllm_sparsever.plan import (
     RequestVerification,
     StepBatch,
     VerificationPlan,
-    current_plan,
-    current_tree_mask,
 )
-from vllm_sparsever.verification.runtime import SparsePathUnavailable, get_runtime, layer_index_of
-
-# ISAs whose KV cache layout is K [D, block_size] + V [block_size, D] per block and head.
-_PLAIN_LAYOUT_ISAS = vllm_attn.PLAIN_LAYOUT_ISAS
-# ISAs whose layout sparsever's attention kernel reads: the plain ones and AMX's packed tiles.
-_KERNEL_LAYOUT_ISAS = (*_PLAIN_LAYOUT_ISAS, "amx")
-
-
-def paged_kv_views(kv_cache: torch.Tensor, isa: str = "vec") -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of a CPU_ATTN KV tensor in the form `block_sparse_tree_attention` reads (no copy).
-
-    vLLM-CPU allocates `[nb, Hkv, bs, 2*D]` and stores, per block and head, K then V:
-    - `vec`/`vec16`: K transposed (`[D, bs]`), V row-major (`[bs, D]`); returned as logical
-      `[nb, Hkv, bs, D]` strided views;
-    - `amx`: both packed for AMX tiles; returned as the 6-D views that name that layout,
-      K `[nb, Hkv, bs/16, D/2, 16, 2]` and V `[nb, Hkv, D/16, bs/2, 16, 2]`
-      (`reference.logical_kv` unpacks them).
-    """
-    nb, hkv, bs, two_d = kv_cache.shape
-    d = two_d // 2
-    flat = kv_cache.view(nb, hkv, 2 * bs * d)
-    if isa == "amx":
-        key = flat[:, :, : bs * d].unflatten(-1, (bs // 16, d // 2, 16, 2))
-        value = flat[:, :, bs * d :].unflatten(-1, (d // 16, bs // 2, 16, 2))
-        return key, value
-    if isa not in _PLAIN_LAYOUT_ISAS:
-        raise ValueError(f"no sparsever view of the {isa!r} KV layout (have {_KERNEL_LAYOUT_ISAS})")
-    key = flat[:, :, : bs * d].unflatten(-1, (d, bs)).transpose(2, 3)
-    value = flat[:, :, bs * d :].unflatten(-1, (bs, d))
-    return key, value
-
-
-def move_kv_tokens(kv_cache: torch.Tensor, isa: str, src_blocks: torch.Tensor, src_offsets: torch.Tensor,
-                   dst_blocks: torch.Tensor, dst_offsets: torch.Tensor) -> None:
-    """Copy the K/V of tokens (block, offset in block) to other slots, every KV head, in the layout
-    of `isa` (all sources are read before any destination is written)."""
-    key, value = paged_kv_views(kv_cache, isa)
-    if isa == "amx":  # token t: K [t // 16, :, t % 16, :], V [:, t // 2, :, t % 2] of its block
-        k = key[src_blocks, :, src_offsets // 16, :, src_offsets % 16]
-        v = value[src_blocks, :, :, src_offsets // 2, :, src_offsets % 2]
-        key[dst_blocks, :, dst_offsets // 16, :, dst_offsets % 16] = k
-        value[dst_blocks, :, :, dst_offsets // 2, :, dst_offsets % 2] = v
-        return
-    k, v = key[src_blocks, :, src_offsets], value[src_blocks, :, src_offsets]
-    key[dst_blocks, :, dst_offsets] = k
-    value[dst_blocks, :, dst_offsets] = v
-
+from vllm_sparsever.verification.lossless.kv_layout import (
+    KERNEL_LAYOUT_ISAS,
+    PLAIN_LAYOUT_ISAS,
+    paged_kv_views,
+)
+from vllm_sparsever.verification.sparse.runtime import SparsePathUnavailable, get_runtime, layer_index_of
 
 def resolve_attention_kernel(choice: str, stock_isa: str) -> str:
     """`attention.kernel` in force for layers whose stock ISA is `stock_isa`."""
     if choice == "auto":
-        return "sparsever" if stock_isa in _PLAIN_LAYOUT_ISAS else "vllm"
+        return "sparsever" if stock_isa in PLAIN_LAYOUT_ISAS else "vllm"
     return choice
 
 
@@ -111,11 +69,11 @@ def resolve_dense_kernel(choice: str, isa: str) -> str:
 
     "auto" takes sparsever's kernel wherever it reads the layout: it beat vLLM's at 1-16 query
     tokens on vec and AMX layouts (bench/results/kernels_*_attention_*roof*)."""
-    readable = isa in _KERNEL_LAYOUT_ISAS
+    readable = isa in KERNEL_LAYOUT_ISAS
     if choice == "sparsever" and not readable:
         raise RuntimeError(
             f"attention.dense_kernel: 'sparsever' cannot read vLLM's {isa!r} KV layout (it reads "
-            f"{', '.join(_KERNEL_LAYOUT_ISAS)}); use 'auto' or 'vllm'")
+            f"{', '.join(KERNEL_LAYOUT_ISAS)}); use 'auto' or 'vllm'")
     if choice == "auto":
         return "sparsever" if readable else "vllm"
     return choice
@@ -127,12 +85,12 @@ def resolve_decode_kernel(choice: str, isa: str) -> str:
     "auto" takes sparsever's kernel on the plain layouts, where it beat vLLM's vec kernel at one
     query token on every CPU measured; on AMX tiles the two tie, so decode steps stay stock there
     (bench/results/kernels_*_attention_*: the `q = 1` rows)."""
-    if choice == "sparsever" and isa not in _KERNEL_LAYOUT_ISAS:
+    if choice == "sparsever" and isa not in KERNEL_LAYOUT_ISAS:
         raise RuntimeError(
             f"attention.decode_kernel: 'sparsever' cannot read vLLM's {isa!r} KV layout (it reads "
-            f"{', '.join(_KERNEL_LAYOUT_ISAS)}); use 'auto' or 'vllm'")
+            f"{', '.join(KERNEL_LAYOUT_ISAS)}); use 'auto' or 'vllm'")
     if choice == "auto":
-        return "sparsever" if isa in _PLAIN_LAYOUT_ISAS else "vllm"
+        return "sparsever" if isa in PLAIN_LAYOUT_ISAS else "vllm"
     return choice
 
 
@@ -266,7 +224,7 @@ class SparseverCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self.sparse_kernel = resolve_attention_kernel(choice, isa)
         summaries = rt is not None and rt.started_with["attention"]
         if self.sparse_kernel == "sparsever" and (
-                isa not in _KERNEL_LAYOUT_ISAS or (summaries and isa not in _PLAIN_LAYOUT_ISAS)):
+                isa not in KERNEL_LAYOUT_ISAS or (summaries and isa not in PLAIN_LAYOUT_ISAS)):
             # The attention kernel reads AMX's packed tiles, but the key summaries of sparse
             # attention read the plain layout: there (and on layouts neither reads) the worker
             # runs vLLM's vec ISA.
@@ -396,11 +354,11 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         so every layer of a tree forward runs sparsever's kernel over all context blocks. Not a
         fallback case: a causal kernel here would verify the wrong tokens."""
         isa = vllm_attn.layer_isa(layer)
-        if not self._supported or isa not in _KERNEL_LAYOUT_ISAS:
+        if not self._supported or isa not in KERNEL_LAYOUT_ISAS:
             raise RuntimeError(
                 f"draft trees: layer {layer.layer_name} cannot attend with a tree mask (ISA {isa!r}, "
                 f"plain causal decoder attention: {self._supported}); tree verification needs "
-                f"sparsever's attention kernel on a KV layout it reads ({', '.join(_KERNEL_LAYOUT_ISAS)})")
+                f"sparsever's attention kernel on a KV layout it reads ({', '.join(KERNEL_LAYOUT_ISAS)})")
         return self._dense_forward(layer, query, kv_cache, md, output, tree_mask)
 
     def _sparse_forward(self, layer, query, kv_cache, md, output, plan: VerificationPlan, rt,
@@ -458,7 +416,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
                 md.query_start_loc, self.scale, selected=selected, num_selected=num_selected,
                 tree_mask=None if tree_mask is None else tree_mask[:num_tokens], out=output[:num_tokens],
             )
-        if rt.check_reference and vllm_attn.layer_isa(layer) in _PLAIN_LAYOUT_ISAS:
+        if rt.check_reference and vllm_attn.layer_isa(layer) in PLAIN_LAYOUT_ISAS:
             self._check_reference(query[:num_tokens], *paged_kv_views(kv_cache), md, selected,
                                   num_selected, output[:num_tokens], rt, exact_summaries=not shared,
                                   tree_mask=None if tree_mask is None else tree_mask[:num_tokens])
@@ -536,7 +494,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
 def _layer_kernel(layer) -> str | None:
     """The sparse kernel a layer can run: None when its KV layout does not allow one."""
     kernel = getattr(layer, "sparsever_attention_kernel", None)
-    if kernel == "sparsever" and vllm_attn.layer_isa(layer) not in _PLAIN_LAYOUT_ISAS:
+    if kernel == "sparsever" and vllm_attn.layer_isa(layer) not in PLAIN_LAYOUT_ISAS:
         return None
     return kernel
 

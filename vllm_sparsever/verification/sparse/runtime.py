@@ -42,7 +42,7 @@ from vllm_sparsever.config import (
     SparseverConfig,
     SparseverConfigError,
 )
-from vllm_sparsever.verification.profile import CalibrationProfile
+from vllm_sparsever.verification.sparse.profile import CalibrationProfile
 
 logger = logging.getLogger("vllm_sparsever")
 
@@ -102,7 +102,7 @@ class SparseVerificationRuntime:
             "ffn": config.ffn.enabled or ffn_dense_kernel == "sparsever",
             "moe": config.moe.enabled,
         }
-        # Whether start-up registered sparsever's CPU attention backend (verification/setup.py).
+        # Whether start-up registered sparsever's CPU attention backend (verification/sparse/setup.py).
         self.sparse_attention_backend = False
         # Dense verify and decode steps on sparsever's kernel may be switched off at run time and back on.
         self.dense_kernel_at_start = config.attention.dense_kernel
@@ -118,12 +118,12 @@ class SparseVerificationRuntime:
         # The target's attention layers (set after it loads): only a builder serving them plans
         # steps, not the draft model's (another attention group when its head size differs).
         self.target_attention_layers: frozenset[str] = frozenset()
-        # MoE targets (verification/expert_counter.py): (routed experts, top-k), and who wants each
+        # MoE targets (verification/lossless/expert_counter.py): (routed experts, top-k), and who wants each
         # verify request's (tokens, distinct experts) per layer (EVICT's expert-union model), if anyone.
         self.moe_routing: tuple[int, int] | None = None
         self.experts_observer: Callable[[int, int], None] | None = None
         self.ffn_gates: set[str] = set()  # where FFN layers run their dense gate (install_ffn)
-        # ffn.dense_kernel resolved at start (verification/setup.py); with "sparsever", dense steps of up
+        # ffn.dense_kernel resolved at start (verification/sparse/setup.py); with "sparsever", dense steps of up
         # to ffn_dense_op_max_tokens tokens run the FFN op at keep = I.
         self.ffn_dense_kernel = ffn_dense_kernel
         # linear_kernel resolved at start: "sparsever" = the target's dense linears on dense_linear,

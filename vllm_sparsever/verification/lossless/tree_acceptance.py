@@ -102,7 +102,7 @@ def compact_accepted_kv(layer_kvs: list[Any], moves: list[tuple[int, int, list[i
     if not src_pos or not layer_kvs:
         return len(src_pos)
     from vllm_sparsever.compat.cpu_attention import layer_isa
-    from vllm_sparsever.verification.attention import move_kv_tokens
+    from vllm_sparsever.verification.lossless.kv_layout import move_kv_tokens
 
     rows = torch.tensor([r for r, _ in src_pos], dtype=torch.long)
     src = torch.tensor([p for _, p in src_pos], dtype=torch.long)

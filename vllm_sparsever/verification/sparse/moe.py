@@ -44,9 +44,10 @@ from vllm_sparsever import _custom_ops as ops
 from vllm_sparsever.compat import fused_moe as vllm_moe
 from vllm_sparsever.compat.forward_context import skip_moe_layer_slot
 from vllm_sparsever.compat.worker import is_cpu_platform
-from vllm_sparsever.verification.op_modules import OpModuleRegistry
-from vllm_sparsever.plan import VerificationPlan, current_plan
-from vllm_sparsever.verification.runtime import (
+from vllm_sparsever.verification.sparse.op_modules import OpModuleRegistry
+from vllm_sparsever.forward_scope import current_plan
+from vllm_sparsever.plan import VerificationPlan
+from vllm_sparsever.verification.sparse.runtime import (
     SparsePathUnavailable,
     SparseVerificationRuntime,
     get_runtime,
@@ -269,8 +270,8 @@ def _sparse_weights(runner: nn.Module) -> tuple[torch.Tensor | None, torch.Tenso
             return kept
         raise RuntimeError(
             f"moe.enabled: the experts of {vllm_moe.runner_layer_name(runner)} were prepacked for "
-            f"cpu_fused_moe and their plain weights freed; vllm_sparsever.verification.moe.preserve_expert_weights() "
-            f"must be active while the target loads"
+            f"cpu_fused_moe and their plain weights freed; "
+            f"vllm_sparsever.verification.sparse.moe.preserve_expert_weights() must be active while the target loads"
         )
     is_triton, backend = vllm_moe.triton_expert_backend(runner)
     if not is_triton:
