@@ -26,7 +26,7 @@ from vllm_sparsever.compat.runner import (async_scheduling, batch_num_rows, fini
                                          step_token_layout)
 from vllm_sparsever.config import SparseverConfig
 from vllm_sparsever.drafting.factory import check_scheduling, make_proposer
-from vllm_sparsever.integration.step_inputs import (RunnerTargetView, draft_step, states_by_request,
+from vllm_sparsever.integration.step_inputs import (RunnerTargetView, draft_step, hand_target_states,
                                                    verification_plan)
 from vllm_sparsever.integration.step_recorder import StepRecorder
 from vllm_sparsever.forward_scope import active_plan
@@ -140,8 +140,10 @@ class SparseverRunnerMixin:
         if plan is None:  # no sparsever proposer: vLLM's drafter proposes as it is
             return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
         with self._sparsever_steps.timing("draft"):
-            if plan.target_states:
-                self._observe_target_states(args, kwargs)
+            if plan.target_states:  # (an EAGLE head it runs reads them)
+                hand_target_states(self.sparsever_proposer, self._sparsever_layout, self._sparsever_state_paths,
+                                   args, kwargs)
+                self._sparsever_layout, self._sparsever_state_paths = [], {}
             if plan.vllm_depth:  # vLLM's drafter proposes as deep as planned; the proposer cuts later
                 from vllm_sparsever.compat.drafter import with_draft_depth
 
@@ -170,18 +172,6 @@ class SparseverRunnerMixin:
         self._sparsever_steps.finish_step(plan, sample_tokens_s, drafted_inside, output, self.sparsever_proposer,
                                           self.sparsever_runtime, self.sparsever_drafting_stats)
         return output
-
-    def _observe_target_states(self, args: tuple, kwargs: dict) -> None:
-        """The step's target states, per request, to the proposer (an EAGLE head it runs)."""
-        from vllm_sparsever.compat.drafter import pass_states
-
-        proposer = self.sparsever_proposer
-        layout, self._sparsever_layout = self._sparsever_layout, []
-        paths, self._sparsever_state_paths = self._sparsever_state_paths, {}
-        states = pass_states(args, kwargs, aux=proposer.state_layers is not None)
-        if states is not None:
-            for req_id, first, tokens, rows in states_by_request(layout, paths, states):
-                proposer.observe_target_states(req_id, first, tokens, rows)
 
     def _sparsever_propose(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """The proposer's drafts from this step's input, its budgets and its planned depth."""

@@ -36,6 +36,18 @@ def verification_plan(runner: Any, step_index: int, scheduler_output: Any, num_s
     )
 
 
+def hand_target_states(proposer: Any, layout: list[tuple[str, int, list[int]]], paths: dict[str, list[int]],
+                       args: tuple, kwargs: dict) -> None:
+    """The step's target states (from the arguments vLLM hands its drafter), per request, to the
+    proposer: `layout` the step's tokens per request, `paths` the accepted tree paths."""
+    from vllm_sparsever.compat.drafter import pass_states
+
+    states = pass_states(args, kwargs, aux=proposer.state_layers is not None)
+    if states is not None:
+        for req_id, first, tokens, rows in states_by_request(layout, paths, states):
+            proposer.observe_target_states(req_id, first, tokens, rows)
+
+
 def draft_step(runner: Any, sampled_token_ids: list[list[int]], lookahead: int, depth: int) -> DraftStep:
     """The proposers' input of this step (the runner's batch after the step's bookkeeping): budgets
     for a proposer that writes up to `lookahead` positions per request, `depth` levels, and every
