@@ -8,30 +8,18 @@ from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile
 from vllm_sparsever.adaptive.evict import PLAIN_CHECK_EVERY, AcceptanceCalibration, Evict
 from vllm_sparsever.trees import DraftTree
 
-
-def _profile(per_token_s: float, base_s: float = 0.05, per_ctx_s: float = 0.0) -> VerifyCostProfile:
-    ms = [Measurement(mask, r, q, c, base_s + per_token_s * r * q + per_ctx_s * r * c)
-          for mask in ("tree", "chain") for r in (1, 4, 8) for q in (1, 2, 4, 8, 16) for c in (256, 4096)]
-    return VerifyCostProfile(model="m", hardware="h", dtype="float32", measurements=ms).fit()
-
-
-def _chain(probs: list[float]) -> DraftTree:
-    scores, s = [], 1.0
-    for p in probs:
-        s *= p
-        scores.append(s)
-    return DraftTree(list(range(10, 10 + len(probs))), list(range(-1, len(probs) - 1)), scores)
+from .evict_helpers import chain_of, made_up_profile
 
 
 def test_cost_profile_fit_recovers_a_linear_cost():
-    profile = _profile(0.002, per_ctx_s=1e-6)
+    profile = made_up_profile(0.002, per_ctx_s=1e-6)
     assert profile.fit_error["tree"] < 0.02
     assert profile.predict([5], [1000]) == pytest.approx(0.05 + 0.01 + 0.001, rel=0.05)
 
 
 def test_cheap_tokens_keep_the_confident_drafts_and_cut_the_rest():
-    evict = Evict(_profile(0.001), guard=False, depth_prior=1e-3)  # the drafter's scores decide
-    tree = _chain([0.95, 0.9, 0.9, 0.02, 0.9])
+    evict = Evict(made_up_profile(0.001), guard=False, depth_prior=1e-3)  # the drafter's scores decide
+    tree = chain_of([0.95, 0.9, 0.9, 0.02, 0.9])
     out = evict.truncate([tree], [256])
     # Each confident draft adds ~0.9 expected tokens for 2% more time; the 4th node's path
     # probability (~0.015) does not pay, nor anything under it.
@@ -60,7 +48,7 @@ def test_depth_is_the_one_with_the_best_expected_rate():
 
     shape = DraftShape(cap=8, budgets=(8,))
     for alpha, pass_s in ((0.7, 0.02), (0.9, 0.01), (0.5, 0.03), (0.95, 0.004)):
-        evict = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=alpha), pass_s)
+        evict = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=alpha), pass_s)
         rates = [_rate_by_hand(evict, d, alpha, pass_s) for d in range(9)]
         want = max(range(9), key=lambda d: (rates[d], -d))
         assert evict.plan_depth([256], shape) == want, (alpha, pass_s, rates)
@@ -68,7 +56,7 @@ def test_depth_is_the_one_with_the_best_expected_rate():
     cases = [(0.7, 0.02), (0.95, 0.004)]
     got = []
     for alpha, pass_s in cases:
-        evict = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=alpha), pass_s)
+        evict = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=alpha), pass_s)
         got.append(evict.plan_depth([256], shape))
     assert 1 < got[0] < 8 and got[1] == 8
 
@@ -79,7 +67,7 @@ def test_a_costly_drafter_drafts_shorter_chains_than_a_cheap_one():
     shape = DraftShape(cap=6, budgets=(6,))
     depths = {}
     for pass_s in (0.002, 0.02, 0.06, 0.2):
-        depths[pass_s] = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.8), pass_s).plan_depth([256], shape)
+        depths[pass_s] = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=0.8), pass_s).plan_depth([256], shape)
     assert depths[0.002] == 6 and depths[0.002] > depths[0.02] > depths[0.06] > 0
     assert depths[0.2] == 0  # a pass costs twice a plain step: plain decoding wins
 
@@ -88,8 +76,8 @@ def test_one_pass_drafters_draft_to_the_depth_verification_pays_for():
     """n-gram: one lookup gives every level, so only verification prices depth."""
     from vllm_sparsever.adaptive.evict import DraftShape
 
-    cheap_tokens = _measured(Evict(_profile(0.001, base_s=0.1), depth_prior=0.5), 0.001)
-    costly_tokens = _measured(Evict(_profile(0.05, base_s=0.1), depth_prior=0.5), 0.001)
+    cheap_tokens = _measured(Evict(made_up_profile(0.001, base_s=0.1), depth_prior=0.5), 0.001)
+    costly_tokens = _measured(Evict(made_up_profile(0.05, base_s=0.1), depth_prior=0.5), 0.001)
     one_pass = DraftShape(cap=5, budgets=(5,), one_pass=True)
     assert cheap_tokens.plan_depth([256], one_pass) == 5
     # 0.5 ** d expected tokens for 50 ms each: the first pays (0.5 / 0.05 = 10 tok/s against 1 / 0.151),
@@ -102,38 +90,38 @@ def test_drafting_stops_when_the_path_probability_no_longer_pays():
     from vllm_sparsever.adaptive.evict import DraftShape
 
     shape = DraftShape(cap=6, budgets=(6,))
-    evict = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.8), 0.02)
+    evict = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=0.8), 0.02)
     assert evict.plan_depth([256], shape) >= 3
     # Verification showed drafts scored 0.9 accepted, drafts scored 0.001 rejected.
     for _ in range(50):
-        evict.calibration.observe(_chain([0.9]), 1, [0])
-        evict.calibration.observe(_chain([0.001]), 1, [])
+        evict.calibration.observe(chain_of([0.9]), 1, [0])
+        evict.calibration.observe(chain_of([0.001]), 1, [])
     # One draft with path probability 0.9: the next pays; at 0.001 it cannot (~0 expected tokens for a
     # 25 ms pass + token, at a step rate near 10 tokens/s).
-    assert evict.keep_drafting([256], shape, 1, [_chain([0.9])], [[0]])
-    assert not evict.keep_drafting([256], shape, 1, [_chain([0.001])], [[0]])
+    assert evict.keep_drafting([256], shape, 1, [chain_of([0.9])], [[0]])
+    assert not evict.keep_drafting([256], shape, 1, [chain_of([0.001])], [[0]])
     # By hand: continuing pays iff some further depth beats stopping here.
-    evict2 = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.8), 0.02)
+    evict2 = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=0.8), 0.02)
     decisions = []
     for p in (0.05, 0.1, 0.2, 0.4):
         for _ in range(60):
-            evict2.calibration.observe(_chain([p]), 1, [0] if p > 0.1 else [])
-        reach = evict2.benefits(_chain([p]))[0]
+            evict2.calibration.observe(chain_of([p]), 1, [0] if p > 0.1 else [])
+        reach = evict2.benefits(chain_of([p]))[0]
         now = (1 + reach) / (0.02 + evict2.cost([2], [256], "chain"))
         later = [(1 + reach + sum(reach * 0.8 ** j for j in range(1, e + 1)))
                  / ((1 + e) * 0.02 + evict2.cost([2 + e], [256], "chain")) for e in range(1, 6)]
-        decisions.append(evict2.keep_drafting([256], shape, 1, [_chain([p])], [[0]]))
+        decisions.append(evict2.keep_drafting([256], shape, 1, [chain_of([p])], [[0]]))
         assert decisions[-1] == (max(later) > now), p
     assert decisions == [False, False, True, True]
     # A request that finished (empty frontier) adds nothing.
-    assert not evict.keep_drafting([256], shape, 1, [_chain([0.9])], [[]])
+    assert not evict.keep_drafting([256], shape, 1, [chain_of([0.9])], [[]])
 
 
 def test_guard_skips_when_depth_zero_wins_and_probes_by_the_time_budget():
     from vllm_sparsever.adaptive.evict import FIRST_PROBE_SKIPS, PROBE_BUDGET, DraftShape
 
     shape = DraftShape(cap=4, budgets=(4,))
-    evict = Evict(_profile(0.2, base_s=0.01), guard=True)  # a token costs 20x the step base
+    evict = Evict(made_up_profile(0.2, base_s=0.01), guard=True)  # a token costs 20x the step base
     assert evict.plan_depth([256], shape) == 4  # nothing measured yet: drafts blind, to the cap
     evict.observe_drafting(1, [0.01], 0.01)
     assert evict.plan_depth([256], shape) == 4  # no step measured yet: the profile's level is unknown
@@ -165,7 +153,7 @@ def test_guard_cannot_lock_itself_out_on_an_underestimated_plain_step():
     from vllm_sparsever.adaptive.evict import DraftShape
 
     shape = DraftShape(cap=3, budgets=(3,))
-    evict = _measured(Evict(_profile(0.002, base_s=0.1), depth_prior=0.9), 0.1)
+    evict = _measured(Evict(made_up_profile(0.002, base_s=0.1), depth_prior=0.9), 0.1)
     assert evict.plan_depth([256], shape) == 0  # a pass costs a plain step: 1.9 tokens / 0.2 s < 1 / 0.1 s
     predicted = evict.cost([1], [256], "chain")
     for _ in range(10):
@@ -176,7 +164,7 @@ def test_guard_cannot_lock_itself_out_on_an_underestimated_plain_step():
 
 
 def test_verify_time_follows_measured_steps_per_batch_size_and_context_band():
-    evict = Evict(_profile(0.002, base_s=0.1))
+    evict = Evict(made_up_profile(0.002, base_s=0.1))
     predicted = evict.cost([4], [256], "chain")
     for _ in range(20):
         evict.observe_step([4], [256], 2.0 * predicted, gap_s=0.01)
@@ -209,7 +197,7 @@ def test_depth_acceptance_is_measured_per_depth_and_extrapolated():
 def test_guard_keeps_drafting_when_it_pays():
     from vllm_sparsever.adaptive.evict import DraftShape
 
-    evict = _measured(Evict(_profile(0.001), guard=True, depth_prior=0.9), 0.005)
+    evict = _measured(Evict(made_up_profile(0.001), guard=True, depth_prior=0.9), 0.005)
     shape = DraftShape(cap=3, budgets=(3,))
     depths = [evict.plan_depth([256], shape) for _ in range(100)]
     # One plain step to re-measure it, PLAIN_CHECK_EVERY drafting steps after the last one measured.
@@ -225,7 +213,7 @@ def test_a_warm_up_drafting_step_does_not_lock_a_cheap_drafter_out():
     from vllm_sparsever.adaptive.evict import EMA, DraftShape
 
     shape = DraftShape(cap=3, budgets=(3,))
-    evict = Evict(_profile(0.001), guard=True, depth_prior=0.9)
+    evict = Evict(made_up_profile(0.001), guard=True, depth_prior=0.9)
     evict.observe_drafting(1, [0.05, 0.05, 0.05], 0.15)  # the warm-up step: 50 ms a pass
     _measured(evict, 0.005)  # the next one: 5 ms a pass
     assert evict.clock.pass_s[1] == pytest.approx(0.005)
@@ -235,7 +223,7 @@ def test_a_warm_up_drafting_step_does_not_lock_a_cheap_drafter_out():
     evict.observe_drafting(1, [0.01, 0.01, 0.01], 0.03)  # slower for real: followed by EMA
     assert evict.clock.pass_s[1] == pytest.approx(EMA * 0.01 + (1 - EMA) * 0.005)
     # A drafter whose passes do take 50 ms does not pay here: the warm-up step alone would skip.
-    slow = _measured(Evict(_profile(0.001), guard=True, depth_prior=0.9), 0.05)
+    slow = _measured(Evict(made_up_profile(0.001), guard=True, depth_prior=0.9), 0.05)
     assert slow.plan_depth([256], shape) == 0 and slow.stats.skipped_drafting_steps == 1
 
 
@@ -246,7 +234,7 @@ def test_guard_measures_a_plain_step_where_drafting_measured_only_verify_steps()
     from vllm_sparsever.adaptive.evict import DraftShape
 
     shape = DraftShape(cap=3, budgets=(3,))
-    evict = Evict(_profile(0.002, base_s=0.1), guard=True, depth_prior=0.9)
+    evict = Evict(made_up_profile(0.002, base_s=0.1), guard=True, depth_prior=0.9)
     evict.observe_drafting(1, [0.02], 0.02)
     for _ in range(10):
         evict.observe_step([2], [32768], 3.0 * evict.cost([2], [32768], "chain"))
@@ -265,7 +253,7 @@ def test_guard_measures_a_plain_step_where_drafting_measured_only_verify_steps()
     evict.observe_step([1], [512], evict.cost([1], [512], "chain"))
     assert evict.plan_depth([512], shape) == 3 and evict.stats.plain_check_steps == 2
     # Guard off: always drafts, no checks.
-    unguarded = Evict(_profile(0.002, base_s=0.1), guard=False, depth_prior=0.9)
+    unguarded = Evict(made_up_profile(0.002, base_s=0.1), guard=False, depth_prior=0.9)
     unguarded.observe_drafting(1, [0.02], 0.02)
     unguarded.observe_step([2], [32768], 3.0 * unguarded.cost([2], [32768], "chain"))
     assert unguarded.plan_depth([32768], shape) > 0 and unguarded.stats.plain_check_steps == 0
@@ -275,12 +263,12 @@ def test_depth_cap_mode_drafts_to_the_cap_or_not_at_all():
     from vllm_sparsever.adaptive.evict import DraftShape
 
     shape = DraftShape(cap=6, budgets=(6,))
-    interior = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.7, depth="cap"), 0.02)
+    interior = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=0.7, depth="cap"), 0.02)
     assert interior.plan_depth([256], shape) == 6
-    assert interior.keep_drafting([256], shape, 1, [_chain([0.001])], [[0]])
-    losing = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.7, depth="cap"), 0.2)
+    assert interior.keep_drafting([256], shape, 1, [chain_of([0.001])], [[0]])
+    losing = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=0.7, depth="cap"), 0.2)
     assert losing.plan_depth([256], shape) == 0
-    unguarded = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.7, guard=False), 0.2)
+    unguarded = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=0.7, guard=False), 0.2)
     assert unguarded.plan_depth([256], shape) == 1  # guard off: at least one level
 
 
@@ -289,14 +277,14 @@ def test_batch_is_taken_into_account():
     knee = [Measurement(mask, r, q, 256, 0.05 + (0.0005 * r * q if r * q <= 16 else 0.008 + 0.01 * (r * q - 16)))
             for mask in ("tree", "chain") for r in (1, 4, 8) for q in (1, 2, 4, 8, 16)]
     profile = VerifyCostProfile(model="m", hardware="h", dtype="float32", measurements=knee).fit()
-    trees = [_chain([0.7] * 6) for _ in range(8)]
+    trees = [chain_of([0.7] * 6) for _ in range(8)]
     one = Evict(profile, guard=False).truncate(trees[:1], [256])
     eight = Evict(profile, guard=False).truncate(trees, [256] * 8)
     assert len(one[0]) > sum(len(t) for t in eight) / 8
 
 
 def test_min_draft_tokens_and_prefix_closure():
-    evict = Evict(_profile(1.0), min_draft_tokens=2, guard=False, depth_prior=1e-3)  # tokens far too expensive
+    evict = Evict(made_up_profile(1.0), min_draft_tokens=2, guard=False, depth_prior=1e-3)  # tokens far too expensive
     tree = DraftTree([1, 2, 3, 4], [-1, -1, 0, 2], [0.6, 0.3, 0.5, 0.4])
     out = evict.truncate([tree], [256])
     assert out[0].tokens == [1, 3]  # the two best nodes, prefix-closed (3 hangs under 1)
@@ -304,7 +292,7 @@ def test_min_draft_tokens_and_prefix_closure():
 
 def test_calibration_moves_toward_observed_acceptance():
     cal = AcceptanceCalibration()
-    tree = _chain([0.9])
+    tree = chain_of([0.9])
     before = cal.estimate(0.9)
     for _ in range(50):
         cal.observe(tree, 1, [])  # never accepted
@@ -313,9 +301,9 @@ def test_calibration_moves_toward_observed_acceptance():
 
 def test_drafting_time_makes_verifying_more_nodes_worth_it():
     """The step already spent its drafting time: a node's verification cost is smaller next to it."""
-    tree = _chain([0.9, 0.5, 0.3, 0.3, 0.3])
-    quick = Evict(_profile(0.01), guard=False).truncate([tree], [256], draft_time_s=0.0)
-    slow = Evict(_profile(0.01), guard=False).truncate([tree], [256], draft_time_s=0.5)
+    tree = chain_of([0.9, 0.5, 0.3, 0.3, 0.3])
+    quick = Evict(made_up_profile(0.01), guard=False).truncate([tree], [256], draft_time_s=0.0)
+    slow = Evict(made_up_profile(0.01), guard=False).truncate([tree], [256], draft_time_s=0.5)
     assert len(slow[0]) > len(quick[0])
 
 
@@ -333,7 +321,7 @@ def test_guard_defers_a_long_catch_up_until_drafting_would_have_saved_its_cost()
     cost; then it drafts. Few catch-up tokens, or an unmeasured catch-up, are not deferred."""
     from vllm_sparsever.adaptive.evict import DraftShape
 
-    evict = _measured(Evict(_profile(0.001), guard=True, depth_prior=0.9), 0.005)
+    evict = _measured(Evict(made_up_profile(0.001), guard=True, depth_prior=0.9), 0.005)
     shape = DraftShape(cap=3, budgets=(3,))
     assert evict.plan_depth([256], shape, catch_up_tokens=5000) == 3  # catch-up cost never measured
     evict.observe_catch_up(1000, 2.0)  # 2 ms a token: 10 s for 5000
@@ -350,7 +338,7 @@ def test_guard_defers_a_long_catch_up_until_drafting_would_have_saved_its_cost()
     # Drafting caught up: the next long catch-up (another new request) is deferred afresh.
     assert evict.plan_depth([256], shape, catch_up_tokens=5000) == 0
     # With the guard off, drafting is never deferred.
-    unguarded = _measured(Evict(_profile(0.001), guard=False, depth_prior=0.9), 0.005)
+    unguarded = _measured(Evict(made_up_profile(0.001), guard=False, depth_prior=0.9), 0.005)
     unguarded.observe_catch_up(1000, 2.0)
     assert unguarded.plan_depth([256], shape, catch_up_tokens=5000) == 3
 
@@ -369,7 +357,7 @@ def _run_chain_steps(evict: Evict, shape, steps: int, later_alpha: float) -> lis
         if depth == 0:
             continue
         levels = 1
-        while levels < depth and evict.keep_drafting([256], shape, levels, [_chain([0.001] * levels)], [[levels - 1]]):
+        while levels < depth and evict.keep_drafting([256], shape, levels, [chain_of([0.001] * levels)], [[levels - 1]]):
             levels += 1
         accepted = 0
         if rng.random() < 0.5:
@@ -391,7 +379,7 @@ def test_depth_probe_measures_the_depth_below_which_drafting_stops():
     def engine() -> Evict:
         # 30 ms passes for a 100 ms step: with every depth accepted half the time (depth 1's estimate,
         # inherited below it) one draft is the best depth: 1.5 / 0.14 s against 1.75 / 0.175 s for two.
-        evict = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.5), 0.03)
+        evict = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=0.5), 0.03)
         for _ in range(20):
             evict.observe_depth(1, 0)
             evict.observe_depth(1, 1)
@@ -401,8 +389,8 @@ def test_depth_probe_measures_the_depth_below_which_drafting_stops():
     first = [probed.plan_depth([256], shape) for _ in range(DEPTH_PROBE_EVERY)]
     assert first == [1] * (DEPTH_PROBE_EVERY - 1) + [2] and probed.stats.depth_probe_steps == 1
     # The probe drafts its second level even from a draft the stopping rule would stop at.
-    assert probed.keep_drafting([256], shape, 1, [_chain([0.001])], [[0]])
-    assert not probed.keep_drafting([256], shape, 2, [_chain([0.001, 0.001])], [[1]])
+    assert probed.keep_drafting([256], shape, 1, [chain_of([0.001])], [[0]])
+    assert not probed.keep_drafting([256], shape, 2, [chain_of([0.001, 0.001])], [[1]])
 
     # Depth 2 accepted 90% of the time given depth 1: once measured, chains draft deeper.
     deep = _run_chain_steps(engine(), shape, 200, later_alpha=0.9)
@@ -421,19 +409,19 @@ def test_seeded_requests_keep_their_configured_shape():
     (no stale depth probe either)."""
     from vllm_sparsever.adaptive.evict import DraftShape
 
-    evict = Evict(_profile(1.0), guard=False, depth_prior=1e-3)  # tokens far too expensive
-    trees = [_chain([0.2, 0.2, 0.2]), _chain([0.2, 0.2, 0.2])]
+    evict = Evict(made_up_profile(1.0), guard=False, depth_prior=1e-3)  # tokens far too expensive
+    trees = [chain_of([0.2, 0.2, 0.2]), chain_of([0.2, 0.2, 0.2])]
     out = evict.truncate(trees, [256, 256], whole=[True, False])
     assert [len(t) for t in out] == [3, 0]
     assert [len(t) for t in evict.truncate(trees, [256, 256])] == [0, 0]
 
     shape = DraftShape(cap=4, budgets=(4,))
-    probed = _measured(Evict(_profile(0.005, base_s=0.1), depth_prior=0.5), 0.03)
+    probed = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=0.5), 0.03)
     while not probed.stats.depth_probe_steps:
         probed.plan_depth([256], shape)
-    assert probed.keep_drafting([256], shape, 1, [_chain([0.001])], [[0]])  # the probe's level
+    assert probed.keep_drafting([256], shape, 1, [chain_of([0.001])], [[0]])  # the probe's level
     assert probed.plan_seeded(4) == 4 and probed.stats.seeded_steps == 1
-    assert not probed.keep_drafting([256], shape, 1, [_chain([0.001])], [[0]])
+    assert not probed.keep_drafting([256], shape, 1, [chain_of([0.001])], [[0]])
 
 
 class _ScoredDrafter:
@@ -495,7 +483,7 @@ def test_a_seeded_request_is_drafted_and_verified_as_configured():
                          limits=[RequestLimits(frozenset(), None)] * rows, slot_limited=0)
 
     def engine() -> EvictPolicy:
-        policy = EvictPolicy(_profile(0.05, base_s=0.1), guard=False, depth_prior=0.05)
+        policy = EvictPolicy(made_up_profile(0.05, base_s=0.1), guard=False, depth_prior=0.05)
         _measured(policy._evict, 0.03, rows=2)
         for _ in range(20):
             policy._evict.observe_depth(1, 0)
@@ -521,7 +509,7 @@ def test_guard_measures_a_plain_step_at_a_batch_size_it_never_decoded_plainly():
     there, and then skips."""
     from vllm_sparsever.adaptive.evict import DraftShape
 
-    evict = _measured(Evict(_profile(0.002, base_s=0.02), guard=True, depth_prior=0.8), 0.01)  # 1 row, plain seen
+    evict = _measured(Evict(made_up_profile(0.002, base_s=0.02), guard=True, depth_prior=0.8), 0.01)  # 1 row, plain seen
     rows, ctx = 8, [256] * 8
     evict.observe_drafting(rows, [0.03], 0.03)
     for _ in range(5):  # verify steps at 8 rows take what the profile says
@@ -550,7 +538,7 @@ def test_guard_decodes_plainly_when_the_requests_end_before_drafting_pays_back_i
     shape = DraftShape(cap=3, budgets=(3,) * rows)
 
     def fresh() -> Evict:
-        evict = _measured(Evict(_profile(0.002, base_s=0.05), guard=True, depth_prior=0.9), 0.01, rows=rows)
+        evict = _measured(Evict(made_up_profile(0.002, base_s=0.05), guard=True, depth_prior=0.9), 0.01, rows=rows)
         evict.observe_catch_up(1000, 0.5)  # 0.5 ms a token of prompt
         return evict
 
@@ -568,7 +556,7 @@ def test_guard_decodes_plainly_when_the_requests_end_before_drafting_pays_back_i
     assert fresh().plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=long) > 0
     assert fresh().plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=None) > 0
     assert fresh().plan_depth(ctx, shape, 0, prompt_tokens=0, horizon_tokens=short) > 0  # nothing to catch up on
-    unguarded = _measured(Evict(_profile(0.002, base_s=0.05), guard=False, depth_prior=0.9), 0.01, rows=rows)
+    unguarded = _measured(Evict(made_up_profile(0.002, base_s=0.05), guard=False, depth_prior=0.9), 0.01, rows=rows)
     unguarded.observe_catch_up(1000, 0.5)
     assert unguarded.plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=short) > 0
 
@@ -598,7 +586,7 @@ def test_guard_follows_realized_steps_where_the_model_says_drafting_pays():
     rows, ctx = 8, [256] * 8
 
     def optimistic() -> Evict:  # a model whose acceptance estimate stays at 0.9, whatever is accepted
-        evict = _measured(Evict(_profile(0.002, base_s=0.05), guard=True, depth_prior=0.9), 0.01, rows=rows)
+        evict = _measured(Evict(made_up_profile(0.002, base_s=0.05), guard=True, depth_prior=0.9), 0.01, rows=rows)
         evict.depths.conditional = lambda depths: [0.9] * depths
         return evict
 
@@ -621,7 +609,7 @@ def test_a_steps_drafting_is_the_one_planned_the_step_before():
     from vllm_sparsever.adaptive.evict import DraftShape, plain_check_key
 
     rows, ctx = 1, [256]
-    evict = _measured(Evict(_profile(0.002, base_s=0.05), guard=True, depth_prior=0.9), 0.01)
+    evict = _measured(Evict(made_up_profile(0.002, base_s=0.05), guard=True, depth_prior=0.9), 0.01)
     shape = DraftShape(cap=3, budgets=(3,))
     evict._draft_s_next = 0.0  # (_measured's drafting was for a step it never ran)
     key = plain_check_key(ctx)

@@ -7,26 +7,11 @@ import logging
 
 import pytest
 
-from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile
 from vllm_sparsever.adaptive.evict import CATCH_UP_MIN_TOKENS
 from vllm_sparsever.adaptive.policy import DraftShape, EvictPolicy
 from vllm_sparsever.config import AdaptiveVerificationConfig
-from vllm_sparsever.trees import DraftTree
 
-
-def _profile(per_token_s: float = 0.001, base_s: float = 0.05, dtype: str = "float32",
-             moe: list[int] | None = None) -> VerifyCostProfile:
-    ms = [Measurement(mask, r, q, c, base_s + per_token_s * r * q, **({"experts": 0.5} if moe else {}))
-          for mask in ("tree", "chain") for r in (1, 4, 8) for q in (1, 2, 4, 8, 16) for c in (256, 4096)]
-    return VerifyCostProfile(model="m", hardware="h", dtype=dtype, measurements=ms, moe=moe).fit()
-
-
-def _chain(probs: list[float]) -> DraftTree:
-    scores, s = [], 1.0
-    for p in probs:
-        s *= p
-        scores.append(s)
-    return DraftTree(list(range(10, 10 + len(probs))), list(range(-1, len(probs) - 1)), scores)
+from .evict_helpers import chain_of, made_up_profile
 
 
 def _measured(policy: EvictPolicy, pass_s: float = 0.01, rows: int = 1) -> EvictPolicy:
@@ -38,14 +23,14 @@ def _measured(policy: EvictPolicy, pass_s: float = 0.01, rows: int = 1) -> Evict
 
 
 def test_for_target_reads_the_profile_and_checks_it_against_the_target(tmp_path, caplog):
-    path = _profile(dtype="float32").save(tmp_path / "profile.json")
+    path = made_up_profile(dtype="float32").save(tmp_path / "profile.json")
     adaptive = AdaptiveVerificationConfig(enabled=True, cost_profile=str(path))
     with caplog.at_level(logging.WARNING, logger="vllm_sparsever"):
         policy = EvictPolicy.for_target(adaptive, "m", "torch.bfloat16", None, depth_prior=0.6)
     assert "measured in float32, the engine serves in bfloat16" in caplog.text
     assert policy.experts_observer() is None  # a dense target: no expert counter
 
-    moe = _profile(moe=[8, 2]).save(tmp_path / "moe.json")
+    moe = made_up_profile(moe=[8, 2]).save(tmp_path / "moe.json")
     adaptive = AdaptiveVerificationConfig(enabled=True, cost_profile=str(moe))
     assert EvictPolicy.for_target(adaptive, "m", "float32", (8, 2), depth_prior=0.6).experts_observer() is not None
     with pytest.raises(RuntimeError, match=r"\(experts, top_k\) = \(8, 2\), the target has \(16, 2\)"):
@@ -62,37 +47,37 @@ def test_every_decision_goes_through_agree_and_a_stop_is_counted():
         agreed.append(decision)
         return decision
 
-    policy = _measured(EvictPolicy(_profile(per_token_s=0.05), guard=False, depth_prior=0.05, agree=agree))
+    policy = _measured(EvictPolicy(made_up_profile(per_token_s=0.05), guard=False, depth_prior=0.05, agree=agree))
     shape = DraftShape(cap=3, budgets=(3,))
     depth = policy.plan_depth([256], shape)
     assert agreed == [depth]
     # A first level of a hopeless chain: one more level does not pay.
-    assert policy.keep_drafting([256], shape, 1, [_chain([0.01])], [[0]]) is False
+    assert policy.keep_drafting([256], shape, 1, [chain_of([0.01])], [[0]]) is False
     assert agreed[-1] is False and policy.summary()["evict_stopped_early_steps"] == 1
-    policy.truncate([_chain([0.01])], [256], passes=1, mask="chain")
+    policy.truncate([chain_of([0.01])], [256], passes=1, mask="chain")
     assert len(agreed) == 3  # the cut trees too
 
 
 def test_a_seeded_step_is_planned_to_the_cap_without_asking_the_model():
-    policy = EvictPolicy(_profile(per_token_s=0.05), guard=False, agree=lambda d: pytest.fail("no decision to agree"))
+    policy = EvictPolicy(made_up_profile(per_token_s=0.05), guard=False, agree=lambda d: pytest.fail("no decision to agree"))
     assert policy.plan_depth([256], DraftShape(cap=4, budgets=(4,)), seeded=True) == 4
     assert policy.summary()["evict_seeded_steps"] == 1
 
 
 def test_a_long_catch_up_is_a_one_off_not_a_draft_pass():
-    policy = EvictPolicy(_profile())
+    policy = EvictPolicy(made_up_profile())
     policy.observe_drafting(1, [2.0, 0.01, 0.01], 2.05, catch_up_tokens=CATCH_UP_MIN_TOKENS * 10)
     clock = policy.summary()
     assert clock["evict_clock_pass_s_rows1"] == pytest.approx(0.01)  # the roots' pass with the catch-up left out
     assert clock["evict_clock_fixed_s_rows1"] == pytest.approx(0.03)  # 2.05 - 2.0 - two passes
-    short = EvictPolicy(_profile())
+    short = EvictPolicy(made_up_profile())
     short.observe_drafting(1, [0.02, 0.01, 0.01], 0.05, catch_up_tokens=CATCH_UP_MIN_TOKENS - 1)
     assert short.summary()["evict_clock_pass_s_rows1"] == pytest.approx(0.01)  # the median of all three
 
 
 def test_truncate_counts_the_drafted_depth_and_keeps_a_seeded_tree_whole():
-    policy = _measured(EvictPolicy(_profile(per_token_s=0.05), guard=False, depth_prior=1e-3))
-    trees = [_chain([0.9, 0.01, 0.01]), _chain([0.9, 0.01, 0.01])]
+    policy = _measured(EvictPolicy(made_up_profile(per_token_s=0.05), guard=False, depth_prior=1e-3))
+    trees = [chain_of([0.9, 0.01, 0.01]), chain_of([0.9, 0.01, 0.01])]
     cut = policy.truncate(trees, [256, 256], passes=3, mask="chain", whole=[True, False])
     assert len(cut[0]) == 3 and len(cut[1]) < 3
     summary = policy.summary()
@@ -102,9 +87,9 @@ def test_truncate_counts_the_drafted_depth_and_keeps_a_seeded_tree_whole():
 def test_acceptance_calibrates_what_truncation_keeps():
     """Trees whose drafts verification keeps accepting are kept deeper than the drafter's (low)
     probabilities alone would keep them."""
-    fresh = _measured(EvictPolicy(_profile(per_token_s=0.004), guard=False, depth_prior=1e-3))
-    taught = _measured(EvictPolicy(_profile(per_token_s=0.004), guard=False, depth_prior=1e-3))
-    tree = _chain([0.05, 0.9, 0.9])
+    fresh = _measured(EvictPolicy(made_up_profile(per_token_s=0.004), guard=False, depth_prior=1e-3))
+    taught = _measured(EvictPolicy(made_up_profile(per_token_s=0.004), guard=False, depth_prior=1e-3))
+    tree = chain_of([0.05, 0.9, 0.9])
     for _ in range(200):
         taught.observe_acceptance(tree, 3, [0, 1, 2])
     kept = [len(p.truncate([tree], [256], passes=3, mask="chain")[0]) for p in (fresh, taught)]
@@ -112,8 +97,8 @@ def test_acceptance_calibrates_what_truncation_keeps():
 
 
 def test_reset_zeroes_the_counters_but_keeps_what_was_learned():
-    policy = _measured(EvictPolicy(_profile()))
-    policy.truncate([_chain([0.9])], [256], passes=1, mask="chain")
+    policy = _measured(EvictPolicy(made_up_profile()))
+    policy.truncate([chain_of([0.9])], [256], passes=1, mask="chain")
     assert policy.summary()["evict_steps"] == 1
     policy.reset_stats()
     summary = policy.summary()
