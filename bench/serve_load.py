@@ -134,17 +134,22 @@ def tok_s(rounds: list[dict], concurrency: int) -> float:
 
 def serving(results: dict, concurrency: list[int]) -> dict[str, dict]:
     """Per concurrency, the medians a summary compares: no speculation, sparsever's kernels alone, vLLM's
-    best chain and the best EVICT candidate (None where --methods left one out)."""
+    best chain and the best EVICT candidate (None where --methods left one out), and every method's
+    median and min-max over rounds (`spread`)."""
     out = {}
     for c in concurrency:
         medians = {name: tok_s(res, c) for name, res in results.items()}
+        spread = {}
+        for name, res in results.items():
+            xs = [r["output_throughput"] for rnd in res for r in rnd["runs"] if r["concurrency"] == c]
+            spread[name] = {"median": medians[name], "min": min(xs), "max": max(xs), "rounds": len(xs)}
         fixed = {n: v for n, v in medians.items() if n.startswith("vllm-draft_model-k")}
         evict = {n: v for n, v in medians.items() if n not in ("no-spec", KERNELS_ONLY) and n not in fixed}
         best_fixed, best_evict = max(fixed, key=fixed.get, default=None), max(evict, key=evict.get, default=None)
         out[str(c)] = {"no_spec_tok_s": medians.get("no-spec"),
                        "sparsever_kernels_only_tok_s": medians.get(KERNELS_ONLY),
                        "best_fixed_tok_s": fixed.get(best_fixed), "best_fixed": best_fixed,
-                       "evict_tok_s": evict.get(best_evict), "evict_mode": best_evict}
+                       "evict_tok_s": evict.get(best_evict), "evict_mode": best_evict, "spread": spread}
     return out
 
 

@@ -29,6 +29,8 @@ SLOTS = {
               "moe.batch_1": "fixed_chain_best"},
     "long_context": {"contexts.8192": "draft_model_best", "contexts.32768": "draft_model_best"},
 }
+# Slots filled from a bench/serve_load.py run (servers under `vllm bench serve`), not a harness run.
+SERVING_SLOTS = {"evict": {"serving": ("1", "8", "32")}}
 # Figures a summary holds that no harness run gives (step and kernel timings, from their own scripts):
 # kept from the previous file, under the machine they were measured on.
 KEPT = {"long_context": ("verify_step_ms", "roof_fraction", "roof_kernel", "attainable_fraction", "sources")}
@@ -77,6 +79,24 @@ def slot_entry(run: dict, run_name: str, fixed_key: str) -> dict[str, Any]:
         "divergent_prompts": {"evict": len(cand["divergent_prompts"]),
                               "vllm_max": run["summary"]["vllm_divergent_prompts_max"]},
     }
+
+
+def serving_entry(run: dict, run_name: str, concurrency: tuple[str, ...]) -> dict[str, Any]:
+    """A serve_load run's per-concurrency medians (no speculation, kernels alone, vLLM's best chain,
+    the best EVICT server), at the concurrencies the summary names."""
+    missing = [c for c in concurrency if c not in run.get("serving", {})]
+    if missing:
+        raise SystemExit(f"{run_name}: a serving slot needs concurrency {list(concurrency)}; this run lacks {missing}")
+    out = {}
+    for c in concurrency:
+        s = run["serving"][c]
+        absent = [k for k in ("no_spec_tok_s", "sparsever_kernels_only_tok_s", "best_fixed_tok_s", "evict_tok_s")
+                  if s.get(k) is None]
+        if absent:
+            raise SystemExit(f"{run_name}: concurrency {c} lacks {absent} (a --methods subset?)")
+        out[c] = {**s, "evict_vs_best_other": s["evict_tok_s"] / max(
+            s["no_spec_tok_s"], s["sparsever_kernels_only_tok_s"], s["best_fixed_tok_s"])}
+    return out
 
 
 def verdict(ok: bool | None) -> str:
@@ -136,20 +156,28 @@ AIMS = {"evict": evict_aims, "long_context": long_context_aims}
 
 
 def build(name: str, assignments: list[str], command: str, previous: dict | None = None) -> dict[str, Any]:
-    slots = SLOTS[name]
+    slots, serving_slots = SLOTS[name], SERVING_SLOTS.get(name, {})
     machines: dict[str, dict] = {}
     order: list[str] = []
     for text in assignments:
         slot, sep, path = text.partition("=")
-        if not sep or slot not in slots:
-            raise SystemExit(f"{name}: expected SLOT=RUN with SLOT one of {sorted(slots)}, got {text!r}")
+        if not sep or (slot not in slots and slot not in serving_slots):
+            raise SystemExit(f"{name}: expected SLOT=RUN with SLOT one of {sorted({*slots, *serving_slots})}, "
+                             f"got {text!r}")
         run_path = Path(path)
         run = json.loads(run_path.read_text())
-        cls = run["machine"].get("cpu_class") or f"{run['machine'].get('cpu')} (class not recorded)"
+        where = run.get("machine") or run["hardware"]  # a harness run's machine, a serve_load run's hardware
+        cls = where.get("cpu_class") or f"{where.get('cpu')} (class not recorded)"
         if cls not in machines:
             machines[cls] = {"sources": {}}
             order.append(cls)
         node = machines[cls]
+        if slot in serving_slots:
+            node[slot] = serving_entry(run, run_path.stem, serving_slots[slot])
+            node["sources"][slot] = run_path.stem
+            rounds = run["args"]["rounds"]
+            node["rounds"] = min(node.get("rounds", rounds), rounds)
+            continue
         group, key = slot.split(".", 1)
         entry = slot_entry(run, run_path.stem, slots[slot])
         node.setdefault(group, {})[key] = long_context_slot(entry) if name == "long_context" else entry
@@ -159,7 +187,7 @@ def build(name: str, assignments: list[str], command: str, previous: dict | None
         node["date"] = max(node.get("date", ""), run["date"][:10])
     aims = AIMS[name]
     main = order[0]
-    out = {"machine": main, "date": machines[main]["date"], "command": command, **machines[main]}
+    out = {"machine": main, "date": machines[main].get("date"), "command": command, **machines[main]}
     out["aims"] = aims(out)
     others = {}
     for cls in order[1:]:

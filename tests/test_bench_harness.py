@@ -177,6 +177,23 @@ def test_summary_file_built_from_named_runs_with_baselines_and_aims(tmp_path):
     assert aims["serving 8: the same"] == "not measured"
     # another CPU class goes under other_machines, with its own slots
     assert s["other_machines"]["Intel Xeon (AMX)"]["qwen"]["batch_1"]["autoregressive_tok_s"] == 5
+    # serving slots come from a serve_load run: at 8, EVICT 0.98x the best other (met); at 32, 0.9x (not met)
+    serve = {"args": {"rounds": 3}, "hardware": {"cpu": "Intel Xeon", "cpu_class": "Intel Xeon (AMX)"},
+             "serving": {c: {"no_spec_tok_s": 10.0, "sparsever_kernels_only_tok_s": 9.0, "best_fixed_tok_s": 8.0,
+                             "best_fixed": "vllm-draft_model-k1", "evict_tok_s": e, "evict_mode": "sparsever-evict-chain"}
+                         for c, e in (("1", 15.0), ("8", 9.8), ("32", 9.0))}}
+    (tmp_path / "serve_load_x.json").write_text(json.dumps(serve))
+    summaries.main(["evict", f"qwen.batch_1={tmp_path / 'harness_xeon.json'}",
+                    f"serving={tmp_path / 'serve_load_x.json'}", "--out-dir", str(tmp_path)])
+    s = json.loads((tmp_path / "evict.json").read_text())
+    assert s["machine"] == "Intel Xeon (AMX)" and s["sources"]["serving"] == "serve_load_x"
+    assert s["serving"]["8"]["evict_vs_best_other"] == pytest.approx(0.98)
+    assert (s["aims"]["serving 8: the same"], s["aims"]["serving 32: the same"]) == ("met", "not met")
+    # a serving run without the kernels-only server is refused, naming what it lacks
+    del serve["serving"]["8"]["sparsever_kernels_only_tok_s"]
+    (tmp_path / "serve_load_y.json").write_text(json.dumps(serve))
+    with pytest.raises(SystemExit, match="sparsever_kernels_only_tok_s"):
+        summaries.main(["evict", f"serving={tmp_path / 'serve_load_y.json'}", "--out-dir", str(tmp_path)])
     # a --quick run lacks the baselines and is refused
     quick = _record("AMD Zen 5 (AVX512-BF16)", 10, 10, 12, 16)
     del quick["summary"]["methods"]["sparsever-kernels-only"]
@@ -209,3 +226,20 @@ def test_long_context_summary_keeps_step_timings_under_their_own_machine(tmp_pat
     # the old machine's step timings stay, under that machine, not mixed into this one's entry
     kept = s["other_machines"]["Intel(R) Xeon(R) Processor, 2 cores (kept from the previous summary)"]
     assert kept["verify_step_ms"] == previous["verify_step_ms"] and "verify_step_ms" not in s
+
+
+def test_serve_load_serving_section_has_the_summary_keys_and_spreads():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import serve_load
+
+    def rounds(*tputs):
+        return [{"runs": [{"concurrency": 8, "output_throughput": t}], "acceptance": {}} for t in tputs]
+
+    results = {"no-spec": rounds(10, 12, 11), serve_load.KERNELS_ONLY: rounds(9, 9, 9),
+               "vllm-draft_model-k1": rounds(8, 7, 9), "vllm-draft_model-k2": rounds(6, 6, 6),
+               "sparsever-evict-chain": rounds(13, 11, 12)}
+    s = serve_load.serving(results, [8])["8"]
+    assert (s["no_spec_tok_s"], s["sparsever_kernels_only_tok_s"]) == (11, 9)
+    assert (s["best_fixed"], s["best_fixed_tok_s"]) == ("vllm-draft_model-k1", 8)
+    assert (s["evict_mode"], s["evict_tok_s"]) == ("sparsever-evict-chain", 12)
+    assert s["spread"]["no-spec"] == {"median": 11, "min": 10, "max": 12, "rounds": 3}
