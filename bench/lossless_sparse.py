@@ -41,7 +41,6 @@ EVICT_MODES = ("evict-chain", "evict-chain-vocab", "evict-chain-vocab-window", "
                "evict-chain-w4a16", "evict-chain-vocab-window-w4a16", "evict-chain-vocab-w4a16",
                "evict-chain-vocab-window4096-w4a16",
                "evict-tree-vocab-window", "evict-tree-vocab-window-w4a16", "evict-tree-vocab-window-w8a8")
-LOSSLESS_MODES = ("dense", "sparse-hier", "dense-vllm-kernel", *EVICT_MODES)  # long_context_summary.py reads it
 DEFAULT_METHODS = ("dense", "sparse-hier", "sparse-approx", "evict-chain-vocab-window", "evict-tree-vocab-window")
 OUTPUT_MARGIN = 64  # max_model_len beyond context + max_tokens
 
