@@ -192,7 +192,7 @@ def run_engine(method: Method, args: argparse.Namespace, prompts: list[str]) -> 
     llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=not args.compile, max_model_len=args.max_model_len,
               max_num_seqs=max(args.batch_size, 1), seed=0, speculative_config=method.spec, disable_log_stats=False,
               async_scheduling=False)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
 
     def generate(batch: list[str], p) -> list:
         if args.prompt_format == "chat":
@@ -252,9 +252,12 @@ def divergent_prompts(outputs: list[list[int]], reference: list[list[int]]) -> l
     return [i for i, (a, b) in enumerate(zip(outputs, reference, strict=True)) if a != b]
 
 
-def summarize(methods: list[Method], rounds: list[dict[str, dict]], dtype: str) -> dict[str, Any]:
+def summarize(methods: list[Method], rounds: list[dict[str, dict]], dtype: str,
+              expected_tokens: int | None = None) -> dict[str, Any]:
     """Per method: tokens/s per round, median, min-max, pooled, acceptance, and how its outputs compare
-    with plain decoding's (round by round); then the best vLLM chain and the flags."""
+    with plain decoding's (round by round); then the best vLLM chain and the flags. `expected_tokens`:
+    the output tokens a round asks for (prompts x --max-tokens); a method whose rounds produced less than
+    half of them is flagged `short_outputs` (answers ending early: its tokens/s times a few tokens)."""
     per_method: dict[str, Any] = {}
     for m in methods:
         runs = [rd[m.name] for rd in rounds]
@@ -267,6 +270,8 @@ def summarize(methods: list[Method], rounds: list[dict[str, dict]], dtype: str) 
             flags.append("different_texts")
             if m.lossless and dtype == "float32":
                 flags.append("not_identical")
+        if expected_tokens and min(run["all_output_tokens"] for run in runs) < expected_tokens / 2:
+            flags.append("short_outputs")
         per_method[m.name] = {
             "role": m.role, "speculative_config": m.spec, "lossless": m.lossless,
             "tok_s_per_round": tok_s, "tok_s_median": statistics.median(tok_s),
@@ -374,6 +379,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(--num-prompts documents; give --max-model-len above TOKENS + --max-tokens)")
     p.add_argument("--prompt-format", choices=["chat", "text"], default="chat")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request decodes --max-tokens tokens (long-context questions are answered in a "
+                        "few tokens: without it a decode metric times those few)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--compile", action="store_true", help="torch.compile (default: enforce_eager)")
@@ -413,7 +421,7 @@ def main(argv=None) -> int:
         "tag": args.tag, "command": shlex.join([Path(sys.executable).name, *sys.argv]), "commit": commit(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
         "target": args.target, "draft": draft, "dtype": args.dtype, "batch_size": args.batch_size,
-        "max_tokens": args.max_tokens, "num_prompts": len(prompts), "prompts": prompts, "rounds": args.rounds,
+        "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "num_prompts": len(prompts), "prompts": prompts, "rounds": args.rounds,
         "metric": "decode" if args.metric == "decode" else "whole request", "orders": [], "raw": [],
     }
     rounds: list[dict[str, dict]] = []
@@ -430,7 +438,7 @@ def main(argv=None) -> int:
         record["raw"].append(results)
     bar.close()
     record["machine"]["loadavg_after"] = os.getloadavg()
-    record["summary"] = summarize(methods, rounds, args.dtype)
+    record["summary"] = summarize(methods, rounds, args.dtype, expected_tokens=len(prompts) * args.max_tokens)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     base = args.out_dir / f"harness_{args.tag}_{stamp}"

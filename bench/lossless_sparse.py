@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     draft = ["--draft", args.draft] if args.drafter == "draft_model" else []
     argvs = []
     for ctx in dict.fromkeys(min(c, fit) for c in args.contexts):
-        argvs.append(["--target", args.target, *draft, "--long-context", str(ctx), "--metric", "decode",
+        argvs.append(["--target", args.target, *draft, "--long-context", str(ctx), "--metric", "decode", "--ignore-eos",
                       "--max-model-len", str(min(max_position, ctx + args.max_tokens + OUTPUT_MARGIN)),
                       "--num-prompts", str(args.num_prompts), "--tag", f"{tag}-{round(ctx / 1024)}k",
                       *preset.run_flags(args), *preset.method_flags("--candidate", chosen)])

@@ -48,6 +48,10 @@ def slot_entry(run: dict, run_name: str, fixed_key: str) -> dict[str, Any]:
     if missing or not run["summary"].get("best_fixed"):
         raise SystemExit(f"{run_name}: a summary needs the three baselines; this run lacks "
                          f"{missing or ['vLLM fixed chains']} (a --quick run?)")
+    short = [n for n, e in methods.items() if "short_outputs" in e.get("flags", ())]
+    if short:
+        raise SystemExit(f"{run_name}: {short} produced under half the tokens asked for (answers ended early; "
+                         f"rerun with --ignore-eos): their tokens/s time a few tokens")
     candidates = {n: e for n, e in methods.items()
                   if e["role"] == "candidate" and e["lossless"] and "not_identical" not in e["flags"]}
     if not candidates:

@@ -16,7 +16,8 @@ import harness  # noqa: E402
 
 def _run(tok_s, outputs, drafts=0.0, accepted=0.0):
     tokens = sum(len(o) for o in outputs)
-    return {"seconds": tokens / tok_s, "output_tokens": tokens, "tok_s": tok_s, "outputs": outputs,
+    return {"seconds": tokens / tok_s, "output_tokens": tokens, "all_output_tokens": tokens, "tok_s": tok_s,
+            "outputs": outputs,
             "num_drafts": drafts, "num_draft_tokens": 2 * drafts, "num_accepted_tokens": accepted,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
 
@@ -92,6 +93,20 @@ def test_summary_spreads_ratios_best_k_and_flags():
     assert s["flagged"] == {"cand": ["different_texts", "not_identical"], "sparse": ["different_texts"]}
     # bf16: near-ties flip; reported beside vLLM's own divergence, not called a broken lossless claim
     assert harness.summarize(methods, rounds, "bfloat16")["methods"]["cand"]["flags"] == ["different_texts"]
+    # 6 tokens a round where 2 prompts x 3 were asked for: complete; where 2 x 8 were: answers ended early
+    assert "short_outputs" not in harness.summarize(methods, rounds, "bfloat16", expected_tokens=6)["flagged"].get("plain", [])
+    short = harness.summarize(methods, rounds, "bfloat16", expected_tokens=16)
+    assert short["methods"]["plain"]["flags"] == ["short_outputs"]
+
+
+def test_summary_refuses_a_run_whose_answers_ended_early(tmp_path):
+    import summaries
+
+    record = _record("Intel Xeon (AMX)", 4, 4, 5, 6)
+    record["summary"]["methods"]["plain"]["flags"].append("short_outputs")
+    (tmp_path / "harness_short.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="ignore-eos"):
+        summaries.main(["long_context", f"contexts.8192={tmp_path / 'harness_short.json'}", "--out-dir", str(tmp_path)])
 
 
 @pytest.mark.slow
