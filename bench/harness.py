@@ -421,7 +421,8 @@ def main(argv=None) -> int:
         "tag": args.tag, "command": shlex.join([Path(sys.executable).name, *sys.argv]), "commit": commit(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
         "target": args.target, "draft": draft, "dtype": args.dtype, "batch_size": args.batch_size,
-        "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "num_prompts": len(prompts), "prompts": prompts, "rounds": args.rounds,
+        "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "num_prompts": len(prompts),
+        "prompts": prompts, "rounds": args.rounds,
         "metric": "decode" if args.metric == "decode" else "whole request", "orders": [], "raw": [],
     }
     rounds: list[dict[str, dict]] = []
