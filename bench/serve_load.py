@@ -126,10 +126,14 @@ def run_method(name: str, spec: dict | None, target: str, prompts: Path, args, o
     return {"runs": results, "acceptance": acc}
 
 
+def throughputs(rounds: list[dict], concurrency: int) -> list[float]:
+    """A method's output tokens/s at this concurrency, one per round."""
+    return [r["output_throughput"] for rnd in rounds for r in rnd["runs"] if r["concurrency"] == concurrency]
+
+
 def tok_s(rounds: list[dict], concurrency: int) -> float:
     """A method's output tokens/s at this concurrency: the median over rounds."""
-    return statistics.median(r["output_throughput"] for rnd in rounds for r in rnd["runs"]
-                             if r["concurrency"] == concurrency)
+    return statistics.median(throughputs(rounds, concurrency))
 
 
 def serving(results: dict, concurrency: list[int]) -> dict[str, dict]:
@@ -138,11 +142,10 @@ def serving(results: dict, concurrency: list[int]) -> dict[str, dict]:
     median and min-max over rounds (`spread`)."""
     out = {}
     for c in concurrency:
-        medians = {name: tok_s(res, c) for name, res in results.items()}
-        spread = {}
-        for name, res in results.items():
-            xs = [r["output_throughput"] for rnd in res for r in rnd["runs"] if r["concurrency"] == c]
-            spread[name] = {"median": medians[name], "min": min(xs), "max": max(xs), "rounds": len(xs)}
+        per_round = {name: throughputs(res, c) for name, res in results.items()}
+        medians = {name: statistics.median(xs) for name, xs in per_round.items()}
+        spread = {name: {"median": medians[name], "min": min(xs), "max": max(xs), "rounds": len(xs)}
+                  for name, xs in per_round.items()}
         fixed = {n: v for n, v in medians.items() if n.startswith("vllm-draft_model-k")}
         evict = {n: v for n, v in medians.items() if n not in ("no-spec", KERNELS_ONLY) and n not in fixed}
         best_fixed, best_evict = max(fixed, key=fixed.get, default=None), max(evict, key=evict.get, default=None)

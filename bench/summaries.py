@@ -126,9 +126,7 @@ def evict_aims(entry: dict) -> dict[str, str]:
 
     def serving_ok(c: str) -> bool | None:
         s = serving.get(c)
-        if not s:
-            return None
-        return s["evict_tok_s"] >= 0.97 * max(s["no_spec_tok_s"], s["sparsever_kernels_only_tok_s"], s["best_fixed_tok_s"])
+        return None if not s else s["evict_vs_best_other"] >= 0.97
 
     return {
         "batch_1: best lossless >= 1.5x kernels only and >= 1.25x vLLM's best fixed chain": verdict(
