@@ -8,7 +8,9 @@ over the run's rounds with min-max, plus the ratios, the identity flags and the 
 command. The runs of one CPU class make the main entry; runs on another class go under
 `other_machines.<class>` with the same slots. `aims` states each aim of the issues that name the file
 as "met", "not met" or "not measured". Nothing is copied by hand: the file says which run each figure
-comes from.
+comes from. long_context.json's step and kernel figures come from `--steps` (bench/verify_step.py) and
+`--kernels` (bench/kernels/run.py --parts attention) runs on the main machine's class; without them the
+previous file's are kept under the machine that measured them.
 """
 
 from __future__ import annotations
@@ -157,7 +159,29 @@ def long_context_slot(slot: dict) -> dict:
 AIMS = {"evict": evict_aims, "long_context": long_context_aims}
 
 
-def build(name: str, assignments: list[str], command: str, previous: dict | None = None) -> dict[str, Any]:
+def step_figures(steps_path: Path, kernels_path: Path) -> dict[str, Any]:
+    """long_context.json's step and kernel figures at 32K from their own scripts (bench/verify_step.py,
+    bench/kernels/run.py --parts attention), run on the main machine's CPU class."""
+    steps = json.loads(steps_path.read_text())["summary"]
+    ctx = max(steps, key=int)  # 32736: the longest context the 32K engine holds
+    kernels = json.loads(kernels_path.read_text())
+    rows = {r["q_len"]: r for r in kernels["attention"] if r["ctx"] >= 32000}
+    missing = [q for q in (4, 8, 16) if "roof_fraction_dense_ours" not in rows.get(q, {})]
+    if int(ctx) < 32000 or missing:
+        raise SystemExit(f"{steps_path.name} / {kernels_path.name}: no 32K step summary or roof fraction "
+                         f"at query tokens {missing}")
+    return {
+        "verify_step_ms": {"32768": {k: steps[ctx][k] for k in
+                                     ("decode_1", "verify_4_vllm_kernel", "verify_4_sparsever_kernel")}},
+        "roof_fraction": {"32768": {str(q): rows[q]["roof_fraction_dense_ours"] for q in (4, 8, 16)}},
+        "roof_kernel": f"dense_ours; roof {kernels['roof']['gemm_GFLOPs']:.0f} GFLOP/s ({kernels['roof']['roof_dtype']} "
+                       "torch.matmul in the same run)",
+        "step_sources": {"verify_step_ms": steps_path.stem, "roof_fraction": kernels_path.stem},
+    }
+
+
+def build(name: str, assignments: list[str], command: str, previous: dict | None = None,
+          steps: dict | None = None) -> dict[str, Any]:
     slots, serving_slots = SLOTS[name], SERVING_SLOTS.get(name, {})
     machines: dict[str, dict] = {}
     order: list[str] = []
@@ -189,14 +213,14 @@ def build(name: str, assignments: list[str], command: str, previous: dict | None
         node["date"] = max(node.get("date", ""), run["date"][:10])
     aims = AIMS[name]
     main = order[0]
-    out = {"machine": main, "date": machines[main].get("date"), "command": command, **machines[main]}
+    out = {"machine": main, "date": machines[main].get("date"), "command": command, **machines[main], **(steps or {})}
     out["aims"] = aims(out)
     others = {}
     for cls in order[1:]:
         entry = machines[cls]
         entry["aims"] = aims(entry)
         others[cls] = entry
-    kept = {k: previous[k] for k in KEPT.get(name, ()) if previous and k in previous}
+    kept = {k: previous[k] for k in KEPT.get(name, ()) if previous and k in previous and not steps}
     if kept:
         # Not from harness runs: kept beside them under the machine that measured them.
         others[f"{previous.get('machine')} (kept from the previous summary)"] = {"date": previous.get("date"), **kept}
@@ -210,11 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", choices=sorted(SLOTS))
     p.add_argument("runs", nargs="+", metavar="SLOT=RUN", help="the first run's CPU class is the main machine")
     p.add_argument("--out-dir", type=Path, default=SUMMARY)
+    p.add_argument("--steps", type=Path, help="long_context: a bench/verify_step.py run on the main machine's class")
+    p.add_argument("--kernels", type=Path, help="long_context: a bench/kernels/run.py --parts attention run, the same")
     args = p.parse_args(argv)
+    if (args.steps is None) != (args.kernels is None) or (args.steps and args.name != "long_context"):
+        p.error("--steps and --kernels go together, and only with long_context")
     command = " ".join(["python", "bench/summaries.py", *(argv if argv is not None else sys.argv[1:])])
     path = args.out_dir / f"{args.name}.json"
     previous = json.loads(path.read_text()) if path.exists() else None
-    summary = build(args.name, args.runs, command, previous)
+    steps = step_figures(args.steps, args.kernels) if args.steps else None
+    summary = build(args.name, args.runs, command, previous, steps)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary["aims"], indent=1))

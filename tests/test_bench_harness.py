@@ -242,6 +242,30 @@ def test_long_context_summary_keeps_step_timings_under_their_own_machine(tmp_pat
     kept = s["other_machines"]["Intel(R) Xeon(R) Processor, 2 cores (kept from the previous summary)"]
     assert kept["verify_step_ms"] == previous["verify_step_ms"] and "verify_step_ms" not in s
 
+    # step and kernel figures measured on the main machine's class go into its entry, and the old
+    # machine's kept ones are dropped rather than mixed in
+    steps = {"summary": {"8192": {"decode_1": 230.0}, "32736": {"decode_1": 330.0, "verify_4_vllm_kernel": 852.0,
+                                                              "verify_4_sparsever_kernel": 305.0}}}
+    kernels = {"roof": {"gemm_GFLOPs": 421.0, "roof_dtype": "bfloat16"},
+               "attention": [{"ctx": 32768, "q_len": q, "roof_fraction_dense_ours": f} for q, f in
+                             ((1, 0.3), (4, 0.66), (8, 0.78), (16, 0.83))]}
+    (tmp_path / "verify_step_z.json").write_text(json.dumps(steps))
+    (tmp_path / "kernels_z.json").write_text(json.dumps(kernels))
+    summaries.main(["long_context", f"contexts.8192={tmp_path / 'harness_8k.json'}", "--out-dir", str(tmp_path),
+                    "--steps", str(tmp_path / "verify_step_z.json"), "--kernels", str(tmp_path / "kernels_z.json")])
+    s = json.loads((tmp_path / "long_context.json").read_text())
+    assert s["verify_step_ms"]["32768"] == {"decode_1": 330.0, "verify_4_vllm_kernel": 852.0,
+                                            "verify_4_sparsever_kernel": 305.0}
+    assert s["roof_fraction"]["32768"] == {"4": 0.66, "8": 0.78, "16": 0.83}
+    assert s["step_sources"] == {"verify_step_ms": "verify_step_z", "roof_fraction": "kernels_z"}
+    assert "other_machines" not in s
+    # a kernels run without the 32K rows is refused, naming the query lengths it lacks
+    kernels["attention"] = [r for r in kernels["attention"] if r["q_len"] != 16]
+    (tmp_path / "kernels_z.json").write_text(json.dumps(kernels))
+    with pytest.raises(SystemExit, match=r"\[16\]"):
+        summaries.main(["long_context", f"contexts.8192={tmp_path / 'harness_8k.json'}", "--out-dir", str(tmp_path),
+                        "--steps", str(tmp_path / "verify_step_z.json"), "--kernels", str(tmp_path / "kernels_z.json")])
+
 
 def test_serve_load_serving_section_has_the_summary_keys_and_spreads():
     sys.path.insert(0, str(ROOT / "bench"))
