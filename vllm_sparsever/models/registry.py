@@ -227,7 +227,8 @@ DRAFTS: dict[str, tuple[DraftChoice, ...]] = {
                     "lossless_sparse_qwen-xeon-w4a16-all_20261202-0422 (8K / 32K; pre-harness)"),
         # without AMX, int4 falls back to W4A16 (slower than int8's VNNI GEMMs).
         DraftChoice("AVX512-BF16", "qwen2.5-coder-0.5b-w8a8", _EVICT_CHAINS,
-                    "harness_qwen-b1-int8-draft_20261204-2246 (batch 1, 3 rounds, against vLLM's chains over it)"),
+                    "harness_qwen-b1-int8-draft_20261204-2246 (batch 1, 3 rounds, against vLLM's chains over it) and "
+                    "harness_lossless_sparse-zen4-int8-8k_20261206-0508 (8K, Zen 4, 3 rounds)"),
         # no AVX-512: no int8 / int4 draft kernels measured; the bf16 draft over part of its vocabulary.
         DraftChoice("AVX2", "qwen2.5-coder-0.5b", _EVICT_CHAINS,
                     "evict_qwen-zen3-fp32-draft-vocab_20261129-0202 (batch 1, fp32; pre-harness)"),
