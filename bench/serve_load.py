@@ -98,6 +98,15 @@ def acceptance(base: str) -> dict:
             "mean_acceptance_length": (1 + accepted / drafts) if drafts else None}
 
 
+def drafting_counters(base: str) -> dict[str, float]:
+    """sparsever's drafting counters on /metrics (EVICT's steps, skipped, probe and plain-check steps,
+    planned depths, ...); empty for a server without sparsever."""
+    from load_utils import ServerCounters
+
+    prefix = 'sparsever:drafting_total{counter="'
+    return {k[len(prefix):-2]: v for k, v in ServerCounters.read(base).values.items() if k.startswith(prefix)}
+
+
 def run_method(name: str, spec: dict | None, target: str, prompts: Path, args, out_dir: Path) -> dict:
     import requests
 
@@ -116,7 +125,11 @@ def run_method(name: str, spec: dict | None, target: str, prompts: Path, args, o
                       json={"model": "served", "prompt": "def fib(n):", "max_tokens": 16, "temperature": 0})
         before = acceptance(base)
         for c in args.concurrency:
+            counters = drafting_counters(base)
             r = bench_once(base, target, prompts, c, args, out_dir)
+            # What the drafter decided at this concurrency (the guard's skips and probes): the diagnosis.
+            r["sparsever_drafting"] = {k: v - counters.get(k, 0.0) for k, v in drafting_counters(base).items()
+                                       if v != counters.get(k, 0.0)}
             print(f"  {name:24s} c={c:3d} {r['output_throughput']:8.2f} tok/s  "
                   f"completed {r['completed']} failed {r['failed']}", flush=True)
             results.append(r)
@@ -169,6 +182,29 @@ def table(results: dict, concurrency: list[int]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {_mean(accs):.2f} |" if accs else
                      f"| {name} | " + " | ".join(cells) + " | - |")
     return "\n".join(lines)
+
+
+def drafting_table(results: dict, concurrency: list[int]) -> str:
+    """EVICT's decisions per concurrency, summed over rounds: steps planned, of them planned with no
+    drafts (the guard skipping, plain checks, deferred catch-ups), probes, and skips the realized rates
+    forced."""
+    lines = []
+    for name, res in results.items():
+        for c in concurrency:
+            n: dict[str, float] = {}
+            for rnd in res:
+                for r in rnd["runs"]:
+                    if r["concurrency"] == c:
+                        for k, v in (r.get("sparsever_drafting") or {}).items():
+                            n[k] = n.get(k, 0.0) + v
+            planned = sum(v for k, v in n.items() if k.startswith("evict_planned_depth_"))
+            if planned:
+                lines.append(f"| {name} | {c} | {planned:.0f} | {n.get('evict_planned_depth_0', 0):.0f} | "
+                             f"{n.get('evict_probe_steps', 0):.0f} | {n.get('evict_realized_skipped_steps', 0):.0f} |")
+    if not lines:
+        return ""
+    return "\n".join(["| method | concurrency | steps planned | planned without drafts | probes | realized-rate skips |",
+                      "|---|---|---|---|---|---|", *lines])
 
 
 def _mean(xs):
@@ -252,6 +288,9 @@ def main(argv=None) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
     md = table(results, args.concurrency)
+    decisions = drafting_table(results, args.concurrency)
+    if decisions:
+        md += "\n\nEVICT's drafting decisions (summed over rounds):\n\n" + decisions
     (RESULTS / f"{name}.md").write_text(f"# {name}\n\n`{out['command']}`\n\n{md}\n")
     plot(results, args.concurrency, RESULTS / f"{name}.png", f"vllm serve, {args.target}")
     print(md)

@@ -282,3 +282,20 @@ def test_serve_load_serving_section_has_the_summary_keys_and_spreads():
     assert (s["best_fixed"], s["best_fixed_tok_s"]) == ("vllm-draft_model-k1", 8)
     assert (s["evict_mode"], s["evict_tok_s"]) == ("sparsever-evict-chain", 12)
     assert s["spread"]["no-spec"] == {"median": 11, "min": 10, "max": 12, "rounds": 3}
+
+
+def test_serve_load_drafting_table_sums_evict_decisions_over_rounds():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import serve_load
+
+    def run(c, **counters):
+        return {"concurrency": c, "output_throughput": 1.0, "sparsever_drafting": counters}
+
+    evict = [{"runs": [run(1, evict_planned_depth_3=10), run(8, evict_planned_depth_0=30, evict_planned_depth_2=10,
+                                                                  evict_probe_steps=2)]},
+             {"runs": [run(1, evict_planned_depth_3=12), run(8, evict_planned_depth_0=20, evict_realized_skipped_steps=5)]}]
+    results = {"no-spec": [{"runs": [run(1), run(8)]}] * 2, "sparsever-evict-chain": evict}
+    lines = serve_load.drafting_table(results, [1, 8]).splitlines()
+    assert lines[2:] == ["| sparsever-evict-chain | 1 | 22 | 0 | 0 | 0 |",
+                         "| sparsever-evict-chain | 8 | 60 | 50 | 2 | 5 |"]
+    assert serve_load.drafting_table({"no-spec": [{"runs": [run(1)]}]}, [1]) == ""
