@@ -10,9 +10,10 @@ Each round starts one server per method (method order reversed every other round
 noisy, interleaving spreads the noise), sends an untimed warm-up request, then runs `vllm bench
 serve` at each concurrency (greedy, fixed output length, prompts from the project's data: mt_bench,
 humaneval, gsm8k; as many requests as the concurrency, at least --min-prompts). Writes JSON (command,
-models, hardware, versions, binding, load average, every raw number from vLLM's tool, acceptance from
-/metrics, and per concurrency the medians over rounds a summary takes: `serving`), a markdown table
-with ratios to the no-speculation server, and a plot under bench/results/.
+models, hardware, versions, binding, load average, every raw number from vLLM's tool, acceptance and,
+per concurrency, sparsever's drafting counters from /metrics, and per concurrency the medians over
+rounds a summary takes: `serving`), a markdown table with ratios to the no-speculation server and
+EVICT's decisions, and a plot under bench/results/.
 """
 
 from __future__ import annotations
