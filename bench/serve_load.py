@@ -125,12 +125,14 @@ def run_method(name: str, spec: dict | None, target: str, prompts: Path, args, o
         requests.post(f"{base}/v1/completions", timeout=600,
                       json={"model": "served", "prompt": "def fib(n):", "max_tokens": 16, "temperature": 0})
         before = acceptance(base)
+        counters = drafting_counters(base)
         for c in args.concurrency:
-            counters = drafting_counters(base)
             r = bench_once(base, target, prompts, c, args, out_dir)
             # What the drafter decided at this concurrency (the guard's skips and probes): the diagnosis.
-            r["sparsever_drafting"] = {k: v - counters.get(k, 0.0) for k, v in drafting_counters(base).items()
-                                       if v != counters.get(k, 0.0)}
+            # One read per concurrency: this one's after is the next one's before.
+            now = drafting_counters(base)
+            r["sparsever_drafting"] = {k: v - counters.get(k, 0.0) for k, v in now.items() if v != counters.get(k, 0.0)}
+            counters = now
             print(f"  {name:24s} c={c:3d} {r['output_throughput']:8.2f} tok/s  "
                   f"completed {r['completed']} failed {r['failed']}", flush=True)
             results.append(r)
