@@ -276,10 +276,15 @@ def main(argv=None) -> None:
     print(f"{n_prompts} prompts; methods {list(chosen)}; concurrency {args.concurrency}; "
           f"{args.rounds} round(s); logs in {work}", flush=True)
     results: dict[str, list] = {n: [] for n in chosen}
+    start, servers, done = time.monotonic(), args.rounds * len(chosen), 0
     for rnd in range(args.rounds):
         order = list(chosen) if rnd % 2 == 0 else list(reversed(chosen))
         for i, name in enumerate(order):
-            print(f"round {rnd + 1}/{args.rounds}, method {i + 1}/{len(order)}: {name}", flush=True)
+            # Time left from the servers so far (each one starts, warms up and runs every concurrency).
+            left = f", ~{(time.monotonic() - start) / done * (servers - done) / 60:.0f} min left" if done else ""
+            print(f"round {rnd + 1}/{args.rounds}, method {i + 1}/{len(order)}: {name} "
+                  f"(server {done + 1}/{servers}{left})", flush=True)
+            done += 1
             results[name].append(run_method(name, chosen[name], target, prompts, args, work))
     out = {
         "command": " ".join([sys.executable, *sys.argv]), "date": stamp, "target": args.target, "draft": args.draft,
