@@ -561,6 +561,55 @@ def test_guard_decodes_plainly_when_the_requests_end_before_drafting_pays_back_i
     assert unguarded.plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=short) > 0
 
 
+def test_a_priced_drafter_decides_its_first_step_instead_of_drafting_blind():
+    """Cold start with the drafter's DraftCost: a pass and a catch-up token are priced as its share of
+    the profile's plain step and prompt token, so the first step is decided like the others: a batch
+    of new short requests does not pay every prompt's catch-up through the draft before drafting was
+    measured to pay, and one long request drafts at once. Measurements replace the prices; a drafter
+    without one drafts blind to the cap."""
+    from vllm_sparsever.adaptive.evict import DraftCost, DraftShape
+
+    profile = made_up_profile(0.002, base_s=0.05)
+    rows, ctx = 8, [256] * 8
+    shape = DraftShape(cap=3, budgets=(3,) * rows)
+
+    def priced() -> Evict:
+        return Evict(profile, guard=True, depth_prior=0.9, draft_cost=DraftCost(pass_share=0.1, prompt_share=0.3))
+
+    evict = priced()
+    assert evict.draft_s(ctx, 2) == pytest.approx(2 * 0.1 * evict.cost([1] * rows, ctx, "chain"))
+    assert evict.catch_up_s_per_token() == pytest.approx(0.3 * 0.002, rel=0.05)  # the profile's 2 ms a token
+    outlook = evict._outlook(ctx, shape, 0, [1.0] * rows, [0.0] * rows, [1] * rows)
+    best = evict._best(outlook)
+    assert best > 0  # drafting pays per step, by the prices...
+    (pt, ps), (t, s) = outlook[0], outlook[best]
+    prompts = rows * 150  # ...but 8 new prompts' catch-up costs 0.72 s
+    break_even = prompts * evict.catch_up_s_per_token() / (rows * (ps / pt - s / t))
+    short, long = int(break_even * 0.5), int(break_even * 2) + 1
+    assert evict.plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=short) == 0
+    assert evict.stats.catch_up_deferred_steps == 1
+    for rows_ctx, rows_shape, tokens, horizon in ((ctx, shape, prompts, long),
+                                                  ([256], DraftShape(cap=3, budgets=(3,)), 150, None)):
+        drafts = priced()  # drafting pays: a plain step is measured first (the guard's plain check), then it drafts
+        assert drafts.plan_depth(rows_ctx, rows_shape, 0, prompt_tokens=tokens, horizon_tokens=horizon) == 0
+        assert drafts.stats.plain_check_steps == 1 and drafts.stats.catch_up_deferred_steps == 0
+        plain = [1] * len(rows_ctx)
+        drafts.observe_step(plain, rows_ctx, drafts.cost(plain, rows_ctx, "chain"))
+        assert drafts.plan_depth(rows_ctx, rows_shape, 0, prompt_tokens=tokens, horizon_tokens=horizon) > 0
+    # No price: the first steps draft blind, to the cap, whatever the catch-up.
+    blind = Evict(profile, guard=True, depth_prior=0.9)
+    assert blind.plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=short) == 3
+    # A costly drafter's price says no at once (a pass at 3x a plain step never pays).
+    costly = Evict(profile, guard=True, depth_prior=0.9, draft_cost=DraftCost(pass_share=3.0, prompt_share=1.0))
+    assert costly.plan_depth([256], DraftShape(cap=3, budgets=(3,))) == 0
+    # Measured values replace the prices at once.
+    evict.observe_drafting(rows, [0.5], 0.5)
+    evict.observe_catch_up(100, 1.0)
+    assert evict.draft_s(ctx, 2) == pytest.approx(1.0) and evict.catch_up_s_per_token() == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="shares must be >= 0"):
+        DraftCost(pass_share=-1.0, prompt_share=0.3)
+
+
 def _drafting_step(evict: Evict, rows: int, ctx: list[int], accepted: int, draft_s: float, verify_s: float) -> int:
     """One step as the runner drives EVICT: plan the next step (its drafting time measured), then the
     verify step of the drafts planned the step before, with `accepted` drafts accepted in all."""
@@ -594,9 +643,15 @@ def test_guard_follows_realized_steps_where_the_model_says_drafting_pays():
     # a plain step that takes about half the time.
     evict = optimistic()
     depths = [_drafting_step(evict, rows, ctx, 1, 0.01, evict.cost([2] * rows, ctx, "chain")) for _ in range(12)]
-    # (one drafting step measured before: 7 more make REALIZED_MIN_STEPS; the model alone would keep drafting)
+    # (one drafting step measured before: one more makes the two steps that 8 rows need, REALIZED_MIN_STEPS
+    # request-steps; the model alone would keep drafting)
+    assert depths[0] and depths[1:] == [0] * 11, depths
+    assert evict.stats.realized_skipped_steps == evict.stats.skipped_drafting_steps == 11
+    # At one row it takes REALIZED_MIN_STEPS drafting steps.
+    one = _measured(Evict(made_up_profile(0.002, base_s=0.05), guard=True, depth_prior=0.9), 0.01)
+    one.depths.conditional = lambda depths: [0.9] * depths
+    depths = [_drafting_step(one, 1, [256], 0, 0.01, one.cost([2], [256], "chain")) for _ in range(12)]
     assert all(depths[:7]) and depths[7:] == [0] * 5, depths
-    assert evict.stats.realized_skipped_steps == evict.stats.skipped_drafting_steps == 5
     # Every draft accepted: 16 tokens a step, more a second than plain: drafting stays on.
     good = optimistic()
     depths = [_drafting_step(good, rows, ctx, rows, 0.01, good.cost([2] * rows, ctx, "chain")) for _ in range(20)]

@@ -143,3 +143,23 @@ def test_head_rows_linear_follows_the_linear_kernel(kernel, dtype):
         x = torch.randn(tokens, 64, dtype=dtype)
         torch.testing.assert_close(product(x).float(), x.float() @ rows.float().t(), rtol=2e-2, atol=2e-2)
     assert torch.equal(rows, rows_before)  # the plain rows stay (the head's own weight)
+
+
+def test_a_draft_models_price_before_its_first_pass():
+    """EVICT's DraftCost of a draft model: weight bytes against the target's for a pass (with
+    draft_vocab, the head rows read), parameters against the target's for a catch-up token."""
+    from vllm_sparsever.drafting.draft_model import _relative_cost
+
+    target = torch.nn.Sequential(torch.nn.Linear(16, 64, bias=False), torch.nn.Linear(64, 100, bias=False)).bfloat16()
+    body = torch.nn.Module()  # an int8 linear, as a w8a8 draft stores it
+    body.weight = torch.nn.Parameter(torch.zeros(16, 16, dtype=torch.int8), requires_grad=False)
+    draft = torch.nn.Sequential(body, torch.nn.Linear(16, 100, bias=False).bfloat16())
+    target_bytes, target_elements = 2 * (16 * 64 + 64 * 100), 16 * 64 + 64 * 100
+    cost = _relative_cost(draft, target, None)
+    assert cost.pass_share == pytest.approx((16 * 16 + 2 * 1600) / target_bytes)  # int8 body, bf16 head
+    assert cost.prompt_share == pytest.approx((256 + 1600) / target_elements)
+    vocab = SimpleNamespace(head=draft[1], size=25)  # a quarter of the head's rows
+    trimmed = _relative_cost(draft, target, vocab)
+    assert trimmed.pass_share == pytest.approx((256 + 2 * 400) / target_bytes)
+    assert trimmed.prompt_share == cost.prompt_share
+    assert _relative_cost(draft, torch.nn.Sequential(), None) is None  # no plain weights: no price

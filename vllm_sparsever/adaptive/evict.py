@@ -36,6 +36,12 @@ Times (`StepClock`) are measured end to end on this engine, or predicted by the 
   one-off: it is kept out of the pass time and priced in a probe's cost, in the rent-or-buy of a
   long catch-up (`_defer_catch_up`), and against what drafting can still save before the requests
   reach their max_tokens (`_pays_back`).
+Before the first of these is measured, a drafter that knows its cost relative to the target
+(`DraftCost`: a draft model's weight bytes and parameters against the target's) prices a pass and a
+catch-up token as that share of the profile's plain step and prompt token. The first decision is then
+a priced one: a batch of new short requests is not made to pay every prompt's catch-up through the
+draft before drafting was ever measured to pay. A drafter with no such estimate drafts to the cap
+until its first pass is measured.
 
 Guard (Cascade's worst case): when the best depth is 0 the step does not draft. Skipping, it probes
 (drafts anyway, to refresh the acceptance measurements) once the plain decoding time skipped since
@@ -52,8 +58,9 @@ what a measured one shows (a batch's rows ending apart, acceptance below its est
 Python): per batch-size class and context band the guard keeps the realized tokens per second of
 drafting steps (their drafting, verification and the engine's gap; a catch-up left out, it is priced
 above) and of plain steps, over about the last ten of each; once REALIZED_MIN_STEPS drafting steps
-were measured there, realized drafting slower than realized plain decoding skips drafting whatever
-the model says (`realized_skipped_steps`), probes included. `adaptive.guard: false` always drafts at
+(fewer at several rows: REALIZED_MIN_STEPS request-steps, at least two steps) were measured there,
+realized drafting slower than realized plain decoding skips drafting whatever the model says
+(`realized_skipped_steps`), probes included. `adaptive.guard: false` always drafts at
 least one level;
 `adaptive.depth: "cap"` drafts to the cap (EVICT then only truncates, and the guard compares the cap
 with plain decoding).
@@ -100,7 +107,9 @@ DEPTH_PROBE_EVERY = 4  # depth probe: drafting steps between probes of a depth s
 DEPTH_PROBES = 24  # depth probe: probes of a depth at DEPTH_PROBE_EVERY; later ones at PLAIN_CHECK_EVERY
 DEPTH_PROBE_TRIALS = 16  # depth probe: (decayed) measurements that make a depth measured
 REALIZED_DECAY = 0.9  # guard: per step, older realized steps fade (a window of about ten steps)
-REALIZED_MIN_STEPS = 8  # guard: drafting steps measured before their realized rate may overrule the model
+REALIZED_MIN_STEPS = 8  # guard: drafting request-steps (steps x rows; at least 2 steps) measured before
+# their realized rate may overrule the model
+PREFILL_SLOPE_TOKENS = 256  # a prompt token's cost: the profile's slope from 1 to this many query tokens
 
 
 class AcceptanceCalibration:
@@ -188,6 +197,21 @@ def plain_check_key(contexts: list[int]) -> tuple[int, int]:
     """Where a measured plain step stands in for others: its rows class (1, 2-3, 4-7, ... rows) and
     context band."""
     return len(contexts).bit_length(), context_band(contexts)
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """What a drafter costs relative to the target, before anything was measured: `pass_share`, one
+    draft pass's bytes read against a plain target step's (weights: a decode pass is bound by them);
+    `prompt_share`, a catch-up token's work against a target prompt token's (parameters: a prompt
+    pass is bound by compute)."""
+
+    pass_share: float
+    prompt_share: float
+
+    def __post_init__(self) -> None:
+        if not (self.pass_share >= 0 and self.prompt_share >= 0):
+            raise ValueError(f"DraftCost: shares must be >= 0, got {self.pass_share}, {self.prompt_share}")
 
 
 class StepClock:
@@ -327,8 +351,9 @@ class DraftShape:
 
 class Evict:
     def __init__(self, profile: VerifyCostProfile, *, min_draft_tokens: int = 0, guard: bool = True,
-                 depth: str = "auto", depth_prior: float = DEPTH_PRIOR) -> None:
+                 depth: str = "auto", depth_prior: float = DEPTH_PRIOR, draft_cost: DraftCost | None = None) -> None:
         self.profile = profile
+        self.draft_cost = draft_cost  # prices drafting before it is measured (module docstring)
         self.min_draft_tokens = min_draft_tokens
         self.guard = guard
         self.depth_mode = depth
@@ -368,6 +393,25 @@ class Evict:
         kind, mask = ("plain", "chain") if plain else ("verify", mask)
         seconds = self.clock.scale(kind, len(query_tokens), contexts) * self.cost(query_tokens, contexts, mask)
         return seconds + (self.clock.gap_s or 0.0)
+
+    def draft_s(self, contexts: list[int], passes: int) -> float | None:
+        """Drafting time of `passes` passes over these rows: measured (`StepClock.draft_s`), else the
+        drafter's `DraftCost` share of a plain step here; None with neither."""
+        measured = self.clock.draft_s(len(contexts), passes)
+        if measured is not None or self.draft_cost is None:
+            return measured
+        plain = self.clock.scale("plain", len(contexts), contexts) * self.cost([1] * len(contexts), contexts, "chain")
+        return passes * self.draft_cost.pass_share * plain
+
+    def catch_up_s_per_token(self) -> float | None:
+        """One catch-up token's drafting time: measured, else the drafter's `DraftCost` share of a
+        target prompt token (the profile's slope over query tokens); None with neither."""
+        measured = self.clock.catch_up_s_per_token
+        if measured is not None or self.draft_cost is None:
+            return measured
+        n = PREFILL_SLOPE_TOKENS
+        slope = (self.cost([n], [0], "chain") - self.cost([1], [0], "chain")) / (n - 1)
+        return self.draft_cost.prompt_share * self.clock.scale("plain", 1, [0]) * max(slope, 0.0)
 
     def observe_step(self, query_tokens: list[int], contexts: list[int], seconds: float, mask: str = "chain",
                      gap_s: float | None = None) -> None:
@@ -413,10 +457,11 @@ class Evict:
         """Guard: whether this engine's measured drafting steps emitted fewer tokens per second than its
         measured plain steps, at this batch-size class and context band (the model's estimate of a
         drafting step can miss: a batch's rows ending apart, acceptance below its calibration, Python
-        around the passes). Needs REALIZED_MIN_STEPS drafting steps and a plain one measured there."""
+        around the passes). Needs REALIZED_MIN_STEPS drafting request-steps (at least two steps) and a
+        plain step measured there."""
         key = plain_check_key(contexts)
         draft, plain = self._realized["draft"].get(key), self._realized["plain"].get(key)
-        if not draft or not plain or draft[2] < REALIZED_MIN_STEPS:
+        if not draft or not plain or draft[2] < max(2, math.ceil(REALIZED_MIN_STEPS / len(contexts))):
             return False
         return draft[0] / draft[1] < plain[0] / plain[1]
 
@@ -428,9 +473,9 @@ class Evict:
         levels (up to the cap), after `passes` levels drafted with `tokens[i]` query tokens (1 +
         nodes), an expected `gains[i]` accepted drafts and a probability `reach[i]` of reaching the
         newest level; None before a draft pass and a decode step were measured (the profile's
-        level is then unknown on this engine)."""
+        level is then unknown on this engine), unless the drafter's `DraftCost` prices it."""
         rows = len(contexts)
-        if not self.clock.measured:
+        if not self.clock.measured and self.draft_cost is None:
             return None
         alphas = self.depths.conditional(shape.cap)
         reach, tokens = list(reach), list(tokens)
@@ -445,7 +490,7 @@ class Evict:
                         reach[i] *= alphas[level - 1]
                         gain += reach[i]
                         tokens[i] = min(tokens[i] + width, shape.budgets[i] + 1)
-            draft_s = self.clock.draft_s(rows, shape.passes(level))
+            draft_s = self.draft_s(contexts, shape.passes(level))
             if draft_s is None:
                 return None
             out.append((rows + gain, draft_s + self.step_s(tokens if level else [1] * rows, contexts, shape.mask)))
@@ -469,7 +514,7 @@ class Evict:
         if not rows or shape.cap <= 0:
             return 0
         outlook = self._outlook(contexts, shape, 0, [1.0] * rows, [0.0] * rows, [1] * rows)
-        if outlook is None:  # the first drafting steps: nothing measured yet
+        if outlook is None:  # the first drafting steps: nothing measured or priced yet
             return self._planned(shape.cap)
         floor = 1 if (not self.guard or self.min_draft_tokens) else 0
         if self.depth_mode == "cap":
@@ -501,7 +546,7 @@ class Evict:
         probe = self._best(outlook, 1)
         skipped_s = self._skipped_s.get(rows, 0.0) + plain_s
         skips = self._skips.get(rows, 0) + 1
-        catch_up_s = self.clock.catch_up_s_per_token
+        catch_up_s = self.catch_up_s_per_token()
         if catch_up_tokens and catch_up_s is None:
             probing = skips >= FIRST_PROBE_SKIPS
         else:
@@ -528,10 +573,10 @@ class Evict:
         new long request's prompt, prefix-cached for the target but never run through the draft):
         rent or buy. Decode plainly while the time drafting would have saved so far is below the
         catch-up's measured cost, then draft: at most twice the better choice in hindsight, however
-        long the request turns out to be. An unmeasured catch-up is not deferred (it gets measured).
+        long the request turns out to be. An unpriced catch-up is not deferred (it gets measured).
         (A catch-up riding with a prompt the target has just computed never reaches here:
         drafting.evict_proposer.EvictProposer._catch_up_to_plan.)"""
-        per_token_s = self.clock.catch_up_s_per_token
+        per_token_s = self.catch_up_s_per_token()
         if catch_up_tokens < CATCH_UP_MIN_TOKENS or per_token_s is None:
             self._catch_up_forgone_s = 0.0
             return False
@@ -548,8 +593,8 @@ class Evict:
         most `horizon_tokens` more tokens per request are emitted, so drafting saves at most
         rows * horizon_tokens * (plain seconds per token - drafting seconds per token); a catch-up
         that costs more (new short requests at a high batch size, where drafting saves little a
-        step) is never paid back, and the step decodes plainly. Unbounded or unmeasured: it pays."""
-        per_token_s = self.clock.catch_up_s_per_token
+        step) is never paid back, and the step decodes plainly. Unbounded or unpriced: it pays."""
+        per_token_s = self.catch_up_s_per_token()
         if catch_up_tokens < CATCH_UP_MIN_TOKENS or horizon_tokens is None or per_token_s is None:
             return True
         (plain_tokens, plain_s), (tokens, seconds) = outlook[0], outlook[best]

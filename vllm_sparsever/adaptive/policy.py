@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_sparsever.adaptive.cost import VerifyCostProfile, resolve_cost_profile
-from vllm_sparsever.adaptive.evict import CATCH_UP_MIN_TOKENS, DEPTH_PRIOR, DraftShape, Evict
+from vllm_sparsever.adaptive.evict import CATCH_UP_MIN_TOKENS, DEPTH_PRIOR, DraftCost, DraftShape, Evict
 from vllm_sparsever.trees import DraftTree
 
-__all__ = ["DraftShape", "EvictPolicy"]
+__all__ = ["DraftCost", "DraftShape", "EvictPolicy"]
 
 logger = logging.getLogger("vllm_sparsever")
 
@@ -36,18 +36,21 @@ def _as_is(decision: Any) -> Any:
 
 class EvictPolicy:
     def __init__(self, profile: VerifyCostProfile, *, min_draft_tokens: int = 0, guard: bool = True,
-                 depth: str = "auto", depth_prior: float = DEPTH_PRIOR, moe_target: bool = False,
-                 agree: Callable[[Any], Any] = _as_is) -> None:
-        """`moe_target`: the target is an MoE (its routed experts are observed where the profile prices
-        them); `agree`: a decision as every tensor-parallel rank takes it."""
+                 depth: str = "auto", depth_prior: float = DEPTH_PRIOR, draft_cost: DraftCost | None = None,
+                 moe_target: bool = False, agree: Callable[[Any], Any] = _as_is) -> None:
+        """`draft_cost`: the drafter's cost relative to the target, pricing drafting before it is
+        measured (None: draft to the cap until then); `moe_target`: the target is an MoE (its routed
+        experts are observed where the profile prices them); `agree`: a decision as every
+        tensor-parallel rank takes it."""
         self._evict = Evict(profile, min_draft_tokens=min_draft_tokens, guard=guard, depth=depth,
-                            depth_prior=depth_prior)
+                            depth_prior=depth_prior, draft_cost=draft_cost)
         self._moe_target = moe_target
         self._agree = agree
 
     @classmethod
     def for_target(cls, adaptive: Any, model: str, dtype: Any, moe_routing: tuple[int, int] | None, *,
-                   depth_prior: float, agree: Callable[[Any], Any] = _as_is) -> "EvictPolicy":
+                   depth_prior: float, draft_cost: DraftCost | None = None,
+                   agree: Callable[[Any], Any] = _as_is) -> "EvictPolicy":
         """For the target `model` served in `dtype` (its `moe_routing` (experts, top_k) where an MoE),
         with the config's adaptive section (`AdaptiveVerificationConfig`): its cost profile resolved and
         checked against the target."""
@@ -64,7 +67,7 @@ class EvictPolicy:
                                f"{tuple(profile.moe)}, the target has {tuple(moe_routing)}; measure it again "
                                f"with `vllm-sparsever profile-verify`")
         return cls(profile, min_draft_tokens=adaptive.min_draft_tokens, guard=adaptive.guard, depth=adaptive.depth,
-                   depth_prior=depth_prior, moe_target=moe_routing is not None, agree=agree)
+                   depth_prior=depth_prior, draft_cost=draft_cost, moe_target=moe_routing is not None, agree=agree)
 
     # ---- per step ---------------------------------------------------------------------------
 
@@ -103,7 +106,7 @@ class EvictPolicy:
         stats = self._evict.stats
         depth = max((t.depth() for t in trees), default=0)
         stats.drafted_depths[depth] = stats.drafted_depths.get(depth, 0) + 1
-        draft_s = self._evict.clock.draft_s(len(trees), passes) or 0.0
+        draft_s = self._evict.draft_s(contexts, passes) or 0.0
         return self._agree(self._evict.truncate(trees, contexts, draft_time_s=draft_s, mask=mask, whole=whole))
 
     def observe_acceptance(self, tree: DraftTree, verified: int, accepted_nodes: list[int]) -> None:

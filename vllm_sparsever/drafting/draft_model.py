@@ -60,6 +60,29 @@ class DraftModelStats:
                                                        "draft_time_s": "draft_model_time_s"})
 
 
+def _weights(model: Any) -> tuple[int, int]:
+    """(bytes, elements) of a model's parameters, each tensor once (a tied head is its embedding)."""
+    params = list(model.parameters())
+    return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params)
+
+
+def _relative_cost(draft: Any, target: Any, vocab: ContextDraftVocab | None) -> Any:
+    """EVICT's price of this draft before a pass is measured (adaptive.policy.DraftCost): its weight
+    bytes against the target's for a pass (with `draft_vocab`, the head rows it reads), its
+    parameters against the target's for a catch-up token; None where the target's weights are not
+    plain parameters."""
+    from vllm_sparsever.adaptive.policy import DraftCost
+
+    draft_bytes, draft_elements = _weights(draft)
+    target_bytes, target_elements = _weights(target)
+    if not target_bytes or not target_elements:
+        return None
+    if vocab is not None:
+        head = vocab.head.weight
+        draft_bytes -= head.numel() * head.element_size() * (1.0 - min(vocab.size / head.shape[0], 1.0))
+    return DraftCost(pass_share=max(draft_bytes, 0) / target_bytes, prompt_share=draft_elements / target_elements)
+
+
 class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
     level = "draft_model"
     # (after the bookkeeping: vLLM's own draft_model proposes from device tensors, before it)
@@ -110,6 +133,7 @@ class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
                                                 linear=linear, prepare=lambda rows: head_rows_linear(rows, kernel))
             except ValueError as e:
                 raise SparseverConfigError(f"draft_vocab: {e}") from e
+        self.draft_cost = _relative_cost(model, target.model, self._vocab)
 
     def forget(self, req_ids: set[str]) -> None:
         super().forget(req_ids)

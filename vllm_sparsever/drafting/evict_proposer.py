@@ -45,7 +45,8 @@ class EvictProposer(Proposer):
         self.target = target
         config = target.model_config
         self.evict = EvictPolicy.for_target(self.adaptive, config.model, config.dtype, target.moe_routing,
-                                            depth_prior=self.drafter.depth_prior, agree=_agreed)
+                                            depth_prior=self.drafter.depth_prior, draft_cost=self.drafter.draft_cost,
+                                            agree=_agreed)
 
     @property
     def lookahead(self) -> int:

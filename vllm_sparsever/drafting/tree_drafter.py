@@ -72,6 +72,7 @@ class TreeDrafting:
     tree: Any = None
     rule: GrowthRule | None = None
     depth_prior = 0.6  # EVICT's acceptance of depth 1 before any is measured
+    draft_cost: Any = None  # EVICT's price of a pass before any is measured (a DraftCost; None: unknown)
     one_pass = False  # True: one pass drafts every level (a lookup), so deeper drafts cost no more passes
 
     def init_trees(self, tree: Any) -> None:
