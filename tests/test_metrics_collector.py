@@ -21,7 +21,8 @@ def test_fallbacks_per_component_and_reason(tmp_path):
 def test_drafting_levels_are_a_gauge_and_counts_a_counter(tmp_path):
     metrics = SparseverMetrics(num_spec_tokens=3)
     metrics.drafting = {"draft_model_catch_up_tokens": 40, "draft_model_vocab_tokens": 32800,
-                        "evict_clock_pass_s_rows1": 0.15, "evict_steps": 7, "hier_intermediate_acceptance_rate": 0.5}
+                        "evict_clock_pass_s_rows1": 0.15, "evict_price_pass_share": 0.2, "evict_steps": 7,
+                        "hier_intermediate_acceptance_rate": 0.5}
     SnapshotWriter(rank=0, directory=str(tmp_path)).write(metrics, force=True)
 
     families = {f.name: f for f in SparseverCollector(str(tmp_path)).collect()}
@@ -30,5 +31,5 @@ def test_drafting_levels_are_a_gauge_and_counts_a_counter(tmp_path):
     levels = {s.labels["name"]: s.value for s in families["sparsever:drafting_level"].samples}
     assert counters == {"draft_model_catch_up_tokens": 40.0, "evict_steps": 7.0}
     assert levels == {"draft_model_vocab_tokens": 32800.0, "evict_clock_pass_s_rows1": 0.15,
-                      "hier_intermediate_acceptance_rate": 0.5}
+                      "evict_price_pass_share": 0.2, "hier_intermediate_acceptance_rate": 0.5}
     assert families["sparsever:drafting_level"].type == "gauge"

@@ -225,8 +225,8 @@ _collector_registered = False
 
 def is_drafting_level(name: str) -> bool:
     """Whether a drafting value (the `drafting` summary) is a level (a rate, a size, a measured
-    time now), exported as a gauge, rather than a count since start."""
-    return name.startswith("evict_clock_") or name.endswith(("_rate", "_vocab_tokens"))
+    time now, a price), exported as a gauge, rather than a count since start."""
+    return name.startswith(("evict_clock_", "evict_price_")) or name.endswith(("_rate", "_vocab_tokens"))
 
 
 class SparseverCollector:

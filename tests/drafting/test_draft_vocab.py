@@ -163,3 +163,14 @@ def test_a_draft_models_price_before_its_first_pass():
     assert trimmed.pass_share == pytest.approx((256 + 2 * 400) / target_bytes)
     assert trimmed.prompt_share == cost.prompt_share
     assert _relative_cost(draft, torch.nn.Sequential(), None) is None  # no plain weights: no price
+    # Configs describing dense decoders price a prompt token by the weights a token multiplies through
+    # (int4 weights packed 8 to an int32 element would undercount it).
+    draft.config = SimpleNamespace(hidden_size=8, num_hidden_layers=2, intermediate_size=16, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=100)
+    target.config = SimpleNamespace(hidden_size=16, num_hidden_layers=4, intermediate_size=32, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=4, vocab_size=100)
+    draft_token = 2 * (2 * 8 * 2 * 4 + 2 * 8 * 1 * 4 + 3 * 8 * 16) + 100 * 8
+    target_token = 4 * (2 * 16 * 4 * 4 + 2 * 16 * 2 * 4 + 3 * 16 * 32) + 100 * 16
+    assert _relative_cost(draft, target, None).prompt_share == pytest.approx(draft_token / target_token)
+    target.config.num_experts = 8  # an MoE: the config's dense count does not hold, parameters do
+    assert _relative_cost(draft, target, None).prompt_share == cost.prompt_share

@@ -137,6 +137,9 @@ class EvictPolicy:
     def summary(self) -> dict[str, Any]:
         """EVICT's counters and what its clock measured (and, on an MoE, how alike tokens route)."""
         out = {**self._evict.stats.summary(), **self._evict.clock.summary()}
+        if self._evict.draft_cost is not None:  # the drafter's price before its first pass
+            out["evict_price_pass_share"] = self._evict.draft_cost.pass_share
+            out["evict_price_prompt_share"] = self._evict.draft_cost.prompt_share
         if self._evict.experts is not None:
             out["evict_moe_expert_sharing"] = self._evict.experts.sharing
         return out

@@ -66,11 +66,28 @@ def _weights(model: Any) -> tuple[int, int]:
     return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params)
 
 
+def _token_parameters(model: Any) -> int | None:
+    """The weights one token multiplies through in a dense decoder (its layers' projections and the LM
+    head), from the model's config: packed int4 weights hold several per element, so their
+    parameters undercount the work. None where the config does not describe a dense decoder."""
+    c = getattr(model, "config", None)
+    try:
+        h, layers, inter = int(c.hidden_size), int(c.num_hidden_layers), int(c.intermediate_size)
+        heads, vocab = int(c.num_attention_heads), int(c.vocab_size)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if any(getattr(c, k, None) for k in ("num_experts", "n_routed_experts", "num_local_experts")):
+        return None
+    kv = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or h // heads)
+    return layers * (2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * inter) + vocab * h
+
+
 def _relative_cost(draft: Any, target: Any, vocab: ContextDraftVocab | None) -> Any:
     """EVICT's price of this draft before a pass is measured (adaptive.policy.DraftCost): its weight
     bytes against the target's for a pass (with `draft_vocab`, the head rows it reads), its
-    parameters against the target's for a catch-up token; None where the target's weights are not
-    plain parameters."""
+    per-token weights against the target's for a catch-up token (from the configs, else the
+    parameters); None where the target's weights are not plain parameters."""
     from vllm_sparsever.adaptive.policy import DraftCost
 
     draft_bytes, draft_elements = _weights(draft)
@@ -80,6 +97,9 @@ def _relative_cost(draft: Any, target: Any, vocab: ContextDraftVocab | None) -> 
     if vocab is not None:
         head = vocab.head.weight
         draft_bytes -= head.numel() * head.element_size() * (1.0 - min(vocab.size / head.shape[0], 1.0))
+    draft_token, target_token = _token_parameters(draft), _token_parameters(target)
+    if draft_token and target_token:
+        draft_elements, target_elements = draft_token, target_token
     return DraftCost(pass_share=max(draft_bytes, 0) / target_bytes, prompt_share=draft_elements / target_elements)
 
 
