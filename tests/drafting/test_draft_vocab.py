@@ -146,31 +146,34 @@ def test_head_rows_linear_follows_the_linear_kernel(kernel, dtype):
 
 
 def test_a_draft_models_price_before_its_first_pass():
-    """EVICT's DraftCost of a draft model: weight bytes against the target's for a pass (with
-    draft_vocab, the head rows read), parameters against the target's for a catch-up token."""
+    """EVICT's DraftCost of a draft model, from the configs: a pass's bytes (projections at their stored
+    bits, the LM head rows it reads, with draft_vocab fewer) against the target's, and a catch-up
+    token's weights against the target's; no price where a config does not describe a dense decoder."""
     from vllm_sparsever.drafting.draft_model import _relative_cost
 
-    target = torch.nn.Sequential(torch.nn.Linear(16, 64, bias=False), torch.nn.Linear(64, 100, bias=False)).bfloat16()
-    body = torch.nn.Module()  # an int8 linear, as a w8a8 draft stores it
-    body.weight = torch.nn.Parameter(torch.zeros(16, 16, dtype=torch.int8), requires_grad=False)
-    draft = torch.nn.Sequential(body, torch.nn.Linear(16, 100, bias=False).bfloat16())
-    target_bytes, target_elements = 2 * (16 * 64 + 64 * 100), 16 * 64 + 64 * 100
+    def model(dtype, **config):
+        m = torch.nn.Linear(2, 2).to(dtype)  # its dtype is the model's
+        m.config = SimpleNamespace(**config)
+        return m
+
+    target = model(torch.bfloat16, hidden_size=16, num_hidden_layers=4, intermediate_size=32, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=4, vocab_size=100)
+    shape = dict(hidden_size=8, num_hidden_layers=2, intermediate_size=16, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=100)
+    int4 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"num_bits": 4}}}}
+    draft = model(torch.bfloat16, **shape, quantization_config=int4)
+    draft_proj, draft_head = 2 * (2 * 8 * 2 * 4 + 2 * 8 * 1 * 4 + 3 * 8 * 16), 100 * 8
+    target_proj, target_head = 4 * (2 * 16 * 4 * 4 + 2 * 16 * 2 * 4 + 3 * 16 * 32), 100 * 16
+    target_bytes = 2 * (target_proj + target_head)
     cost = _relative_cost(draft, target, None)
-    assert cost.pass_share == pytest.approx((16 * 16 + 2 * 1600) / target_bytes)  # int8 body, bf16 head
-    assert cost.prompt_share == pytest.approx((256 + 1600) / target_elements)
-    vocab = SimpleNamespace(head=draft[1], size=25)  # a quarter of the head's rows
-    trimmed = _relative_cost(draft, target, vocab)
-    assert trimmed.pass_share == pytest.approx((256 + 2 * 400) / target_bytes)
-    assert trimmed.prompt_share == cost.prompt_share
-    assert _relative_cost(draft, torch.nn.Sequential(), None) is None  # no plain weights: no price
-    # Configs describing dense decoders price a prompt token by the weights a token multiplies through
-    # (int4 weights packed 8 to an int32 element would undercount it).
-    draft.config = SimpleNamespace(hidden_size=8, num_hidden_layers=2, intermediate_size=16, num_attention_heads=2,
-                                   num_key_value_heads=1, vocab_size=100)
-    target.config = SimpleNamespace(hidden_size=16, num_hidden_layers=4, intermediate_size=32, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=4, vocab_size=100)
-    draft_token = 2 * (2 * 8 * 2 * 4 + 2 * 8 * 1 * 4 + 3 * 8 * 16) + 100 * 8
-    target_token = 4 * (2 * 16 * 4 * 4 + 2 * 16 * 2 * 4 + 3 * 16 * 32) + 100 * 16
-    assert _relative_cost(draft, target, None).prompt_share == pytest.approx(draft_token / target_token)
-    target.config.num_experts = 8  # an MoE: the config's dense count does not hold, parameters do
-    assert _relative_cost(draft, target, None).prompt_share == cost.prompt_share
+    assert cost.pass_share == pytest.approx((draft_proj / 2 + 2 * draft_head) / target_bytes)  # int4 body, bf16 head
+    assert cost.prompt_share == pytest.approx((draft_proj + draft_head) / (target_proj + target_head))
+    vocab = SimpleNamespace(size=25)  # a quarter of the head's rows
+    assert _relative_cost(draft, target, vocab).pass_share == pytest.approx(
+        (draft_proj / 2 + 2 * draft_head / 4) / target_bytes)
+    gptq8 = model(torch.bfloat16, **shape, quantization_config={"quant_method": "gptq", "bits": 8})
+    assert _relative_cost(gptq8, target, None).pass_share == pytest.approx((draft_proj + 2 * draft_head) / target_bytes)
+    plain = model(torch.float32, **shape)  # fp32: 4 bytes a weight
+    assert _relative_cost(plain, target, None).pass_share == pytest.approx(4 * (draft_proj + draft_head) / target_bytes)
+    moe = model(torch.bfloat16, **{**shape, "num_experts": 8})
+    assert _relative_cost(moe, target, None) is None and _relative_cost(draft, torch.nn.Linear(2, 2), None) is None

@@ -37,7 +37,7 @@ Times (`StepClock`) are measured end to end on this engine, or predicted by the 
   long catch-up (`_defer_catch_up`), and against what drafting can still save before the requests
   reach their max_tokens (`_pays_back`).
 Before the first of these is measured, a drafter that knows its cost relative to the target
-(`DraftCost`: a draft model's weight bytes and parameters against the target's) prices a pass and a
+(`DraftCost`: a draft model's bytes and weights per token against the target's) prices a pass and a
 catch-up token as that share of the profile's plain step and prompt token. The first decision is then
 a priced one: a batch of new short requests is not made to pay every prompt's catch-up through the
 draft before drafting was ever measured to pay. A drafter with no such estimate drafts to the cap

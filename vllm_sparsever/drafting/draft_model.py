@@ -60,47 +60,58 @@ class DraftModelStats:
                                                        "draft_time_s": "draft_model_time_s"})
 
 
-def _weights(model: Any) -> tuple[int, int]:
-    """(bytes, elements) of a model's parameters, each tensor once (a tied head is its embedding)."""
-    params = list(model.parameters())
-    return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params)
-
-
-def _token_parameters(model: Any) -> int | None:
-    """The weights one token multiplies through in a dense decoder (its layers' projections and the LM
-    head), from the model's config: packed int4 weights hold several per element, so their
-    parameters undercount the work. None where the config does not describe a dense decoder."""
-    c = getattr(model, "config", None)
+def _token_weights(config: Any) -> tuple[int, int] | None:
+    """(projection weights, LM head weights) one token multiplies through in a dense decoder, from its
+    config; None where the config does not describe one (an MoE, a config without these fields)."""
     try:
-        h, layers, inter = int(c.hidden_size), int(c.num_hidden_layers), int(c.intermediate_size)
-        heads, vocab = int(c.num_attention_heads), int(c.vocab_size)
+        h, layers, inter = int(config.hidden_size), int(config.num_hidden_layers), int(config.intermediate_size)
+        heads, vocab = int(config.num_attention_heads), int(config.vocab_size)
     except (AttributeError, TypeError, ValueError):
         return None
-    if any(getattr(c, k, None) for k in ("num_experts", "n_routed_experts", "num_local_experts")):
+    if any(getattr(config, k, None) for k in ("num_experts", "n_routed_experts", "num_local_experts")):
         return None
-    kv = int(getattr(c, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(c, "head_dim", None) or h // heads)
-    return layers * (2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * inter) + vocab * h
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or h // heads)
+    return layers * (2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * inter), vocab * h
+
+
+def _weight_bits(config: Any, dtype_bits: int) -> int:
+    """Bits per projection weight as stored: a quantization config's weight `num_bits` (compressed-
+    tensors) or `bits` (GPTQ, AWQ), else the model's dtype."""
+    q = getattr(config, "quantization_config", None)
+    if q is not None and not isinstance(q, dict):
+        q = q.to_dict() if hasattr(q, "to_dict") else vars(q)
+    if not q:
+        return dtype_bits
+    groups = q.get("config_groups") or {}
+    for group in groups.values():
+        bits = (group.get("weights") or {}).get("num_bits")
+        if bits:
+            return int(bits)
+    return int(q.get("bits") or dtype_bits)
 
 
 def _relative_cost(draft: Any, target: Any, vocab: ContextDraftVocab | None) -> Any:
-    """EVICT's price of this draft before a pass is measured (adaptive.policy.DraftCost): its weight
-    bytes against the target's for a pass (with `draft_vocab`, the head rows it reads), its
-    per-token weights against the target's for a catch-up token (from the configs, else the
-    parameters); None where the target's weights are not plain parameters."""
+    """EVICT's price of this draft before a pass is measured (adaptive.policy.DraftCost), from the two
+    models' configs (their loaded parameters are not what a pass reads: CPU kernels repack weights
+    outside them): a pass's bytes, projections at their stored bits plus the LM head rows it reads
+    (with `draft_vocab`, those rows), against the target's; a catch-up token's weights against the
+    target's. None where a config does not describe a dense decoder (no price: drafting is measured
+    blind)."""
     from vllm_sparsever.adaptive.policy import DraftCost
 
-    draft_bytes, draft_elements = _weights(draft)
-    target_bytes, target_elements = _weights(target)
-    if not target_bytes or not target_elements:
+    draft_w, target_w = _token_weights(getattr(draft, "config", None)), _token_weights(getattr(target, "config", None))
+    if draft_w is None or target_w is None:
         return None
-    if vocab is not None:
-        head = vocab.head.weight
-        draft_bytes -= head.numel() * head.element_size() * (1.0 - min(vocab.size / head.shape[0], 1.0))
-    draft_token, target_token = _token_parameters(draft), _token_parameters(target)
-    if draft_token and target_token:
-        draft_elements, target_elements = draft_token, target_token
-    return DraftCost(pass_share=max(draft_bytes, 0) / target_bytes, prompt_share=draft_elements / target_elements)
+
+    def dtype_bits(model: Any) -> int:
+        return 8 * next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
+
+    head_rows = min(vocab.size / int(draft.config.vocab_size), 1.0) if vocab is not None else 1.0
+    draft_bits, target_bits = dtype_bits(draft), dtype_bits(target)
+    draft_bytes = (draft_w[0] * _weight_bits(draft.config, draft_bits) + draft_w[1] * head_rows * draft_bits) / 8
+    target_bytes = (target_w[0] * _weight_bits(target.config, target_bits) + target_w[1] * target_bits) / 8
+    return DraftCost(pass_share=draft_bytes / target_bytes, prompt_share=sum(draft_w) / sum(target_w))
 
 
 class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
