@@ -70,9 +70,11 @@ def test_a_long_catch_up_is_a_one_off_not_a_draft_pass():
     clock = policy.summary()
     assert clock["evict_clock_pass_s_rows1"] == pytest.approx(0.01)  # the roots' pass with the catch-up left out
     assert clock["evict_clock_fixed_s_rows1"] == pytest.approx(0.03)  # 2.05 - 2.0 - two passes
+    assert clock["evict_clock_catch_up_s_per_token"] == pytest.approx(2.0 / (CATCH_UP_MIN_TOKENS * 10))
     short = EvictPolicy(made_up_profile())
     short.observe_drafting(1, [0.02, 0.01, 0.01], 0.05, catch_up_tokens=CATCH_UP_MIN_TOKENS - 1)
     assert short.summary()["evict_clock_pass_s_rows1"] == pytest.approx(0.01)  # the median of all three
+    assert "evict_clock_catch_up_s_per_token" not in short.summary()  # no catch-up measured
 
 
 def test_truncate_counts_the_drafted_depth_and_keeps_a_seeded_tree_whole():

@@ -270,6 +270,8 @@ class StepClock:
                 out[f"evict_clock_{kind}_ratio"] = sum(ones) / len(ones)
         if self.gap_s is not None:
             out["evict_clock_gap_s"] = self.gap_s
+        if self.catch_up_s_per_token is not None:
+            out["evict_clock_catch_up_s_per_token"] = self.catch_up_s_per_token
         for rows, v in self.pass_s.items():
             out[f"evict_clock_pass_s_rows{rows}"] = v
             out[f"evict_clock_fixed_s_rows{rows}"] = self.fixed_s.get(rows, 0.0)
