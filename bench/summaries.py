@@ -10,7 +10,9 @@ command. The runs of one CPU class make the main entry; runs on another class go
 as "met", "not met" or "not measured". Nothing is copied by hand: the file says which run each figure
 comes from. long_context.json's step and kernel figures come from `--steps` (bench/verify_step.py) and
 `--kernels` (bench/kernels/run.py --parts attention) runs on the main machine's class; without them the
-previous file's are kept under the machine that measured them.
+previous file's are kept under the machine that measured them. `SLOT.approximate=RUN` sets SLOT's
+`best_approximate` from another run on the same CPU class (its approximate candidate against that run's
+plain decoding, kernels alone and best lossless candidate), where SLOT's own run had none.
 """
 
 from __future__ import annotations
@@ -84,6 +86,31 @@ def slot_entry(run: dict, run_name: str, fixed_key: str) -> dict[str, Any]:
         "flags": {n: e["flags"] for n, e in methods.items() if e["flags"]},
         "divergent_prompts": {"evict": len(cand["divergent_prompts"]),
                               "vllm_max": run["summary"]["vllm_divergent_prompts_max"]},
+    }
+
+
+def approximate_entry(run: dict, run_name: str) -> dict[str, Any]:
+    """A run's best approximate candidate (sparse verification: its text may change), against the same
+    run's plain decoding, kernels alone and best lossless candidate: what `SLOT.approximate=RUN` puts
+    at SLOT's `best_approximate` when the slot's own run had none."""
+    methods = run["summary"]["methods"]
+    approximate = {n: e for n, e in methods.items() if e["role"] == "candidate" and not e["lossless"]}
+    if not approximate or "plain" not in methods or "sparsever-kernels-only" not in methods:
+        raise SystemExit(f"{run_name}: an approximate slot needs an approximate candidate, plain decoding and "
+                         "sparsever's kernels alone in the same run")
+    best = max(approximate, key=lambda n: approximate[n]["tok_s_median"])
+    entry, plain = approximate[best], methods["plain"]
+    lossless = {n: e for n, e in methods.items()
+                if e["role"] == "candidate" and e["lossless"] and "not_identical" not in e["flags"]}
+    best_lossless = max(lossless, key=lambda n: lossless[n]["tok_s_median"]) if lossless else None
+    return {
+        "mode": best, "tok_s": entry["tok_s_median"], "vs_plain": entry["tok_s_median"] / plain["tok_s_median"],
+        "vs_kernels_only": entry["tok_s_median"] / methods["sparsever-kernels-only"]["tok_s_median"],
+        **({"vs_best_lossless_same_run": entry["tok_s_median"] / lossless[best_lossless]["tok_s_median"],
+            "best_lossless_same_run": best_lossless} if best_lossless else {}),
+        "mean_acceptance_length": entry.get("mean_acceptance_length"), "config": entry["speculative_config"],
+        "spread": spread(entry), "divergent_prompts": len(entry["divergent_prompts"]), "flags": entry["flags"],
+        "results_file": run_name, "command": run["command"], "commit": run["commit"], "rounds": run["rounds"],
     }
 
 
@@ -186,11 +213,16 @@ def build(name: str, assignments: list[str], command: str, previous: dict | None
     slots, serving_slots = SLOTS[name], SERVING_SLOTS.get(name, {})
     machines: dict[str, dict] = {}
     order: list[str] = []
+    approximate_runs: list[tuple[str, str, Path]] = []
     for text in assignments:
         slot, sep, path = text.partition("=")
-        if not sep or (slot not in slots and slot not in serving_slots):
-            raise SystemExit(f"{name}: expected SLOT=RUN with SLOT one of {sorted({*slots, *serving_slots})}, "
-                             f"got {text!r}")
+        base = slot.removesuffix(".approximate")
+        if not sep or (base not in slots and slot not in serving_slots):
+            raise SystemExit(f"{name}: expected SLOT=RUN or SLOT.approximate=RUN with SLOT one of "
+                             f"{sorted({*slots, *serving_slots})}, got {text!r}")
+        if slot != base:
+            approximate_runs.append((base, text, Path(path)))
+            continue
         run_path = Path(path)
         run = json.loads(run_path.read_text())
         where = run.get("machine") or run["hardware"]  # a harness run's machine, a serve_load run's hardware
@@ -212,6 +244,17 @@ def build(name: str, assignments: list[str], command: str, previous: dict | None
         node["sources"][slot] = run_path.stem
         node["rounds"] = min(node.get("rounds", run["rounds"]), run["rounds"])
         node["date"] = max(node.get("date", ""), run["date"][:10])
+    for base, text, run_path in approximate_runs:  # after the slots they complete
+        run = json.loads(run_path.read_text())
+        where = run["machine"]
+        cls = where.get("cpu_class") or f"{where.get('cpu')} (class not recorded)"
+        group, key = base.split(".", 1)
+        target = machines.get(cls, {}).get(group, {}).get(key)
+        if target is None:
+            raise SystemExit(f"{name}: {text!r} completes slot {base} on {cls}, which no SLOT=RUN fills")
+        target["best_approximate"] = approximate_entry(run, run_path.stem)
+        machines[cls]["sources"][f"{base}.approximate"] = run_path.stem
+        machines[cls]["rounds"] = min(machines[cls]["rounds"], run["rounds"])
     aims = AIMS[name]
     main = order[0]
     out = {"machine": main, "date": machines[main].get("date"), "command": command, **machines[main], **(steps or {})}

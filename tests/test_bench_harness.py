@@ -259,6 +259,27 @@ def test_long_context_summary_keeps_step_timings_under_their_own_machine(tmp_pat
     assert s["roof_fraction"]["32768"] == {"4": 0.66, "8": 0.78, "16": 0.83}
     assert s["step_sources"] == {"verify_step_ms": "verify_step_z", "roof_fraction": "kernels_z"}
     assert "other_machines" not in s
+    # SLOT.approximate=RUN: best_approximate from another run of the same class, against that run's own
+    # plain decoding and best lossless candidate; the slot's other figures stay its own run's
+    no_approx = _record("AMD Zen 5 (AVX512-BF16)", 4, 4.4, 6, 7.2)
+    no_approx["metric"] = "decode"
+    del no_approx["summary"]["methods"]["sparse"]
+    approx = _record("AMD Zen 5 (AVX512-BF16)", 5, 5.5, 7, 8)  # its sparse candidate: 16 tok/s
+    (tmp_path / "harness_8k_lossless.json").write_text(json.dumps(no_approx))
+    (tmp_path / "harness_8k_approx.json").write_text(json.dumps(approx))
+    summaries.main(["long_context", f"contexts.8192.approximate={tmp_path / 'harness_8k_approx.json'}",
+                    f"contexts.8192={tmp_path / 'harness_8k_lossless.json'}", "--out-dir", str(tmp_path)])
+    s = json.loads((tmp_path / "long_context.json").read_text())
+    c = s["contexts"]["8192"]
+    assert c["autoregressive_tok_s"] == 4 and c["results_file"] == "harness_8k_lossless"
+    a = c["best_approximate"]
+    assert (a["mode"], a["tok_s"], a["results_file"]) == ("sparse", 16, "harness_8k_approx")
+    assert (a["vs_plain"], a["vs_best_lossless_same_run"]) == (pytest.approx(16 / 5), pytest.approx(16 / 8))
+    assert s["sources"]["contexts.8192.approximate"] == "harness_8k_approx"
+    # ... and refused where no run fills the slot it completes
+    with pytest.raises(SystemExit, match="no SLOT=RUN fills"):
+        summaries.main(["long_context", f"contexts.32768.approximate={tmp_path / 'harness_8k_approx.json'}",
+                        f"contexts.8192={tmp_path / 'harness_8k_lossless.json'}", "--out-dir", str(tmp_path)])
     # a kernels run without the 32K rows is refused, naming the query lengths it lacks
     kernels["attention"] = [r for r in kernels["attention"] if r["q_len"] != 16]
     (tmp_path / "kernels_z.json").write_text(json.dumps(kernels))
