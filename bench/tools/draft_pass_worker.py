@@ -1,0 +1,120 @@
+"""Runs inside the worker for bench/draft_pass.py (through `sparsever_call`): times every draft pass of
+the draft-model drafter, split into its parts, profiles a few passes op by op, and measures the
+worker's memory bandwidth with its own threads."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+PASSES: list[dict[str, Any]] = []
+OPS: dict[str, list[float]] = {}  # op name -> [self CPU us, calls] over the profiled passes
+_STATE: dict[str, Any] = {"profile": 0, "profiled": 0, "parts": {}}
+
+
+def _drafter(worker: Any) -> Any:
+    proposer = worker.model_runner.sparsever_proposer
+    return getattr(proposer, "drafter", proposer)
+
+
+def install(worker: Any) -> bool:
+    drafter = _drafter(worker)
+    stack, target, parts = drafter._stack, drafter.target, _STATE["parts"]
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    # A pass: the attention metadata of its queries, the decoder layers, the LM head (over the draft
+    # vocabulary's rows, or the whole one), the prefix-sharing bookkeeping; the rest is Python around them.
+    target.attention_context = timed("metadata", target.attention_context)
+    object.__setattr__(stack, "run_all", timed("layers", stack.run_all))  # (a frozen dataclass)
+    if drafter._vocab is not None:
+        drafter._vocab.argmax = timed("head", drafter._vocab.argmax)
+    else:
+        object.__setattr__(stack, "compute_logits", timed("head", stack.compute_logits))
+    drafter._writing = timed("bookkeeping", drafter._writing)
+    predict = drafter._predict
+
+    def timed_predict(rows: list[int], seqs: list[list[int]], firsts: list[int]) -> list[int]:
+        parts.clear()
+        profiling = _STATE["profiled"] < _STATE["profile"]
+        start = time.perf_counter()
+        if profiling:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = predict(rows, seqs, firsts)
+            _STATE["profiled"] += 1
+            for e in prof.key_averages():
+                acc = OPS.setdefault(e.key, [0.0, 0])
+                acc[0] += e.self_cpu_time_total
+                acc[1] += e.count
+            return out
+        out = predict(rows, seqs, firsts)
+        PASSES.append({"rows": len(rows), "tokens": sum(len(s) for s in seqs),
+                       "context": max(f + len(s) for f, s in zip(firsts, seqs, strict=True)),
+                       "total_s": time.perf_counter() - start, **parts})
+        return out
+
+    drafter._predict = timed_predict
+    return True
+
+
+def profile(worker: Any, passes: int) -> bool:
+    """Profile the next `passes` draft passes op by op (kept out of the timed ones)."""
+    _STATE["profile"], _STATE["profiled"] = passes, 0
+    OPS.clear()
+    return True
+
+
+def fetch(worker: Any) -> dict[str, Any]:
+    out = {"passes": list(PASSES), "ops": {k: list(v) for k, v in OPS.items()},
+           "profiled_passes": _STATE["profiled"]}
+    PASSES.clear()
+    return out
+
+
+def bandwidth(worker: Any, megabytes: int = 512, repeats: int = 5) -> dict[str, Any]:
+    """The worker's copy bandwidth (bytes read + written per second, best of `repeats`) over buffers
+    far larger than the caches, with the worker's torch threads."""
+    src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return {"copy_GBps": 2 * src.numel() * 4 / best / 1e9, "threads": torch.get_num_threads(), "megabytes": megabytes}
+
+
+def pass_bytes(worker: Any) -> dict[str, Any]:
+    """What one draft pass must read, from the draft's config (drafting.draft_model's price): the
+    projections at their stored bits, the LM head rows it multiplies, and per context token the K/V
+    of every layer."""
+    from vllm_sparsever.drafting.draft_model import _token_weights, _weight_bits
+
+    drafter = _drafter(worker)
+    model = drafter.target.draft_model()
+    config = model.config
+    projections, head = _token_weights(config)
+    dtype_bytes = next(p.element_size() for p in model.parameters() if p.is_floating_point())
+    vocab = drafter._vocab
+    head_rows = vocab.num_tokens if vocab is not None else int(config.vocab_size)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    window = drafter._window
+    return {
+        "projection_bytes": projections * _weight_bits(config, 8 * dtype_bytes) / 8,
+        "head_bytes": head_rows * int(config.hidden_size) * dtype_bytes,
+        "head_rows": head_rows,
+        "kv_bytes_per_token": int(config.num_hidden_layers) * 2 * kv_heads * head_dim * dtype_bytes,
+        "attention_window": None if window is None else sum(window),
+        "torch_threads": torch.get_num_threads(),
+    }
