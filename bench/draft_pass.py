@@ -4,8 +4,8 @@ the K/V of its context) at the copy bandwidth measured in the same worker, and w
 
     python bench/draft_pass.py --draft qwen2.5-coder-0.5b-w8a8 --batch-sizes 1 8
 
-One engine: sparsever's fixed chain of --k drafts (no EVICT: every step drafts --k passes) over --draft,
-with `draft_vocab` --draft-vocab (0: the whole vocabulary). Each batch size decodes --num-prompts chat
+One engine: EVICT's chains over --draft held at their cap (`"depth": "cap"`, no guard: every step
+drafts --k passes), with `draft_vocab` --draft-vocab (0: the whole vocabulary). Each batch size decodes --num-prompts chat
 prompts per row; every pass is timed inside the worker (bench/tools/draft_pass_worker.py, on the
 worker's import path through PYTHONPATH) and split into: the attention metadata of its queries, the
 decoder layers, the LM head, the prefix-sharing bookkeeping, and the Python around them. A pass whose
@@ -70,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-passes", type=int, default=6)
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
+    # The worker imports bench/tools/draft_pass_worker.py: spawned processes through PYTHONPATH, forked
+    # ones through this process's path.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "tools"), os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, str(HERE / "tools"))
     from vllm import LLM, SamplingParams
 
     from vllm_sparsever.cli import resolve_model
@@ -78,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_sparsever.data import load_prompts
 
     target, draft = resolve_model(args.target, "--target"), resolve_model(args.draft, "--draft")
-    spec: dict[str, Any] = {"method": "sparsever", "model": draft, "num_speculative_tokens": args.k}
+    # EVICT's drafting path (chains grown level by level) held at the cap: every step drafts --k passes.
+    spec: dict[str, Any] = {"method": "sparsever", "model": draft, "num_speculative_tokens": args.k,
+                            "adaptive": {"enabled": True, "guard": False, "depth": "cap"}}
     if args.draft_vocab:
         spec["draft_vocab"] = args.draft_vocab
     if args.draft_window:
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         chat(prompts[:1], max(8, 2 * args.profile_passes // args.k + 2))
         got = call("fetch")
         per_pass = max(got["profiled_passes"], 1)
-        record["profile"] = {"passes": got["profiled_passes"],
+        record["profile"] = {"passes": got["profiled_passes"], "ms_per_pass": 1e3 * got["profiled_s"] / per_pass,
                              "ops_us_per_pass": {k: v[0] / per_pass for k, v in got["ops"].items()},
                              "calls_per_pass": {k: v[1] / per_pass for k, v in got["ops"].items()}}
     finally:
@@ -152,7 +157,7 @@ def report(record: dict[str, Any]) -> list[str]:
     if prof:
         ops = sorted(prof["ops_us_per_pass"].items(), key=lambda kv: -kv[1])
         lines += ["", f"Profiled passes ({prof['passes']}, not timed above): the ops' own CPU time per pass, "
-                  f"{sum(v for _, v in ops) / 1e3:.1f} ms in all.", "", "| op | ms per pass | calls per pass |", "|---|---|---|"]
+                  f"{sum(v for _, v in ops) / 1e3:.1f} ms in all, of {prof['ms_per_pass']:.1f} ms per profiled pass.", "", "| op | ms per pass | calls per pass |", "|---|---|---|"]
         lines += [f"| {k} | {v / 1e3:.2f} | {prof['calls_per_pass'][k]:.0f} |" for k, v in ops[:15]]
     return lines
 

@@ -42,7 +42,7 @@ def test_report_has_a_row_per_batch_and_kind():
               "bandwidth": {"threads": 1, "copy_GBps": 10.0, "megabytes": 512},
               "pass_bytes": {**BYTES, "head_rows": 32768},
               "batch_sizes": {"8": {"summary": draft_pass.summarize(passes, BYTES, 10.0)}},
-              "profile": {"passes": 2, "ops_us_per_pass": {"aten::linear": 3000.0}, "calls_per_pass": {"aten::linear": 96}}}
+              "profile": {"passes": 2, "ms_per_pass": 5.0, "ops_us_per_pass": {"aten::linear": 3000.0}, "calls_per_pass": {"aten::linear": 96}}}
     lines = draft_pass.report(record)
     assert any(line.startswith("| 8 | one_token | 1 | 8 |") for line in lines)
     assert "| aten::linear | 3.00 | 96 |" in lines

@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 
+from vllm_sparsever.drafting import draft_model
+
 PASSES: list[dict[str, Any]] = []
 OPS: dict[str, list[float]] = {}  # op name -> [self CPU us, calls] over the profiled passes
-_STATE: dict[str, Any] = {"profile": 0, "profiled": 0, "parts": {}}
+_STATE: dict[str, Any] = {"profile": 0, "profiled": 0, "profiled_s": 0.0, "parts": {}}
 
 
 def _drafter(worker: Any) -> Any:
@@ -38,44 +40,59 @@ def install(worker: Any) -> bool:
     object.__setattr__(stack, "run_all", timed("layers", stack.run_all))  # (a frozen dataclass)
     if drafter._vocab is not None:
         drafter._vocab.argmax = timed("head", drafter._vocab.argmax)
+        drafter._vocab.top = timed("head", drafter._vocab.top)
     else:
         object.__setattr__(stack, "compute_logits", timed("head", stack.compute_logits))
     drafter._writing = timed("bookkeeping", drafter._writing)
-    predict = drafter._predict
+    shape: dict[str, int] = {}
+    run = draft_model.final_hidden
 
-    def timed_predict(rows: list[int], seqs: list[list[int]], firsts: list[int]) -> list[int]:
-        parts.clear()
-        profiling = _STATE["profiled"] < _STATE["profile"]
-        start = time.perf_counter()
-        if profiling:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                out = predict(rows, seqs, firsts)
-            _STATE["profiled"] += 1
-            for e in prof.key_averages():
-                acc = OPS.setdefault(e.key, [0.0, 0])
-                acc[0] += e.self_cpu_time_total
-                acc[1] += e.count
+    def final_hidden(target: Any, stack: Any, rows: Any, tokens: torch.Tensor, positions: torch.Tensor,
+                     lens: list[int], **query: Any) -> torch.Tensor:
+        shape["rows"] = max(shape.get("rows", 0), len(rows))
+        shape["tokens"] = shape.get("tokens", 0) + int(tokens.numel())
+        shape["context"] = max(shape.get("context", 0), int(positions.max()) + 1)
+        return run(target, stack, rows, tokens, positions, lens, **query)
+
+    draft_model.final_hidden = final_hidden
+
+    def timed_pass(fn: Any) -> Any:
+        """One pass (chains: `_predict`; trees and EVICT's chains: the root's catch-up pass, then a
+        level's pass), timed whole, or profiled op by op."""
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            parts.clear()
+            shape.clear()
+            start = time.perf_counter()
+            if _STATE["profiled"] < _STATE["profile"]:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    out = fn(*args, **kwargs)
+                _STATE["profiled"] += 1
+                _STATE["profiled_s"] += time.perf_counter() - start
+                for e in prof.key_averages():
+                    acc = OPS.setdefault(e.key, [0.0, 0])
+                    acc[0] += e.self_cpu_time_total
+                    acc[1] += e.count
+                return out
+            out = fn(*args, **kwargs)
+            PASSES.append({**shape, "total_s": time.perf_counter() - start, **parts})
             return out
-        out = predict(rows, seqs, firsts)
-        PASSES.append({"rows": len(rows), "tokens": sum(len(s) for s in seqs),
-                       "context": max(f + len(s) for f, s in zip(firsts, seqs, strict=True)),
-                       "total_s": time.perf_counter() - start, **parts})
-        return out
+        return wrapper
 
-    drafter._predict = timed_predict
+    for name in ("_predict", "_tree_root_top", "_tree_level_top"):
+        setattr(drafter, name, timed_pass(getattr(drafter, name)))
     return True
 
 
 def profile(worker: Any, passes: int) -> bool:
     """Profile the next `passes` draft passes op by op (kept out of the timed ones)."""
-    _STATE["profile"], _STATE["profiled"] = passes, 0
+    _STATE["profile"], _STATE["profiled"], _STATE["profiled_s"] = passes, 0, 0.0
     OPS.clear()
     return True
 
 
 def fetch(worker: Any) -> dict[str, Any]:
     out = {"passes": list(PASSES), "ops": {k: list(v) for k, v in OPS.items()},
-           "profiled_passes": _STATE["profiled"]}
+           "profiled_passes": _STATE["profiled"], "profiled_s": _STATE["profiled_s"]}
     PASSES.clear()
     return out
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from vllm_sparsever.adaptive.cost import Measurement, VerifyCostProfile
-from vllm_sparsever.adaptive.evict import PLAIN_CHECK_EVERY, AcceptanceCalibration, Evict
+from vllm_sparsever.adaptive.evict import PLAIN_CHECK_EVERY, PRICE_OPTIMISM, AcceptanceCalibration, Evict
 from vllm_sparsever.trees import DraftTree
 
 from .evict_helpers import chain_of, made_up_profile
@@ -583,8 +583,8 @@ def test_a_priced_drafter_decides_its_first_step_instead_of_drafting_blind():
     best = evict._best(outlook)
     assert best > 0  # drafting pays per step, by the prices...
     (pt, ps), (t, s) = outlook[0], outlook[best]
-    prompts = rows * 150  # ...but 8 new prompts' catch-up costs 0.72 s
-    break_even = prompts * evict.catch_up_s_per_token() / (rows * (ps / pt - s / t))
+    prompts = rows * 150  # ...but 8 new prompts' catch-up costs 0.72 s, weighed at PRICE_OPTIMISM of that
+    break_even = PRICE_OPTIMISM * prompts * evict.catch_up_s_per_token() / (rows * (ps / pt - s / t))
     short, long = int(break_even * 0.5), int(break_even * 2) + 1
     assert evict.plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=short) == 0
     assert evict.stats.catch_up_deferred_steps == 1
@@ -608,6 +608,44 @@ def test_a_priced_drafter_decides_its_first_step_instead_of_drafting_blind():
     assert evict.draft_s(ctx, 2) == pytest.approx(1.0) and evict.catch_up_s_per_token() == pytest.approx(0.01)
     with pytest.raises(ValueError, match="shares must be >= 0"):
         DraftCost(pass_share=-1.0, prompt_share=0.3)
+
+
+def test_a_priced_catch_up_that_may_pay_back_is_bought_at_once_and_measured():
+    """A long prompt the prefix cache supplied, whose draft K/V no request computed (an earlier short
+    request over the same document never drafted), before any catch-up was measured: its price and
+    the acceptance prior are estimates, so it is weighed at PRICE_OPTIMISM of its price and bought at
+    once where that pays back before the request ends, not rented until the time forgone reaches the
+    price (by then too few tokens are left to pay it back, so it was refused on every step). Measured,
+    a catch-up is rented as before."""
+    from vllm_sparsever.adaptive.evict import DraftCost, DraftShape
+
+    profile = made_up_profile(0.002, base_s=0.05)
+    shape, ctx = DraftShape(cap=3, budgets=(3,)), [8192]
+
+    def priced() -> Evict:
+        evict = Evict(profile, guard=True, depth_prior=0.9, draft_cost=DraftCost(pass_share=0.1, prompt_share=0.3))
+        plain = evict.cost([1], ctx, "chain")
+        evict.observe_step([1], ctx, plain)  # (its plain check)
+        return evict
+
+    evict = priced()
+    outlook = evict._outlook(ctx, shape, 0, [1.0], [0.0], [1])
+    best = evict._best(outlook)
+    (pt, ps), (t, s) = outlook[0], outlook[best]
+    saving = ps / pt - s / t
+    price = evict.catch_up_s_per_token()
+    # a catch-up whose full price 64 tokens of drafting cannot save, but half of it they can
+    tokens = int(64 * saving / price * 1.5)
+    assert 64 * saving < tokens * price and 64 * saving >= PRICE_OPTIMISM * tokens * price
+    assert evict.plan_depth(ctx, shape, tokens, horizon_tokens=64) > 0
+    assert evict.stats.catch_up_deferred_steps == 0
+    # one that not even half its price pays back is refused
+    assert priced().plan_depth(ctx, shape, 4 * tokens, horizon_tokens=64) == 0
+    # once a catch-up was measured, a long one is rented first (rent or buy), as before
+    measured = priced()
+    measured.observe_catch_up(1000, 1000 * price)
+    assert measured.plan_depth(ctx, shape, tokens, horizon_tokens=None) == 0
+    assert measured.stats.catch_up_deferred_steps == 1
 
 
 def _drafting_step(evict: Evict, rows: int, ctx: list[int], accepted: int, draft_s: float, verify_s: float) -> int:

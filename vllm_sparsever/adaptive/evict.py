@@ -41,7 +41,11 @@ Before the first of these is measured, a drafter that knows its cost relative to
 catch-up token as that share of the profile's plain step and prompt token. The first decision is then
 a priced one: a batch of new short requests is not made to pay every prompt's catch-up through the
 draft before drafting was ever measured to pay. A drafter with no such estimate drafts to the cap
-until its first pass is measured.
+until its first pass is measured. A catch-up known only by its price is weighed optimistically (at
+PRICE_OPTIMISM of it, and bought at once where it pays back, not rented first): the price and the
+acceptance prior are estimates, and a catch-up refused on them would never be measured to correct
+them (a prompt the prefix cache supplied whose draft K/V no request computed: refused on every step,
+a long request decoded plainly where drafting would have paid from its first steps).
 
 Guard (Cascade's worst case): when the best depth is 0 the step does not draft. Skipping, it probes
 (drafts anyway, to refresh the acceptance measurements) once the plain decoding time skipped since
@@ -110,6 +114,7 @@ REALIZED_DECAY = 0.9  # guard: per step, older realized steps fade (a window of 
 REALIZED_MIN_STEPS = 8  # guard: drafting request-steps (steps x rows; at least 2 steps) measured before
 # their realized rate may overrule the model
 PREFILL_SLOPE_TOKENS = 256  # a prompt token's cost: the profile's slope from 1 to this many query tokens
+PRICE_OPTIMISM = 0.5  # a catch-up only priced (never measured here) is weighed at this share of its price
 
 
 class AcceptanceCalibration:
@@ -529,7 +534,9 @@ class Evict:
             best = 0
         if best and self.min_draft_tokens and shape.mask == "chain":
             best = max(best, min(self.min_draft_tokens, shape.cap))
-        if best and not floor and (self._defer_catch_up(outlook, best, catch_up_tokens) or not self._pays_back(
+        # (a catch-up only priced is not rented first: see the module docstring)
+        rent = self.clock.catch_up_s_per_token is not None
+        if best and not floor and ((rent and self._defer_catch_up(outlook, best, catch_up_tokens)) or not self._pays_back(
                 outlook, best, rows, catch_up_tokens + prompt_tokens, horizon_tokens)):
             self.stats.catch_up_deferred_steps += 1
             return self._planned(0)
@@ -595,10 +602,13 @@ class Evict:
         most `horizon_tokens` more tokens per request are emitted, so drafting saves at most
         rows * horizon_tokens * (plain seconds per token - drafting seconds per token); a catch-up
         that costs more (new short requests at a high batch size, where drafting saves little a
-        step) is never paid back, and the step decodes plainly. Unbounded or unpriced: it pays."""
+        step) is never paid back, and the step decodes plainly. Unbounded or unpriced: it pays. Only
+        priced: at PRICE_OPTIMISM of its price (the module docstring)."""
         per_token_s = self.catch_up_s_per_token()
         if catch_up_tokens < CATCH_UP_MIN_TOKENS or horizon_tokens is None or per_token_s is None:
             return True
+        if self.clock.catch_up_s_per_token is None:
+            per_token_s *= PRICE_OPTIMISM
         (plain_tokens, plain_s), (tokens, seconds) = outlook[0], outlook[best]
         saving_per_token = plain_s / plain_tokens - seconds / tokens
         return rows * max(horizon_tokens, 0) * saving_per_token >= catch_up_tokens * per_token_s
