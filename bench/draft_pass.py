@@ -70,10 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-passes", type=int, default=6)
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
-    # The worker imports bench/tools/draft_pass_worker.py: spawned processes through PYTHONPATH, forked
-    # ones through this process's path.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "tools"), os.environ.get("PYTHONPATH")]))
-    sys.path.insert(0, str(HERE / "tools"))
+    # The worker imports bench/tools/draft_pass_worker.py through PYTHONPATH, which vLLM's workers only
+    # see when it was set before this interpreter started (set here, it did not reach them): re-run.
+    tools = str(HERE / "tools")
+    if tools not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tools, os.environ.get("PYTHONPATH")]))}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     from vllm import LLM, SamplingParams
 
     from vllm_sparsever.cli import resolve_model
