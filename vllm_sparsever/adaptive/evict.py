@@ -536,8 +536,9 @@ class Evict:
             best = max(best, min(self.min_draft_tokens, shape.cap))
         # (a catch-up only priced is not rented first: see the module docstring)
         rent = self.clock.catch_up_s_per_token is not None
-        if best and not floor and ((rent and self._defer_catch_up(outlook, best, catch_up_tokens)) or not self._pays_back(
-                outlook, best, rows, catch_up_tokens + prompt_tokens, horizon_tokens)):
+        if best and not floor and ((rent and self._defer_catch_up(outlook, best, catch_up_tokens))
+                                   or not self._pays_back(outlook, best, rows, catch_up_tokens + prompt_tokens,
+                                                          horizon_tokens)):
             self.stats.catch_up_deferred_steps += 1
             return self._planned(0)
         if best:
