@@ -45,6 +45,21 @@ def spread(entry: dict) -> dict[str, float]:
             "pooled": entry["tok_s_pooled"]}
 
 
+def run_class(run: dict) -> str:
+    """The CPU class a harness run (its machine) or a serve_load run (its hardware) was taken on."""
+    where = run.get("machine") or run["hardware"]
+    return where.get("cpu_class") or f"{where.get('cpu')} (class not recorded)"
+
+
+def fastest(methods: dict, lossless: bool) -> str | None:
+    """A run's fastest candidate by median, lossless (its texts not flagged non-identical) or
+    approximate; None where it has none. Sparsever's kernels alone, given as a candidate by a run
+    without the baselines' roles, is no mode."""
+    chosen = {n: e for n, e in methods.items() if e["role"] == "candidate" and e["lossless"] == lossless
+              and not (lossless and "not_identical" in e["flags"]) and n != "sparsever-kernels-only"}
+    return max(chosen, key=lambda n: chosen[n]["tok_s_median"]) if chosen else None
+
+
 def slot_entry(run: dict, run_name: str, fixed_key: str) -> dict[str, Any]:
     """One harness run as a summary slot."""
     methods = run["summary"]["methods"]
@@ -56,16 +71,13 @@ def slot_entry(run: dict, run_name: str, fixed_key: str) -> dict[str, Any]:
     if short:
         raise SystemExit(f"{run_name}: {short} produced under half the tokens asked for (answers ended early; "
                          f"rerun with --ignore-eos): their tokens/s time a few tokens")
-    candidates = {n: e for n, e in methods.items()
-                  if e["role"] == "candidate" and e["lossless"] and "not_identical" not in e["flags"]}
-    if not candidates:
+    best = fastest(methods, lossless=True)
+    if best is None:
         raise SystemExit(f"{run_name}: no lossless candidate to summarise")
-    best = max(candidates, key=lambda n: candidates[n]["tok_s_median"])
     fixed_name = run["summary"]["best_fixed"]
     plain, kernels, fixed, cand = (methods[n] for n in ("plain", "sparsever-kernels-only", fixed_name, best))
     fixed_entry = {"k": run["summary"]["best_fixed_k"], "mode": fixed_name, "tok_s": fixed["tok_s_median"]}
-    approximate = {n: e for n, e in methods.items() if e["role"] == "candidate" and not e["lossless"]}
-    best_approx = max(approximate, key=lambda n: approximate[n]["tok_s_median"]) if approximate else None
+    best_approx = fastest(methods, lossless=False)
     return {
         "results_file": run_name, "command": run["command"], "commit": run["commit"], "rounds": run["rounds"],
         "batch_size": run["batch_size"], "prompts": run["num_prompts"], "max_tokens": run["max_tokens"],
@@ -81,8 +93,8 @@ def slot_entry(run: dict, run_name: str, fixed_key: str) -> dict[str, Any]:
         "evict_vs_kernels_only": cand["tok_s_median"] / kernels["tok_s_median"],
         "evict_vs_best_fixed": cand["tok_s_median"] / fixed["tok_s_median"],
         "kernels_only_vs_plain": kernels["tok_s_median"] / plain["tok_s_median"],
-        **({"best_approximate": {"mode": best_approx, "tok_s": approximate[best_approx]["tok_s_median"],
-                                 "vs_plain": approximate[best_approx]["vs_plain"]}} if best_approx else {}),
+        **({"best_approximate": {"mode": best_approx, "tok_s": methods[best_approx]["tok_s_median"],
+                                 "vs_plain": methods[best_approx]["vs_plain"]}} if best_approx else {}),
         "flags": {n: e["flags"] for n, e in methods.items() if e["flags"]},
         "divergent_prompts": {"evict": len(cand["divergent_prompts"]),
                               "vllm_max": run["summary"]["vllm_divergent_prompts_max"]},
@@ -94,20 +106,16 @@ def approximate_entry(run: dict, run_name: str) -> dict[str, Any]:
     run's plain decoding, kernels alone and best lossless candidate: what `SLOT.approximate=RUN` puts
     at SLOT's `best_approximate` when the slot's own run had none."""
     methods = run["summary"]["methods"]
-    approximate = {n: e for n, e in methods.items() if e["role"] == "candidate" and not e["lossless"]}
-    if not approximate or "plain" not in methods or "sparsever-kernels-only" not in methods:
+    best = fastest(methods, lossless=False)
+    if best is None or "plain" not in methods or "sparsever-kernels-only" not in methods:
         raise SystemExit(f"{run_name}: an approximate slot needs an approximate candidate, plain decoding and "
                          "sparsever's kernels alone in the same run")
-    best = max(approximate, key=lambda n: approximate[n]["tok_s_median"])
-    entry, plain = approximate[best], methods["plain"]
-    # (a run without the baselines' roles may give sparsever's kernels alone as a candidate: not a mode)
-    lossless = {n: e for n, e in methods.items() if e["role"] == "candidate" and e["lossless"]
-                and "not_identical" not in e["flags"] and n != "sparsever-kernels-only"}
-    best_lossless = max(lossless, key=lambda n: lossless[n]["tok_s_median"]) if lossless else None
+    entry, plain = methods[best], methods["plain"]
+    best_lossless = fastest(methods, lossless=True)
     return {
         "mode": best, "tok_s": entry["tok_s_median"], "vs_plain": entry["tok_s_median"] / plain["tok_s_median"],
         "vs_kernels_only": entry["tok_s_median"] / methods["sparsever-kernels-only"]["tok_s_median"],
-        **({"vs_best_lossless_same_run": entry["tok_s_median"] / lossless[best_lossless]["tok_s_median"],
+        **({"vs_best_lossless_same_run": entry["tok_s_median"] / methods[best_lossless]["tok_s_median"],
             "best_lossless_same_run": best_lossless} if best_lossless else {}),
         "mean_acceptance_length": entry.get("mean_acceptance_length"), "config": entry["speculative_config"],
         "spread": spread(entry), "divergent_prompts": len(entry["divergent_prompts"]), "flags": entry["flags"],
@@ -226,8 +234,7 @@ def build(name: str, assignments: list[str], command: str, previous: dict | None
             continue
         run_path = Path(path)
         run = json.loads(run_path.read_text())
-        where = run.get("machine") or run["hardware"]  # a harness run's machine, a serve_load run's hardware
-        cls = where.get("cpu_class") or f"{where.get('cpu')} (class not recorded)"
+        cls = run_class(run)
         if cls not in machines:
             machines[cls] = {"sources": {}}
             order.append(cls)
@@ -247,8 +254,7 @@ def build(name: str, assignments: list[str], command: str, previous: dict | None
         node["date"] = max(node.get("date", ""), run["date"][:10])
     for base, text, run_path in approximate_runs:  # after the slots they complete
         run = json.loads(run_path.read_text())
-        where = run["machine"]
-        cls = where.get("cpu_class") or f"{where.get('cpu')} (class not recorded)"
+        cls = run_class(run)
         group, key = base.split(".", 1)
         target = machines.get(cls, {}).get(group, {}).get(key)
         if target is None:

@@ -114,13 +114,14 @@ def pass_bytes(worker: Any) -> dict[str, Any]:
     """What one draft pass must read, from the draft's config (drafting.draft_model's price): the
     projections at their stored bits, the LM head rows it multiplies, and per context token the K/V
     of every layer."""
-    from vllm_sparsever.drafting.draft_model import _token_weights, _weight_bits
+    from vllm_sparsever.drafting.draft_model import _dtype_bits, _token_weights, _weight_bits
 
     drafter = _drafter(worker)
     model = drafter.target.draft_model()
     config = model.config
     projections, head = _token_weights(config)
-    dtype_bytes = next(p.element_size() for p in model.parameters() if p.is_floating_point())
+    bits = _dtype_bits(model)
+    dtype_bytes = bits // 8
     vocab = drafter._vocab
     head_rows = vocab.num_tokens if vocab is not None else int(config.vocab_size)
     heads = int(config.num_attention_heads)
@@ -128,7 +129,7 @@ def pass_bytes(worker: Any) -> dict[str, Any]:
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     window = drafter._window
     return {
-        "projection_bytes": projections * _weight_bits(config, 8 * dtype_bytes) / 8,
+        "projection_bytes": projections * _weight_bits(config, bits) / 8,
         "head_bytes": head_rows * int(config.hidden_size) * dtype_bytes,
         "head_rows": head_rows,
         "kv_bytes_per_token": int(config.num_hidden_layers) * 2 * kv_heads * head_dim * dtype_bytes,

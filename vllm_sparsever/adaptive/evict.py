@@ -534,11 +534,8 @@ class Evict:
             best = 0
         if best and self.min_draft_tokens and shape.mask == "chain":
             best = max(best, min(self.min_draft_tokens, shape.cap))
-        # (a catch-up only priced is not rented first: see the module docstring)
-        rent = self.clock.catch_up_s_per_token is not None
-        if best and not floor and ((rent and self._defer_catch_up(outlook, best, catch_up_tokens))
-                                   or not self._pays_back(outlook, best, rows, catch_up_tokens + prompt_tokens,
-                                                          horizon_tokens)):
+        if best and not floor and (self._defer_catch_up(outlook, best, catch_up_tokens) or not self._pays_back(
+                outlook, best, rows, catch_up_tokens + prompt_tokens, horizon_tokens)):
             self.stats.catch_up_deferred_steps += 1
             return self._planned(0)
         if best:
@@ -583,10 +580,11 @@ class Evict:
         new long request's prompt, prefix-cached for the target but never run through the draft):
         rent or buy. Decode plainly while the time drafting would have saved so far is below the
         catch-up's measured cost, then draft: at most twice the better choice in hindsight, however
-        long the request turns out to be. An unpriced catch-up is not deferred (it gets measured).
+        long the request turns out to be. A catch-up never measured here is not deferred (it gets
+        measured; only priced, it is weighed by `_pays_back`: the module docstring).
         (A catch-up riding with a prompt the target has just computed never reaches here:
         drafting.evict_proposer.EvictProposer._catch_up_to_plan.)"""
-        per_token_s = self.catch_up_s_per_token()
+        per_token_s = self.clock.catch_up_s_per_token
         if catch_up_tokens < CATCH_UP_MIN_TOKENS or per_token_s is None:
             self._catch_up_forgone_s = 0.0
             return False

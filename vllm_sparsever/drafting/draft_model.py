@@ -91,6 +91,11 @@ def _weight_bits(config: Any, dtype_bits: int) -> int:
     return int(q.get("bits") or dtype_bits)
 
 
+def _dtype_bits(model: Any) -> int:
+    """Bits per value of a model's floating-point parameters (16 where it has none)."""
+    return 8 * next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
+
+
 def _relative_cost(draft: Any, target: Any, vocab: ContextDraftVocab | None) -> Any:
     """EVICT's price of this draft before a pass is measured (adaptive.policy.DraftCost), from the two
     models' configs (their loaded parameters are not what a pass reads: CPU kernels repack weights
@@ -104,11 +109,8 @@ def _relative_cost(draft: Any, target: Any, vocab: ContextDraftVocab | None) -> 
     if draft_w is None or target_w is None:
         return None
 
-    def dtype_bits(model: Any) -> int:
-        return 8 * next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
-
     head_rows = min(vocab.size / int(draft.config.vocab_size), 1.0) if vocab is not None else 1.0
-    draft_bits, target_bits = dtype_bits(draft), dtype_bits(target)
+    draft_bits, target_bits = _dtype_bits(draft), _dtype_bits(target)
     draft_bytes = (draft_w[0] * _weight_bits(draft.config, draft_bits) + draft_w[1] * head_rows * draft_bits) / 8
     target_bytes = (target_w[0] * _weight_bits(target.config, target_bits) + target_w[1] * target_bits) / 8
     return DraftCost(pass_share=draft_bytes / target_bytes, prompt_share=sum(draft_w) / sum(target_w))
