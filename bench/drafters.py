@@ -1,7 +1,8 @@
 """sparsever over an EAGLE-3 head against vLLM's own `eagle3` over the same head: do sparsever's chains,
 EVICT chains and EVICT trees from the head beat vLLM's best k? Runs through bench/harness.py, once per
 batch size, on chat and code prompts (mt_bench, humaneval): plain vLLM, sparsever's kernels alone, vLLM
-`eagle3` at --eagle-ks (the fixed chains, given to the harness with --fixed) and the candidates below.
+`eagle3` at --eagle-ks and vLLM's `draft_model` over --draft at --draft-k (the fixed chains, given to the
+harness with --fixed) and the candidates below.
 
     vllm-sparsever train-eagle qwen2.5-coder-1.5b                 # the head (<target>/eagle3_head)
     vllm-sparsever profile-verify qwen2.5-coder-1.5b --quick      # EVICT's cost profile
@@ -20,8 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import preset  # noqa: E402
 
 
-def vllm_chains(head: str, ks: list[int]) -> dict[str, dict]:
-    return {f"vllm-eagle3-k{k}": {"method": "eagle3", "model": head, "num_speculative_tokens": k} for k in ks}
+def vllm_chains(head: str, ks: list[int], draft_k: int) -> dict[str, dict]:
+    """vLLM's eagle3 over the head at each k, and its draft_model chain over the harness's --draft (DRAFT)."""
+    out = {f"vllm-eagle3-k{k}": {"method": "eagle3", "model": head, "num_speculative_tokens": k} for k in ks}
+    if draft_k:
+        out[f"vllm-draft_model-k{draft_k}"] = {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": draft_k}
+    return out
 
 
 def candidates(a: argparse.Namespace, head: str) -> dict[str, dict]:
@@ -40,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="one harness run each")
     p.add_argument("--categories", nargs="+", default=["mt_bench", "humaneval"], help="chat and code prompts")
     p.add_argument("--eagle-ks", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="vLLM eagle3's chain lengths")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="the draft model of vLLM's draft_model chain")
+    p.add_argument("--draft-k", type=int, default=3, help="vLLM draft_model's chain length (0: no such chain)")
     p.add_argument("--sparsever-ks", type=int, nargs="+", default=[3, 5], help="sparsever's fixed chains over the head")
     p.add_argument("--evict-k", type=int, default=6, help="EVICT chains and trees: the cap")
     p.add_argument("--tag", default="qwen")
@@ -61,9 +68,10 @@ def main(argv=None) -> int:
     argvs = []
     for batch in args.batch_sizes:
         prompts = max(batch, args.num_prompts)  # per category: enough to fill a batch
-        argvs.append(["--target", args.target, "--batch-size", str(batch), "--num-prompts", str(prompts),
+        draft = ["--draft", args.draft] if args.draft_k else []
+        argvs.append(["--target", args.target, *draft, "--batch-size", str(batch), "--num-prompts", str(prompts),
                       "--categories", *args.categories, "--tag", f"drafters-{args.tag}-b{batch}",
-                      *preset.run_flags(args), *preset.method_flags("--fixed", vllm_chains(head, args.eagle_ks)),
+                      *preset.run_flags(args), *preset.method_flags("--fixed", vllm_chains(head, args.eagle_ks, args.draft_k)),
                       *preset.method_flags("--candidate", chosen)])
     return preset.run(argvs, args.dry_run)
 
