@@ -10,7 +10,8 @@ command. The runs of one CPU class make the main entry; runs on another class go
 as "met", "not met" or "not measured". Nothing is copied by hand: the file says which run each figure
 comes from. long_context.json's step and kernel figures come from `--steps` (bench/verify_step.py) and
 `--kernels` (bench/kernels/run.py --parts attention) runs on the main machine's class; without them the
-previous file's are kept under the machine that measured them. `SLOT.approximate=RUN` sets SLOT's
+previous file's are kept under the machine that measured them. drafters.json's head figures come from
+`--head` (the EAGLE-3 head folder its runs drafted with: its training manifest). `SLOT.approximate=RUN` sets SLOT's
 `best_approximate` from another run on the same CPU class (its approximate candidate against that run's
 plain decoding, kernels alone and best lossless candidate), where SLOT's own run had none.
 """
@@ -32,6 +33,7 @@ SLOTS = {
     "evict": {"qwen.batch_1": "draft_model_best", "qwen.batch_8": "draft_model_best",
               "moe.batch_1": "fixed_chain_best"},
     "long_context": {"contexts.8192": "draft_model_best", "contexts.32768": "draft_model_best"},
+    "drafters": {"batch_1": "best_fixed", "batch_8": "best_fixed"},  # top-level slots (bench/drafters.py runs)
 }
 # Slots filled from a bench/serve_load.py run (servers under `vllm bench serve`), not a harness run.
 SERVING_SLOTS = {"evict": {"serving": ("1", "8", "32")}}
@@ -186,13 +188,67 @@ def long_context_aims(entry: dict) -> dict[str, str]:
     return out
 
 
-def long_context_slot(slot: dict) -> dict:
+def long_context_slot(slot: dict, run: dict) -> dict:
     """The keys long_context.json names, beside the harness slot's own."""
     return {**slot, "draft_model_tok_s": slot["draft_model_best"]["tok_s"], "draft_model_k": slot["draft_model_best"]["k"],
             "best_lossless": {"mode": slot["evict_best"]["mode"], "tok_s": slot["evict_best"]["tok_s"]}}
 
 
-AIMS = {"evict": evict_aims, "long_context": long_context_aims}
+def drafters_slot(slot: dict, run: dict) -> dict:
+    """The keys drafters.json names, beside the harness slot's own: vLLM's eagle3 at its best k and its
+    draft_model chain, both from the run's fixed chains, and sparsever's best lossless mode over the head."""
+    methods = run["summary"]["methods"]
+
+    def best_of(prefix: str) -> tuple[str, dict]:
+        named = {n: e for n, e in methods.items() if e["role"] == "vllm_fixed" and n.startswith(prefix)}
+        if not named:
+            raise SystemExit(f"{slot['results_file']}: drafters.json needs vLLM's {prefix}k<N> chains in the run "
+                             "(bench/drafters.py with --draft-k above 0)")
+        name = max(named, key=lambda n: named[n]["tok_s_median"])
+        return name, named[name]
+
+    eagle_name, eagle = best_of("vllm-eagle3-")
+    dm_name, dm = best_of("vllm-draft_model-")
+    best = slot["evict_best"]
+    return {**slot, "draft_model_tok_s": dm["tok_s_median"], "draft_model_k": int(dm_name.rsplit("-k", 1)[1]),
+            "vllm_eagle3_best_tok_s": eagle["tok_s_median"], "vllm_eagle3_best_k": int(eagle_name.rsplit("-k", 1)[1]),
+            "vllm_eagle3_mean_acceptance_length": eagle["mean_acceptance_length"],
+            "sparsever_best": {"mode": best["mode"], "tok_s": best["tok_s"],
+                               "mean_acceptance_length": best["mean_acceptance_length"]},
+            "sparsever_best_vs_eagle3_best": best["tok_s"] / eagle["tok_s_median"],
+            "sparsever_best_vs_draft_model": best["tok_s"] / dm["tok_s_median"]}
+
+
+def drafters_aims(entry: dict) -> dict[str, str]:
+    """The aims drafters.json has carried since its first runs (issue 27), on harness medians."""
+    b1, b8 = entry.get("batch_1"), entry.get("batch_8")
+    return {
+        "batch_1: sparsever's best mode over the head >= 1.3x vLLM draft_model": verdict(
+            None if not b1 else b1["sparsever_best_vs_draft_model"] >= 1.3),
+        "batch_8: sparsever's best mode over the head >= 1.0x plain": verdict(
+            None if not b8 else b8["evict_vs_plain"] >= 1.0),
+        "batch_1: sparsever's best mode over the head >= 1.0x vLLM eagle3 at its best k": verdict(
+            None if not b1 else b1["sparsever_best_vs_eagle3_best"] >= 1.0),
+        "batch_8: the same": verdict(None if not b8 else b8["sparsever_best_vs_eagle3_best"] >= 1.0),
+    }
+
+
+def head_figures(head: Path) -> dict[str, Any]:
+    """drafters.json's `head`: the training behind the EAGLE-3 head the runs drafted with (its manifest)."""
+    manifest_path = head / "sparsever_eagle.json"
+    if not manifest_path.is_file():
+        raise SystemExit(f"--head {head}: no sparsever_eagle.json (a head `vllm-sparsever train-eagle` wrote)")
+    manifest = json.loads(manifest_path.read_text())
+    trained = manifest["heldout"]["trained"]
+    return {"path": str(head), "train_minutes": manifest["seconds"]["total"] / 60,
+            "heldout_top1_agreement": trained["agreement_per_step"][0],
+            "heldout_agreement_per_step": trained["agreement_per_step"],
+            "train_tokens": manifest["train_tokens"], "heldout_tokens": manifest["heldout_tokens"],
+            "text": manifest["settings"]["text"], "stopped_by_time_budget": manifest["stopped_by_time_budget"]}
+
+
+AIMS = {"evict": evict_aims, "long_context": long_context_aims, "drafters": drafters_aims}
+SLOT_KEYS = {"long_context": long_context_slot, "drafters": drafters_slot}
 
 
 def step_figures(steps_path: Path, kernels_path: Path) -> dict[str, Any]:
@@ -218,7 +274,7 @@ def step_figures(steps_path: Path, kernels_path: Path) -> dict[str, Any]:
 
 
 def build(name: str, assignments: list[str], command: str, previous: dict | None = None,
-          steps: dict | None = None) -> dict[str, Any]:
+          steps: dict | None = None, head: dict | None = None) -> dict[str, Any]:
     slots, serving_slots = SLOTS[name], SERVING_SLOTS.get(name, {})
     machines: dict[str, dict] = {}
     order: list[str] = []
@@ -245,9 +301,10 @@ def build(name: str, assignments: list[str], command: str, previous: dict | None
             rounds = run["args"]["rounds"]
             node["rounds"] = min(node.get("rounds", rounds), rounds)
             continue
-        group, key = slot.split(".", 1)
         entry = slot_entry(run, run_path.stem, slots[slot])
-        node.setdefault(group, {})[key] = long_context_slot(entry) if name == "long_context" else entry
+        entry = SLOT_KEYS[name](entry, run) if name in SLOT_KEYS else entry
+        group, _, key = slot.rpartition(".")
+        (node.setdefault(group, {}) if group else node)[key] = entry
         node["metric"] = run["metric"]
         node["sources"][slot] = run_path.stem
         node["rounds"] = min(node.get("rounds", run["rounds"]), run["rounds"])
@@ -255,8 +312,9 @@ def build(name: str, assignments: list[str], command: str, previous: dict | None
     for base, text, run_path in approximate_runs:  # after the slots they complete
         run = json.loads(run_path.read_text())
         cls = run_class(run)
-        group, key = base.split(".", 1)
-        target = machines.get(cls, {}).get(group, {}).get(key)
+        group, _, key = base.rpartition(".")
+        node = machines.get(cls, {})
+        target = (node.get(group, {}) if group else node).get(key)
         if target is None:
             raise SystemExit(f"{name}: {text!r} completes slot {base} on {cls}, which no SLOT=RUN fills")
         target["best_approximate"] = approximate_entry(run, run_path.stem)
@@ -264,7 +322,8 @@ def build(name: str, assignments: list[str], command: str, previous: dict | None
         machines[cls]["rounds"] = min(machines[cls]["rounds"], run["rounds"])
     aims = AIMS[name]
     main = order[0]
-    out = {"machine": main, "date": machines[main].get("date"), "command": command, **machines[main], **(steps or {})}
+    out = {"machine": main, "date": machines[main].get("date"), "command": command, **machines[main], **(steps or {}),
+           **({"head": head} if head else {})}
     out["aims"] = aims(out)
     others = {}
     for cls in order[1:]:
@@ -287,14 +346,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=SUMMARY)
     p.add_argument("--steps", type=Path, help="long_context: a bench/verify_step.py run on the main machine's class")
     p.add_argument("--kernels", type=Path, help="long_context: a bench/kernels/run.py --parts attention run, the same")
+    p.add_argument("--head", type=Path, help="drafters: the EAGLE-3 head folder the runs drafted with")
     args = p.parse_args(argv)
     if (args.steps is None) != (args.kernels is None) or (args.steps and args.name != "long_context"):
         p.error("--steps and --kernels go together, and only with long_context")
+    if (args.head is not None) != (args.name == "drafters"):
+        p.error("--head goes with drafters, and drafters needs it (the head's training figures)")
     command = " ".join(["python", "bench/summaries.py", *(argv if argv is not None else sys.argv[1:])])
     path = args.out_dir / f"{args.name}.json"
     previous = json.loads(path.read_text()) if path.exists() else None
     steps = step_figures(args.steps, args.kernels) if args.steps else None
-    summary = build(args.name, args.runs, command, previous, steps)
+    head = head_figures(args.head) if args.head else None
+    summary = build(args.name, args.runs, command, previous, steps, head)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary["aims"], indent=1))

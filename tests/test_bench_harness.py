@@ -217,6 +217,50 @@ def test_summary_file_built_from_named_runs_with_baselines_and_aims(tmp_path):
         summaries.main(["evict", f"qwen.batch_1={tmp_path / 'harness_quick.json'}", "--out-dir", str(tmp_path)])
 
 
+def test_drafters_summary_names_eagle3_at_its_best_k_draft_model_and_the_head(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import summaries
+
+    out = [[1, 2, 3]]
+    methods = [harness.Method("plain", None, "plain"), harness.Method("sparsever-kernels-only", {}, "kernels_only"),
+               *(harness.Method(f"vllm-eagle3-k{k}", {}, "vllm_fixed") for k in (1, 2)),
+               harness.Method("vllm-draft_model-k3", {}, "vllm_fixed"),
+               harness.Method("sparsever-eagle3-evict", {"method": "sparsever"}, "candidate")]
+    speeds = {"plain": 10, "sparsever-kernels-only": 11, "vllm-eagle3-k1": 9, "vllm-eagle3-k2": 8,
+              "vllm-draft_model-k3": 12, "sparsever-eagle3-evict": 10.5}
+    rounds = [{n: _run(v, out, 4, 2) for n, v in speeds.items()} for _ in range(3)]
+    for batch in (1, 8):
+        record = _record("AMD Zen 4 (AVX512-BF16)", 1, 1, 1, 1, batch=batch)
+        record["summary"] = harness.summarize(methods, rounds, "bfloat16")
+        (tmp_path / f"harness_d{batch}.json").write_text(json.dumps(record))
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "sparsever_eagle.json").write_text(json.dumps({
+        "seconds": {"total": 600.0}, "heldout": {"trained": {"agreement_per_step": [0.4, 0.2]}},
+        "train_tokens": 1000, "heldout_tokens": 100, "settings": {"text": "chat"}, "stopped_by_time_budget": True}))
+    runs = [f"batch_1={tmp_path / 'harness_d1.json'}", f"batch_8={tmp_path / 'harness_d8.json'}"]
+    summaries.main(["drafters", *runs, "--head", str(head), "--out-dir", str(tmp_path)])
+    s = json.loads((tmp_path / "drafters.json").read_text())
+    b1 = s["batch_1"]
+    assert s["rounds"] == 3 and b1["sparsever_kernels_only_tok_s"] == 11
+    assert (b1["vllm_eagle3_best_k"], b1["vllm_eagle3_best_tok_s"]) == (1, 9)
+    assert (b1["draft_model_k"], b1["draft_model_tok_s"]) == (3, 12)
+    assert b1["best_fixed"]["mode"] == "vllm-draft_model-k3"  # the strongest fixed chain over either drafter
+    assert b1["sparsever_best"] == {"mode": "sparsever-eagle3-evict", "tok_s": 10.5, "mean_acceptance_length": 1.5}
+    assert s["head"]["train_minutes"] == 10 and s["head"]["heldout_top1_agreement"] == 0.4
+    assert s["aims"]["batch_1: sparsever's best mode over the head >= 1.0x vLLM eagle3 at its best k"] == "met"
+    assert s["aims"]["batch_1: sparsever's best mode over the head >= 1.3x vLLM draft_model"] == "not met"
+    # the head's training figures are required; a run without vLLM's draft_model chain is refused
+    with pytest.raises(SystemExit):
+        summaries.main(["drafters", *runs, "--out-dir", str(tmp_path)])
+    record["summary"] = harness.summarize(methods[:-2] + methods[-1:], [
+        {n: r[n] for n in r if n != "vllm-draft_model-k3"} for r in rounds], "bfloat16")
+    (tmp_path / "harness_nodm.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="draft_model"):
+        summaries.main(["drafters", f"batch_1={tmp_path / 'harness_nodm.json'}", "--head", str(head),
+                        "--out-dir", str(tmp_path)])
+
+
 def test_long_context_summary_keeps_step_timings_under_their_own_machine(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     import summaries
