@@ -17,6 +17,8 @@ std::string ext_info();
 bool bf16_dot_available();
 bool amx_available();
 int64_t amx_emulated_products();
+// Whether this build and CPU run int8_linear on AVX512-VNNI dot products (else a portable loop).
+bool int8_vnni_available();
 std::vector<int64_t> amx_emulated_prefetch_lines();
 
 // ---- CPU implementations (csrc/cpu) ------------------------------------------------------------
@@ -60,6 +62,12 @@ void input_sparse_gate_cpu(torch::Tensor& gate, const torch::Tensor& x, const to
 // row-major or a transposed view of a [K, N] tensor.
 void dense_linear_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                       const std::optional<torch::Tensor>& bias);
+
+// out [T, N] = W8A8 linear: x quantized per token (symmetric int8, at run time) times int8 weight rows
+// [N, K] with one fp32 scale each (+ bias); weight_sum [N] int32 = weight.sum(1).
+void int8_linear_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                     const torch::Tensor& weight_scale, const torch::Tensor& weight_sum,
+                     const std::optional<torch::Tensor>& bias);
 
 // Top-k softmax routing + ratio pruning + optional per-group expert budget.
 void moe_route_and_prune_cpu(const torch::Tensor& router_logits, int64_t top_k, double prune_ratio,

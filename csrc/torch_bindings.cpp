@@ -22,6 +22,8 @@ TORCH_LIBRARY(sparsever, m) {
   m.def("bf16_dot_available() -> bool", &bf16_dot_available);
   // Whether this build and CPU run bf16 tiles (AMX): dense_linear's few-token path and the AMX attention.
   m.def("amx_available() -> bool", &amx_available);
+  // Whether int8_linear runs on AVX512-VNNI dot products here (else a portable loop, far slower).
+  m.def("int8_vnni_available() -> bool", &int8_vnni_available);
   // Tile products run on the emulated tiles (SPARSEVER_CPU_AMX_EMULATE=1) in this process: tests check
   // that the AMX path ran.
   m.def("amx_emulated_products() -> int", &amx_emulated_products);
@@ -70,6 +72,13 @@ TORCH_LIBRARY(sparsever, m) {
   // weight [N, K] with contiguous rows, or a transposed view of a [K, N] tensor with contiguous rows.
   m.def("dense_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
 
+  // out [T, N] (x's dtype) = a W8A8 linear (an int8 draft model's): x [T, K] quantized per token to
+  // symmetric int8 at run time, weight [N, K] int8 with contiguous rows, weight_scale [N] fp32 (one per
+  // row), weight_sum [N] int32 = weight.sum(1), bias [N] or None.
+  m.def(
+      "int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
+      "Tensor? bias) -> ()");
+
   // router_logits [T, E]; group_start_loc [G+1] int32 or None; topk_weights [T, K] fp32;
   // topk_ids [T, K] int32 (-1 = pruned).
   m.def(
@@ -91,6 +100,7 @@ TORCH_LIBRARY_IMPL(sparsever, CPU, m) {
   m.impl("topk_swiglu_ffn_gated", &topk_swiglu_ffn_gated_cpu);
   m.impl("input_sparse_gate", &input_sparse_gate_cpu);
   m.impl("dense_linear", &dense_linear_cpu);
+  m.impl("int8_linear", &int8_linear_cpu);
   m.impl("moe_route_and_prune", &moe_route_and_prune_cpu);
   m.impl("moe_grouped_dispatch", &moe_grouped_dispatch_cpu);
 }

@@ -142,6 +142,8 @@ def test_serialization_round_trip():
          ["attention.decode_kernel", "'auto', 'sparsever', 'vllm'"]),
         ({"num_speculative_tokens": 3, "model": "d", "linear_kernel": "onednn"},
          ["linear_kernel", "'auto', 'sparsever', 'hybrid', 'vllm', 'vllm-padded'"]),
+        ({"num_speculative_tokens": 3, "model": "d", "draft_int8_kernel": "onednn"},
+         ["draft_int8_kernel", "'auto', 'sparsever', 'vllm'"]),
         ({"num_speculative_tokens": 3, "model": "d", "fallback_to_dense": 1}, ["fallback_to_dense"]),
     ],
 )

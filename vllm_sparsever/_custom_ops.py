@@ -15,7 +15,7 @@ load_extension()
 _ops = torch.ops.sparsever
 
 OP_NAMES = ("update_block_key_summaries", "select_kv_blocks", "block_sparse_tree_attention", "topk_swiglu_ffn",
-            "topk_swiglu_ffn_gated", "input_sparse_gate", "dense_linear", "moe_route_and_prune",
+            "topk_swiglu_ffn_gated", "input_sparse_gate", "dense_linear", "int8_linear", "moe_route_and_prune",
             "moe_grouped_dispatch")
 
 
@@ -68,6 +68,11 @@ def _input_sparse_gate_fake(gate, x, w_gate_t, group_start_loc, input_keep, chan
 
 @torch.library.register_fake("sparsever::dense_linear")
 def _dense_linear_fake(out, x, weight, bias) -> None:
+    return None
+
+
+@torch.library.register_fake("sparsever::int8_linear")
+def _int8_linear_fake(out, x, weight, weight_scale, weight_sum, bias) -> None:
     return None
 
 
@@ -176,12 +181,37 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.view(*lead, weight.shape[0])
 
 
+def int8_weight_sums(weight: torch.Tensor) -> torch.Tensor:
+    """int8_linear's `weight_sum`: each int8 weight row's sum, int32 [N] (computed once, at load)."""
+    return weight.sum(dim=1, dtype=torch.int32)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_sum: torch.Tensor,
+                bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A W8A8 linear: x [..., K] quantized per token to symmetric int8 at run time, times the int8
+    weight [N, K] (contiguous rows) with one fp32 scale per row (+ bias); out [..., N] in x's dtype.
+    weight_sum: `int8_weight_sums(weight)`. On CPU each weight row is read once per call for every
+    token (VNNI dot products where the CPU has them): an int8 draft model's few-token passes."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if out is None:
+        out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _ops.int8_linear(out, x2, weight, weight_scale, weight_sum, bias)
+    return out.view(*lead, weight.shape[0])
+
+
 def bf16_dot_available() -> bool:
     """Whether this build and CPU have AVX512-BF16 dot instructions (vdpbf16ps): topk_swiglu_ffn then
     streams bf16 weights with them (SPARSEVER_CPU_FFN_BF16_DOT=0 widens to fp32 instead), and
     block_sparse_tree_attention computes bf16 on vLLM's plain KV layout with them
     (SPARSEVER_CPU_ATTN_BF16_DOT=0 keeps fp32 FMAs)."""
     return bool(_ops.bf16_dot_available())
+
+
+def int8_vnni_available() -> bool:
+    """Whether int8_linear runs on AVX512-VNNI dot products in this build and CPU (else a portable
+    loop, correct and far slower; SPARSEVER_CPU_INT8_VNNI=0 forces it, for tests)."""
+    return bool(_ops.int8_vnni_available())
 
 
 def amx_available() -> bool:

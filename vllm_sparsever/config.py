@@ -374,6 +374,12 @@ class SparseverConfig:
     # torch's, "vllm-padded" for them on AVX512-BF16 CPUs without AMX (verification/lossless/linear_kernel.py), else
     # "vllm". The draft model's (or head's) linears follow.
     linear_kernel: Literal["auto", "sparsever", "hybrid", "vllm", "vllm-padded"] = "auto"
+    # A draft model's int8 (W8A8: per-row weight scales, activations quantized per token) linears on
+    # CPU: "sparsever" runs sparsever's int8_linear op (each int8 row read once per call, for every
+    # token, on VNNI dot products); "vllm" keeps vLLM-CPU's (oneDNN's int8 GEMM, or sgl-kernel's on
+    # AMX); "auto" is "sparsever" for a layer vLLM-CPU would give oneDNN, on CPUs with AVX512-VNNI
+    # (verification/lossless/linear_kernel.py), else "vllm". Lossless either way: the target verifies.
+    draft_int8_kernel: Literal["auto", "sparsever", "vllm"] = "auto"
     # vLLM SpeculativeConfig fields forwarded as they are.
     passthrough: dict[str, Any] = field(default_factory=dict)
 
@@ -538,6 +544,7 @@ class SparseverConfig:
                 )
         _check_bool("fallback_to_dense", self.fallback_to_dense)
         _check_choice("linear_kernel", self.linear_kernel, ("auto", "sparsever", "hybrid", "vllm", "vllm-padded"))
+        _check_choice("draft_int8_kernel", self.draft_int8_kernel, ("auto", "sparsever", "vllm"))
         for name in ("attention", "ffn", "moe", "adaptive", "tree", "early_exit"):
             section = getattr(self, name)
             _check_bool(f"{name}.enabled", section.enabled)

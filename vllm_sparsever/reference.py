@@ -37,6 +37,7 @@ __all__ = [
     "topk_swiglu_ffn_gated",
     "input_sparse_gate",
     "dense_linear",
+    "int8_linear",
     "moe_route_and_prune",
     "moe_grouped_dispatch",
     "topk_lower_index_wins",
@@ -319,6 +320,31 @@ def dense_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
     (The CPU kernel streams the weights for few tokens and widens them to fp32 panels for an fp32 GEMM
     for more; there is no sparsity in it: it serves dense steps over plain weights.)"""
     y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    out.copy_(y.to(out.dtype))
+
+
+def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                weight_sum: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """A W8A8 linear (vLLM's int8 scheme with dynamic per-token symmetric activations), in place.
+
+    x: [T, K] float. weight: [N, K] int8. weight_scale: [N] fp32, one per row. weight_sum: [N] int32,
+    weight.sum(1) (kernels need it to take back the offset of unsigned activations; it must be exact).
+    bias: [N] or None. Each token t is quantized as q = round_half_even(x * (127 / amax_t)) (0 where
+    amax_t = 0) with scale amax_t / 127; out[t, n] = (q_t . w_n, exact in integers) * (scale_t *
+    weight_scale[n]) + bias[n], in fp32, rounded to out's dtype."""
+    if not torch.equal(weight_sum.to(torch.int64), weight.to(torch.int64).sum(dim=1)):
+        raise ValueError("int8_linear: weight_sum must be weight.sum(1)")
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    # fp32 quotients correctly rounded (via fp64), as a kernel's one fp32 division gives them (torch's
+    # `127.0 / t` is a reciprocal and a product: two roundings)
+    inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))
+    scale = (amax.double() / 127.0).float()
+    q = torch.round(xf * inv[:, None]).clamp(-127, 127)
+    acc = (q.double() @ weight.double().t()).float()  # exact integers, rounded to fp32 as int32 sums are
+    y = acc * (scale[:, None] * weight_scale.float()[None, :])
     if bias is not None:
         y = y + bias.float()
     out.copy_(y.to(out.dtype))

@@ -433,6 +433,28 @@ def linear_case(device: str, dtype, t: int, k: int, n: int, transposed: bool, se
     return {}
 
 
+def int8_linear_case(device: str, dtype, t: int, k: int, n: int, seed: int) -> dict:
+    """int8_linear (per-token int8 activations, dp4a rows on CUDA) against the reference."""
+    from op_inputs import TOL
+
+    from vllm_sparsever import _custom_ops as ops
+    from vllm_sparsever import reference as ref
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, k, generator=gen) * 2).to(dtype)
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) * 0.02 + 1e-3
+    b = torch.randn(n, generator=gen).to(dtype)
+    w_sum = ops.int8_weight_sums(w)
+    out = ops.int8_linear(to_dev(x, device), to_dev(w, device), to_dev(scale, device), to_dev(w_sum, device),
+                          to_dev(b, device))
+    expected = torch.empty(t, n, dtype=dtype)
+    ref.int8_linear(expected, x, w, scale, w_sum, b)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=rtol, atol=atol)
+    return {}
+
+
 def moe_weights(device: str, dtype, h: int, inter: int, num_experts: int, seed: int):
     """(w13 [E, 2I, H], w2 [E, H, I]) on the CPU and on `device`."""
     gen = torch.Generator().manual_seed(seed)
@@ -623,6 +645,9 @@ def correctness(args, out: Path) -> dict:
         for t, k, n_out, transposed in ((1, 1536, 2048, False), (5, 8960, 1536, True), (300, 1536, 8960, False)):
             cases.run(f"dense_linear {dname} T{t} K{k} N{n_out}{' transposed' if transposed else ''}",
                       lambda: linear_case(device, dtype, t, k, n_out, transposed, 61), op="dense_linear")
+        for t, k, n_out in ((1, 896, 1152), (7, 4864, 896), (16, 898, 33)):
+            cases.run(f"int8_linear {dname} T{t} K{k} N{n_out}",
+                      lambda: int8_linear_case(device, dtype, t, k, n_out, 62), op="int8_linear")
         moe_shape = (64, 32, 8, 2) if args.quick else (2048, 1024, 64, 8)  # OLMoE: H2048 I1024, 64 experts top-8
         mw = moe_weights(device, dtype, *moe_shape[:3], 52)
         for groups, ratio, budget in (([1], 0.0, 0), ([4], 0.1, 0), ([16], 0.0, 0), ([3, 13], 0.1, 12)):

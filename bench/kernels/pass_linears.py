@@ -1,6 +1,7 @@
 """The linears of one whole decoder pass, every layer's own weights, read from DRAM: bf16 on vLLM-CPU's
-path, on it with 1-3 tokens padded to 4 rows (`linear_kernel: "vllm-padded"`) and on sparsever's `dense_linear`, int8 (W8A8) on vLLM-CPU's int8 GEMM, and int4 on vLLM-CPU's
-int4 GEMM (W4A8 on CPUs with AMX, W4A16 elsewhere), side by side.
+path, on it with 1-3 tokens padded to 4 rows (`linear_kernel: "vllm-padded"`) and on sparsever's `dense_linear`, int8 (W8A8) on vLLM-CPU's int8 GEMM and
+on sparsever's `int8_linear` (`draft_int8_kernel`), and int4 on vLLM-CPU's int4 GEMM (W4A8 on CPUs with AMX,
+W4A16 elsewhere), side by side.
 
 A served pass reads each layer's weights once, and a model's weights exceed the CPU's caches
 (Qwen2.5-Coder-0.5B: 716 MB of bf16 linears against a Xeon's 480 MB L3), so this times passes over
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 LAYERS = {"qwen2.5-1.5b": 28, "qwen2.5-0.5b": 24}
-KINDS = ("vllm_bf16", "vllm_bf16_padded", "ours_bf16", "vllm_int8", "vllm_int4")
+KINDS = ("vllm_bf16", "vllm_bf16_padded", "ours_bf16", "vllm_int8", "ours_int8", "vllm_int4")
 
 
 def main(argv=None) -> int:
@@ -100,6 +101,12 @@ def main(argv=None) -> int:
         return handler, scale
 
     quantized = [[int8(w) for w in layer] for layer in layers]
+
+    def int8_rows(w):  # as draft_int8_kernel keeps a layer (compat/linear.py int8_linears_on_rows)
+        q, scale = quantize_int8_per_channel(w)
+        return q.contiguous(), scale.reshape(-1).float(), ops.int8_weight_sums(q)
+
+    rows8 = [[int8_rows(w) for w in layer] for layer in layers]
     int4_layers = [[int4_layer(w) for w in layer] for layer in layers]
     llc = last_level_cache_bytes()
     flush = torch.zeros(int(2 * llc) // 4, dtype=torch.float32)
@@ -124,6 +131,8 @@ def main(argv=None) -> int:
                     ops.dense_linear(xs[k], layers[li][j])
                 elif kind == "vllm_int8":
                     linear_int8(xs[k], quantized[li][j])
+                elif kind == "ours_int8":
+                    ops.int8_linear(xs[k], *rows8[li][j])
                 else:
                     int4_layers[li][j](xs[k])
         return 1e3 * (time.perf_counter() - start)
@@ -134,6 +143,8 @@ def main(argv=None) -> int:
               "hardware": hardware(), "versions": versions(), "threads": torch.get_num_threads(),
               "last_level_cache_bytes": llc, "int8_path": "sgl-kernel int8_scaled_mm_with_quant" if amx else "oneDNN",
               "int4_path": "W4A8 int4_scaled_mm_cpu" if amx else "W4A16 cpu_gemm_wna16",
+              "ours_int8_path": "VNNI" if ops.int8_vnni_available() else "portable loop",
+              "int8_bytes_per_pass": sum(n * k for n, k in shapes) * len(layers),
               "bf16_bytes_per_pass": 2 * sum(n * k for n, k in shapes) * len(layers), "rows": []}
     bar = tqdm(total=len(args.tokens) * (args.rounds + 1) * len(KINDS), desc="passes", unit="pass")
     for t in args.tokens:
@@ -155,26 +166,31 @@ def main(argv=None) -> int:
         row["padded_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["vllm_bf16_padded_ms_median"]
         row["int4_speedup_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["vllm_int4_ms_median"]
         row["int4_speedup_vs_vllm_int8"] = row["vllm_int8_ms_median"] / row["vllm_int4_ms_median"]
+        row["ours_int8_vs_vllm_int8"] = row["vllm_int8_ms_median"] / row["ours_int8_ms_median"]
         record["rows"].append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "raw_ms"}))
     lines = [f"# One pass's linears from DRAM: bf16 (vLLM-CPU, dense_linear) and int8 ({args.model})", "",
              f"`{record['command']}`", "", f"hardware: {record['hardware']}", "",
              f"{record['threads']} threads, {len(layers)} layers x {len(shapes)} projections, "
              f"{record['bf16_bytes_per_pass'] / 1e6:.0f} MB of bf16 weights per pass, caches flushed before each "
-             f"pass (last-level cache {llc >> 20} MB); int8 on {record['int8_path']}, int4 on {record['int4_path']}. ms per pass, median (min) of "
+             f"pass (last-level cache {llc >> 20} MB); int8 on {record['int8_path']} and ours ({record['ours_int8_path']}), "
+             f"int4 on {record['int4_path']}. ms per pass, median (min) of "
              f"{args.rounds} rounds; hot = best of 3 passes without the flush.", "",
-             "| tokens | vLLM bf16 | vLLM bf16 padded to 4 rows | ours bf16 | vLLM int8 | vLLM int4 | int8 speedup "
-             "| int4 speedup (vs int8) | padded / vLLM bf16 | ours / vLLM bf16 | hot: vLLM bf16 / ours / int8 / int4 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| tokens | vLLM bf16 | vLLM bf16 padded to 4 rows | ours bf16 | vLLM int8 | ours int8 | vLLM int4 "
+             "| int8 speedup | ours int8 / vLLM int8 | int4 speedup (vs int8) | padded / vLLM bf16 | ours / vLLM bf16 "
+             "| hot: vLLM bf16 / ours / int8 / ours int8 / int4 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         lines.append(f"| {r['tokens']} | {r['vllm_bf16_ms_median']:.1f} ({r['vllm_bf16_ms_min']:.1f}) | "
                      f"{r['vllm_bf16_padded_ms_median']:.1f} ({r['vllm_bf16_padded_ms_min']:.1f}) | "
                      f"{r['ours_bf16_ms_median']:.1f} ({r['ours_bf16_ms_min']:.1f}) | {r['vllm_int8_ms_median']:.1f} "
-                     f"({r['vllm_int8_ms_min']:.1f}) | {r['vllm_int4_ms_median']:.1f} ({r['vllm_int4_ms_min']:.1f}) | "
-                     f"{r['int8_speedup_vs_vllm_bf16']:.2f}x | {r['int4_speedup_vs_vllm_bf16']:.2f}x "
+                     f"({r['vllm_int8_ms_min']:.1f}) | {r['ours_int8_ms_median']:.1f} ({r['ours_int8_ms_min']:.1f}) | "
+                     f"{r['vllm_int4_ms_median']:.1f} ({r['vllm_int4_ms_min']:.1f}) | "
+                     f"{r['int8_speedup_vs_vllm_bf16']:.2f}x | {r['ours_int8_vs_vllm_int8']:.2f}x | "
+                     f"{r['int4_speedup_vs_vllm_bf16']:.2f}x "
                      f"({r['int4_speedup_vs_vllm_int8']:.2f}x) | {r['padded_vs_vllm_bf16']:.2f}x | "
                      f"{r['ours_vs_vllm_bf16']:.2f}x | {r['vllm_bf16_ms_hot']:.1f} / {r['ours_bf16_ms_hot']:.1f} / "
-                     f"{r['vllm_int8_ms_hot']:.1f} / {r['vllm_int4_ms_hot']:.1f} |")
+                     f"{r['vllm_int8_ms_hot']:.1f} / {r['ours_int8_ms_hot']:.1f} / {r['vllm_int4_ms_hot']:.1f} |")
     bar.close()
     save_results(base, record, lines)
     return 0

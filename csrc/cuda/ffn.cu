@@ -5,6 +5,7 @@
 #include "cuda/cuda_launcher.cuh"
 #include "cuda/ops_cuda.h"
 #include "kernels/ffn.cuh"
+#include "kernels/int8_linear.cuh"
 
 namespace sparsever {
 namespace cuda {
@@ -34,6 +35,12 @@ void input_sparse_gate(at::Tensor& gate, const at::Tensor& x, const at::Tensor& 
 void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   out.copy_(at::linear(x, weight.to(x.scalar_type()), bias.has_value() ? bias->to(x.scalar_type()) : bias));
+}
+
+void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                 const at::Tensor& weight_sum, const std::optional<at::Tensor>& bias) {
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  kernels::int8_linear_impl(out, x, weight, weight_scale, weight_sum, bias, CudaLauncher::current());
 }
 
 }  // namespace cuda

@@ -164,6 +164,70 @@ def test_fp32_int8_linear_runs_on_onednn_inside_the_context():
         assert getattr(importlib.import_module(module_name), attr)(64, 128, torch.int8) == choice(64, 128, torch.int8)
 
 
+def test_int8_kernel_methods_keep_their_names_and_parameters():
+    """What int8_linears_on_rows replaces and reads: the prepare method's parameters, the config
+    fields, and that apply_weights runs `self.linear_method(layer, x, bias)`."""
+    import importlib
+
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
+
+    module_name, attr = compat_linear.INT8_LINEAR_KERNEL
+    kernel = getattr(importlib.import_module(module_name), attr)
+    assert tuple(inspect.signature(kernel.process_weights_after_loading).parameters) == compat_linear.INT8_PREPARE_PARAMS
+    assert {"is_static_input_scheme", "is_channelwise", "input_symmetric"} <= set(
+        Int8ScaledMMLinearLayerConfig.__dataclass_fields__)
+    assert "linear_method" in kernel.apply_weights.__code__.co_names
+    onednn = inspect.signature(kernel._apply_weights_onednn).parameters
+    assert tuple(onednn)[1:] == compat_linear.INT8_LINEAR_METHOD_PARAMS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_layer_keeps_its_rows_and_runs_the_given_linear_inside_the_context(dtype):
+    """Inside int8_linears_on_rows: an eligible W8A8 layer keeps its int8 rows, fp32 scales [N] and row
+    sums, and its forward is `run`; a layer `take` refuses, a static-input layer, and any layer
+    outside the context load stock (oneDNN's packed weight, the plain tensor dropped)."""
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    import vllm_sparsever._custom_ops as ops
+
+    gen = torch.Generator().manual_seed(0)
+    names = ("weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj")
+    dynamic = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True, input_symmetric=True)
+    calls = []
+
+    def run(x, weight, scale, row_sums, bias):
+        calls.append(weight.shape)
+        return ops.int8_linear(x, weight, scale, row_sums, bias)
+
+    layer, dequantized = _int8_layer(64, 128, gen)
+    q = layer.weight.data.clone()
+    kernel = CPUInt8ScaledMMLinearKernel(dynamic, names)
+    refused, _ = _int8_layer(64, 128, gen)
+    refused_kernel = CPUInt8ScaledMMLinearKernel(dynamic, names)
+    with set_default_torch_dtype(dtype), compat_linear.int8_linears_take_fp32(), \
+            compat_linear.int8_linears_on_rows(run, take=lambda lay, n, k: lay is not refused):
+        kernel.process_weights_after_loading(layer)
+        refused_kernel.process_weights_after_loading(refused)
+    assert torch.equal(layer.weight, q) and layer.weight_scale.shape == (64,)
+    assert torch.equal(layer.sparsever_int8_weight_sum, q.sum(1, dtype=torch.int32))
+    x = torch.randn(2, 3, 128, generator=gen).to(dtype)
+    y = kernel.apply_weights(layer, x)
+    assert calls == [(64, 128)] and y.shape == (2, 3, 64) and y.dtype == dtype
+    ref = x.float() @ dequantized.t()
+    assert ((y.float() - ref).abs() < 0.03 * ref.abs().max()).all()
+    assert refused.weight is None and refused_kernel.linear_method.__name__ == "_apply_weights_onednn"
+    outside, _ = _int8_layer(64, 128, gen)
+    outside_kernel = CPUInt8ScaledMMLinearKernel(dynamic, names)
+    with set_default_torch_dtype(torch.float32), compat_linear.int8_linears_take_fp32():
+        outside_kernel.process_weights_after_loading(outside)
+    assert outside.weight is None and not hasattr(outside, "sparsever_int8_weight_sum")
+    static = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=True, is_channelwise=True, input_symmetric=True)
+    assert not compat_linear.int8_rows_eligible(static, q)
+    assert not compat_linear.int8_rows_eligible(dynamic, q.float())
+
+
 def _int4_layer(n: int, k: int, dtype: torch.dtype, gen: torch.Generator):
     """An int4 layer as vLLM's compressed-tensors W4A16 scheme creates and loads it (packed int4
     weights in groups of 128, scales in `dtype`), its scheme, and the fp32 weight it stands for."""

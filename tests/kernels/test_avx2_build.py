@@ -48,6 +48,13 @@ for dtype, tol in [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16
     ref.moe_grouped_dispatch(exp, x, tw, ti, w13, w2, rn)
     torch.testing.assert_close(out.float(), exp.float(), rtol=tol, atol=tol)
     assert int(n) == int(rn)
+    wq = torch.randint(-127, 128, (9, 72), generator=gen, dtype=torch.int8)  # the portable int8 loop
+    ws, bq = torch.rand(9, generator=gen), torch.randn(9, generator=gen).to(dtype)
+    assert not ops.int8_vnni_available()
+    out = ops.int8_linear(x, wq, ws, ops.int8_weight_sums(wq), bq)
+    exp = torch.empty_like(out)
+    ref.int8_linear(exp, x, wq, ws, ops.int8_weight_sums(wq), bq)
+    torch.testing.assert_close(out.float(), exp.float(), rtol=tol, atol=tol)
 print("AVX2 OK")
 '''
 

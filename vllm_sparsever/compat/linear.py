@@ -16,6 +16,13 @@ Private symbols touched:
   module while a model loads (`int8_linears_take_fp32`): fp32 models get oneDNN's int8 GEMM.
   On CPUs without VNNI, oneDNN's int8 GEMM sums u8 x s8 pairs in saturating 16-bit lanes, so a few
   outputs of each product are far off (tests/compat/test_linear.py): the replacement warns once.
+- `vllm.model_executor.kernels.linear.scaled_mm.cpu.CPUInt8ScaledMMLinearKernel`: its
+  `process_weights_after_loading(layer)` (packs a W8A8 layer's int8 weight for oneDNN, dropping the
+  plain tensor, or for sgl-kernel), its `config` (`is_static_input_scheme`, `is_channelwise`,
+  `input_symmetric`), `layer_param_names` (weight, weight scale, ...) and `linear_method(layer, x,
+  bias)`, the callable its `apply_weights` runs. Replaced on the class while a draft model loads
+  (`int8_linears_on_rows`): a layer with per-row weight scales and dynamic per-token symmetric
+  activations keeps its int8 rows and runs the `run` it is given.
 - `vllm.model_executor.kernels.linear.mixed_precision.cpu.CPUWNA16LinearKernel`: its
   `process_weights_after_loading(layer)` (repacks an int4 layer's `w_q_name`/`w_s_name` parameters)
   and `apply_weights(layer, x, bias)`. Its GEMMs (W4A16, and W4A8 on AMX) take 16-bit activations
@@ -95,6 +102,70 @@ def _warn_int8_without_vnni() -> None:
                    "saturates 16-bit pair sums here, so a few outputs of each product are far off. "
                    "A draft model stays lossless (the target verifies every token) but may be "
                    "accepted less; a 16-bit draft model avoids it.")
+
+
+INT8_LINEAR_KERNEL = ("vllm.model_executor.kernels.linear.scaled_mm.cpu", "CPUInt8ScaledMMLinearKernel")
+INT8_PREPARE_PARAMS = ("self", "layer")
+INT8_LINEAR_METHOD_PARAMS = ("layer", "x", "bias")  # what apply_weights passes to self.linear_method
+
+# run(x, weight [N, K] int8, weight_scale [N] fp32, weight_sum [N] int32, bias) -> out
+Int8RowsLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def int8_rows_eligible(config: Any, weight: torch.Tensor) -> bool:
+    """A W8A8 layer `int8_linears_on_rows` can take: int8 weights with one scale per row (channelwise),
+    activations quantized per token at run time, symmetric."""
+    return (weight.dtype == torch.int8 and weight.dim() == 2 and config.is_channelwise
+            and not config.is_static_input_scheme and config.input_symmetric)
+
+
+@contextlib.contextmanager
+def int8_linears_on_rows(run: Int8RowsLinear,
+                         take: Callable[[torch.nn.Module, int, int], bool] = lambda layer, n, k: True) -> Iterator[None]:
+    """While active, a W8A8 int8 linear that loads with per-row weight scales and dynamic per-token
+    symmetric activations (`int8_rows_eligible`), and that `take(layer, n, k)` accepts, keeps its int8
+    weight [N, K] as loaded (rows contiguous), its scales as fp32 [N] and its row sums (int32 [N], kept
+    as `layer.sparsever_int8_weight_sum`), and its forward runs `run(x, weight, scale, row_sums, bias)`.
+    Other layers load stock."""
+    import importlib
+
+    module_name, attr = INT8_LINEAR_KERNEL
+    kernel = getattr(importlib.import_module(module_name), attr)
+    stock = kernel.process_weights_after_loading
+
+    def prepare(self, layer: torch.nn.Module) -> None:
+        w_q_name, w_s_name = self.layer_param_names[:2]
+        weight = getattr(layer, w_q_name)
+        n, k = weight.shape if weight.dim() == 2 else (0, 0)
+        if not int8_rows_eligible(self.config, weight) or not take(layer, n, k):
+            return stock(self, layer)
+        rows = weight.data.contiguous()
+        scale = getattr(layer, w_s_name).data.reshape(-1).to(torch.float32).contiguous()
+        if scale.numel() != n:
+            return stock(self, layer)
+        setattr(layer, w_q_name, torch.nn.Parameter(rows, requires_grad=False))
+        setattr(layer, w_s_name, torch.nn.Parameter(scale, requires_grad=False))
+        layer.sparsever_int8_weight_sum = rows.sum(dim=1, dtype=torch.int32)
+
+        def linear_method(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            return run(x, getattr(layer, w_q_name), getattr(layer, w_s_name), layer.sparsever_int8_weight_sum, bias)
+
+        self.linear_method = linear_method  # this layer's kernel object only
+
+    kernel.process_weights_after_loading = prepare
+    try:
+        yield
+    finally:
+        kernel.process_weights_after_loading = stock
+
+
+def cpu_int8_gemm_is_sgl(n: int, k: int) -> bool:
+    """Whether vLLM-CPU would run a bf16 W8A8 layer of this shape on sgl-kernel's int8 GEMM (AMX)
+    rather than oneDNN's (its own choice, `check_cpu_sgl_kernel`)."""
+    import importlib
+
+    module_name, attr = INT8_KERNEL_CHOICE
+    return bool(getattr(importlib.import_module(module_name), attr)(n, k, torch.int8))
 
 
 INT4_KERNEL = ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "CPUWNA16LinearKernel")

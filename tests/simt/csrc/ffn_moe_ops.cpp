@@ -1,9 +1,10 @@
-// Test-only ops (namespace sparsever_simt) running the FFN gating, input-sparse gate and MoE CUDA kernel bodies on the SIMT
+// Test-only ops (namespace sparsever_simt) running the FFN gating, input-sparse gate, MoE and int8 linear CUDA kernel bodies on the SIMT
 // executor through the same host launch code as csrc/cuda. Extra trailing arguments: num_sms and
 // forced_splits (0 = heuristic), so tests reach every split path.
 #include <torch/library.h>
 
 #include "kernels/ffn.cuh"
+#include "kernels/int8_linear.cuh"
 #include "kernels/moe.cuh"
 #include "simt/simt_launcher.h"
 
@@ -51,6 +52,11 @@ void moe_grouped_dispatch(at::Tensor& out, const at::Tensor& x, const at::Tensor
                                                 launcher(4, 0));
 }
 
+void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                 const at::Tensor& weight_sum, const std::optional<at::Tensor>& bias) {
+  sparsever::kernels::int8_linear_impl(out, x, weight, weight_scale, weight_sum, bias, launcher(4, 0));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparsever_simt, m) {
@@ -74,4 +80,8 @@ TORCH_LIBRARY_FRAGMENT(sparsever_simt, m) {
       "moe_grouped_dispatch(Tensor(a!) out, Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, "
       "Tensor w2, Tensor(b!) num_experts_used) -> ()",
       &moe_grouped_dispatch);
+  m.def(
+      "int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
+      "Tensor? bias) -> ()",
+      &int8_linear);
 }

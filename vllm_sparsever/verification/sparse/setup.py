@@ -42,9 +42,10 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
             f"attention.anchor_layers: layer {anchors[-1]} does not exist (allowed: 0..{num_layers - 1})"
         )
     from vllm_sparsever.verification.sparse.ffn import resolve_dense_kernel
-    from vllm_sparsever.verification.lossless.linear_kernel import resolve_linear_kernel
+    from vllm_sparsever.verification.lossless.linear_kernel import check_draft_int8_kernel, resolve_linear_kernel
 
     linear_kernel = resolve_linear_kernel(config.linear_kernel, model_config.dtype)
+    check_draft_int8_kernel(config.draft_int8_kernel)
     ffn_dense = resolve_dense_kernel(config.ffn.dense_kernel, config.ffn.enabled, config.ffn.weights,
                                      model_config.dtype, linear_kernel)
     if ffn_dense == "sparsever" and not config.ffn.enabled:  # the op reads the plain weights: no packed copy
@@ -138,8 +139,11 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
         def during() -> contextlib.ExitStack:
             draft = contextlib.ExitStack()
             if on_cpu:
+                from vllm_sparsever.verification.lossless.linear_kernel import int8_draft_linears
+
                 draft.enter_context(_int4_unavailable_names("speculative_config.model"))
                 draft.enter_context(quantized_linears_take_fp32())
+                draft.enter_context(int8_draft_linears(runtime.config.draft_int8_kernel, runtime.linear_layers))
             if sparsever_linears:
                 draft.enter_context(plain_linears("draft model", hybrid=hybrid, counts=runtime.linear_layers))
             elif padded:

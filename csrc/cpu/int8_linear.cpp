@@ -1,0 +1,200 @@
+// int8_linear on CPU: the W8A8 linear of an int8 draft model (int8 weight rows with one scale each,
+// activations quantized per token, symmetric, at run time) for the few tokens a draft pass or a catch-up
+// chunk carries. Each weight row is read from memory once per call and reused for every token while it
+// sits in L1, so a pass costs the weights' read time; vLLM-CPU's oneDNN int8 GEMM reaches about half of
+// the copy bandwidth at one token (bench/results, draft_pass_*).
+//
+// With AVX512-VNNI, vpdpbusd multiplies 64 unsigned activation bytes by 64 signed weight bytes per
+// instruction. Activations are signed, so they are stored offset by 128 (xu = q + 128, unsigned) and
+// the offset is taken back per row with the row's sum: sum(xu * w) - 128 * sum(w) = sum(q * w).
+// Without VNNI (the AVX2 build, or a CPU without it) a portable loop gives the same integers.
+#include "cpu_utils.h"
+#include "gemv_rows.h"  // for_each_token_tile
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace sparsever::cpu {
+namespace {
+
+// Tokens quantized per row: xu[t, c] = round_half_even(x[t, c] * 127 / amax_t) + 128 (rows of kp bytes,
+// padded with 128, i.e. zero), scale[t] = amax_t / 127. The same fp32 operations as the reference.
+template <typename T>
+void quantize_tokens(const T* x, int64_t num_tokens, int64_t k, int64_t x_stride, int64_t kp, uint8_t* xu,
+                     float* scale) {
+  std::vector<float> row(k);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    convert_to_f32(x + t * x_stride, row.data(), k);
+    float amax = 0.f;
+    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(row[c]));
+    scale[t] = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    uint8_t* q = xu + t * kp;
+    for (int64_t c = 0; c < k; ++c) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(row[c] * inv)));  // ties to even
+      q[c] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
+    }
+    std::fill(q + k, q + kp, uint8_t(128));
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define SPARSEVER_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+bool vnni_available() {
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+// acc[t * NR + i] = sum_c xu[t, c] * w_i[c] for NR rows and NT tokens. next: the next tile's rows (nn of
+// them), a line of each prefetched per 64-byte step, so they stream in while this tile computes.
+template <int NR, int NT>
+SPARSEVER_AVX512_VNNI inline void dot_tile_vnni(const uint8_t* xu, int64_t kp, int64_t k,
+                                                const int8_t* const* rows, int32_t* acc_out,
+                                                const int8_t* const* next, int nn) {
+  __m512i acc[NR][NT];
+  SPARSEVER_UNROLL
+  for (int i = 0; i < NR; ++i)
+    SPARSEVER_UNROLL
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_si512();
+  int64_t c = 0;
+  for (; c < k; c += 64) {
+    const __mmask64 mask = k - c >= 64 ? ~__mmask64(0) : (__mmask64(1) << (k - c)) - 1;
+    for (int i = 0; i < nn; ++i) _mm_prefetch(reinterpret_cast<const char*>(next[i] + c), _MM_HINT_T0);
+    __m512i xv[NT];
+    SPARSEVER_UNROLL
+    for (int t = 0; t < NT; ++t) xv[t] = _mm512_loadu_si512(xu + t * kp + c);  // padded rows: no mask
+    SPARSEVER_UNROLL
+    for (int i = 0; i < NR; ++i) {
+      const __m512i wv = _mm512_maskz_loadu_epi8(mask, rows[i] + c);  // zero past the row: adds nothing
+      SPARSEVER_UNROLL
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], xv[t], wv);
+    }
+  }
+  SPARSEVER_UNROLL
+  for (int i = 0; i < NR; ++i)
+    SPARSEVER_UNROLL
+    for (int t = 0; t < NT; ++t) acc_out[t * NR + i] = _mm512_reduce_add_epi32(acc[i][t]);
+}
+#else
+bool vnni_available() { return false; }
+#endif
+
+// The same sums without VNNI.
+inline void dot_rows_portable(const uint8_t* xu, int64_t num_tokens, int64_t kp, int64_t k, const int8_t* const* rows,
+                              int nr, int32_t* acc_out) {
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int i = 0; i < nr; ++i) {
+      int32_t s = 0;
+      const uint8_t* q = xu + t * kp;
+      for (int64_t c = 0; c < k; ++c) s += int32_t(q[c]) * int32_t(rows[i][c]);
+      acc_out[t * nr + i] = s;
+    }
+}
+
+constexpr int kRows = 4;  // rows per register tile
+
+// y[t, r] = (acc - 128 * w_sum[r]) * (x_scale[t] * w_scale[r]) + bias[r], for rows [r0, r0 + nr).
+template <typename OT, typename BT>
+inline void epilogue(const int32_t* acc, int64_t num_tokens, int nr, int64_t r0, const int32_t* w_sum,
+                     const float* w_scale, const float* x_scale, const BT* bias, OT* out, int64_t out_stride) {
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int i = 0; i < nr; ++i) {
+      const int64_t r = r0 + i;
+      float y = static_cast<float>(acc[t * nr + i] - 128 * w_sum[r]) * (x_scale[t] * w_scale[r]);
+      if (bias) y += static_cast<float>(bias[r]);
+      out[t * out_stride + r] = static_cast<OT>(y);
+    }
+}
+
+template <typename OT, typename BT>
+void int8_rows(const uint8_t* xu, int64_t num_tokens, int64_t kp, int64_t k, const int8_t* w, int64_t w_stride,
+               int64_t n, const int32_t* w_sum, const float* w_scale, const float* x_scale, const BT* bias,
+               OT* out, int64_t out_stride) {
+  // SPARSEVER_CPU_INT8_VNNI=0 takes the portable loop (tests of it on VNNI CPUs).
+  const bool vnni = vnni_available() && env_switch_on("SPARSEVER_CPU_INT8_VNNI");
+  const int64_t groups = (n + kRows - 1) / kRows;
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    std::vector<int32_t> acc(num_tokens * kRows);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t r0 = g * kRows;
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, n - r0));
+      const int8_t* rows[kRows];
+      const int8_t* next[kRows];
+      for (int i = 0; i < nr; ++i) rows[i] = w + (r0 + i) * w_stride;
+      const int nn = static_cast<int>(std::clamp<int64_t>(std::min(g1 * kRows, n) - (r0 + kRows), 0, kRows));
+      for (int i = 0; i < nn; ++i) next[i] = w + (r0 + kRows + i) * w_stride;
+#if defined(CPU_CAPABILITY_AVX512)
+      if (vnni) {
+        // Token tiles of 4, then one of 3, 2 or 1: the rows stay in L1 across them.
+        for_each_token_tile(num_tokens, [&](auto nt, int64_t t0) {
+          constexpr int NT = decltype(nt)::value;
+          int32_t tile[kRows * NT];
+          const int pf = t0 == 0 ? nn : 0;  // prefetch during the first token tile only
+          if (nr == kRows)
+            dot_tile_vnni<kRows, NT>(xu + t0 * kp, kp, k, rows, tile, next, pf);
+          else
+            for (int i = 0; i < nr; ++i) {
+              int32_t one[NT];
+              dot_tile_vnni<1, NT>(xu + t0 * kp, kp, k, rows + i, one, next, 0);
+              for (int t = 0; t < NT; ++t) tile[t * kRows + i] = one[t];
+            }
+          for (int t = 0; t < NT; ++t)
+            for (int i = 0; i < nr; ++i) acc[(t0 + t) * nr + i] = tile[t * kRows + i];
+        });
+        epilogue(acc.data(), num_tokens, nr, r0, w_sum, w_scale, x_scale, bias, out, out_stride);
+        continue;
+      }
+#endif
+      dot_rows_portable(xu, num_tokens, kp, k, rows, nr, acc.data());
+      epilogue(acc.data(), num_tokens, nr, r0, w_sum, w_scale, x_scale, bias, out, out_stride);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace sparsever::cpu
+
+bool int8_vnni_available() { return sparsever::cpu::vnni_available(); }
+
+void int8_linear_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                     const torch::Tensor& weight_scale, const torch::Tensor& weight_sum,
+                     const std::optional<torch::Tensor>& bias) {
+  using namespace sparsever::cpu;
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "int8_linear: x [T, K] and weight [N, K], got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.stride(1) == 1, "int8_linear: weight must be int8 with "
+              "contiguous rows, got ", weight.scalar_type(), " strides ", weight.strides());
+  TORCH_CHECK(x.stride(1) == 1, "int8_linear: x must have contiguous rows");
+  const int64_t t = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.numel() == n && weight_scale.is_contiguous(),
+              "int8_linear: weight_scale must be fp32 [N] (one scale per row)");
+  TORCH_CHECK(weight_sum.scalar_type() == at::kInt && weight_sum.numel() == n && weight_sum.is_contiguous(),
+              "int8_linear: weight_sum must be int32 [N] (weight.sum(1))");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == t && out.size(1) == n && out.stride(1) == 1 &&
+                  out.scalar_type() == x.scalar_type(),
+              "int8_linear: out must be [T, N] in x's dtype with contiguous rows");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous()),
+              "int8_linear: bias must be [N]");
+  if (t == 0 || n == 0) return;
+  const int64_t kp = (k + 63) / 64 * 64;
+  std::vector<uint8_t> xu(t * kp);
+  std::vector<float> x_scale(t);
+  SPARSEVER_DISPATCH_FLOAT_TYPES(x.scalar_type(), "int8_linear_quantize", [&] {
+    quantize_tokens(x.data_ptr<scalar_t>(), t, k, x.stride(0), kp, xu.data(), x_scale.data());
+  });
+  const auto* w = weight.data_ptr<int8_t>();
+  SPARSEVER_DISPATCH_FLOAT_TYPES(out.scalar_type(), "int8_linear", [&] {
+    using OT = scalar_t;
+    auto run = [&](const auto* b) {
+      int8_rows(xu.data(), t, kp, k, w, weight.stride(0), n, weight_sum.data_ptr<int32_t>(),
+                weight_scale.data_ptr<float>(), x_scale.data(), b, out.data_ptr<OT>(), out.stride(0));
+    };
+    if (!bias.has_value()) {
+      run(static_cast<const float*>(nullptr));
+    } else {
+      SPARSEVER_DISPATCH_FLOAT_TYPES(bias->scalar_type(), "int8_linear_bias", [&] { run(bias->data_ptr<scalar_t>()); });
+    }
+  });
+}
