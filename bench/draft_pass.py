@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=32768, help="0: the whole vocabulary")
     ap.add_argument("--draft-window", type=int, default=None, help="draft_attention_window (default: none)")
     ap.add_argument("--k", type=int, default=3, help="drafts per step (passes per round)")
+    ap.add_argument("--draft-int8-kernel", choices=("auto", "sparsever", "vllm"), default="auto",
+                    help="the int8 draft's linears: sparsever's int8_linear or vLLM-CPU's int8 GEMM (draft_int8_kernel)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-prompts", type=int, default=2, help="prompts per row of each batch size")
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = resolve_model(args.target, "--target"), resolve_model(args.draft, "--draft")
     # EVICT's drafting path (chains grown level by level) held at the cap: every step drafts --k passes.
     spec: dict[str, Any] = {"method": "sparsever", "model": draft, "num_speculative_tokens": args.k,
-                            "adaptive": {"enabled": True, "guard": False, "depth": "cap"}}
+                            "adaptive": {"enabled": True, "guard": False, "depth": "cap"},
+                            "draft_int8_kernel": args.draft_int8_kernel}
     if args.draft_vocab:
         spec["draft_vocab"] = args.draft_vocab
     if args.draft_window:
