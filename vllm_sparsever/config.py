@@ -377,8 +377,8 @@ class SparseverConfig:
     # A draft model's int8 (W8A8: per-row weight scales, activations quantized per token) linears on
     # CPU: "sparsever" runs sparsever's int8_linear op (each int8 row read once per call, for every
     # token, on VNNI dot products); "vllm" keeps vLLM-CPU's (oneDNN's int8 GEMM, or sgl-kernel's on
-    # AMX); "auto" is "sparsever" for a layer vLLM-CPU would give oneDNN, on CPUs with AVX512-VNNI
-    # (verification/lossless/linear_kernel.py), else "vllm". Lossless either way: the target verifies.
+    # AMX); "auto" is "vllm" for now: the op is measured slower than oneDNN's on a Zen 4
+    # (verification/lossless/linear_kernel.py). Lossless either way: the target verifies.
     draft_int8_kernel: Literal["auto", "sparsever", "vllm"] = "auto"
     # vLLM SpeculativeConfig fields forwarded as they are.
     passthrough: dict[str, Any] = field(default_factory=dict)

