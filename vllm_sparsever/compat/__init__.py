@@ -31,8 +31,11 @@ How to add a version: docs/compat.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
+from typing import Any
 
 logger = logging.getLogger("vllm_sparsever")
 
@@ -75,6 +78,18 @@ def check_vllm_version(version: str | None = None) -> None:
         logger.warning("%s Continuing because %s is set.", message, ALLOW_UNTESTED_VLLM_ENV)
         return
     raise RuntimeError(message)
+
+
+@contextlib.contextmanager
+def replaced(owner: Any, name: str, replacement: Any) -> Iterator[None]:
+    """`owner.name` is `replacement` while the context is active (a vLLM module global or class
+    method), its stock value again after, however the context ends."""
+    stock = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, stock)
 
 
 def check_signature(owner: object, name: str, params: tuple[str, ...]) -> str | None:

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_sparsever.compat import replaced
+
 # CPUUnquantizedExperts.apply(self, <these>), in this order (vLLM passes them by keyword).
 EXPERTS_APPLY_PARAMS = (
     "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
@@ -73,11 +75,8 @@ def experts_weight_processing(hook: WeightProcessingHook) -> Iterator[None]:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         hook(self, layer, lambda layer_: original(self, layer_))
 
-    cls.process_weights_after_loading = process_weights_after_loading
-    try:
+    with replaced(cls, "process_weights_after_loading", process_weights_after_loading):
         yield
-    finally:
-        cls.process_weights_after_loading = original
 
 
 def bind_experts_apply(experts: Any, apply: Callable[..., None]) -> None:

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from vllm_sparsever.compat import replaced
+
 DISPATCH_PARAMS = ("layer", "remove_weight")
 
 # dispatch(layer, remove_weight, stock_dispatch): decides per layer, may call the stock dispatch.
@@ -59,11 +61,8 @@ def cpu_gemm_dispatch_override(dispatch: GemmDispatch) -> Iterator[None]:
     def override(layer: torch.nn.Module, remove_weight: bool) -> None:
         dispatch(layer, remove_weight, stock)
 
-    layer_utils.dispatch_cpu_unquantized_gemm = override
-    try:
+    with replaced(layer_utils, "dispatch_cpu_unquantized_gemm", override):
         yield
-    finally:
-        layer_utils.dispatch_cpu_unquantized_gemm = stock
 
 
 INT8_KERNEL_CHOICE = ("vllm.model_executor.kernels.linear.scaled_mm.cpu", "check_cpu_sgl_kernel")
@@ -87,11 +86,8 @@ def int8_linears_take_fp32() -> Iterator[None]:
             return False
         return stock(n, k, dtype)
 
-    setattr(module, attr, choose)
-    try:
+    with replaced(module, attr, choose):
         yield
-    finally:
-        setattr(module, attr, stock)
 
 
 @functools.cache  # once per process
@@ -152,11 +148,8 @@ def int8_linears_on_rows(run: Int8RowsLinear,
 
         self.linear_method = linear_method  # this layer's kernel object only
 
-    kernel.process_weights_after_loading = prepare
-    try:
+    with replaced(kernel, "process_weights_after_loading", prepare):
         yield
-    finally:
-        kernel.process_weights_after_loading = stock
 
 
 INT4_KERNEL = ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "CPUWNA16LinearKernel")
@@ -203,11 +196,8 @@ def int4_linears_take_fp32() -> Iterator[None]:
 
         self.apply_weights = apply_in_bf16  # this layer's kernel object only
 
-    kernel.process_weights_after_loading = prepare
-    try:
+    with replaced(kernel, "process_weights_after_loading", prepare):
         yield
-    finally:
-        kernel.process_weights_after_loading = stock
 
 
 @contextlib.contextmanager

@@ -17,6 +17,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from vllm_sparsever.compat import replaced
+
 # GPU worker hook overridden by the sparsever worker, with the parameters it assumes (after self).
 GPU_WORKER_HOOKS: dict[str, tuple[str, ...]] = {"_make_model_runner": (), "init_device": ()}
 CPU_WORKER_HOOKS: dict[str, tuple[str, ...]] = {"init_device": ()}
@@ -51,12 +53,8 @@ def cpu_runner_class_override(runner_cls: type) -> Iterator[None]:
     """Make `CPUWorker.init_device` construct `runner_cls` instead of `CPUModelRunner`."""
     import vllm.v1.worker.cpu_worker as cpu_worker_module
 
-    old = getattr(cpu_worker_module, CPU_RUNNER_GLOBAL)
-    setattr(cpu_worker_module, CPU_RUNNER_GLOBAL, runner_cls)
-    try:
+    with replaced(cpu_worker_module, CPU_RUNNER_GLOBAL, runner_cls):
         yield
-    finally:
-        setattr(cpu_worker_module, CPU_RUNNER_GLOBAL, old)
 
 
 def uses_v2_model_runner(worker: Any) -> bool:
