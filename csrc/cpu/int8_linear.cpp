@@ -114,6 +114,9 @@ void int8_rows(const uint8_t* xu, int64_t num_tokens, int64_t kp, int64_t k, con
                OT* out, int64_t out_stride) {
   // SPARSEVER_CPU_INT8_VNNI=0 takes the portable loop (tests of it on VNNI CPUs).
   const bool vnni = vnni_available() && env_switch_on("SPARSEVER_CPU_INT8_VNNI");
+  // SPARSEVER_CPU_INT8_ROW_TILE=0: one row at a time (memory read in order, no software prefetch)
+  // instead of 4-row tiles (4 interleaved row streams, the next tile prefetched): timed both ways.
+  const bool row_tiles = env_switch_on("SPARSEVER_CPU_INT8_ROW_TILE");
   const int64_t groups = (n + kRows - 1) / kRows;
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
     std::vector<int32_t> acc(num_tokens * kRows);
@@ -132,7 +135,7 @@ void int8_rows(const uint8_t* xu, int64_t num_tokens, int64_t kp, int64_t k, con
           constexpr int NT = decltype(nt)::value;
           int32_t tile[kRows * NT];
           const int pf = t0 == 0 ? nn : 0;  // prefetch during the first token tile only
-          if (nr == kRows)
+          if (nr == kRows && row_tiles)
             dot_tile_vnni<kRows, NT>(xu + t0 * kp, kp, k, rows, tile, next, pf);
           else
             for (int i = 0; i < nr; ++i) {
