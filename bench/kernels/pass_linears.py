@@ -149,6 +149,17 @@ def main(argv=None) -> int:
                     int4_layers[li][j](xs[k])
         return 1e3 * (time.perf_counter() - start)
 
+    # The read roof: a pass's int8 bytes read once by a plain reduction (torch's fp32 sum, memory-bound),
+    # best of 5, the flush before each.
+    stream = torch.ones(sum(n * k for n, k in shapes) * len(layers) // 4, dtype=torch.float32)
+    read_s = []
+    for _ in range(5):
+        flush.add_(1.0)
+        start = time.perf_counter()
+        stream.sum()
+        read_s.append(time.perf_counter() - start)
+    read_GBps = stream.numel() * 4 / min(read_s) / 1e9
+    del stream
     started = dt.datetime.now(dt.timezone.utc)
     base = RESULTS / f"pass_linears_{args.tag or args.model}_{started.strftime('%Y%m%d-%H%M')}"
     record = {"command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "started": started.isoformat(),
@@ -156,7 +167,7 @@ def main(argv=None) -> int:
               "last_level_cache_bytes": llc, "int8_path": "sgl-kernel int8_scaled_mm_with_quant" if amx else "oneDNN",
               "int4_path": "W4A8 int4_scaled_mm_cpu" if amx else "W4A16 cpu_gemm_wna16",
               "ours_int8_path": "VNNI" if ops.int8_vnni_available() else "portable loop",
-              "int8_bytes_per_pass": sum(n * k for n, k in shapes) * len(layers),
+              "int8_bytes_per_pass": sum(n * k for n, k in shapes) * len(layers), "read_GBps": read_GBps,
               "bf16_bytes_per_pass": 2 * sum(n * k for n, k in shapes) * len(layers), "rows": []}
     kinds = tuple(args.kinds)
     bar = tqdm(total=len(args.tokens) * (args.rounds + 1) * len(kinds), desc="passes", unit="pass")
@@ -186,7 +197,9 @@ def main(argv=None) -> int:
              f"pass (last-level cache {llc >> 20} MB); int8 on {record['int8_path']} and ours ({record['ours_int8_path']}), "
              f"int4 on {record['int4_path']}. ms per pass, median (min) of "
              f"{args.rounds} rounds; hot = best of 3 passes without the flush. ours_int8: 4-row tiles; ours_int8_rows: "
-             f"one row at a time (SPARSEVER_CPU_INT8_ROW_TILE=0). Ratios: the first kind's time over the second's.", "",
+             f"one row at a time (SPARSEVER_CPU_INT8_ROW_TILE=0). Ratios: the first kind's time over the second's. "
+             f"Read roof: the int8 bytes ({record['int8_bytes_per_pass'] / 1e6:.0f} MB) summed by torch in "
+             f"{record['int8_bytes_per_pass'] / read_GBps / 1e6:.1f} ms ({read_GBps:.1f} GB/s, one thread, from DRAM).", "",
              "| tokens | " + " | ".join(kinds) + " | " + " | ".join(RATIOS) + " | hot: " + " / ".join(kinds) + " |",
              "|---|" + "---|" * (len(kinds) + len(RATIOS) + 1)]
     for r in record["rows"]:
