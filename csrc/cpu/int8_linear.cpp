@@ -114,9 +114,11 @@ void int8_rows(const uint8_t* xu, int64_t num_tokens, int64_t kp, int64_t k, con
                OT* out, int64_t out_stride) {
   // SPARSEVER_CPU_INT8_VNNI=0 takes the portable loop (tests of it on VNNI CPUs).
   const bool vnni = vnni_available() && env_switch_on("SPARSEVER_CPU_INT8_VNNI");
-  // SPARSEVER_CPU_INT8_ROW_TILE=0: one row at a time (memory read in order, no software prefetch)
-  // instead of 4-row tiles (4 interleaved row streams, the next tile prefetched): timed both ways.
-  const bool row_tiles = env_switch_on("SPARSEVER_CPU_INT8_ROW_TILE");
+  // One token: one row at a time, memory read in order with no software prefetch (near the read roof
+  // on a Zen 4, 1.6x oneDNN's int8 GEMM); more tokens: 4-row tiles, which reuse each token's loads over
+  // four rows (4 interleaved row streams, the next tile prefetched). Measured: bench/results,
+  // pass_linears_zen4-int8-row-schedule_*. SPARSEVER_CPU_INT8_ROW_TILE=0 takes single rows always.
+  const bool row_tiles = num_tokens > 1 && env_switch_on("SPARSEVER_CPU_INT8_ROW_TILE");
   const int64_t groups = (n + kRows - 1) / kRows;
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
     std::vector<int32_t> acc(num_tokens * kRows);
