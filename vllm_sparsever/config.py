@@ -377,7 +377,7 @@ class SparseverConfig:
     # A draft model's int8 (W8A8: per-row weight scales, activations quantized per token) linears on
     # CPU: "sparsever" runs sparsever's int8_linear op (each int8 row read once per call, for every
     # token, on VNNI dot products); "vllm" keeps vLLM-CPU's (oneDNN's int8 GEMM, or sgl-kernel's on
-    # AMX); "auto" is "vllm" for now: the op is measured slower than oneDNN's on a Zen 4
+    # AMX); "auto" is "vllm" for now: on a Zen 4 the op beats oneDNN's at one token only
     # (verification/lossless/linear_kernel.py). Lossless either way: the target verifies.
     draft_int8_kernel: Literal["auto", "sparsever", "vllm"] = "auto"
     # vLLM SpeculativeConfig fields forwarded as they are.

@@ -28,10 +28,9 @@ same ISA: no, and padding there costs a decode step its 3 extra rows).
 
 `draft_int8_kernel`: an int8 (W8A8) draft model's linears on sparsever's `int8_linear` op while it
 loads (`int8_draft_linears`): each int8 row is read once per call for every token, on VNNI dot
-products. vLLM-CPU's oneDNN int8 GEMM reads a draft pass's weights at about half the copy bandwidth
-(bench/results, draft_pass_*), but the op reads them slower still on a Zen 4 (0.62-0.79x oneDNN's
-time per pass at 1-16 tokens, `pass_linears_zen4-int8-rows_20261207-0134`), so "auto" keeps vLLM's
-everywhere for now and "sparsever" is an opt-in, for the measurements that should change that.
+products. On a Zen 4 it reads a one-token pass near the read roof, 1.6-1.7x oneDNN's int8 GEMM,
+but is slower than oneDNN at 2+ tokens (docs/kernels.md, "int8 draft linears"); a draft's catch-up
+passes carry several tokens, so "auto" keeps vLLM's for now and "sparsever" is an opt-in.
 """
 
 from __future__ import annotations
