@@ -121,15 +121,10 @@ void int8_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& we
     using OT = scalar_t;
     auto run = [&](const auto* b) {
       using BT = std::remove_const_t<std::remove_pointer_t<decltype(b)>>;
-      const auto args = std::make_tuple(q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), int(t), int(k),
-                                        weight.data_ptr<int8_t>(), weight.stride(0), weight_scale.data_ptr<float>(),
-                                        b, int(n), out.data_ptr<OT>(), out.stride(0));
-      std::apply([&](auto... a) {
-        if (vec4)
-          launch(grid, block, 0, int8_rows_kernel<OT, BT, true>, a...);
-        else
-          launch(grid, block, 0, int8_rows_kernel<OT, BT, false>, a...);
-      }, args);
+      const auto kernel = vec4 ? int8_rows_kernel<OT, BT, true> : int8_rows_kernel<OT, BT, false>;
+      launch(grid, block, 0, kernel, q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), int(t), int(k),
+             weight.data_ptr<int8_t>(), weight.stride(0), weight_scale.data_ptr<float>(), b, int(n),
+             out.data_ptr<OT>(), out.stride(0));
     };
     if (!bias.has_value()) {
       run(static_cast<const float*>(nullptr));

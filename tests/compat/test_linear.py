@@ -184,8 +184,8 @@ def test_int8_kernel_methods_keep_their_names_and_parameters():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_layer_keeps_its_rows_and_runs_the_given_linear_inside_the_context(dtype):
     """Inside int8_linears_on_rows: an eligible W8A8 layer keeps its int8 rows, fp32 scales [N] and row
-    sums, and its forward is `run`; a layer `take` refuses, a static-input layer, and any layer
-    outside the context load stock (oneDNN's packed weight, the plain tensor dropped)."""
+    sums, and its forward is `run`; the context yields the layers it took; a static-input layer and
+    any layer outside the context load stock (oneDNN's packed weight, the plain tensor dropped)."""
     from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -204,12 +204,10 @@ def test_int8_layer_keeps_its_rows_and_runs_the_given_linear_inside_the_context(
     layer, dequantized = _int8_layer(64, 128, gen)
     q = layer.weight.data.clone()
     kernel = CPUInt8ScaledMMLinearKernel(dynamic, names)
-    refused, _ = _int8_layer(64, 128, gen)
-    refused_kernel = CPUInt8ScaledMMLinearKernel(dynamic, names)
     with set_default_torch_dtype(dtype), compat_linear.int8_linears_take_fp32(), \
-            compat_linear.int8_linears_on_rows(run, take=lambda lay, n, k: lay is not refused):
+            compat_linear.int8_linears_on_rows(run) as taken:
         kernel.process_weights_after_loading(layer)
-        refused_kernel.process_weights_after_loading(refused)
+    assert taken == [layer]
     assert torch.equal(layer.weight, q) and layer.weight_scale.shape == (64,)
     assert torch.equal(layer.sparsever_int8_weight_sum, q.sum(1, dtype=torch.int32))
     x = torch.randn(2, 3, 128, generator=gen).to(dtype)
@@ -217,7 +215,6 @@ def test_int8_layer_keeps_its_rows_and_runs_the_given_linear_inside_the_context(
     assert calls == [(64, 128)] and y.shape == (2, 3, 64) and y.dtype == dtype
     ref = x.float() @ dequantized.t()
     assert ((y.float() - ref).abs() < 0.03 * ref.abs().max()).all()
-    assert refused.weight is None and refused_kernel.linear_method.__name__ == "_apply_weights_onednn"
     outside, _ = _int8_layer(64, 128, gen)
     outside_kernel = CPUInt8ScaledMMLinearKernel(dynamic, names)
     with set_default_torch_dtype(torch.float32), compat_linear.int8_linears_take_fp32():

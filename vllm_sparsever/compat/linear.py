@@ -116,13 +116,12 @@ def int8_rows_eligible(config: Any, weight: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def int8_linears_on_rows(run: Int8RowsLinear,
-                         take: Callable[[torch.nn.Module, int, int], bool] = lambda layer, n, k: True) -> Iterator[None]:
+def int8_linears_on_rows(run: Int8RowsLinear) -> Iterator[list[torch.nn.Module]]:
     """While active, a W8A8 int8 linear that loads with per-row weight scales and dynamic per-token
-    symmetric activations (`int8_rows_eligible`), and that `take(layer, n, k)` accepts, keeps its int8
-    weight [N, K] as loaded (rows contiguous), its scales as fp32 [N] and its row sums (int32 [N], kept
-    as `layer.sparsever_int8_weight_sum`), and its forward runs `run(x, weight, scale, row_sums, bias)`.
-    Other layers load stock."""
+    symmetric activations (`int8_rows_eligible`) keeps its int8 weight [N, K] as loaded (rows
+    contiguous), its scales as fp32 [N] and its row sums (int32 [N], kept as
+    `layer.sparsever_int8_weight_sum`), and its forward runs `run(x, weight, scale, row_sums, bias)`.
+    Other layers load stock. Yields the list of the layers taken, filled as they load."""
     import importlib
 
     module_name, attr = INT8_LINEAR_KERNEL
@@ -132,12 +131,11 @@ def int8_linears_on_rows(run: Int8RowsLinear,
     def prepare(self, layer: torch.nn.Module) -> None:
         w_q_name, w_s_name = self.layer_param_names[:2]
         weight = getattr(layer, w_q_name)
-        n, k = weight.shape if weight.dim() == 2 else (0, 0)
-        if not int8_rows_eligible(self.config, weight) or not take(layer, n, k):
+        if not int8_rows_eligible(self.config, weight):
             return stock(self, layer)
         rows = weight.data.contiguous()
         scale = getattr(layer, w_s_name).data.reshape(-1).to(torch.float32).contiguous()
-        if scale.numel() != n:
+        if scale.numel() != rows.shape[0]:
             return stock(self, layer)
         setattr(layer, w_q_name, torch.nn.Parameter(rows, requires_grad=False))
         setattr(layer, w_s_name, torch.nn.Parameter(scale, requires_grad=False))
@@ -147,9 +145,11 @@ def int8_linears_on_rows(run: Int8RowsLinear,
             return run(x, getattr(layer, w_q_name), getattr(layer, w_s_name), layer.sparsever_int8_weight_sum, bias)
 
         self.linear_method = linear_method  # this layer's kernel object only
+        taken.append(layer)
 
+    taken: list[torch.nn.Module] = []
     with replaced(kernel, "process_weights_after_loading", prepare):
-        yield
+        yield taken
 
 
 INT4_KERNEL = ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "CPUWNA16LinearKernel")

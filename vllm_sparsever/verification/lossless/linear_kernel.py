@@ -229,24 +229,14 @@ def int8_draft_linears(choice: str, counts: dict[str, int] | None = None) -> Ite
     if choice != "sparsever":  # "auto": measured slower than vLLM-CPU's int8 GEMM so far (module doc)
         yield
         return
-    vnni = ops.int8_vnni_available()
-    count = 0
-
-    def take(layer: torch.nn.Module, n: int, k: int) -> bool:
-        nonlocal count
-        count += 1
-        return True
-
-    def run(x, weight, weight_scale, weight_sum, bias):
-        return ops.int8_linear(x, weight, weight_scale, weight_sum, bias)
-
-    with int8_linears_on_rows(run, take):
+    with int8_linears_on_rows(ops.int8_linear) as taken:
         yield
-    if counts is not None and count:
-        counts["draft model int8"] = count
-    if count:
+    if counts is not None and taken:
+        counts["draft model int8"] = len(taken)
+    if taken:
         logger.info("sparsever: %d int8 linear layers of the draft model on sparsever's int8_linear "
-                    "(draft_int8_kernel %r%s)", count, choice, "" if vnni else "; no AVX512-VNNI: a portable loop")
+                    "(draft_int8_kernel %r%s)", len(taken), choice,
+                    "" if ops.int8_vnni_available() else "; no AVX512-VNNI: a portable loop")
 
 
 @contextlib.contextmanager
