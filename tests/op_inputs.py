@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from unittest import mock
+
 import torch
 
 # (rtol, atol) of a kernel output against the fp32 PyTorch reference, per dtype.
 TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+
+
+@contextlib.contextmanager
+def kernel_env(name: str, value: str | None):
+    """The environment variable `name` set to `value` (None: unset) while the context is active, as it
+    was after: the switches the CPU kernels read per call, to force one of their paths."""
+    with mock.patch.dict(os.environ):
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+        yield
 
 
 def start_loc(lengths: list[int]) -> torch.Tensor:

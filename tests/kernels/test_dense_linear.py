@@ -1,9 +1,6 @@
 """dense_linear (the dense linear over plain weights) vs the PyTorch reference: both weight layouts,
 both CPU paths (streamed weights for few tokens, fp32 panels for more), with and without bias."""
 
-import contextlib
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,23 +9,14 @@ from hypothesis import strategies as st
 import vllm_sparsever._custom_ops as ops
 import vllm_sparsever.reference as ref
 
-from op_inputs import TOL
+from op_inputs import TOL, kernel_env
 
 STREAM_MAX = "SPARSEVER_CPU_LINEAR_STREAM_MAX"
 
 
-@contextlib.contextmanager
 def _path(path: str):
     """Force one CPU path (the kernel reads the variable per call); "default": the built-in threshold."""
-    saved = os.environ.pop(STREAM_MAX, None)
-    if path != "default":
-        os.environ[STREAM_MAX] = "1000" if path == "stream" else "0"
-    try:
-        yield
-    finally:
-        os.environ.pop(STREAM_MAX, None)
-        if saved is not None:
-            os.environ[STREAM_MAX] = saved
+    return kernel_env(STREAM_MAX, {"stream": "1000", "gemm": "0"}.get(path))
 
 
 def _problem(dtype, t, k, n, layout, bias, gen):

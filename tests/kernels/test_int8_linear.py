@@ -2,9 +2,6 @@
 exact in both, so fp32 outputs agree to the epilogue's rounding; tails of K past 64 bytes, row counts
 past the 4-row tile, token tiles of 1-4, bias dtypes, and the portable path where the CPU lacks VNNI."""
 
-import contextlib
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,7 +10,7 @@ from hypothesis import strategies as st
 import vllm_sparsever._custom_ops as ops
 import vllm_sparsever.reference as ref
 
-from op_inputs import TOL
+from op_inputs import TOL, kernel_env
 
 VNNI = "SPARSEVER_CPU_INT8_VNNI"
 
@@ -32,19 +29,10 @@ def _expected(x, w, scale, w_sum, b):
     return out
 
 
-@contextlib.contextmanager
 def _path(path: str):
     """The VNNI path where the CPU has it ("default"), or the portable loop (what the AVX2 build runs);
     the kernel reads the variable per call."""
-    saved = os.environ.pop(VNNI, None)
-    if path == "portable":
-        os.environ[VNNI] = "0"
-    try:
-        yield
-    finally:
-        os.environ.pop(VNNI, None)
-        if saved is not None:
-            os.environ[VNNI] = saved
+    return kernel_env(VNNI, "0" if path == "portable" else None)
 
 
 @settings(max_examples=80, deadline=None)
