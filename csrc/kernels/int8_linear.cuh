@@ -59,19 +59,23 @@ __global__ void __launch_bounds__(kInt8RowWarps * kWarpSize)
 #pragma unroll
     for (int t = 0; t < kInt8Tokens; ++t) acc[t] = 0;
     if constexpr (kVec4) {
+      // One base pointer and a 32-bit token stride, not a 64-bit pointer per token (those spill on sm_80).
       const int* w4 = reinterpret_cast<const int*>(row);
-      for (int c = lane; c < k / 4; c += kWarpSize) {
+      const int* q4 = reinterpret_cast<const int*>(q + int64_t(t0) * k);
+      const int k4 = k / 4;
+      for (int c = lane; c < k4; c += kWarpSize) {
         const int wv = w4[c];
 #pragma unroll
         for (int t = 0; t < kInt8Tokens; ++t)
-          if (t < nt) acc[t] = dot4_i8(wv, reinterpret_cast<const int*>(q + int64_t(t0 + t) * k)[c], acc[t]);
+          if (t < nt) acc[t] = dot4_i8(wv, q4[t * k4 + c], acc[t]);
       }
     } else {
+      const int8_t* qt = q + int64_t(t0) * k;
       for (int c = lane; c < k; c += kWarpSize) {
         const int wv = row[c];
 #pragma unroll
         for (int t = 0; t < kInt8Tokens; ++t)
-          if (t < nt) acc[t] += wv * int(q[int64_t(t0 + t) * k + c]);
+          if (t < nt) acc[t] += wv * int(qt[t * k + c]);
       }
     }
 #pragma unroll
