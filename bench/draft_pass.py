@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=32768, help="0: the whole vocabulary")
     ap.add_argument("--draft-window", type=int, default=None, help="draft_attention_window (default: none)")
     ap.add_argument("--k", type=int, default=3, help="drafts per step (passes per round)")
-    ap.add_argument("--draft-int8-kernel", choices=("auto", "sparsever", "vllm"), default="auto",
+    ap.add_argument("--draft-int8-kernel", choices=("auto", "sparsever", "hybrid", "vllm"), default="auto",
                     help="the int8 draft's linears: sparsever's int8_linear or vLLM-CPU's int8 GEMM (draft_int8_kernel)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-prompts", type=int, default=2, help="prompts per row of each batch size")

@@ -379,7 +379,7 @@ class SparseverConfig:
     # token, on VNNI dot products); "vllm" keeps vLLM-CPU's (oneDNN's int8 GEMM, or sgl-kernel's on
     # AMX); "auto" is "vllm" for now: on a Zen 4 the op beats oneDNN's at one token only
     # (verification/lossless/linear_kernel.py). Lossless either way: the target verifies.
-    draft_int8_kernel: Literal["auto", "sparsever", "vllm"] = "auto"
+    draft_int8_kernel: Literal["auto", "sparsever", "hybrid", "vllm"] = "auto"
     # vLLM SpeculativeConfig fields forwarded as they are.
     passthrough: dict[str, Any] = field(default_factory=dict)
 
@@ -544,7 +544,7 @@ class SparseverConfig:
                 )
         _check_bool("fallback_to_dense", self.fallback_to_dense)
         _check_choice("linear_kernel", self.linear_kernel, ("auto", "sparsever", "hybrid", "vllm", "vllm-padded"))
-        _check_choice("draft_int8_kernel", self.draft_int8_kernel, ("auto", "sparsever", "vllm"))
+        _check_choice("draft_int8_kernel", self.draft_int8_kernel, ("auto", "sparsever", "hybrid", "vllm"))
         for name in ("attention", "ffn", "moe", "adaptive", "tree", "early_exit"):
             section = getattr(self, name)
             _check_bool(f"{name}.enabled", section.enabled)

@@ -225,6 +225,46 @@ def test_int8_layer_keeps_its_rows_and_runs_the_given_linear_inside_the_context(
     assert not compat_linear.int8_rows_eligible(dynamic, q.float())
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_layer_with_max_tokens_runs_few_tokens_on_its_rows_and_more_on_vllms_gemm(dtype):
+    """int8_linears_on_rows(run, max_tokens=1): the layer is also prepared stock (its packed weight),
+    keeps its rows beside it, and a one-token call runs `run` while a longer one runs vLLM's GEMM;
+    both near the fp32 product."""
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    import vllm_sparsever._custom_ops as ops
+
+    gen = torch.Generator().manual_seed(1)
+    names = ("weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj")
+    dynamic = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True, input_symmetric=True)
+    calls = []
+
+    def run(x, weight, scale, row_sums, bias):
+        calls.append(x.shape)
+        return ops.int8_linear(x, weight, scale, row_sums, bias)
+
+    layer, dequantized = _int8_layer(64, 128, gen)
+    q = layer.weight.data.clone()
+    kernel = CPUInt8ScaledMMLinearKernel(dynamic, names)
+    with set_default_torch_dtype(dtype), compat_linear.int8_linears_take_fp32(), \
+            compat_linear.int8_linears_on_rows(run, max_tokens=1) as taken:
+        kernel.process_weights_after_loading(layer)
+    assert taken == [layer]
+    assert torch.equal(layer.sparsever_int8_rows, q) and layer.sparsever_int8_weight_scale.shape == (64,)
+    assert layer.weight is None or layer.weight.data_ptr() != q.data_ptr()  # vLLM's own weight, packed
+    for x in (torch.randn(1, 128, generator=gen), torch.randn(1, 1, 128, generator=gen),
+              torch.randn(5, 128, generator=gen)):
+        x = x.to(dtype)
+        y = kernel.apply_weights(layer, x)
+        assert y.shape == x.shape[:-1] + (64,) and y.dtype == dtype
+        ref = x.float() @ dequantized.t()
+        assert ((y.float() - ref).abs() < 0.03 * ref.abs().max()).all()
+    assert calls == [(1, 128), (1, 1, 128)]  # the 5-token call ran vLLM's GEMM
+
+
 def _int4_layer(n: int, k: int, dtype: torch.dtype, gen: torch.Generator):
     """An int4 layer as vLLM's compressed-tensors W4A16 scheme creates and loads it (packed int4
     weights in groups of 128, scales in `dtype`), its scheme, and the fp32 weight it stands for."""

