@@ -84,6 +84,24 @@ def test_int8_linear_zero_tokens_rows_and_quantization_edges():
     assert ops.int8_linear(torch.zeros(0, k), w, scale, ops.int8_weight_sums(w)).shape == (0, n)
 
 
+
+@pytest.mark.parametrize("path", ["default", "portable"])
+def test_int8_linear_quantizes_ties_to_even_on_every_lane(path):
+    """Halfway values round to even and clamp at +-127 in the vector lanes and the scalar tail alike:
+    with an identity weight and unit scales the output is the quantized token itself."""
+    k = 53  # three 16-wide steps and a tail of 5
+    halves = torch.arange(k - 1, dtype=torch.float32) - 25.5  # -25.5 .. 25.5: every one a tie
+    x = torch.cat([torch.tensor([127.0]), halves]).view(1, k)
+    w = torch.eye(k, dtype=torch.int8)
+    with _path(path):
+        out = ops.int8_linear(x, w, torch.ones(k), ops.int8_weight_sums(w))
+    expected = torch.cat([torch.tensor([127.0]), torch.round(halves)])  # torch.round: half to even
+    assert torch.equal(out[0], expected), (out[0] - expected).nonzero()
+    x[0, 7] = float("nan")  # NaN clamps to -127 on both paths (amax ignores it)
+    with _path(path):
+        out = ops.int8_linear(x, w, torch.ones(k), ops.int8_weight_sums(w))
+    assert out[0, 7] == -127 and torch.equal(out[0, 8:], expected[8:])
+
 def test_int8_linear_refuses_bad_inputs_by_name():
     w = torch.zeros(4, 8, dtype=torch.int8)
     x = torch.zeros(2, 8)
