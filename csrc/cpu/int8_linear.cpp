@@ -68,6 +68,16 @@ bool vnni_available() {
   return has;
 }
 
+// The lane sums of four vectors at once, [sum(a), sum(b), sum(c), sum(d)]: 9 shuffles and adds where
+// four separate reductions take about 36.
+SPARSEVER_AVX512_VNNI inline __m128i reduce_add4(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  const __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
 // acc[t * NR + i] = sum_c xu[t, c] * w_i[c] for NR rows and NT tokens. next: the next tile's rows (nn of
 // them), a line of each prefetched per 64-byte step, so they stream in while this tile computes.
 template <int NR, int NT>
@@ -93,10 +103,24 @@ SPARSEVER_AVX512_VNNI inline void dot_tile_vnni(const uint8_t* xu, int64_t kp, i
       for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], xv[t], wv);
     }
   }
-  SPARSEVER_UNROLL
-  for (int i = 0; i < NR; ++i)
+  if constexpr (NR == 1 && NT == 1) {
+    acc_out[0] = _mm512_reduce_add_epi32(acc[0][0]);
+  } else if constexpr (NR == 1) {  // the tokens' sums four at a time
+    static_assert(NT <= 4, "token tiles of up to 4");
+    __m512i v[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     SPARSEVER_UNROLL
-    for (int t = 0; t < NT; ++t) acc_out[t * NR + i] = _mm512_reduce_add_epi32(acc[i][t]);
+    for (int t = 0; t < NT; ++t) v[t] = acc[0][t];
+    int32_t sums[4];
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(sums), reduce_add4(v[0], v[1], v[2], v[3]));
+    SPARSEVER_UNROLL
+    for (int t = 0; t < NT; ++t) acc_out[t] = sums[t];
+  } else {
+    static_assert(NR == 4, "row tiles of 4");
+    SPARSEVER_UNROLL
+    for (int t = 0; t < NT; ++t)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(acc_out + t * NR),
+                       reduce_add4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+  }
 }
 #else
 bool vnni_available() { return false; }

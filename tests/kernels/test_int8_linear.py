@@ -13,6 +13,7 @@ import vllm_sparsever.reference as ref
 from op_inputs import TOL, kernel_env
 
 VNNI = "SPARSEVER_CPU_INT8_VNNI"
+ROW_TILE = "SPARSEVER_CPU_INT8_ROW_TILE"
 
 
 def _problem(dtype, t, k, n, bias, gen):
@@ -30,8 +31,11 @@ def _expected(x, w, scale, w_sum, b):
 
 
 def _path(path: str):
-    """The VNNI path where the CPU has it ("default"), or the portable loop (what the AVX2 build runs);
-    the kernel reads the variable per call."""
+    """The VNNI path where the CPU has it ("default": single rows for one token, 4-row tiles for more),
+    single rows for every token count ("rows"), or the portable loop (what the AVX2 build runs); the
+    kernel reads the variables per call."""
+    if path == "rows":
+        return kernel_env(ROW_TILE, "0")
     return kernel_env(VNNI, "0" if path == "portable" else None)
 
 
@@ -42,7 +46,7 @@ def _path(path: str):
     k=st.sampled_from([1, 63, 64, 65, 200, 896]),
     n=st.integers(1, 41),
     bias=st.booleans(),
-    path=st.sampled_from(["default", "portable"]),
+    path=st.sampled_from(["default", "rows", "portable"]),
     seed=st.integers(0, 2**16),
 )
 def test_int8_linear_matches_reference(dtype, t, k, n, bias, path, seed):
