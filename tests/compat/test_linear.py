@@ -265,6 +265,23 @@ def test_int8_layer_with_max_tokens_runs_few_tokens_on_its_rows_and_more_on_vllm
     assert calls == [(1, 128), (1, 1, 128)]  # the 5-token call ran vLLM's GEMM
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stock_int8_linear_is_vllms_int8_gemm_on_a_weight_of_its_own(dtype):
+    """stock_int8_linear(weight, scale): the W8A8 layer vLLM-CPU prepares at load (its packed weight),
+    near the fp32 product, under the default dtype as a draft loads."""
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    gen = torch.Generator().manual_seed(2)
+    layer, dequantized = _int8_layer(48, 256, gen)
+    with set_default_torch_dtype(dtype), compat_linear.int8_linears_take_fp32():
+        linear = compat_linear.stock_int8_linear(layer.weight.data.clone(), layer.weight_scale.data.reshape(-1))
+    x = torch.randn(3, 256, generator=gen).to(dtype)
+    y = linear(x)
+    ref = x.float() @ dequantized.t()
+    assert y.shape == (3, 48) and y.dtype == dtype
+    assert ((y.float() - ref).abs() < 0.03 * ref.abs().max()).all()
+
 def _int4_layer(n: int, k: int, dtype: torch.dtype, gen: torch.Generator):
     """An int4 layer as vLLM's compressed-tensors W4A16 scheme creates and loads it (packed int4
     weights in groups of 128, scales in `dtype`), its scheme, and the fp32 weight it stands for."""

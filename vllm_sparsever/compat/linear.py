@@ -23,6 +23,9 @@ Private symbols touched:
   bias)`, the callable its `apply_weights` runs. Replaced on the class while a draft model loads
   (`int8_linears_on_rows`): a layer with per-row weight scales and dynamic per-token symmetric
   activations keeps its int8 rows and runs the `run` it is given.
+  `stock_int8_linear` builds one such layer and kernel (`CPUInt8ScaledMMLinearKernel(config,
+  layer_param_names)`, `Int8ScaledMMLinearLayerConfig`) for a weight of its own: the stock int8 GEMM
+  `draft_int8_kernel` "auto" times the op against.
 - `vllm.model_executor.kernels.linear.mixed_precision.cpu.CPUWNA16LinearKernel`: its
   `process_weights_after_loading(layer)` (repacks an int4 layer's `w_q_name`/`w_s_name` parameters)
   and `apply_weights(layer, x, bias)`. Its GEMMs (W4A16, and W4A8 on AMX) take 16-bit activations
@@ -167,6 +170,31 @@ def int8_linears_on_rows(run: Int8RowsLinear, max_tokens: int | None = None) -> 
     taken: list[torch.nn.Module] = []
     with replaced(kernel, "process_weights_after_loading", prepare):
         yield taken
+
+
+INT8_LAYER_PARAM_NAMES = ("weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj")
+
+
+def stock_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`x -> x @ (weight * weight_scale).T` through vLLM-CPU's int8 GEMM, prepared as it prepares a W8A8
+    layer with per-row scales and dynamic per-token symmetric activations at load (under the current
+    default dtype; the int8 weight [N, K] is packed and the kernel holds its own copy): the stock int8
+    linear, for a weight of its own. Not inside `int8_linears_on_rows`, which replaces that preparation."""
+    import importlib
+
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
+
+    module_name, attr = INT8_LINEAR_KERNEL
+    kernel_class = getattr(importlib.import_module(module_name), attr)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(weight_scale.reshape(-1, 1).to(torch.float32), requires_grad=False)
+    layer.input_scale = layer.input_zero_point = layer.azp_adj = None
+    layer.logical_widths = [weight.shape[0]]
+    kernel = kernel_class(Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True,
+                                                        input_symmetric=True), INT8_LAYER_PARAM_NAMES)
+    kernel.process_weights_after_loading(layer)
+    return lambda x: kernel.apply_weights(layer, x)
 
 
 INT4_KERNEL = ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "CPUWNA16LinearKernel")

@@ -97,6 +97,19 @@ PADDING_PROBE_SHAPE = (8192, 4096)
 PADDING_MIN_GAIN = 0.9
 
 
+def interleaved_medians(calls: dict[str, Callable[[], Any]], reps: int = 9, warmup: int = 2) -> dict[str, float]:
+    """Each call's median time in seconds over `reps - warmup` rounds, the calls interleaved in each
+    round (the first rounds are warm-up: first calls create oneDNN primitives)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for rep in range(reps):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 @functools.cache
 def padding_pays(dtype: torch.dtype) -> bool:
     """Whether vLLM-CPU's linear over a `dtype` weight runs a call padded to `PADDED_ROWS` rows faster
@@ -106,18 +119,11 @@ def padding_pays(dtype: torch.dtype) -> bool:
     weight = torch.randn(PADDING_PROBE_SHAPE, dtype=torch.float32).to(dtype)
     linear = stock_cpu_linear(weight)
     del weight  # (packed by vLLM-CPU; the plain copy is dropped)
-    rows = {1: torch.randn(1, PADDING_PROBE_SHAPE[1]).to(dtype), PADDED_ROWS: torch.randn(PADDED_ROWS,
-                                                                                       PADDING_PROBE_SHAPE[1]).to(dtype)}
-    times: dict[int, list[float]] = {1: [], PADDED_ROWS: []}
-    for rep in range(9):
-        for n, x in rows.items():
-            start = time.perf_counter()
-            linear(x)
-            if rep >= 2:  # two warm-up rounds: first calls create oneDNN primitives
-                times[n].append(time.perf_counter() - start)
-    decision = padding_decision(statistics.median(times[1]), statistics.median(times[PADDED_ROWS]))
-    logger.info("vllm_sparsever: vLLM-CPU's linear, 1 row %.2f ms, %d rows %.2f ms: %s", 1e3 * statistics.median(times[1]),
-                PADDED_ROWS, 1e3 * statistics.median(times[PADDED_ROWS]), "pad" if decision else "no padding")
+    one, padded = (torch.randn(n, PADDING_PROBE_SHAPE[1]).to(dtype) for n in (1, PADDED_ROWS))
+    t = interleaved_medians({"one": lambda: linear(one), "padded": lambda: linear(padded)})
+    decision = padding_decision(t["one"], t["padded"])
+    logger.info("vllm_sparsever: vLLM-CPU's linear, 1 row %.2f ms, %d rows %.2f ms: %s", 1e3 * t["one"],
+                PADDED_ROWS, 1e3 * t["padded"], "pad" if decision else "no padding")
     return decision
 
 
@@ -143,9 +149,45 @@ def check_draft_int8_kernel(choice: str) -> None:
         raise RuntimeError(f"draft_int8_kernel: {choice!r} runs on CPU only (allowed here: 'auto', 'vllm')")
 
 
-def resolve_draft_int8_kernel(choice: str) -> str:
-    """`draft_int8_kernel` in force ("auto": vLLM's int8 GEMM)."""
-    return "vllm" if choice == "auto" else choice
+def resolve_draft_int8_kernel(choice: str, dtype: torch.dtype, quantized_draft: bool) -> str:
+    """`draft_int8_kernel` in force for a draft model of `dtype` (`quantized_draft`: whether it has a
+    quantization config). "auto": "hybrid" where the CPU has VNNI and `int8_rows_pay`, else "vllm"."""
+    if choice != "auto":
+        return choice
+    if not (quantized_draft and is_cpu_platform() and ops.int8_vnni_available()):
+        return "vllm"
+    return "hybrid" if int8_rows_pay(dtype) else "vllm"
+
+
+# The measurement behind `int8_rows_pay`: int8 rows of a draft's width, past the last-level caches, and
+# the op's one-token call at least this much faster than vLLM-CPU's (a margin over timing noise).
+INT8_PROBE_SHAPE = (65536, 1024)
+INT8_ROWS_MIN_GAIN = 0.9
+
+
+@functools.cache
+def int8_rows_pay(dtype: torch.dtype) -> bool:
+    """Whether `int8_linear` runs a one-token call of a W8A8 linear faster than vLLM-CPU's int8 GEMM
+    for `dtype` activations on this CPU: timed once per process (about 0.3 s), interleaved, median of 7."""
+    from vllm_sparsever.compat.linear import int8_linears_take_fp32, stock_int8_linear
+
+    n, k = INT8_PROBE_SHAPE
+    weight = torch.empty(n, k, dtype=torch.int8).random_(-127, 128)
+    scale = torch.full((n,), 1e-3)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as the draft loads: vLLM-CPU picks its int8 kernel by it
+    try:
+        with int8_linears_take_fp32():
+            stock = stock_int8_linear(weight, scale)
+    finally:
+        torch.set_default_dtype(default)
+    sums = ops.int8_weight_sums(weight)
+    x = torch.randn(1, k).to(dtype)
+    t = interleaved_medians({"op": lambda: ops.int8_linear(x, weight, scale, sums), "vllm": lambda: stock(x)})
+    decision = t["op"] < INT8_ROWS_MIN_GAIN * t["vllm"]
+    logger.info("vllm_sparsever: a one-token int8 linear (%d x %d), int8_linear %.2f ms, vLLM-CPU's %.2f ms: %s",
+                n, k, 1e3 * t["op"], 1e3 * t["vllm"], "hybrid" if decision else "vLLM's")
+    return decision
 
 
 def sparsever_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -235,10 +277,9 @@ def plain_linears(what: str = "target", hybrid: bool = False, counts: dict[str, 
 @contextlib.contextmanager
 def int8_draft_linears(choice: str, counts: dict[str, int] | None = None) -> Iterator[None]:
     """While a draft model loads: its W8A8 linears on `int8_linear` as `draft_int8_kernel` (`choice`,
-    "auto" / "sparsever" / "hybrid" / "vllm") says. `counts["draft model int8"]`: how many layers."""
+    resolved: "sparsever" / "hybrid" / "vllm") says. `counts["draft model int8"]`: how many layers."""
     from vllm_sparsever.compat.linear import int8_linears_on_rows
 
-    choice = resolve_draft_int8_kernel(choice)
     if choice == "vllm":
         yield
         return

@@ -91,6 +91,7 @@ class SparseVerificationRuntime:
         num_layers: int | None = None,
         ffn_dense_kernel: str = "vllm",
         linear_kernel: str = "vllm",
+        draft_int8_kernel: str = "vllm",
     ) -> None:
         self.config = copy.deepcopy(config)
         self.profile = profile
@@ -130,6 +131,8 @@ class SparseVerificationRuntime:
         # "hybrid" = on it for steps of few tokens; how many layers of each model ("target", "draft
         # model") run it.
         self.linear_kernel = linear_kernel
+        # draft_int8_kernel resolved at start ("auto" measured: verification/lossless/linear_kernel.py).
+        self.draft_int8_kernel = draft_int8_kernel
         self.linear_layers: dict[str, int] = {}
         self.ffn_dense_op_max_tokens = 0
         # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
@@ -294,6 +297,7 @@ class SparseVerificationRuntime:
             "ffn_gate": sorted(self.ffn_gates),
             "ffn_dense_kernel": self.ffn_dense_kernel,
             "linear_kernel": self.linear_kernel,
+            "draft_int8_kernel": self.draft_int8_kernel,
             "linear_layers": dict(self.linear_layers),
             "ffn_dense_op_max_tokens": self.ffn_dense_op_max_tokens,
         }
