@@ -378,8 +378,9 @@ class SparseverConfig:
     # CPU: "sparsever" runs sparsever's int8_linear op (each int8 row read once per call, for every
     # token, on VNNI dot products); "hybrid" runs it for one-token calls and vLLM-CPU's GEMM for longer
     # ones, holding each int8 weight twice; "vllm" keeps vLLM-CPU's (oneDNN's int8 GEMM, or
-    # sgl-kernel's on AMX); "auto" is "vllm" for now: on a Zen 4 the op beats oneDNN's at one token
-    # only (verification/lossless/linear_kernel.py). Lossless either way: the target verifies.
+    # sgl-kernel's on AMX); "auto" is "hybrid" for a quantized draft on a CPU with VNNI where a
+    # one-token call of the op is measured faster than vLLM-CPU's at start, else "vllm"
+    # (verification/lossless/linear_kernel.py). Lossless either way: the target verifies.
     draft_int8_kernel: Literal["auto", "sparsever", "hybrid", "vllm"] = "auto"
     # vLLM SpeculativeConfig fields forwarded as they are.
     passthrough: dict[str, Any] = field(default_factory=dict)
