@@ -27,10 +27,11 @@ a padded one: once per process, on a weight larger than the caches (AMD Zen 4: y
 same ISA: no, and padding there costs a decode step its 3 extra rows).
 
 `draft_int8_kernel`: an int8 (W8A8) draft model's linears on sparsever's `int8_linear` op while it
-loads (`int8_draft_linears`): each int8 row is read once per call for every token, on VNNI dot
-products. On a Zen 4 it reads a one-token pass near the read roof, 1.6-1.7x oneDNN's int8 GEMM,
-but is slower than oneDNN at 2+ tokens (docs/kernels.md, "int8 draft linears"); a draft's catch-up
-passes carry several tokens, so "auto" keeps vLLM's for now and "sparsever" is an opt-in.
+loads (`int8_draft_linears`): each int8 row is read once per call, one at a time, for every token, on
+VNNI dot products. On a Zen 4 it is faster than oneDNN's int8 GEMM at 1-3 tokens and slower from 5 on
+(docs/kernels.md, "int8 draft linears"), so "hybrid" keeps both weights and runs the op for calls of up
+to `INT8_HYBRID_MAX_TOKENS` tokens; "auto" picks it where a one-token call is measured faster at start
+(`int8_rows_pay`), as `padding_pays` measures padding.
 """
 
 from __future__ import annotations
