@@ -143,7 +143,7 @@ def test_serialization_round_trip():
         ({"num_speculative_tokens": 3, "model": "d", "linear_kernel": "onednn"},
          ["linear_kernel", "'auto', 'sparsever', 'hybrid', 'vllm', 'vllm-padded'"]),
         ({"num_speculative_tokens": 3, "model": "d", "draft_int8_kernel": "onednn"},
-         ["draft_int8_kernel", "'auto', 'sparsever', 'vllm'"]),
+         ["draft_int8_kernel", "'auto', 'sparsever', 'hybrid', 'vllm'"]),
         ({"num_speculative_tokens": 3, "model": "d", "fallback_to_dense": 1}, ["fallback_to_dense"]),
     ],
 )
