@@ -181,6 +181,35 @@ def test_int8_kernel_methods_keep_their_names_and_parameters():
     assert tuple(onednn)[1:] == compat_linear.INT8_LINEAR_METHOD_PARAMS
 
 
+INT8_DYNAMIC = dict(is_static_input_scheme=False, is_channelwise=True, input_symmetric=True)
+
+
+def _int8_layer_loaded_on_rows(dtype, gen, max_tokens=None):
+    """A W8A8 layer vLLM-CPU's int8 kernel prepares inside int8_linears_on_rows(run, max_tokens), `run`
+    being int8_linear and recording the shapes of the inputs it gets: (kernel, layer, its int8 weight as
+    loaded, the fp32 weight it stands for, the layers the context took, the recorded shapes)."""
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    import vllm_sparsever._custom_ops as ops
+
+    calls = []
+
+    def run(x, weight, scale, row_sums, bias):
+        calls.append(x.shape)
+        return ops.int8_linear(x, weight, scale, row_sums, bias)
+
+    layer, dequantized = _int8_layer(64, 128, gen)
+    q = layer.weight.data.clone()
+    kernel = CPUInt8ScaledMMLinearKernel(Int8ScaledMMLinearLayerConfig(**INT8_DYNAMIC),
+                                         compat_linear.INT8_LAYER_PARAM_NAMES)
+    with set_default_torch_dtype(dtype), compat_linear.int8_linears_take_fp32(), \
+            compat_linear.int8_linears_on_rows(run, max_tokens) as taken:
+        kernel.process_weights_after_loading(layer)
+    return kernel, layer, q, dequantized, taken, calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_layer_keeps_its_rows_and_runs_the_given_linear_inside_the_context(dtype):
     """Inside int8_linears_on_rows: an eligible W8A8 layer keeps its int8 rows, fp32 scales [N] and row
@@ -190,33 +219,19 @@ def test_int8_layer_keeps_its_rows_and_runs_the_given_linear_inside_the_context(
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    import vllm_sparsever._custom_ops as ops
-
     gen = torch.Generator().manual_seed(0)
-    names = ("weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj")
-    dynamic = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True, input_symmetric=True)
-    calls = []
-
-    def run(x, weight, scale, row_sums, bias):
-        calls.append(weight.shape)
-        return ops.int8_linear(x, weight, scale, row_sums, bias)
-
-    layer, dequantized = _int8_layer(64, 128, gen)
-    q = layer.weight.data.clone()
-    kernel = CPUInt8ScaledMMLinearKernel(dynamic, names)
-    with set_default_torch_dtype(dtype), compat_linear.int8_linears_take_fp32(), \
-            compat_linear.int8_linears_on_rows(run) as taken:
-        kernel.process_weights_after_loading(layer)
+    kernel, layer, q, dequantized, taken, calls = _int8_layer_loaded_on_rows(dtype, gen)
     assert taken == [layer]
     assert torch.equal(layer.weight, q) and layer.weight_scale.shape == (64,)
     assert torch.equal(layer.sparsever_int8_weight_sum, q.sum(1, dtype=torch.int32))
     x = torch.randn(2, 3, 128, generator=gen).to(dtype)
     y = kernel.apply_weights(layer, x)
-    assert calls == [(64, 128)] and y.shape == (2, 3, 64) and y.dtype == dtype
+    assert calls == [(2, 3, 128)] and y.shape == (2, 3, 64) and y.dtype == dtype
     ref = x.float() @ dequantized.t()
     assert ((y.float() - ref).abs() < 0.03 * ref.abs().max()).all()
     outside, _ = _int8_layer(64, 128, gen)
-    outside_kernel = CPUInt8ScaledMMLinearKernel(dynamic, names)
+    dynamic = Int8ScaledMMLinearLayerConfig(**INT8_DYNAMIC)
+    outside_kernel = CPUInt8ScaledMMLinearKernel(dynamic, compat_linear.INT8_LAYER_PARAM_NAMES)
     with set_default_torch_dtype(torch.float32), compat_linear.int8_linears_take_fp32():
         outside_kernel.process_weights_after_loading(outside)
     assert outside.weight is None and not hasattr(outside, "sparsever_int8_weight_sum")
@@ -225,33 +240,13 @@ def test_int8_layer_keeps_its_rows_and_runs_the_given_linear_inside_the_context(
     assert not compat_linear.int8_rows_eligible(dynamic, q.float())
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_layer_with_max_tokens_runs_few_tokens_on_its_rows_and_more_on_vllms_gemm(dtype):
     """int8_linears_on_rows(run, max_tokens=1): the layer is also prepared stock (its packed weight),
     keeps its rows beside it, and a one-token call runs `run` while a longer one runs vLLM's GEMM;
     both near the fp32 product."""
-    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
-    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    import vllm_sparsever._custom_ops as ops
-
     gen = torch.Generator().manual_seed(1)
-    names = ("weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj")
-    dynamic = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True, input_symmetric=True)
-    calls = []
-
-    def run(x, weight, scale, row_sums, bias):
-        calls.append(x.shape)
-        return ops.int8_linear(x, weight, scale, row_sums, bias)
-
-    layer, dequantized = _int8_layer(64, 128, gen)
-    q = layer.weight.data.clone()
-    kernel = CPUInt8ScaledMMLinearKernel(dynamic, names)
-    with set_default_torch_dtype(dtype), compat_linear.int8_linears_take_fp32(), \
-            compat_linear.int8_linears_on_rows(run, max_tokens=1) as taken:
-        kernel.process_weights_after_loading(layer)
+    kernel, layer, q, dequantized, taken, calls = _int8_layer_loaded_on_rows(dtype, gen, max_tokens=1)
     assert taken == [layer]
     assert torch.equal(layer.sparsever_int8_rows, q) and layer.sparsever_int8_weight_scale.shape == (64,)
     assert layer.weight is None or layer.weight.data_ptr() != q.data_ptr()  # vLLM's own weight, packed
