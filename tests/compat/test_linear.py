@@ -264,13 +264,12 @@ def test_int8_layer_with_max_tokens_runs_few_tokens_on_its_rows_and_more_on_vllm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stock_int8_linear_is_vllms_int8_gemm_on_a_weight_of_its_own(dtype):
     """stock_int8_linear(weight, scale): the W8A8 layer vLLM-CPU prepares at load (its packed weight),
-    near the fp32 product, under the default dtype as a draft loads."""
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
+    near the fp32 product, for a model of `dtype` (the default dtype outside stays as it was)."""
     gen = torch.Generator().manual_seed(2)
     layer, dequantized = _int8_layer(48, 256, gen)
-    with set_default_torch_dtype(dtype), compat_linear.int8_linears_take_fp32():
-        linear = compat_linear.stock_int8_linear(layer.weight.data.clone(), layer.weight_scale.data.reshape(-1))
+    default = torch.get_default_dtype()
+    linear = compat_linear.stock_int8_linear(layer.weight.data.clone(), layer.weight_scale.data.reshape(-1), dtype)
+    assert torch.get_default_dtype() == default
     x = torch.randn(3, 256, generator=gen).to(dtype)
     y = linear(x)
     ref = x.float() @ dequantized.t()

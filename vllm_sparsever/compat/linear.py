@@ -24,7 +24,8 @@ Private symbols touched:
   (`int8_linears_on_rows`): a layer with per-row weight scales and dynamic per-token symmetric
   activations keeps its int8 rows and runs the `run` it is given.
   `stock_int8_linear` builds one such layer and kernel (`CPUInt8ScaledMMLinearKernel(config,
-  layer_param_names)`, `Int8ScaledMMLinearLayerConfig`) for a weight of its own: the stock int8 GEMM
+  layer_param_names)`, `Int8ScaledMMLinearLayerConfig`) for a weight of its own, under
+  `vllm.utils.torch_utils.set_default_torch_dtype` as a model loads: the stock int8 GEMM
   `draft_int8_kernel` "auto" times the op against.
 - `vllm.model_executor.kernels.linear.mixed_precision.cpu.CPUWNA16LinearKernel`: its
   `process_weights_after_loading(layer)` (repacks an int4 layer's `w_q_name`/`w_s_name` parameters)
@@ -175,14 +176,17 @@ def int8_linears_on_rows(run: Int8RowsLinear, max_tokens: int | None = None) -> 
 INT8_LAYER_PARAM_NAMES = ("weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj")
 
 
-def stock_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def stock_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor,
+                      dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """`x -> x @ (weight * weight_scale).T` through vLLM-CPU's int8 GEMM, prepared as it prepares a W8A8
-    layer with per-row scales and dynamic per-token symmetric activations at load (under the current
-    default dtype; the int8 weight [N, K] is packed and the kernel holds its own copy): the stock int8
-    linear, for a weight of its own. Not inside `int8_linears_on_rows`, which replaces that preparation."""
+    layer with per-row scales and dynamic per-token symmetric activations while a model of `dtype` loads
+    (the default dtype picks its kernel; fp32 as `int8_linears_take_fp32` has it; the int8 weight [N, K]
+    is packed and the kernel holds its own copy): the stock int8 linear, for a weight of its own. Not
+    inside `int8_linears_on_rows`, which replaces that preparation."""
     import importlib
 
     from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     module_name, attr = INT8_LINEAR_KERNEL
     kernel_class = getattr(importlib.import_module(module_name), attr)
@@ -193,7 +197,8 @@ def stock_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor) -> Calla
     layer.logical_widths = [weight.shape[0]]
     kernel = kernel_class(Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True,
                                                         input_symmetric=True), INT8_LAYER_PARAM_NAMES)
-    kernel.process_weights_after_loading(layer)
+    with set_default_torch_dtype(dtype), int8_linears_take_fp32():
+        kernel.process_weights_after_loading(layer)
     return lambda x: kernel.apply_weights(layer, x)
 
 

@@ -171,18 +171,12 @@ INT8_ROWS_MIN_GAIN = 0.9
 def int8_rows_pay(dtype: torch.dtype) -> bool:
     """Whether `int8_linear` runs a one-token call of a W8A8 linear faster than vLLM-CPU's int8 GEMM
     for `dtype` activations on this CPU: timed once per process (about 0.3 s), interleaved, median of 7."""
-    from vllm_sparsever.compat.linear import int8_linears_take_fp32, stock_int8_linear
+    from vllm_sparsever.compat.linear import stock_int8_linear
 
     n, k = INT8_PROBE_SHAPE
     weight = torch.empty(n, k, dtype=torch.int8).random_(-127, 128)
     scale = torch.full((n,), 1e-3)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # as the draft loads: vLLM-CPU picks its int8 kernel by it
-    try:
-        with int8_linears_take_fp32():
-            stock = stock_int8_linear(weight, scale)
-    finally:
-        torch.set_default_dtype(default)
+    stock = stock_int8_linear(weight, scale, dtype)
     sums = ops.int8_weight_sums(weight)
     x = torch.randn(1, k).to(dtype)
     t = interleaved_medians({"op": lambda: ops.int8_linear(x, weight, scale, sums), "vllm": lambda: stock(x)})
