@@ -2,8 +2,8 @@
 // activations quantized per token, symmetric, at run time) for the few tokens a draft pass or a catch-up
 // chunk carries. Each weight row is read from memory once per call and reused for every token while it
 // sits in L1. On a Zen 4 it is faster than vLLM-CPU's oneDNN int8 GEMM at 1-3 tokens and slower from 5
-// on, where the VNNI products, which grow with the tokens, dominate (docs/kernels.md, "int8 draft
-// linears").
+// on, where the VNNI products, which grow with the tokens, dominate; on a Zen 5 it needs its software
+// prefetch to stream from DRAM at all (docs/kernels.md, "int8 draft linears").
 //
 // With AVX512-VNNI, vpdpbusd multiplies 64 unsigned activation bytes by 64 signed weight bytes per
 // instruction. Activations are signed, so they are stored offset by 128 (xu = q + 128, unsigned) and
@@ -78,6 +78,12 @@ SPARSEVER_AVX512_VNNI inline __m128i reduce_add4(__m512i a, __m512i b, __m512i c
   return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
 }
 
+// Rows are read as one stream per thread, each 64-byte step prefetching the line this far ahead. On a
+// Zen 5 the hardware prefetchers alone held a one-token call from DRAM to about a fifth of the read
+// bandwidth (compute-bound in cache, the same call ran 5x faster); with it the call streams near the
+// read roof. Measured: bench/results, pass_linears_zen5-int8-*.
+constexpr int64_t kPrefetchBytes = 4096;
+
 // acc_out[t] = sum_c xu[t, c] * row[c] for NT <= 4 tokens: each 64-byte step of the row loaded once and
 // multiplied with every token's.
 template <int NT>
@@ -86,6 +92,8 @@ SPARSEVER_AVX512_VNNI inline void dot_row_vnni(const uint8_t* xu, int64_t kp, in
   static_assert(NT >= 1 && NT <= 4, "token tiles of up to 4");
   __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
   for (int64_t c = 0; c < k; c += 64) {
+    // (a hint: past the weight's end it loads nothing and cannot fault)
+    _mm_prefetch(reinterpret_cast<const char*>(row + c + kPrefetchBytes), _MM_HINT_T0);
     const __mmask64 mask = k - c >= 64 ? ~__mmask64(0) : (__mmask64(1) << (k - c)) - 1;
     const __m512i wv = _mm512_maskz_loadu_epi8(mask, row + c);  // zero past the row: adds nothing
     SPARSEVER_UNROLL
@@ -122,9 +130,9 @@ void int8_rows(const uint8_t* xu, int64_t num_tokens, int64_t kp, int64_t k, con
                OT* out, int64_t out_stride) {
   // SPARSEVER_CPU_INT8_VNNI=0 takes the portable loop (tests of it on VNNI CPUs).
   const bool vnni = vnni_available() && env_switch_on("SPARSEVER_CPU_INT8_VNNI");
-  // One row at a time, memory read in order with no software prefetch, every token tile multiplied while
-  // the row sits in L1: near the read roof at one token on a Zen 4. Tiles of 4 rows (each token's loads
-  // reused over four interleaved row streams) were slower at every token count. Measured: bench/results,
+  // One row at a time, memory read in order (prefetched ahead: kPrefetchBytes), every token tile
+  // multiplied while the row sits in L1. Tiles of 4 rows (each token's loads reused over four
+  // interleaved row streams) were slower at every token count. Measured: bench/results,
   // pass_linears_zen4-int8-*.
   at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
     std::vector<int32_t> acc(num_tokens);
