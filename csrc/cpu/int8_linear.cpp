@@ -80,8 +80,8 @@ SPARSEVER_AVX512_VNNI inline __m128i reduce_add4(__m512i a, __m512i b, __m512i c
 
 // Rows are read as one stream per thread, each 64-byte step prefetching the line this far ahead. On a
 // Zen 5 the hardware prefetchers alone held a one-token call from DRAM to about a fifth of the read
-// bandwidth (compute-bound in cache, the same call ran 5x faster); with it the call streams near the
-// read roof. Measured: bench/results, pass_linears_zen5-int8-*.
+// bandwidth (over a matrix that fits the last-level cache the same call ran over 3x faster); with it
+// the call streams near the read roof. Measured: bench/results, pass_linears_zen5-int8-*.
 constexpr int64_t kPrefetchBytes = 4096;
 
 // acc_out[t] = sum_c xu[t, c] * row[c] for NT <= 4 tokens: each 64-byte step of the row loaded once and
