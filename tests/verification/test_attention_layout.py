@@ -179,3 +179,23 @@ def test_decode_kernel_resolves_per_layout():
     assert resolve_decode_kernel("auto", "neon") == "vllm" and resolve_decode_kernel("vllm", "vec") == "vllm"
     with pytest.raises(RuntimeError, match="attention.decode_kernel.*'neon'"):
         resolve_decode_kernel("sparsever", "neon")
+
+
+def test_a_layers_kv_views_are_built_once_per_cache():
+    """The attention backend keeps a layer's KV views across calls (one cache per layer), builds them
+    anew for another cache or ISA, and they read the cache as it is written."""
+    from vllm_sparsever.verification.sparse.attention import SparseverCPUAttentionImpl
+
+    impl = object.__new__(SparseverCPUAttentionImpl)  # (only the views' state: no vLLM layer needed)
+    impl._views_of, impl._views = None, None
+    nb, hkv, bs, d = 4, 2, 32, 64
+    cache = torch.zeros(nb, hkv, bs, 2 * d)
+    key, value = impl._kv_views(cache)
+    assert impl._kv_views(cache)[0] is key
+    for got, want in zip((key, value), paged_kv_views(cache), strict=True):
+        assert got.shape == want.shape and got.stride() == want.stride() and got.data_ptr() == want.data_ptr()
+    cache.view(nb, hkv, 2 * bs * d)[1, 0, : bs * d] = 1.0  # block 1's keys, head 0
+    assert bool((key[1, 0] == 1).all()) and not bool(key[0].any())
+    other = torch.zeros_like(cache)
+    assert impl._kv_views(other)[0].data_ptr() == other.data_ptr()
+    assert impl._kv_views(other, "vec16")[0] is not impl._kv_views(other)[0]

@@ -260,6 +260,17 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         self._key_min: torch.Tensor | None = None
         self._key_max: torch.Tensor | None = None
         self._supported = vllm_attn.impl_supports_sparse(self)
+        self._views_of: tuple | None = None  # (cache address, shape, ISA) that `_views` were built for
+        self._views: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _kv_views(self, kv_cache: torch.Tensor, isa: str = "vec") -> tuple[torch.Tensor, torch.Tensor]:
+        """`paged_kv_views` of this layer's KV cache, built once: vLLM allocates a layer's cache once,
+        and rebuilding the strided views cost every layer call microseconds of Python. (A view keeps
+        its cache alive, so a new cache never shares the old address.)"""
+        key = (kv_cache.data_ptr(), kv_cache.shape, isa)
+        if self._views_of != key:
+            self._views, self._views_of = paged_kv_views(kv_cache, isa), key
+        return self._views
 
     # ---- summaries ----------------------------------------------------------------------
 
@@ -274,7 +285,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         K/V there: the accepted path of a draft tree compacted into place)."""
         if self._key_min is None or _layer_kernel(layer) != "sparsever":
             return
-        key_cache, _ = paged_kv_views(kv_cache)
+        key_cache, _ = self._kv_views(kv_cache)
         ops.update_block_key_summaries(key_cache, slot_mapping, key_cache.shape[2], self._key_min, self._key_max)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -290,7 +301,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
             key_min, key_max = self._summaries(nb, hkv, two_d // 2, kv_cache.device)
             fold_block_key_summaries(key, slot_mapping, bs, key_min, key_max)
         elif kernel == "sparsever":
-            key_cache, _ = paged_kv_views(kv_cache)
+            key_cache, _ = self._kv_views(kv_cache)
             nb, hkv, bs, d = key_cache.shape
             key_min, key_max = self._summaries(nb, hkv, d, key_cache.device)
             ops.update_block_key_summaries(key_cache, slot_mapping, bs, key_min, key_max)
@@ -341,7 +352,7 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
         """Exact attention of a verify step over every context block with sparsever's kernel, in the
         layer's KV layout (tree-masked for draft trees, else causal)."""
         num_tokens = md.num_actual_tokens
-        key_cache, value_cache = paged_kv_views(kv_cache, vllm_attn.layer_isa(layer))
+        key_cache, value_cache = self._kv_views(kv_cache, vllm_attn.layer_isa(layer))
         ops.block_sparse_tree_attention(
             query[:num_tokens], key_cache, value_cache, md.block_table, md.seq_lens,
             md.query_start_loc, self.scale, tree_mask=None if tree_mask is None else tree_mask[:num_tokens],
@@ -410,14 +421,14 @@ class SparseverCPUAttentionImpl(CPUAttentionBackendImpl):
             )
             selected, num_selected = selected.expand(-1, hkv, -1), num_selected.expand(-1, hkv)
         else:
-            key_cache, value_cache = paged_kv_views(kv_cache)
+            key_cache, value_cache = self._kv_views(kv_cache)
             ops.block_sparse_tree_attention(
                 query[:num_tokens], key_cache, value_cache, md.block_table, md.seq_lens,
                 md.query_start_loc, self.scale, selected=selected, num_selected=num_selected,
                 tree_mask=None if tree_mask is None else tree_mask[:num_tokens], out=output[:num_tokens],
             )
         if rt.check_reference and vllm_attn.layer_isa(layer) in PLAIN_LAYOUT_ISAS:
-            self._check_reference(query[:num_tokens], *paged_kv_views(kv_cache), md, selected,
+            self._check_reference(query[:num_tokens], *self._kv_views(kv_cache), md, selected,
                                   num_selected, output[:num_tokens], rt, exact_summaries=not shared,
                                   tree_mask=None if tree_mask is None else tree_mask[:num_tokens])
         # Blocks read come from the plan's kept counts (the selection kernel keeps exactly those).
