@@ -218,7 +218,7 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, int8_kernel, 
         draft_modules = list(runner.drafter.model.modules())
         quantized = sum(type(getattr(m, "scheme", None)).__name__ == vllm_scheme for m in draft_modules)
         c_kernels = sum(getattr(getattr(m, "_forward_method", None), "__qualname__", "").startswith(
-            ("_c_rms_norm.", "_c_silu_and_mul.")) for m in draft_modules)
+            ("_c_rms_norm.", "_c_silu_and_mul_one_token.")) for m in draft_modules)
         summaries = sum(getattr(impl, "_key_min", None) is not None for impl in attention_impls(runner.model))
         int8_rows = sum(hasattr(m, "sparsever_int8_rows") for m in draft_modules)
         return quantized, c_kernels, summaries, int8_rows, get_runtime().draft_int8_kernel, \

@@ -17,10 +17,10 @@ Private symbols touched (vLLM model classes, `vllm/model_executor/models/{llama,
 - `model.model.aux_hidden_state_layers` (the layers whose incoming streams the forward returns for
   an EAGLE-3 head, set by vLLM's runner; the residual stream entering layer i, i = len(layers): the
   stream before the final norm);
-- `RMSNorm` (`variance_epsilon`, `variance_size_override`, `has_weight`, `weight`) and `SiluAndMul`
-  (`vllm/model_executor/layers/{layernorm,activation}.py`), `CustomOp.forward` calling the
-  instance's `_forward_method`, and vLLM-CPU's `torch.ops._C.{rms_norm,fused_add_rms_norm,
-  silu_and_mul}`: `use_c_kernels_for_norms_and_activations` (a draft model's, in eager passes);
+- `RMSNorm` (`variance_epsilon`, `variance_size_override`, `has_weight`, `weight`;
+  `vllm/model_executor/layers/layernorm.py`) and `SiluAndMul`, `CustomOp.forward` calling the instance's
+  `_forward_method`, `SiluAndMul`'s (`activation.py`), and vLLM-CPU's `torch.ops._C.{rms_norm,
+  fused_add_rms_norm,silu_and_mul}`: `use_c_kernels_for_norms` (a draft model's, in eager passes);
 - `ModelRegistry.resolve_model_cls` and `interfaces.supports_eagle3` (whether vLLM's EAGLE-3
   drafter can run over a target, checked before start: `eagle3_target_supported`).
 """
@@ -189,14 +189,18 @@ def eagle3_target_supported(model_config: Any) -> bool:
     return bool(supports_eagle3(model_cls))
 
 
-def use_c_kernels_for_norms_and_activations(model: torch.nn.Module) -> int:
-    """Run `model`'s RMSNorm and SiluAndMul modules on vLLM-CPU's C kernels; returns how many.
+def use_c_kernels_for_norms(model: torch.nn.Module) -> int:
+    """Run `model`'s RMSNorm modules on vLLM-CPU's C kernels, and its SiluAndMul modules on theirs for
+    one-token calls; returns how many modules changed.
 
-    On x86 CPUs vLLM runs both as a handful of eager torch ops each (its IR ops' C kernels are
-    registered for GPUs only; under torch.compile Inductor fuses them), which at one token costs
-    several times the C kernel: a draft model's passes run eagerly, outside the compiled target.
-    Numerics change by rounding only, so this is for draft models, whose output the target verifies
-    (the target keeps vLLM's own, so that it decodes exactly as plain vLLM)."""
+    On x86 CPUs vLLM runs both as a few eager torch ops each (its IR ops' C kernels are registered for
+    GPUs only; under torch.compile Inductor fuses them), which at one token costs several times the C
+    kernel: a draft model's passes run eagerly, outside the compiled target. vLLM-CPU's `silu_and_mul`
+    C kernel, though, takes its exponentials one value at a time: faster than vLLM's two vectorized
+    torch ops at one token only, over 2x slower from 8 tokens on (a draft's catch-ups and batches), so
+    calls of more tokens keep vLLM's (bench/results, norms_ab_zen5-*). Numerics change by rounding
+    only, so this is for draft models, whose output the target verifies (the target keeps vLLM's own,
+    so that it decodes exactly as plain vLLM)."""
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
 
@@ -207,7 +211,7 @@ def use_c_kernels_for_norms_and_activations(model: torch.nn.Module) -> int:
             module._forward_method = _c_rms_norm(module, ops)
             changed += 1
         elif type(module) is SiluAndMul:
-            module._forward_method = _c_silu_and_mul(ops)
+            module._forward_method = _c_silu_and_mul_one_token(module._forward_method, ops)
             changed += 1
     return changed
 
@@ -225,8 +229,10 @@ def _c_rms_norm(norm: Any, ops: Any):
     return forward
 
 
-def _c_silu_and_mul(ops: Any):
+def _c_silu_and_mul_one_token(stock: Any, ops: Any):
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != x.shape[-1]:
+            return stock(x)
         out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
         ops.silu_and_mul(out, x.contiguous())
         return out
