@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE))
 from record import RESULTS, binding_env, hardware, save_results, versions  # noqa: E402
 
 PARTS = ("metadata", "layers", "head", "bookkeeping")
+LAYER_PARTS = ("layer_linear", "layer_attention", "layer_rotary", "layer_norm", "layer_activation")
 
 
 def summarize(passes: list[dict[str, Any]], nbytes: dict[str, Any], copy_GBps: float) -> dict[str, Any]:
@@ -49,7 +50,11 @@ def summarize(passes: list[dict[str, Any]], nbytes: dict[str, Any], copy_GBps: f
         total = med("total_s")
         parts = {k: med(k) for k in PARTS}
         roof = 1e3 * pass_bytes / (copy_GBps * 1e9)
+        split = {f"{k}_ms": med(k) for k in LAYER_PARTS if any(k in p for p in chosen)}
+        if split:  # --split-layers: the layers' time by module kind; the rest is the layers' own Python
+            split["layer_python_ms"] = max(parts["layers"] - sum(split.values()), 0.0)
         out[kind] = {"passes": len(chosen), "rows": rows, "tokens": statistics.median(p["tokens"] for p in chosen),
+                     **split,
                      "context": context, "total_ms": total, **{f"{k}_ms": v for k, v in parts.items()},
                      "other_ms": max(total - sum(parts.values()), 0.0), "bytes": pass_bytes, "roof_ms": roof,
                      "roof_fraction": roof / total}
@@ -70,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--profile-passes", type=int, default=6)
+    ap.add_argument("--split-layers", action="store_true",
+                    help="also time each decoder layer's linears, attention, rotary, norms and activation "
+                         "(a timer per module call: about a microsecond each, in the layers' time)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
     # The worker imports bench/tools/draft_pass_worker.py through PYTHONPATH, which vLLM's workers only
@@ -109,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         chat(prompts[:1], 8)  # warm-up
-        call("install")
+        call("install", args.split_layers)
         record["bandwidth"] = call("bandwidth")
         record["pass_bytes"] = nbytes = call("pass_bytes")
         for i, b in enumerate(args.batch_sizes):
@@ -158,6 +166,16 @@ def report(record: dict[str, Any]) -> list[str]:
             lines.append(f"| {b} | {kind} | {s['passes']} | {s['tokens']:.0f} | {s['context']:.0f} | {s['total_ms']:.1f} | "
                          f"{s['metadata_ms']:.1f} | {s['layers_ms']:.1f} | {s['head_ms']:.1f} | {s['bookkeeping_ms']:.1f} "
                          f"| {s['other_ms']:.1f} | {s['roof_ms']:.1f} | {s['roof_fraction']:.2f} |")
+    split_rows = [(b, kind, s) for b, entry in record["batch_sizes"].items() for kind, s in entry["summary"].items()
+                  if "layer_python_ms" in s]
+    if split_rows:
+        lines += ["", "The layers' time by module kind (--split-layers), ms per pass; Python: the layers' time "
+                  "outside those modules (their forwards' own code).", "",
+                  "| batch | pass | layers | linears | attention | rotary | norms | activation | Python |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for b, kind, s in split_rows:
+            lines.append(f"| {b} | {kind} | {s['layers_ms']:.1f} | " + " | ".join(
+                f"{s.get(k + '_ms', 0.0):.2f}" for k in LAYER_PARTS) + f" | {s['layer_python_ms']:.2f} |")
     prof = record.get("profile")
     if prof:
         ops = sorted(prof["ops_us_per_pass"].items(), key=lambda kv: -kv[1])

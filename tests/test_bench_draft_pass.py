@@ -46,3 +46,29 @@ def test_report_has_a_row_per_batch_and_kind():
     lines = draft_pass.report(record)
     assert any(line.startswith("| 8 | one_token | 1 | 8 |") for line in lines)
     assert "| aten::linear | 3.00 | 96 |" in lines
+
+
+def test_split_layers_parts_and_their_python():
+    """--split-layers: the layers' time by module kind, medians per pass; Python is what is left."""
+    passes = [_pass(1, 1, 100, 0.020, layers=0.016, layer_linear=0.010, layer_attention=0.002, layer_norm=0.001,
+                    layer_activation=0.0005, layer_rotary=0.0005)] * 3
+    one = draft_pass.summarize(passes, BYTES, copy_GBps=10.0)["one_token"]
+    assert one["layer_linear_ms"] == pytest.approx(10.0) and one["layer_python_ms"] == pytest.approx(2.0)
+    plain = draft_pass.summarize([_pass(1, 1, 100, 0.020, layers=0.016)], BYTES, copy_GBps=10.0)["one_token"]
+    assert "layer_python_ms" not in plain  # not split: no such column
+
+
+def test_split_layers_kinds_match_vllms_modules_not_the_models_wrappers():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "tools"))
+    import draft_pass_worker
+
+    def named(name):
+        return type(name, (), {})()
+
+    kinds = {n: draft_pass_worker._layer_kind(named(n)) for n in (
+        "QKVParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear", "Attention", "Qwen2Attention",
+        "LlamaAttention", "RotaryEmbedding", "RMSNorm", "SiluAndMul", "Qwen2MLP", "Qwen2DecoderLayer")}
+    assert kinds == {"QKVParallelLinear": "linear", "RowParallelLinear": "linear",
+                     "MergedColumnParallelLinear": "linear", "Attention": "attention", "Qwen2Attention": None,
+                     "LlamaAttention": None, "RotaryEmbedding": "rotary", "RMSNorm": "norm",
+                     "SiluAndMul": "activation", "Qwen2MLP": None, "Qwen2DecoderLayer": None}

@@ -21,7 +21,21 @@ def _drafter(worker: Any) -> Any:
     return getattr(proposer, "drafter", proposer)
 
 
-def install(worker: Any) -> bool:
+# --split-layers: a decoder layer's modules timed by kind (the rest of "layers" is the layers' own Python)
+# (kind, class-name suffix): vLLM's `Attention` layer, not the model's `Qwen2Attention` around it
+LAYER_KINDS = (("linear", "Linear"), ("attention", "Attention"), ("rotary", "RotaryEmbedding"),
+               ("norm", "RMSNorm"), ("activation", "SiluAndMul"))
+
+
+def _layer_kind(module: Any) -> str | None:
+    name = type(module).__name__
+    for kind, suffix in LAYER_KINDS:
+        if name.endswith(suffix) and (kind != "attention" or name == "Attention"):
+            return kind
+    return None
+
+
+def install(worker: Any, split_layers: bool = False) -> bool:
     drafter = _drafter(worker)
     stack, target, parts = drafter._stack, drafter.target, _STATE["parts"]
 
@@ -44,6 +58,16 @@ def install(worker: Any) -> bool:
     else:
         object.__setattr__(stack, "compute_logits", timed("head", stack.compute_logits))
     drafter._writing = timed("bookkeeping", drafter._writing)
+    if split_layers:  # each module's forward timed where the layer calls it (outermost match only; once
+        # per module: layers may share one, as vLLM's cached rotary embedding)
+        seen: set[int] = set()
+        for layer in stack.layers:
+            for _, module in layer.named_modules():
+                kind = _layer_kind(module)
+                if kind is None or any(id(m) in seen for m in module.modules()):
+                    continue
+                seen.update(id(m) for m in module.modules())
+                module.forward = timed(f"layer_{kind}", module.forward)
     shape: dict[str, int] = {}
     run = draft_model.final_hidden
 
