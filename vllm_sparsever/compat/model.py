@@ -17,10 +17,11 @@ Private symbols touched (vLLM model classes, `vllm/model_executor/models/{llama,
 - `model.model.aux_hidden_state_layers` (the layers whose incoming streams the forward returns for
   an EAGLE-3 head, set by vLLM's runner; the residual stream entering layer i, i = len(layers): the
   stream before the final norm);
-- `RMSNorm` (`variance_epsilon`, `variance_size_override`, `has_weight`, `weight`;
-  `vllm/model_executor/layers/layernorm.py`) and `SiluAndMul`, `CustomOp.forward` calling the instance's
-  `_forward_method`, `SiluAndMul`'s (`activation.py`), and vLLM-CPU's `torch.ops._C.{rms_norm,
-  fused_add_rms_norm,silu_and_mul}`: `use_c_kernels_for_norms` (a draft model's, in eager passes);
+- `RMSNorm` (`variance_epsilon`, `variance_size_override`, `has_weight`, `weight`) and `SiluAndMul`
+  (`vllm/model_executor/layers/{layernorm,activation}.py`), `CustomOp.forward` calling the
+  instance's `_forward_method` (SiluAndMul's own kept for calls past one token), and vLLM-CPU's
+  `torch.ops._C.{rms_norm,fused_add_rms_norm,silu_and_mul}`: `use_c_kernels_where_faster` (a draft
+  model's, in eager passes);
 - `ModelRegistry.resolve_model_cls` and `interfaces.supports_eagle3` (whether vLLM's EAGLE-3
   drafter can run over a target, checked before start: `eagle3_target_supported`).
 """
@@ -189,7 +190,7 @@ def eagle3_target_supported(model_config: Any) -> bool:
     return bool(supports_eagle3(model_cls))
 
 
-def use_c_kernels_for_norms(model: torch.nn.Module) -> int:
+def use_c_kernels_where_faster(model: torch.nn.Module) -> int:
     """Run `model`'s RMSNorm modules on vLLM-CPU's C kernels, and its SiluAndMul modules on theirs for
     one-token calls; returns how many modules changed.
 

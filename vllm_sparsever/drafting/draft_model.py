@@ -139,14 +139,14 @@ class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
         self.init_trees(tree)
 
     def load(self, target: Any) -> None:
-        from vllm_sparsever.compat.model import decoder_stack, plain_lm_head, use_c_kernels_for_norms
+        from vllm_sparsever.compat.model import decoder_stack, plain_lm_head, use_c_kernels_where_faster
         from vllm_sparsever.compat.worker import is_cpu_platform
 
         super().load(target)
         model = target.draft_model()
         self._stack = decoder_stack(model)
-        if is_cpu_platform():  # the draft's passes run eagerly: its norms on C kernels
-            use_c_kernels_for_norms(model)
+        if is_cpu_platform():  # the draft's passes run eagerly: its norms (and one-token SwiGLUs) on C kernels
+            use_c_kernels_where_faster(model)
         if self._draft_vocab is not None:
             from vllm_sparsever import _custom_ops as ops
             from vllm_sparsever.config import SparseverConfigError
