@@ -26,14 +26,6 @@ VARIANTS = ("vllm", "c_all", "c_norms")
 LABELS = {"vllm": "vLLM modules", "c_all": "C norms + C SwiGLU", "c_norms": "C norms + the SwiGLU as the draft runs it"}
 
 
-def c_silu_and_mul(x):
-    import torch
-
-    out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype)
-    torch.ops._C.silu_and_mul(out, x.contiguous())
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=896)
@@ -53,7 +45,7 @@ def main(argv=None) -> int:
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     from record import RESULTS, hardware, save_results, versions
-    from vllm_sparsever.compat.model import use_c_kernels_where_faster
+    from vllm_sparsever.compat.model import c_silu_and_mul, use_c_kernels_where_faster
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

