@@ -69,6 +69,11 @@ void int8_linear_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Te
                      const torch::Tensor& weight_scale, const torch::Tensor& weight_sum,
                      const std::optional<torch::Tensor>& bias);
 
+// out [T, N] = W4A8 linear: x quantized per token (symmetric int8, at run time) times int4 weight rows
+// packed two a byte [N, K / 2] with one fp32 scale per group of input channels [N, K / G] (+ bias).
+void int4_linear_cpu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                     const torch::Tensor& weight_scale, const std::optional<torch::Tensor>& bias);
+
 // Top-k softmax routing + ratio pruning + optional per-group expert budget.
 void moe_route_and_prune_cpu(const torch::Tensor& router_logits, int64_t top_k, double prune_ratio,
                              const std::optional<torch::Tensor>& group_start_loc, int64_t expert_budget,

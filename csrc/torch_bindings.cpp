@@ -79,6 +79,12 @@ TORCH_LIBRARY(sparsever, m) {
       "int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
       "Tensor? bias) -> ()");
 
+  // out [T, N] (x's dtype) = a W4A8 linear (an int4 draft model's): x [T, K] quantized per token to
+  // symmetric int8 at run time, weight [N, K / 2] uint8 (two int4 values a byte, reference.unpack_int4_rows's
+  // layout) with contiguous rows, weight_scale [N, K / G] fp32 (one per group of G input channels, G a
+  // multiple of 128), bias [N] or None.
+  m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> ()");
+
   // router_logits [T, E]; group_start_loc [G+1] int32 or None; topk_weights [T, K] fp32;
   // topk_ids [T, K] int32 (-1 = pruned).
   m.def(
@@ -101,6 +107,7 @@ TORCH_LIBRARY_IMPL(sparsever, CPU, m) {
   m.impl("input_sparse_gate", &input_sparse_gate_cpu);
   m.impl("dense_linear", &dense_linear_cpu);
   m.impl("int8_linear", &int8_linear_cpu);
+  m.impl("int4_linear", &int4_linear_cpu);
   m.impl("moe_route_and_prune", &moe_route_and_prune_cpu);
   m.impl("moe_grouped_dispatch", &moe_grouped_dispatch_cpu);
 }

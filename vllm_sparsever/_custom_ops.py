@@ -15,8 +15,8 @@ load_extension()
 _ops = torch.ops.sparsever
 
 OP_NAMES = ("update_block_key_summaries", "select_kv_blocks", "block_sparse_tree_attention", "topk_swiglu_ffn",
-            "topk_swiglu_ffn_gated", "input_sparse_gate", "dense_linear", "int8_linear", "moe_route_and_prune",
-            "moe_grouped_dispatch")
+            "topk_swiglu_ffn_gated", "input_sparse_gate", "dense_linear", "int8_linear", "int4_linear",
+            "moe_route_and_prune", "moe_grouped_dispatch")
 
 
 def loaded_module() -> str:
@@ -73,6 +73,11 @@ def _dense_linear_fake(out, x, weight, bias) -> None:
 
 @torch.library.register_fake("sparsever::int8_linear")
 def _int8_linear_fake(out, x, weight, weight_scale, weight_sum, bias) -> None:
+    return None
+
+
+@torch.library.register_fake("sparsever::int4_linear")
+def _int4_linear_fake(out, x, weight, weight_scale, bias) -> None:
     return None
 
 
@@ -197,6 +202,33 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if out is None:
         out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     _ops.int8_linear(out, x2, weight, weight_scale, weight_sum, bias)
+    return out.view(*lead, weight.shape[0])
+
+
+def pack_int4_rows(values: torch.Tensor) -> torch.Tensor:
+    """int4 weights [N, K] (integers in [-8, 7], K a multiple of 128) in int4_linear's layout: uint8
+    [N, K / 2], each 128-channel block 64 bytes, byte j = (w[j] + 8) | (w[64 + j] + 8) << 4
+    (reference.unpack_int4_rows inverts it)."""
+    n, k = values.shape
+    if k % 128:
+        raise ValueError(f"pack_int4_rows: K must be a multiple of 128, got {k}")
+    v = (values.to(torch.int16) + 8).reshape(n, k // 128, 2, 64)
+    if bool(((v < 0) | (v > 15)).any()):
+        raise ValueError("pack_int4_rows: values must be integers in [-8, 7]")
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).to(torch.uint8).reshape(n, k // 2).contiguous()
+
+
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A W4A8 linear: x [..., K] quantized per token to symmetric int8 at run time, times int4 weights
+    (`pack_int4_rows` [N, K / 2]) with one fp32 scale per group of input channels [N, K / G] (+ bias);
+    out [..., N] in x's dtype. On CPU each packed row is read once per call for every token (VNNI dot
+    products where the CPU has them): an int4 draft model's few-token passes."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if out is None:
+        out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _ops.int4_linear(out, x2, weight, weight_scale, bias)
     return out.view(*lead, weight.shape[0])
 
 

@@ -382,6 +382,13 @@ class SparseverConfig:
     # one-token call of the op is measured faster than vLLM-CPU's at start, else "vllm"
     # (verification/lossless/linear_kernel.py). Lossless either way: the target verifies.
     draft_int8_kernel: Literal["auto", "sparsever", "hybrid", "vllm"] = "auto"
+    # A draft model's int4 (symmetric, groups of a multiple of 128 input channels) linears on CPU:
+    # "sparsever" runs sparsever's int4_linear op (W4A8: activations quantized per token, VNNI dot
+    # products) for every call; "hybrid" for calls of up to 32 tokens and vLLM-CPU's int4 GEMM for longer
+    # ones (holding each int4 weight twice); "vllm" keeps vLLM-CPU's (W4A16, or W4A8 on AMX); "auto" is
+    # "hybrid" for a quantized draft on a CPU with VNNI and without AMX, else "vllm". Lossless either
+    # way: the target verifies.
+    draft_int4_kernel: Literal["auto", "sparsever", "hybrid", "vllm"] = "auto"
     # vLLM SpeculativeConfig fields forwarded as they are.
     passthrough: dict[str, Any] = field(default_factory=dict)
 
@@ -547,6 +554,7 @@ class SparseverConfig:
         _check_bool("fallback_to_dense", self.fallback_to_dense)
         _check_choice("linear_kernel", self.linear_kernel, ("auto", "sparsever", "hybrid", "vllm", "vllm-padded"))
         _check_choice("draft_int8_kernel", self.draft_int8_kernel, ("auto", "sparsever", "hybrid", "vllm"))
+        _check_choice("draft_int4_kernel", self.draft_int4_kernel, ("auto", "sparsever", "hybrid", "vllm"))
         for name in ("attention", "ffn", "moe", "adaptive", "tree", "early_exit"):
             section = getattr(self, name)
             _check_bool(f"{name}.enabled", section.enabled)

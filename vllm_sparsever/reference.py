@@ -38,6 +38,8 @@ __all__ = [
     "input_sparse_gate",
     "dense_linear",
     "int8_linear",
+    "int4_linear",
+    "unpack_int4_rows",
     "moe_route_and_prune",
     "moe_grouped_dispatch",
     "topk_lower_index_wins",
@@ -348,6 +350,49 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
     if bias is not None:
         y = y + bias.float()
     out.copy_(y.to(out.dtype))
+
+
+INT4_BLOCK = 128  # input channels per 64 packed bytes
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int4_linear's weight layout back to values: packed uint8 [N, K / 2] -> int8 [N, K] in [-8, 7].
+    Each row's block of 128 input channels is 64 bytes; byte j holds channel j in its low nibble and
+    channel 64 + j in its high one, each stored as w + 8."""
+    n, half = packed.shape
+    blocks = packed.reshape(n, half // (INT4_BLOCK // 2), INT4_BLOCK // 2).to(torch.int16)
+    values = torch.cat([blocks & 0x0F, blocks >> 4], dim=2) - 8  # [N, blocks, 128]
+    return values.reshape(n, half * 2).to(torch.int8)
+
+
+def int4_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> None:
+    """A W4A8 linear (an int4 draft's linear: symmetric int4 weights with one scale per group of input
+    channels, activations quantized per token to int8 at run time), in place.
+
+    x: [T, K] float, K a multiple of 128. weight: uint8 [N, K / 2] (`unpack_int4_rows`'s layout; packed
+    by `_custom_ops.pack_int4_rows`). weight_scale: fp32 [N, K / G], G a multiple of 128. bias: [N] or
+    None. Each token is quantized as in `int8_linear` (q, scale_t); out[t, n] = scale_t * sum over
+    groups g of weight_scale[n, g] * (q_t . w_n over g, exact in integers) + bias[n], in fp32 (kernels
+    sum the groups in another order: equal to fp32 rounding), rounded to out's dtype."""
+    k = x.shape[1]
+    if k % INT4_BLOCK or weight.shape[1] * 2 != k or weight.dtype != torch.uint8:
+        raise ValueError("int4_linear: x [T, K] with K a multiple of 128 and weight uint8 [N, K / 2]")
+    groups = weight_scale.shape[1]
+    if k % groups or (k // groups) % INT4_BLOCK:
+        raise ValueError("int4_linear: weight_scale [N, K / G] with G a multiple of 128")
+    w = unpack_int4_rows(weight).double()  # [N, K]
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))  # as int8_linear
+    scale = (amax.double() / 127.0).float()
+    q = torch.round(xf * inv[:, None]).clamp(-127, 127).double()
+    g = k // groups
+    per_group = torch.einsum("tgc,ngc->tng", q.view(-1, groups, g), w.view(-1, groups, g))  # exact integers
+    y = (per_group * weight_scale.double()[None]).sum(dim=2) * scale.double()[:, None]
+    if bias is not None:
+        y = y + bias.double()
+    out.copy_(y.float().to(out.dtype))
 
 
 def input_sparse_gate(

@@ -1,7 +1,7 @@
 """The linears of one whole decoder pass, every layer's own weights, read from DRAM: bf16 on vLLM-CPU's
 path, on it with 1-3 tokens padded to 4 rows (`linear_kernel: "vllm-padded"`) and on sparsever's `dense_linear`, int8 (W8A8) on vLLM-CPU's int8 GEMM and
 on sparsever's `int8_linear` (`draft_int8_kernel`), and int4 on vLLM-CPU's int4 GEMM (W4A8 on CPUs with AMX,
-W4A16 elsewhere), side by side.
+W4A16 elsewhere) and on sparsever's `int4_linear` (W4A8, `draft_int4_kernel`), side by side.
 
 A served pass reads each layer's weights once, and a model's weights exceed the CPU's caches
 (Qwen2.5-Coder-0.5B: 716 MB of bf16 linears against a Xeon's 480 MB L3), so this times passes over
@@ -33,8 +33,9 @@ LAYERS = {"qwen2.5-1.5b": 28, "qwen2.5-0.5b": 24}
 # ratio name: (baseline kind, kind), the baseline's median time over the kind's
 RATIOS = {"int8_speedup_vs_vllm_bf16": ("vllm_bf16", "vllm_int8"), "ours_vs_vllm_bf16": ("vllm_bf16", "ours_bf16"),
           "padded_vs_vllm_bf16": ("vllm_bf16", "vllm_bf16_padded"), "int4_speedup_vs_vllm_bf16": ("vllm_bf16", "vllm_int4"),
-          "int4_speedup_vs_vllm_int8": ("vllm_int8", "vllm_int4"), "ours_int8_vs_vllm_int8": ("vllm_int8", "ours_int8")}
-KINDS = ("vllm_bf16", "vllm_bf16_padded", "ours_bf16", "vllm_int8", "ours_int8", "vllm_int4")
+          "int4_speedup_vs_vllm_int8": ("vllm_int8", "vllm_int4"), "ours_int8_vs_vllm_int8": ("vllm_int8", "ours_int8"),
+          "ours_int4_vs_vllm_int4": ("vllm_int4", "ours_int4"), "ours_int4_vs_ours_int8": ("ours_int8", "ours_int4")}
+KINDS = ("vllm_bf16", "vllm_bf16_padded", "ours_bf16", "vllm_int8", "ours_int8", "vllm_int4", "ours_int4")
 
 
 def main(argv=None) -> int:
@@ -113,6 +114,14 @@ def main(argv=None) -> int:
 
     rows8 = [[int8_rows(w) for w in layer] for layer in layers]
     int4_layers = [[int4_layer(w) for w in layer] for layer in layers]
+
+    def int4_rows(w):  # as draft_int4_kernel keeps a layer (compat/linear.py int4_linears_on_rows)
+        from vllm_sparsever.models.quantize import INT4_GROUP_SIZE, quantize_int4_per_group
+
+        q, scale = quantize_int4_per_group(w, INT4_GROUP_SIZE, w.dtype)
+        return ops.pack_int4_rows(q), scale.float().contiguous()
+
+    rows4 = [[int4_rows(w) for w in layer] for layer in layers]
     llc = last_level_cache_bytes()
     flush = torch.zeros(int(2 * llc) // 4, dtype=torch.float32)
 
@@ -138,6 +147,8 @@ def main(argv=None) -> int:
                     linear_int8(xs[k], quantized[li][j])
                 elif kind == "ours_int8":
                     ops.int8_linear(xs[k], *rows8[li][j])
+                elif kind == "ours_int4":
+                    ops.int4_linear(xs[k], *rows4[li][j])
                 else:
                     int4_layers[li][j](xs[k])
         return 1e3 * (time.perf_counter() - start)

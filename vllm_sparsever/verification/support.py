@@ -55,7 +55,8 @@ def check_cpu_only_kernels(config: SparseverConfig, platform_is_cpu: bool) -> No
     if platform_is_cpu:
         return
     for field, value in (("linear_kernel", config.linear_kernel), ("ffn.dense_kernel", config.ffn.dense_kernel),
-                         ("draft_int8_kernel", config.draft_int8_kernel)):
+                         ("draft_int8_kernel", config.draft_int8_kernel),
+                         ("draft_int4_kernel", config.draft_int4_kernel)):
         if value in ("sparsever", "hybrid", "vllm-padded"):
             raise SparseverConfigError(f"{field}: {value!r} runs on CPU only (allowed on this platform: 'auto', 'vllm')")
 

@@ -32,6 +32,14 @@ VNNI dot products. On a Zen 4 it is faster than oneDNN's int8 GEMM at 1-3 tokens
 (docs/kernels.md, "int8 draft linears"), so "hybrid" keeps both weights and runs the op for calls of up
 to `INT8_HYBRID_MAX_TOKENS` tokens; "auto" picks it where a one-token call is measured faster at start
 (`int8_rows_pay`), as `padding_pays` measures padding.
+
+`draft_int4_kernel`: an int4 (W4A16 checkpoint) draft model's linears on sparsever's `int4_linear` op
+while it loads (`int4_draft_linears`): each packed row is read once per call for every token, its
+activations quantized to int8 per token (W4A8) on VNNI dot products. Without AMX, vLLM-CPU runs such a
+layer as W4A16, unpacking each weight to bf16: slower than the op up to 32 tokens a call, faster from
+64 on (a draft's prompt catch-up), so "hybrid" keeps both weights and runs the op for calls of up to
+`INT4_HYBRID_MAX_TOKENS` tokens, and "auto" picks it there (docs/kernels.md, "int4 draft linears").
+With AMX vLLM-CPU runs W4A8 on AMX tiles, which the op was not measured against: "auto" keeps vLLM's.
 """
 
 from __future__ import annotations
@@ -68,6 +76,11 @@ CPU_ONLY_DRAFT_INT8_KERNELS = ("sparsever", "hybrid")
 # (its VNNI products grow with the tokens; oneDNN's stay flat to 8). Measured: bench/results,
 # pass_linears_zen4-int8-single-rows_*.
 INT8_HYBRID_MAX_TOKENS = 3
+
+# draft_int4_kernel "hybrid": calls of up to this many tokens run int4_linear, longer ones vLLM-CPU's int4
+# GEMM: per pass the op is faster than vLLM-CPU's W4A16 up to 32 tokens and slower at 64 (its VNNI
+# products grow with the tokens). Measured: bench/results, pass_linears_zen5-int4-*.
+INT4_HYBRID_MAX_TOKENS = 32
 
 # linear_kernel "vllm-padded": calls of fewer tokens than this run as a call of this many rows.
 # Measured: bench/results, linear_ab_zen4-*.
@@ -159,6 +172,23 @@ def resolve_draft_int8_kernel(choice: str, dtype: torch.dtype, quantized_draft: 
     if not (quantized_draft and is_cpu_platform() and ops.int8_vnni_available()):
         return "vllm"
     return "hybrid" if int8_rows_pay(dtype) else "vllm"
+
+
+def check_draft_int4_kernel(choice: str) -> None:
+    """`draft_int4_kernel` "sparsever" and "hybrid" replace vLLM-CPU's int4 linear: a CPU engine's only."""
+    if choice in CPU_ONLY_DRAFT_INT8_KERNELS and not is_cpu_platform():
+        raise RuntimeError(f"draft_int4_kernel: {choice!r} runs on CPU only (allowed here: 'auto', 'vllm')")
+
+
+def resolve_draft_int4_kernel(choice: str, quantized_draft: bool) -> str:
+    """`draft_int4_kernel` in force for a draft model (`quantized_draft`: whether it has a quantization
+    config). "auto": "hybrid" on a CPU with VNNI and without AMX tiles (where vLLM-CPU's int4 GEMM is
+    W4A16), else "vllm"."""
+    if choice != "auto":
+        return choice
+    if quantized_draft and is_cpu_platform() and ops.int8_vnni_available() and not torch.cpu._is_amx_tile_supported():
+        return "hybrid"
+    return "vllm"
 
 
 # The measurement behind `int8_rows_pay`: int8 rows of a draft's width, past the last-level caches, and
@@ -288,6 +318,27 @@ def int8_draft_linears(choice: str, counts: dict[str, int] | None = None) -> Ite
         logger.info("sparsever: %d int8 linear layers of the draft model on sparsever's int8_linear%s "
                     "(draft_int8_kernel %r%s)", len(taken),
                     f" for calls of up to {max_tokens} token(s), vLLM's int8 GEMM for more" if max_tokens else "",
+                    choice, "" if ops.int8_vnni_available() else "; no AVX512-VNNI: a portable loop")
+
+
+@contextlib.contextmanager
+def int4_draft_linears(choice: str, counts: dict[str, int] | None = None) -> Iterator[None]:
+    """While a draft model loads: its int4 linears on `int4_linear` as `draft_int4_kernel` (`choice`,
+    resolved: "sparsever" / "hybrid" / "vllm") says. `counts["draft model int4"]`: how many layers."""
+    from vllm_sparsever.compat.linear import int4_linears_on_rows
+
+    if choice == "vllm":
+        yield
+        return
+    max_tokens = INT4_HYBRID_MAX_TOKENS if choice == "hybrid" else None
+    with int4_linears_on_rows(ops.int4_linear, ops.pack_int4_rows, max_tokens) as taken:
+        yield
+    if counts is not None and taken:
+        counts["draft model int4"] = len(taken)
+    if taken:
+        logger.info("sparsever: %d int4 linear layers of the draft model on sparsever's int4_linear%s "
+                    "(draft_int4_kernel %r%s)", len(taken),
+                    f" for calls of up to {max_tokens} token(s), vLLM's int4 GEMM for more" if max_tokens else "",
                     choice, "" if ops.int8_vnni_available() else "; no AVX512-VNNI: a portable loop")
 
 

@@ -92,6 +92,7 @@ class SparseVerificationRuntime:
         ffn_dense_kernel: str = "vllm",
         linear_kernel: str = "vllm",
         draft_int8_kernel: str = "vllm",
+        draft_int4_kernel: str = "vllm",
     ) -> None:
         self.config = copy.deepcopy(config)
         self.profile = profile
@@ -133,6 +134,7 @@ class SparseVerificationRuntime:
         self.linear_kernel = linear_kernel
         # draft_int8_kernel resolved at start ("auto" measured: verification/lossless/linear_kernel.py).
         self.draft_int8_kernel = draft_int8_kernel
+        self.draft_int4_kernel = draft_int4_kernel  # (resolved at start, as draft_int8_kernel)
         self.linear_layers: dict[str, int] = {}
         self.ffn_dense_op_max_tokens = 0
         # Test hook: every sparse layer also runs the PyTorch reference on the same inputs and
@@ -298,6 +300,7 @@ class SparseVerificationRuntime:
             "ffn_dense_kernel": self.ffn_dense_kernel,
             "linear_kernel": self.linear_kernel,
             "draft_int8_kernel": self.draft_int8_kernel,
+            "draft_int4_kernel": self.draft_int4_kernel,
             "linear_layers": dict(self.linear_layers),
             "ffn_dense_op_max_tokens": self.ffn_dense_op_max_tokens,
         }

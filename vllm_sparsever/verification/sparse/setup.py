@@ -42,20 +42,24 @@ def start_sparse_verification(config: SparseverConfig, vllm_config: Any) -> Spar
             f"attention.anchor_layers: layer {anchors[-1]} does not exist (allowed: 0..{num_layers - 1})"
         )
     from vllm_sparsever.verification.sparse.ffn import resolve_dense_kernel
-    from vllm_sparsever.verification.lossless.linear_kernel import (check_draft_int8_kernel,
-                                                                     resolve_draft_int8_kernel, resolve_linear_kernel)
+    from vllm_sparsever.verification.lossless.linear_kernel import (check_draft_int4_kernel, check_draft_int8_kernel,
+                                                                     resolve_draft_int4_kernel, resolve_draft_int8_kernel,
+                                                                     resolve_linear_kernel)
 
     linear_kernel = resolve_linear_kernel(config.linear_kernel, model_config.dtype)
     check_draft_int8_kernel(config.draft_int8_kernel)
     draft_model_config = getattr(vllm_config.speculative_config, "draft_model_config", None)
-    draft_int8_kernel = resolve_draft_int8_kernel(config.draft_int8_kernel, model_config.dtype,
-                                                  getattr(draft_model_config, "quantization", None) is not None)
+    check_draft_int4_kernel(config.draft_int4_kernel)
+    quantized_draft = getattr(draft_model_config, "quantization", None) is not None
+    draft_int8_kernel = resolve_draft_int8_kernel(config.draft_int8_kernel, model_config.dtype, quantized_draft)
+    draft_int4_kernel = resolve_draft_int4_kernel(config.draft_int4_kernel, quantized_draft)
     ffn_dense = resolve_dense_kernel(config.ffn.dense_kernel, config.ffn.enabled, config.ffn.weights,
                                      model_config.dtype, linear_kernel)
     if ffn_dense == "sparsever" and not config.ffn.enabled:  # the op reads the plain weights: no packed copy
         config = dataclasses.replace(config, ffn=dataclasses.replace(config.ffn, weights="shared"))
     runtime = SparseVerificationRuntime(config, profile, source, num_layers, ffn_dense_kernel=ffn_dense,
-                                        linear_kernel=linear_kernel, draft_int8_kernel=draft_int8_kernel)
+                                        linear_kernel=linear_kernel, draft_int8_kernel=draft_int8_kernel,
+                                        draft_int4_kernel=draft_int4_kernel)
     install_runtime(runtime)
     # Trees need the tree-mask kernel; dense verify and decode steps may run sparsever's kernel.
     if (config.attention.enabled or config.tree.enabled or config.attention.dense_kernel != "vllm"
@@ -143,11 +147,12 @@ def target_load_hooks(runtime: SparseVerificationRuntime, runner: Any) -> Iterat
         def during() -> contextlib.ExitStack:
             draft = contextlib.ExitStack()
             if on_cpu:
-                from vllm_sparsever.verification.lossless.linear_kernel import int8_draft_linears
+                from vllm_sparsever.verification.lossless.linear_kernel import int4_draft_linears, int8_draft_linears
 
                 draft.enter_context(_int4_unavailable_names("speculative_config.model"))
                 draft.enter_context(quantized_linears_take_fp32())
                 draft.enter_context(int8_draft_linears(runtime.draft_int8_kernel, runtime.linear_layers))
+                draft.enter_context(int4_draft_linears(runtime.draft_int4_kernel, runtime.linear_layers))
             if sparsever_linears:
                 draft.enter_context(plain_linears("draft model", hybrid=hybrid, counts=runtime.linear_layers))
             elif padded:
