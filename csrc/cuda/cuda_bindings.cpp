@@ -13,6 +13,7 @@ TORCH_LIBRARY_IMPL(sparsever, CUDA, m) {
   m.impl("input_sparse_gate", &sparsever::cuda::input_sparse_gate);
   m.impl("dense_linear", &sparsever::cuda::dense_linear);
   m.impl("int8_linear", &sparsever::cuda::int8_linear);
+  m.impl("int4_linear", &sparsever::cuda::int4_linear);
   m.impl("moe_route_and_prune", &sparsever::cuda::moe_route_and_prune);
   m.impl("moe_grouped_dispatch", &sparsever::cuda::moe_grouped_dispatch);
 }

@@ -5,6 +5,7 @@
 #include "cuda/cuda_launcher.cuh"
 #include "cuda/ops_cuda.h"
 #include "kernels/ffn.cuh"
+#include "kernels/int4_linear.cuh"
 #include "kernels/int8_linear.cuh"
 
 namespace sparsever {
@@ -41,6 +42,12 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& weight_sum, const std::optional<at::Tensor>& bias) {
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   kernels::int8_linear_impl(out, x, weight, weight_scale, weight_sum, bias, CudaLauncher::current());
+}
+
+void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                 const std::optional<at::Tensor>& bias) {
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  kernels::int4_linear_impl(out, x, weight, weight_scale, bias, CudaLauncher::current());
 }
 
 }  // namespace cuda

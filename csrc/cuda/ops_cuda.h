@@ -39,6 +39,9 @@ void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                  const at::Tensor& weight_sum, const std::optional<at::Tensor>& bias);
 
+void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                 const std::optional<at::Tensor>& bias);
+
 void moe_route_and_prune(const at::Tensor& router_logits, int64_t top_k, double prune_ratio,
                          const std::optional<at::Tensor>& group_start_loc, int64_t expert_budget, bool renormalize,
                          at::Tensor& topk_weights, at::Tensor& topk_ids);

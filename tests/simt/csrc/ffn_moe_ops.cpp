@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "kernels/ffn.cuh"
+#include "kernels/int4_linear.cuh"
 #include "kernels/int8_linear.cuh"
 #include "kernels/moe.cuh"
 #include "simt/simt_launcher.h"
@@ -57,6 +58,11 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   sparsever::kernels::int8_linear_impl(out, x, weight, weight_scale, weight_sum, bias, launcher(4, 0));
 }
 
+void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                 const std::optional<at::Tensor>& bias) {
+  sparsever::kernels::int4_linear_impl(out, x, weight, weight_scale, bias, launcher(4, 0));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparsever_simt, m) {
@@ -84,4 +90,5 @@ TORCH_LIBRARY_FRAGMENT(sparsever_simt, m) {
       "int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
       "Tensor? bias) -> ()",
       &int8_linear);
+  m.def("int4_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> ()", &int4_linear);
 }
