@@ -144,6 +144,8 @@ def test_serialization_round_trip():
          ["linear_kernel", "'auto', 'sparsever', 'hybrid', 'vllm', 'vllm-padded'"]),
         ({"num_speculative_tokens": 3, "model": "d", "draft_int8_kernel": "onednn"},
          ["draft_int8_kernel", "'auto', 'sparsever', 'hybrid', 'vllm'"]),
+        ({"num_speculative_tokens": 3, "model": "d", "draft_int4_kernel": "w4a16"},
+         ["draft_int4_kernel", "'auto', 'sparsever', 'hybrid', 'vllm'"]),
         ({"num_speculative_tokens": 3, "model": "d", "fallback_to_dense": 1}, ["fallback_to_dense"]),
     ],
 )

@@ -387,3 +387,86 @@ def test_the_draft_models_quantization_is_where_start_up_reads_it():
 
     assert "draft_model_config" in SpeculativeConfig.__dataclass_fields__
     assert "quantization" in ModelConfig.__dataclass_fields__
+
+
+def _recording(calls):
+    from vllm_sparsever import _custom_ops as ops
+
+    def run(x, rows, scale, bias):
+        calls.append(x.shape[0])
+        return ops.int4_linear(x, rows, scale, bias)
+
+    return run
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_layer_keeps_its_values_and_runs_the_given_linear_inside_the_context(vllm_env, dtype):
+    """Inside int4_linears_on_rows: an eligible int4 layer (symmetric, groups of 128) keeps the
+    checkpoint's values packed for int4_linear (read from vLLM's parameters before its kernel repacks
+    them: the config and parameter attributes the patch reads) with fp32 scales [N, K / 128], and its
+    forward runs the given linear (fp32 too: the op has no 16-bit limit), close to the dequantized
+    product. Outside the context the next layer loads stock."""
+    from vllm_sparsever import _custom_ops as ops
+    from vllm_sparsever import reference
+
+    _vllm_cpu_kernels_loaded()
+    gen = torch.Generator().manual_seed(0)
+    layer, scheme, dequantized = _int4_layer(128, 256, dtype, gen)
+    assert compat_linear.int4_rows_eligible(scheme.kernel.config)
+    calls = []
+    with compat_linear.int4_linears_on_rows(_recording(calls), ops.pack_int4_rows) as taken:
+        scheme.process_weights_after_loading(layer)
+    assert taken == [layer]
+    values, scale = reference.unpack_int4_rows(layer.sparsever_int4_rows), layer.sparsever_int4_scale
+    assert scale.dtype == torch.float32 and scale.shape == (128, 2)
+    assert torch.equal((values.float().view(128, 2, 128) * scale.unsqueeze(2)).view(128, 256), dequantized)
+    x, bias = torch.randn(3, 256, generator=gen).to(dtype), torch.randn(128, generator=gen).to(dtype)
+    out = scheme.apply_weights(layer, x, bias)
+    assert calls == [3] and out.dtype == dtype
+    assert torch.equal(out, ops.int4_linear(x, layer.sparsever_int4_rows, scale, bias))
+    expected = x.float() @ dequantized.T + bias.float()
+    torch.testing.assert_close(out.float(), expected, atol=0.05 * expected.abs().max().item(), rtol=0)
+
+    layer, scheme, _ = _int4_layer(128, 256, torch.bfloat16, gen)
+    scheme.process_weights_after_loading(layer)
+    assert not hasattr(layer, "sparsever_int4_rows") and "apply_weights" not in vars(scheme.kernel)
+
+
+def test_int4_layer_with_max_tokens_runs_few_tokens_on_the_op_and_more_on_vllms_gemm(vllm_env):
+    """int4_linears_on_rows(run, pack, max_tokens=2): the layer is also prepared stock (vLLM's repacked
+    weight), a call of up to 2 tokens runs `run`, a longer one vLLM's int4 GEMM; both close to the
+    dequantized product."""
+    from vllm_sparsever import _custom_ops as ops
+
+    _vllm_cpu_kernels_loaded()
+    if not compat_linear.cpu_int4_gemm_available():
+        pytest.skip("vLLM-CPU has no int4 GEMM on this CPU (its AVX2 build)")
+    gen = torch.Generator().manual_seed(1)
+    layer, scheme, dequantized = _int4_layer(128, 256, torch.bfloat16, gen)
+    calls = []
+    with compat_linear.int4_linears_on_rows(_recording(calls), ops.pack_int4_rows, max_tokens=2) as taken:
+        scheme.process_weights_after_loading(layer)
+    assert taken == [layer]
+    for t in (1, 2, 5):
+        x = torch.randn(t, 256, generator=gen).bfloat16()
+        out = scheme.apply_weights(layer, x, None)
+        expected = x.float() @ dequantized.T
+        torch.testing.assert_close(out.float(), expected, atol=0.05 * expected.abs().max().item(), rtol=0)
+    assert calls == [1, 2]
+
+
+def test_int4_rows_eligible_takes_symmetric_groups_of_128_only(vllm_env):
+    import dataclasses
+
+    from vllm.scalar_type import scalar_types
+
+    _, scheme, _ = _int4_layer(64, 256, torch.bfloat16, torch.Generator().manual_seed(0))
+    config = scheme.kernel.config
+    assert compat_linear.int4_rows_eligible(config)
+    assert compat_linear.int4_rows_eligible(dataclasses.replace(config, group_size=-1))  # one group a row
+    assert compat_linear.int4_rows_eligible(dataclasses.replace(config, group_size=256))
+    assert not compat_linear.int4_rows_eligible(dataclasses.replace(config, group_size=64))
+    assert not compat_linear.int4_rows_eligible(dataclasses.replace(config, zero_points=True))
+    assert not compat_linear.int4_rows_eligible(dataclasses.replace(config, weight_type=scalar_types.uint4))
+    assert not compat_linear.int4_rows_eligible(dataclasses.replace(config, partition_weight_shape=(96, 64),
+                                                                    group_size=-1))

@@ -211,7 +211,8 @@ def test_target_load_hooks_close_before_the_drafter_loads(linear_kernel):
                         or name.startswith("padded_cpu_linear"))
 
     runtime = SimpleNamespace(started_with={"ffn": True, "moe": False}, ffn=SimpleNamespace(weights="copy"),
-                              linear_kernel=linear_kernel, linear_layers={}, draft_int8_kernel="vllm")
+                              linear_kernel=linear_kernel, linear_layers={}, draft_int8_kernel="vllm",
+                              draft_int4_kernel="vllm")
     runner = SimpleNamespace(drafter=Drafter())
     with target_load_hooks(runtime, runner):
         assert layer_utils.dispatch_cpu_unquantized_gemm is not stock  # target loading

@@ -28,7 +28,8 @@ def test_sparse_ffn_moe_refused_under_cuda_graphs(section):
 @pytest.mark.parametrize(("field", "value"), [("linear_kernel", "sparsever"), ("linear_kernel", "hybrid"),
                                                ("linear_kernel", "vllm-padded"),
                                                ("ffn.dense_kernel", "sparsever"),
-                                               ("draft_int8_kernel", "sparsever"), ("draft_int8_kernel", "hybrid")])
+                                               ("draft_int8_kernel", "sparsever"), ("draft_int8_kernel", "hybrid"),
+                                               ("draft_int4_kernel", "sparsever"), ("draft_int4_kernel", "hybrid")])
 def test_cpu_only_kernels_refused_on_a_gpu_before_start(field, value):
     section, _, name = field.rpartition(".")
     config = _config(**({section: {name: value}} if section else {name: value}))
