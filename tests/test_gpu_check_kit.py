@@ -8,8 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = {"update_block_key_summaries", "select_kv_blocks", "block_sparse_tree_attention", "topk_swiglu_ffn",
-       "topk_swiglu_ffn_gated", "input_sparse_gate", "dense_linear", "int8_linear", "moe_route_and_prune",
-       "moe_grouped_dispatch"}
+       "topk_swiglu_ffn_gated", "input_sparse_gate", "dense_linear", "int8_linear", "int4_linear",
+       "moe_route_and_prune", "moe_grouped_dispatch"}
 
 
 def test_gpu_check_kit_cpu_quick(tmp_path):

@@ -455,6 +455,26 @@ def int8_linear_case(device: str, dtype, t: int, k: int, n: int, seed: int) -> d
     return {}
 
 
+def int4_linear_case(device: str, dtype, t: int, k: int, n: int, group: int, seed: int) -> dict:
+    """int4_linear (per-token int8 activations, nibbles unpacked to dp4a on CUDA) against the reference."""
+    from op_inputs import TOL
+
+    from vllm_sparsever import _custom_ops as ops
+    from vllm_sparsever import reference as ref
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, k, generator=gen) * 2).to(dtype)
+    packed = ops.pack_int4_rows(torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8))
+    scale = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
+    b = torch.randn(n, generator=gen).to(dtype)
+    out = ops.int4_linear(to_dev(x, device), to_dev(packed, device), to_dev(scale, device), to_dev(b, device))
+    expected = torch.empty(t, n, dtype=dtype)
+    ref.int4_linear(expected, x, packed, scale, b)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=rtol, atol=atol)
+    return {}
+
+
 def moe_weights(device: str, dtype, h: int, inter: int, num_experts: int, seed: int):
     """(w13 [E, 2I, H], w2 [E, H, I]) on the CPU and on `device`."""
     gen = torch.Generator().manual_seed(seed)
@@ -648,6 +668,9 @@ def correctness(args, out: Path) -> dict:
         for t, k, n_out in ((1, 896, 1152), (7, 4864, 896), (16, 898, 33)):
             cases.run(f"int8_linear {dname} T{t} K{k} N{n_out}",
                       lambda: int8_linear_case(device, dtype, t, k, n_out, 62), op="int8_linear")
+        for t, k, n_out, group in ((1, 896, 1152, 128), (7, 4864, 896, 128), (16, 768, 33, 384)):
+            cases.run(f"int4_linear {dname} T{t} K{k} N{n_out} G{group}",
+                      lambda: int4_linear_case(device, dtype, t, k, n_out, group, 63), op="int4_linear")
         moe_shape = (64, 32, 8, 2) if args.quick else (2048, 1024, 64, 8)  # OLMoE: H2048 I1024, 64 experts top-8
         mw = moe_weights(device, dtype, *moe_shape[:3], 52)
         for groups, ratio, budget in (([1], 0.0, 0), ([4], 0.1, 0), ([16], 0.0, 0), ([3, 13], 0.1, 12)):
