@@ -86,21 +86,12 @@ void int4_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& we
               "int4_linear: weight_scale must be fp32 [N, K / group] with group a multiple of ", kInt4Block, ", got ",
               weight_scale.sizes());
   TORCH_CHECK(unit_stride(x, 1), "int4_linear: x must have contiguous rows");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == t && out.size(1) == n && unit_stride(out, 1) &&
-                  out.scalar_type() == x.scalar_type(),
-              "int4_linear: out must be [T, N] in x's dtype with contiguous rows");
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous()),
-              "int4_linear: bias must be [N]");
+  check_quantized_linear_out(out, x, n, bias, "int4_linear");
   check_same_device(x, weight, "weight");
   check_same_device(x, weight_scale, "weight_scale");
-  check_same_device(x, out, "out");
   if (t == 0 || n == 0) return;
-  at::Tensor q = at::empty({t, k}, x.options().dtype(at::kChar));
-  at::Tensor x_scale = at::empty({t}, x.options().dtype(at::kFloat));
-  SV_DISPATCH_FLOAT_TYPES(x.scalar_type(), "int4_linear_quantize", [&] {
-    launch(dim3(unsigned(t)), dim3(kWarpSize), 0, int8_quantize_kernel<scalar_t>, x.data_ptr<scalar_t>(), x.stride(0),
-           int(k), q.data_ptr<int8_t>(), x_scale.data_ptr<float>());
-  });
+  at::Tensor q, x_scale;
+  std::tie(q, x_scale) = quantize_tokens_int8(x, launch);
   const int group = int(k / weight_scale.size(1));
   const dim3 grid(unsigned(div_up<int64_t>(n, kInt8RowWarps))), block(kInt8RowWarps * kWarpSize);
   SV_DISPATCH_FLOAT_TYPES(x.scalar_type(), "int4_linear", [&] {
@@ -114,7 +105,6 @@ void int4_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& we
     if (!bias.has_value()) {
       run(static_cast<const float*>(nullptr));
     } else {
-      check_same_device(x, *bias, "bias");
       SV_DISPATCH_FLOAT_TYPES(bias->scalar_type(), "int4_linear_bias", [&] { run(bias->data_ptr<scalar_t>()); });
     }
   });

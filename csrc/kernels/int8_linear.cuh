@@ -8,6 +8,9 @@
 #include "compat.cuh"
 #include "host_utils.cuh"
 
+#include <tuple>
+#include <utility>
+
 namespace sparsever {
 namespace kernels {
 
@@ -91,6 +94,31 @@ __global__ void __launch_bounds__(kInt8RowWarps * kWarpSize)
   }
 }
 
+// What the W8A8 and W4A8 linears check of out and bias, and of where their tensors are.
+inline void check_quantized_linear_out(const at::Tensor& out, const at::Tensor& x, int64_t n,
+                                       const std::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && unit_stride(out, 1) &&
+                  out.scalar_type() == x.scalar_type(),
+              op, ": out must be [T, N] in x's dtype with contiguous rows");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous()), op,
+              ": bias must be [N]");
+  check_same_device(x, out, "out");
+  if (bias.has_value()) check_same_device(x, *bias, "bias");
+}
+
+// x [T, K] quantized per token: (q [T, K] int8, scale [T] fp32), one warp per token.
+template <class Launcher>
+std::pair<at::Tensor, at::Tensor> quantize_tokens_int8(const at::Tensor& x, const Launcher& launch) {
+  const int64_t t = x.size(0), k = x.size(1);
+  at::Tensor q = at::empty({t, k}, x.options().dtype(at::kChar));
+  at::Tensor x_scale = at::empty({t}, x.options().dtype(at::kFloat));
+  SV_DISPATCH_FLOAT_TYPES(x.scalar_type(), "int8_quantize", [&] {
+    launch(dim3(unsigned(t)), dim3(kWarpSize), 0, int8_quantize_kernel<scalar_t>, x.data_ptr<scalar_t>(), x.stride(0),
+           int(k), q.data_ptr<int8_t>(), x_scale.data_ptr<float>());
+  });
+  return {q, x_scale};
+}
+
 template <class Launcher>
 void int8_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                       const at::Tensor& weight_sum, const std::optional<at::Tensor>& bias, const Launcher& launch) {
@@ -104,21 +132,12 @@ void int8_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& we
               "int8_linear: weight_scale must be fp32 [N] (one scale per row)");
   TORCH_CHECK(weight_sum.scalar_type() == at::kInt && weight_sum.numel() == n && weight_sum.is_contiguous(),
               "int8_linear: weight_sum must be int32 [N] (weight.sum(1))");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == t && out.size(1) == n && unit_stride(out, 1) &&
-                  out.scalar_type() == x.scalar_type(),
-              "int8_linear: out must be [T, N] in x's dtype with contiguous rows");
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous()),
-              "int8_linear: bias must be [N]");
+  check_quantized_linear_out(out, x, n, bias, "int8_linear");
   check_same_device(x, weight, "weight");
   check_same_device(x, weight_scale, "weight_scale");
-  check_same_device(x, out, "out");
   if (t == 0 || n == 0) return;
-  at::Tensor q = at::empty({t, k}, x.options().dtype(at::kChar));
-  at::Tensor x_scale = at::empty({t}, x.options().dtype(at::kFloat));
-  SV_DISPATCH_FLOAT_TYPES(x.scalar_type(), "int8_linear_quantize", [&] {
-    launch(dim3(unsigned(t)), dim3(kWarpSize), 0, int8_quantize_kernel<scalar_t>, x.data_ptr<scalar_t>(), x.stride(0),
-           int(k), q.data_ptr<int8_t>(), x_scale.data_ptr<float>());
-  });
+  at::Tensor q, x_scale;
+  std::tie(q, x_scale) = quantize_tokens_int8(x, launch);
   const bool vec4 = k % 4 == 0 && weight.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(weight.data_ptr()) % 4 == 0;
   const dim3 grid(unsigned(div_up<int64_t>(n, kInt8RowWarps))), block(kInt8RowWarps * kWarpSize);
   SV_DISPATCH_FLOAT_TYPES(x.scalar_type(), "int8_linear", [&] {
@@ -133,7 +152,6 @@ void int8_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& we
     if (!bias.has_value()) {
       run(static_cast<const float*>(nullptr));
     } else {
-      check_same_device(x, *bias, "bias");
       SV_DISPATCH_FLOAT_TYPES(bias->scalar_type(), "int8_linear_bias", [&] { run(bias->data_ptr<scalar_t>()); });
     }
   });

@@ -125,6 +125,16 @@ def int8_rows_eligible(config: Any, weight: torch.Tensor) -> bool:
             and not config.is_static_input_scheme and config.input_symmetric)
 
 
+def _few_tokens_first(few: Callable[..., torch.Tensor], more: Callable[..., torch.Tensor],
+                      max_tokens: int) -> Callable[..., torch.Tensor]:
+    """A layer forward `(layer, x, bias)`: `few` for calls of up to `max_tokens` tokens, else `more`."""
+
+    def forward(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return few(layer, x, bias) if x.numel() <= max_tokens * x.shape[-1] else more(layer, x, bias)
+
+    return forward
+
+
 @contextlib.contextmanager
 def int8_linears_on_rows(run: Int8RowsLinear, max_tokens: int | None = None) -> Iterator[list[torch.nn.Module]]:
     """While active, a W8A8 int8 linear that loads with per-row weight scales and dynamic per-token
@@ -163,15 +173,7 @@ def int8_linears_on_rows(run: Int8RowsLinear, max_tokens: int | None = None) -> 
             self.linear_method = on_rows  # this layer's kernel object only
         else:
             stock(self, layer)  # packs its own copy of the weight (the rows above stay referenced)
-            packed = self.linear_method
-
-            def few_tokens_on_rows(layer: torch.nn.Module, x: torch.Tensor,
-                                   bias: torch.Tensor | None = None) -> torch.Tensor:
-                if x.numel() <= max_tokens * x.shape[-1]:
-                    return on_rows(layer, x, bias)
-                return packed(layer, x, bias)
-
-            self.linear_method = few_tokens_on_rows
+            self.linear_method = _few_tokens_first(on_rows, self.linear_method, max_tokens)
         taken.append(layer)
 
     taken: list[torch.nn.Module] = []
@@ -319,15 +321,7 @@ def int4_linears_on_rows(run: Int4RowsLinear, pack: Callable[[torch.Tensor], tor
             self.apply_weights = on_rows  # this layer's kernel object only
         else:
             stock(self, layer)  # repacks the checkpoint's copy for vLLM's GEMM
-            packed = self.apply_weights
-
-            def few_tokens_on_rows(layer: torch.nn.Module, x: torch.Tensor,
-                                   bias: torch.Tensor | None = None) -> torch.Tensor:
-                if x.numel() <= max_tokens * x.shape[-1]:
-                    return on_rows(layer, x, bias)
-                return packed(layer, x, bias)
-
-            self.apply_weights = few_tokens_on_rows
+            self.apply_weights = _few_tokens_first(on_rows, self.apply_weights, max_tokens)
         taken.append(layer)
 
     taken: list[torch.nn.Module] = []

@@ -301,45 +301,43 @@ def plain_linears(what: str = "target", hybrid: bool = False, counts: dict[str, 
 
 
 @contextlib.contextmanager
-def int8_draft_linears(choice: str, counts: dict[str, int] | None = None) -> Iterator[None]:
+def _quantized_draft_linears(bits: int, choice: str, on_rows: Callable[[int | None], Any], hybrid_max_tokens: int,
+                             counts: dict[str, int] | None) -> Iterator[None]:
+    """While a draft model loads: its int`bits` linears on sparsever's op as `draft_int{bits}_kernel`
+    (`choice`, resolved) says; `on_rows(max_tokens)`: the compat context that takes them (None: every
+    call). `counts["draft model int{bits}"]`: how many layers."""
+    if choice == "vllm":
+        yield
+        return
+    max_tokens = hybrid_max_tokens if choice == "hybrid" else None
+    with on_rows(max_tokens) as taken:
+        yield
+    if counts is not None and taken:
+        counts[f"draft model int{bits}"] = len(taken)
+    if taken:
+        logger.info("sparsever: %d int%d linear layers of the draft model on sparsever's int%d_linear%s "
+                    "(draft_int%d_kernel %r%s)", len(taken), bits, bits,
+                    f" for calls of up to {max_tokens} token(s), vLLM's int{bits} GEMM for more" if max_tokens else "",
+                    bits, choice, "" if ops.int8_vnni_available() else "; no AVX512-VNNI: a portable loop")
+
+
+def int8_draft_linears(choice: str, counts: dict[str, int] | None = None) -> contextlib.AbstractContextManager:
     """While a draft model loads: its W8A8 linears on `int8_linear` as `draft_int8_kernel` (`choice`,
     resolved: "sparsever" / "hybrid" / "vllm") says. `counts["draft model int8"]`: how many layers."""
     from vllm_sparsever.compat.linear import int8_linears_on_rows
 
-    if choice == "vllm":
-        yield
-        return
-    max_tokens = INT8_HYBRID_MAX_TOKENS if choice == "hybrid" else None
-    with int8_linears_on_rows(ops.int8_linear, max_tokens) as taken:
-        yield
-    if counts is not None and taken:
-        counts["draft model int8"] = len(taken)
-    if taken:
-        logger.info("sparsever: %d int8 linear layers of the draft model on sparsever's int8_linear%s "
-                    "(draft_int8_kernel %r%s)", len(taken),
-                    f" for calls of up to {max_tokens} token(s), vLLM's int8 GEMM for more" if max_tokens else "",
-                    choice, "" if ops.int8_vnni_available() else "; no AVX512-VNNI: a portable loop")
+    return _quantized_draft_linears(8, choice, lambda max_tokens: int8_linears_on_rows(ops.int8_linear, max_tokens),
+                                    INT8_HYBRID_MAX_TOKENS, counts)
 
 
-@contextlib.contextmanager
-def int4_draft_linears(choice: str, counts: dict[str, int] | None = None) -> Iterator[None]:
+def int4_draft_linears(choice: str, counts: dict[str, int] | None = None) -> contextlib.AbstractContextManager:
     """While a draft model loads: its int4 linears on `int4_linear` as `draft_int4_kernel` (`choice`,
     resolved: "sparsever" / "hybrid" / "vllm") says. `counts["draft model int4"]`: how many layers."""
     from vllm_sparsever.compat.linear import int4_linears_on_rows
 
-    if choice == "vllm":
-        yield
-        return
-    max_tokens = INT4_HYBRID_MAX_TOKENS if choice == "hybrid" else None
-    with int4_linears_on_rows(ops.int4_linear, ops.pack_int4_rows, max_tokens) as taken:
-        yield
-    if counts is not None and taken:
-        counts["draft model int4"] = len(taken)
-    if taken:
-        logger.info("sparsever: %d int4 linear layers of the draft model on sparsever's int4_linear%s "
-                    "(draft_int4_kernel %r%s)", len(taken),
-                    f" for calls of up to {max_tokens} token(s), vLLM's int4 GEMM for more" if max_tokens else "",
-                    choice, "" if ops.int8_vnni_available() else "; no AVX512-VNNI: a portable loop")
+    return _quantized_draft_linears(
+        4, choice, lambda max_tokens: int4_linears_on_rows(ops.int4_linear, ops.pack_int4_rows, max_tokens),
+        INT4_HYBRID_MAX_TOKENS, counts)
 
 
 @contextlib.contextmanager
