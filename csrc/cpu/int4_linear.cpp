@@ -4,11 +4,12 @@
 // bf16 (slower than reading bf16 weights); read as nibbles, a row is a quarter of its bf16 bytes and half
 // of its int8 ones.
 //
-// Layout (reference.pack_int4_rows): each row's 128-channel block is 64 bytes, byte j holding channel j
-// (low nibble) and channel 64 + j (high nibble), each stored as w + 8 (0..15). One 64-byte load is then a
-// block, its two nibble halves the unsigned operands of two vpdpbusd against 64 signed activation bytes
-// each: sum((w + 8) * q) - 8 * sum(q) = sum(w * q), the sums of q per block taken once per call. Without
-// VNNI (the AVX2 build, or a CPU without it) a portable loop gives the same integers.
+// Layout (_custom_ops.pack_int4_rows writes it, reference.unpack_int4_rows reads it): each row's 128-channel
+// block is 64 bytes, byte j holding channel j (low nibble) and channel 64 + j (high nibble), each stored as
+// w + 8 (0..15). One 64-byte load is then a block, its two nibble halves the unsigned operands of two
+// vpdpbusd against 64 signed activation bytes each: sum((w + 8) * q) - 8 * sum(q) = sum(w * q), the
+// second term per integer lane, computed once per call (lane_offsets). Without VNNI (the AVX2 build, or
+// a CPU without it) a portable loop gives the same integers.
 #include "cpu_utils.h"
 #include "gemv_rows.h"  // for_each_token_tile
 #include "quantize_tokens.h"
