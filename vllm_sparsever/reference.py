@@ -327,6 +327,18 @@ def dense_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
     out.copy_(y.to(out.dtype))
 
 
+def _tokens_to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] quantized per token, symmetric: (q [T, K] fp32 integers in [-127, 127], scale [T] fp32),
+    q = round_half_even(x * (127 / amax_t)) (0 where amax_t = 0), scale = amax_t / 127."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    # fp32 quotients correctly rounded (via fp64), as a kernel's one fp32 division gives them (torch's
+    # `127.0 / t` is a reciprocal and a product: two roundings)
+    inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))
+    scale = (amax.double() / 127.0).float()
+    return torch.round(xf * inv[:, None]).clamp(-127, 127), scale
+
+
 def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 weight_sum: torch.Tensor, bias: torch.Tensor | None) -> None:
     """A W8A8 linear (vLLM's int8 scheme with dynamic per-token symmetric activations), in place.
@@ -338,13 +350,7 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
     weight_scale[n]) + bias[n], in fp32, rounded to out's dtype."""
     if not torch.equal(weight_sum.to(torch.int64), weight.to(torch.int64).sum(dim=1)):
         raise ValueError("int8_linear: weight_sum must be weight.sum(1)")
-    xf = x.float()
-    amax = xf.abs().amax(dim=1)
-    # fp32 quotients correctly rounded (via fp64), as a kernel's one fp32 division gives them (torch's
-    # `127.0 / t` is a reciprocal and a product: two roundings)
-    inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))
-    scale = (amax.double() / 127.0).float()
-    q = torch.round(xf * inv[:, None]).clamp(-127, 127)
+    q, scale = _tokens_to_int8(x)
     acc = (q.double() @ weight.double().t()).float()  # exact integers, rounded to fp32 as int32 sums are
     y = acc * (scale[:, None] * weight_scale.float()[None, :])
     if bias is not None:
@@ -382,11 +388,8 @@ def int4_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
     if k % groups or (k // groups) % INT4_BLOCK:
         raise ValueError("int4_linear: weight_scale [N, K / G] with G a multiple of 128")
     w = unpack_int4_rows(weight).double()  # [N, K]
-    xf = x.float()
-    amax = xf.abs().amax(dim=1)
-    inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))  # as int8_linear
-    scale = (amax.double() / 127.0).float()
-    q = torch.round(xf * inv[:, None]).clamp(-127, 127).double()
+    q, scale = _tokens_to_int8(x)
+    q = q.double()
     g = k // groups
     per_group = torch.einsum("tgc,ngc->tng", q.view(-1, groups, g), w.view(-1, groups, g))  # exact integers
     y = (per_group * weight_scale.double()[None]).sum(dim=2) * scale.double()[:, None]
