@@ -7,7 +7,9 @@ keep in int8.
 
 Variants: bf16; w8a8 (every projection int8); w4a8 (every projection int4); w4-mlp (attention
 projections int8, MLP int4); w4-no-down (down_proj int8, the rest int4); w4-ends (layers 0, 1 and the
-last two int8, the rest int4). The LM head stays as built (bf16).
+last two int8, the rest int4); w8a8-head8 (w8a8, and the LM head int8 per row with its input int8 per
+token, as `draft_head_int8` runs it; the input embedding, tied to it, stays bf16). The LM head stays as
+built (bf16) elsewhere.
 
     python bench/draft_agreement.py --variants bf16 w8a8 w4a8 w4-mlp --tokens 1536 --tag zen5
 """
@@ -24,12 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-VARIANTS = ("bf16", "w8a8", "w4a8", "w4-mlp", "w4-no-down", "w4-ends")
+VARIANTS = ("bf16", "w8a8", "w4a8", "w4-mlp", "w4-no-down", "w4-ends", "w8a8-head8")
 
 
 def int8_projection(variant: str, name: str, num_layers: int) -> bool:
     """Whether `variant` keeps projection `name` (a module name) in int8 rather than int4."""
-    if variant == "w8a8":
+    if variant in ("w8a8", "w8a8-head8"):
         return True
     if variant == "w4-mlp":
         return ".self_attn." in name
@@ -71,6 +73,11 @@ def fake_quantize(model, variant: str) -> int:
             module.weight.data = (q.float().view(n, -1, INT4_GROUP_SIZE) * scale.float().unsqueeze(2)).view_as(w).to(w.dtype)
             stored += w.numel() // 2
         module.register_forward_pre_hook(per_token_int8)
+    if variant == "w8a8-head8":  # a copy: the input embedding keeps its bf16 rows
+        head = model.lm_head
+        q, scale = quantize_int8_per_channel(head.weight.data)
+        head.weight = torch.nn.Parameter((q.float() * scale.float()).to(head.weight.dtype), requires_grad=False)
+        head.register_forward_pre_hook(per_token_int8)
     return stored
 
 

@@ -191,6 +191,15 @@ def int8_weight_sums(weight: torch.Tensor) -> torch.Tensor:
     return weight.sum(dim=1, dtype=torch.int32)
 
 
+def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A floating-point weight [N, K] as int8_linear takes it: (int8 rows [N, K], symmetric, one fp32
+    scale per row [N], `int8_weight_sums`), with `weight ~= rows * scale` row by row."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    rows = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return rows, scale.contiguous(), int8_weight_sums(rows)
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_sum: torch.Tensor,
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """A W8A8 linear: x [..., K] quantized per token to symmetric int8 at run time, times the int8

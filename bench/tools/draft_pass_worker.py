@@ -154,7 +154,7 @@ def pass_bytes(worker: Any) -> dict[str, Any]:
     window = drafter._window
     return {
         "projection_bytes": projections * _weight_bits(config, bits) / 8,
-        "head_bytes": head_rows * int(config.hidden_size) * dtype_bytes,
+        "head_bytes": head_rows * int(config.hidden_size) * (drafter.head_bits or bits) // 8,
         "head_rows": head_rows,
         "kv_bytes_per_token": int(config.num_hidden_layers) * 2 * kv_heads * head_dim * dtype_bytes,
         "attention_window": None if window is None else sum(window),

@@ -145,6 +145,39 @@ def test_head_rows_linear_follows_the_linear_kernel(kernel, dtype):
     assert torch.equal(rows, rows_before)  # the plain rows stay (the head's own weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_head_rows_linear_is_int8_linear_over_rows_quantized_per_row(dtype):
+    """verification/lossless/linear_kernel.py int8_head_rows_linear: a W8A8 draft's LM head rows quantized
+    once to int8 per row (`quantize_int8_rows`, as models/quantize.py quantizes the projections), the
+    product on int8_linear: equal to the PyTorch reference of int8_linear over those rows, near the
+    16-bit product, its top-1 row mostly the same; the head's own rows untouched."""
+    from vllm_sparsever import _custom_ops as ops
+    from vllm_sparsever import reference
+    from vllm_sparsever.models.quantize import quantize_int8_per_channel
+    from vllm_sparsever.verification.lossless.linear_kernel import int8_head_rows_linear
+
+    torch.manual_seed(0)
+    rows = (torch.randn(300, 128) * 0.05).to(dtype)
+    rows_before = rows.clone()
+    q, scale, sums = ops.quantize_int8_rows(rows)
+    assert q.dtype == torch.int8 and scale.shape == (300,) and torch.equal(sums, q.sum(1, dtype=torch.int32))
+    assert (q.abs().amax(1) == 127).all()  # each row's largest weight takes the full range
+    torch.testing.assert_close(q.float() * scale[:, None], rows.float(), atol=float(scale.max()) / 2 + 1e-6, rtol=0)
+    q_build, scale_build = quantize_int8_per_channel(rows)  # a checkpoint's rows, quantized the same way
+    assert torch.equal(q_build, q) and torch.equal(scale_build[:, 0], scale)
+    product = int8_head_rows_linear(rows)
+    x = torch.randn(5, 128, dtype=dtype)
+    expected = torch.empty(5, 300, dtype=dtype)
+    reference.int8_linear(expected, x, q, scale, sums, None)
+    got = product(x)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-3)
+    exact = x.float() @ rows.float().t()
+    assert (got.float() - exact).abs().max() < 0.05 * exact.abs().max()
+    assert (got.float().argmax(-1) == exact.argmax(-1)).float().mean() >= 0.8
+    assert torch.equal(rows, rows_before)
+
+
 def test_a_draft_models_price_before_its_first_pass():
     """EVICT's DraftCost of a draft model, from the configs: a pass's bytes (projections at their stored
     bits, the LM head rows it reads, with draft_vocab fewer) against the target's, and a catch-up
@@ -171,6 +204,9 @@ def test_a_draft_models_price_before_its_first_pass():
     vocab = SimpleNamespace(size=25)  # a quarter of the head's rows
     assert _relative_cost(draft, target, vocab).pass_share == pytest.approx(
         (draft_proj / 2 + 2 * draft_head / 4) / target_bytes)
+    # the head's rows run int8 (int8_head_rows_linear): a byte a weight
+    assert _relative_cost(draft, target, vocab, head_bits=8).pass_share == pytest.approx(
+        (draft_proj / 2 + draft_head / 4) / target_bytes)
     gptq8 = model(torch.bfloat16, **shape, quantization_config={"quant_method": "gptq", "bits": 8})
     assert _relative_cost(gptq8, target, None).pass_share == pytest.approx((draft_proj + 2 * draft_head) / target_bytes)
     plain = model(torch.float32, **shape)  # fp32: 4 bytes a weight

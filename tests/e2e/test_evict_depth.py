@@ -194,7 +194,8 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, kernel, tiny_
     call, the prompts' catch-ups too), or as "auto" resolves: "hybrid" (the op for calls of up to 32
     tokens, vLLM's int4 GEMM, in bf16, for more) on a VNNI CPU without AMX, else vLLM's int4 GEMM
     (compat/linear.py); the output stays the target's token for token, and the copy, the target but
-    for rounding, is mostly accepted.
+    for rounding, is mostly accepted. With `draft_vocab` (here the whole vocabulary) the head's rows run
+    W8A8 on int8_linear where the draft's projections run on sparsever's ops, else as the model's.
     The draft's norms and activation run on vLLM-CPU's C kernels (compat/model.py); without attention
     sparsity the target's attention keeps no key summaries.
     Where vLLM-CPU has no int4 GEMM (its AVX2 build), the int4 draft on it fails at engine start
@@ -208,12 +209,13 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, kernel, tiny_
     from vllm_sparsever.metrics import get_metrics
     from vllm_sparsever.models.quantize import build_quantized_folder
 
-    def probe(worker) -> tuple[int, int, int, int, int, str, str, int]:  # (pickled by value into the worker)
+    def probe(worker) -> tuple[int, int, int, int, int, str, str, int, int | None]:  # (pickled by value into the worker)
         """Linears of the draft model on vLLM's compressed-tensors `vllm_scheme`; its norms and
         activations on C kernels; target attention layers holding key summaries (attention
         sparsity, off here, is their only reader); int8 linears that kept their rows for
         sparsever's int8_linear, int4 ones for int4_linear; draft_int8_kernel and draft_int4_kernel
-        as resolved, and whether the int8 start-up probe ran."""
+        as resolved, whether the int8 start-up probe ran, and the bits of the LM head rows the
+        drafter reads (None: the model's dtype)."""
         from vllm_sparsever.verification.lossless.linear_kernel import int8_rows_pay
         from vllm_sparsever.verification.sparse.runtime import get_runtime
 
@@ -228,13 +230,17 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, kernel, tiny_
         int8_rows = sum(hasattr(m, "sparsever_int8_rows") for m in draft_modules)
         int4_rows = sum(hasattr(m, "sparsever_int4_rows") for m in draft_modules)
         runtime = get_runtime()
+        drafter = getattr(runner.sparsever_proposer, "drafter", runner.sparsever_proposer)
         return quantized, c_kernels, summaries, int8_rows, int4_rows, runtime.draft_int8_kernel, \
-            runtime.draft_int4_kernel, int8_rows_pay.cache_info().currsize
+            runtime.draft_int4_kernel, int8_rows_pay.cache_info().currsize, drafter.head_bits
 
     draft = tmp_path / scheme
     draft.mkdir()
     build_quantized_folder(tiny_target, draft, scheme)
+    from transformers import AutoConfig
+
     spec = {"method": "sparsever", "model": str(draft), "num_speculative_tokens": 3,
+            "draft_vocab": AutoConfig.from_pretrained(str(tiny_target)).vocab_size,
             "adaptive": {"enabled": True, "guard": False, "depth": "cap",
                          "cost_profile": _cost_profile(tmp_path / "cost.json", per_token_s=1e-4)},
             ("draft_int8_kernel" if scheme.startswith("w8a8") else "draft_int4_kernel"): kernel}
@@ -257,7 +263,7 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, kernel, tiny_
     try:
         outs = llm.generate(prompts(NUM_PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False)
-        quantized, c_kernels, summaries, int8_rows, int4_rows, resolved, resolved4, probed = \
+        quantized, c_kernels, summaries, int8_rows, int4_rows, resolved, resolved4, probed, head_bits = \
             llm.collective_rpc(probe)[0]
         metrics = get_metrics(llm)
     finally:
@@ -280,5 +286,6 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, kernel, tiny_
     if scheme.startswith("w4a16"):
         assert resolved4 == ("sparsever" if kernel == "sparsever" else "hybrid" if int4_on_op else "vllm"), resolved4
     assert int4_rows == (2 * 4 if int4_on_op else 0), (int4_rows, resolved4)
+    assert head_bits == (8 if int8_rows or int4_rows else None), (head_bits, int8_rows, int4_rows)
     info = json.dumps(metrics, default=str)
     assert metrics["num_accepted_tokens"] > 0.6 * metrics["num_draft_tokens"] > 0, info

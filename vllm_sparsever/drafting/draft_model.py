@@ -17,7 +17,9 @@ then one pass per level over the nodes expanded so far under the tree mask. It t
 its own (no hierarchy), after `sample_tokens` like in a hierarchy.
 
 With `draft_vocab` it drafts over part of the vocabulary (drafting/draft_vocab.py,
-`ContextDraftVocab`): the LM head is a large share of a small draft model's bytes. With
+`ContextDraftVocab`): the LM head is a large share of a small draft model's bytes; where the
+draft's projections run on sparsever's int8 / int4 ops, its head rows run W8A8 too (half their
+bytes, no loss in agreement: verification/lossless/linear_kernel.py `int8_head_rows_linear`). With
 `draft_attention_window` its passes attend to the context's first block and its last N positions
 only (StreamingLLM-style): at long context the draft's attention reads more bytes than its
 weights. The window only moves forward, so a catch-up runs the first block and the window and
@@ -96,13 +98,13 @@ def _dtype_bits(model: Any) -> int:
     return 8 * next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
 
 
-def _relative_cost(draft: Any, target: Any, vocab: ContextDraftVocab | None) -> Any:
+def _relative_cost(draft: Any, target: Any, vocab: ContextDraftVocab | None, head_bits: int | None = None) -> Any:
     """EVICT's price of this draft before a pass is measured (adaptive.policy.DraftCost), from the two
     models' configs (their loaded parameters are not what a pass reads: CPU kernels repack weights
     outside them): a pass's bytes, projections at their stored bits plus the LM head rows it reads
-    (with `draft_vocab`, those rows), against the target's; a catch-up token's weights against the
-    target's. None where a config does not describe a dense decoder (no price: drafting is measured
-    blind)."""
+    (with `draft_vocab`, those rows, at `head_bits` where the drafter quantized them, else the
+    model's dtype), against the target's; a catch-up token's weights against the target's. None where
+    a config does not describe a dense decoder (no price: drafting is measured blind)."""
     from vllm_sparsever.adaptive.policy import DraftCost
 
     draft_w, target_w = _token_weights(getattr(draft, "config", None)), _token_weights(getattr(target, "config", None))
@@ -111,7 +113,7 @@ def _relative_cost(draft: Any, target: Any, vocab: ContextDraftVocab | None) -> 
 
     head_rows = min(vocab.size / int(draft.config.vocab_size), 1.0) if vocab is not None else 1.0
     draft_bits, target_bits = _dtype_bits(draft), _dtype_bits(target)
-    draft_bytes = (draft_w[0] * _weight_bits(draft.config, draft_bits) + draft_w[1] * head_rows * draft_bits) / 8
+    draft_bytes = (draft_w[0] * _weight_bits(draft.config, draft_bits) + draft_w[1] * head_rows * (head_bits or draft_bits)) / 8
     target_bytes = (target_w[0] * _weight_bits(target.config, target_bits) + target_w[1] * target_bits) / 8
     return DraftCost(pass_share=draft_bytes / target_bytes, prompt_share=sum(draft_w) / sum(target_w))
 
@@ -135,6 +137,7 @@ class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
         self._gaps: dict[str, tuple[int, int]] = {}  # request -> span inside its window its first catch-up runs
         self._draft_vocab = draft_vocab
         self._vocab: ContextDraftVocab | None = None
+        self.head_bits: int | None = None  # bits per LM head weight a pass reads (None: the model's dtype)
         self._window = (1, attention_window) if attention_window is not None else None  # (sink, recent)
         self.init_trees(tree)
 
@@ -152,6 +155,8 @@ class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
             from vllm_sparsever.config import SparseverConfigError
             from vllm_sparsever.verification.lossless.linear_kernel import (
                 head_rows_linear,
+                int8_head_rows_linear,
+                projections_on_int_ops,
                 resolve_linear_kernel,
                 slow_16bit_cpu_linear,
             )
@@ -160,12 +165,16 @@ class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
                 head = plain_lm_head(model)
                 # torch's 16-bit linear is the slow one on CPUs without AVX-512 (verification/lossless/linear_kernel.py)
                 linear = ops.dense_linear if slow_16bit_cpu_linear(head.weight.dtype) else torch.nn.functional.linear
-                kernel = target.linear_kernel or resolve_linear_kernel("auto", head.weight.dtype)
+                if projections_on_int_ops(model):  # the head's fixed rows W8A8 too, as the projections run
+                    prepare, self.head_bits = int8_head_rows_linear, 8
+                else:
+                    kernel = target.linear_kernel or resolve_linear_kernel("auto", head.weight.dtype)
+                    prepare = lambda rows: head_rows_linear(rows, kernel)  # noqa: E731
                 self._vocab = ContextDraftVocab(head, self._draft_vocab, always=target.stop_token_ids(),
-                                                linear=linear, prepare=lambda rows: head_rows_linear(rows, kernel))
+                                                linear=linear, prepare=prepare)
             except ValueError as e:
                 raise SparseverConfigError(f"draft_vocab: {e}") from e
-        self.draft_cost = _relative_cost(model, target.model, self._vocab)
+        self.draft_cost = _relative_cost(model, target.model, self._vocab, self.head_bits)
 
     def forget(self, req_ids: set[str]) -> None:
         super().forget(req_ids)

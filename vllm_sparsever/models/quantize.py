@@ -111,11 +111,12 @@ def _w4a16_tensors(name: str, tensor: torch.Tensor, group_size: int) -> tuple[di
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` [N, K] -> (int8 [N, K], fp32 scale [N, 1]) with `weight ~= q * scale` row by row."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
-    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    """`weight` [N, K] -> (int8 [N, K], fp32 scale [N, 1]) with `weight ~= q * scale` row by row (as
+    int8_linear's rows: a draft's LM head rows are quantized at load the same way)."""
+    from vllm_sparsever._custom_ops import quantize_int8_rows
+
+    q, scale, _ = quantize_int8_rows(weight)
+    return q, scale[:, None]
 
 
 def build_w8a8_folder(base_dir: Path, out_dir: Path) -> dict[str, Any]:

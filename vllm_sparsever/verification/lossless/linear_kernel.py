@@ -260,6 +260,22 @@ def head_rows_linear(rows: torch.Tensor, linear_kernel: str) -> Callable[[torch.
     return padded_cpu_linear(stock) if linear_kernel == "vllm-padded" else stock
 
 
+def int8_head_rows_linear(rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`x -> x @ rows.T` for a draft's LM head rows on `int8_linear`, over a copy of the rows quantized
+    to int8 per row (W8A8, as a W8A8 draft's projections): half the bytes of 16-bit rows. For drafts
+    whose projections run on sparsever's int8 / int4 ops (`projections_on_int_ops`): the draft's top-1
+    token agrees with the target's as often as over 16-bit rows (bench/results, draft_agreement_*-head8_*)."""
+    weight, scale, row_sums = ops.quantize_int8_rows(rows)
+    return lambda x: ops.int8_linear(x, weight, scale, row_sums)
+
+
+def projections_on_int_ops(model: torch.nn.Module) -> bool:
+    """Whether `draft_int8_kernel` or `draft_int4_kernel` put `model`'s linears on sparsever's
+    int8_linear / int4_linear as it loaded (compat.linear's `int8_linears_on_rows` / `int4_linears_on_rows`
+    keep the rows those ops read on the layers they take)."""
+    return any(hasattr(m, "sparsever_int8_rows") or hasattr(m, "sparsever_int4_rows") for m in model.modules())
+
+
 def hybrid_cpu_linear(packed: Callable[..., torch.Tensor], max_tokens: int) -> Callable[..., torch.Tensor]:
     """A layer's CPU forward under linear_kernel "hybrid": `dense_linear` over the plain weight for up
     to `max_tokens` tokens, else `packed` (the forward vLLM-CPU prepared, its own weight copy)."""
