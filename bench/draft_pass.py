@@ -12,7 +12,9 @@ decoder layers, the LM head, the prefix-sharing bookkeeping, and the Python arou
 rows carry more than one token each (a round's first pass, catching up on the tokens the target
 accepted) is reported apart from the one-token passes after it. --profile-passes passes are then run
 under torch's profiler (not timed): the ops a pass spends its time in, and how much of the pass's time
-no op accounts for (Python, dispatch). Results: bench/results/draft_pass_<tag>_<time>.{json,md}.
+no op accounts for (Python, dispatch). --split-layers times each module kind of the decoder layers
+(through their modules: the drafter's lean layer calls off); --lean-ab alternates passes between the
+lean layer calls and the modules' and reports them apart. Results: bench/results/draft_pass_<tag>_<time>.{json,md}.
 """
 
 from __future__ import annotations
@@ -38,8 +40,12 @@ def summarize(passes: list[dict[str, Any]], nbytes: dict[str, Any], copy_GBps: f
     """Medians per kind of pass (one token per row, or a first pass with catch-up tokens), in ms, with
     the roof: the pass's bytes at the measured copy bandwidth."""
     out = {}
-    for kind, chosen in (("one_token", [p for p in passes if p["tokens"] == p["rows"]]),
-                         ("catch_up", [p for p in passes if p["tokens"] > p["rows"]])):
+    kinds = [("one_token", [p for p in passes if p["tokens"] == p["rows"]]),
+             ("catch_up", [p for p in passes if p["tokens"] > p["rows"]])]
+    if any("lean" in p for p in passes):  # --lean-ab: each kind apart for lean and module calls
+        kinds = [(f"{kind}, {'lean' if lean else 'modules'}", [p for p in chosen if p["lean"] == lean])
+                 for kind, chosen in kinds for lean in (True, False)]
+    for kind, chosen in kinds:
         if not chosen:
             continue
         med = lambda key: 1e3 * statistics.median(p.get(key, 0.0) for p in chosen)  # noqa: E731
@@ -78,8 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-layers", action="store_true",
                     help="also time each decoder layer's linears, attention, rotary, norms and activation "
                          "(a timer per module call: about a microsecond each, in the layers' time)")
+    ap.add_argument("--lean-ab", action="store_true",
+                    help="alternate passes between the drafter's lean layer calls and the layers' modules, "
+                         "reported apart (interleaved in one engine)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
+    if args.lean_ab and args.split_layers:
+        ap.error("--lean-ab times the lean calls, which --split-layers turns off")
     # The worker imports bench/tools/draft_pass_worker.py through PYTHONPATH, which vLLM's workers only
     # see when it was set before this interpreter started (set here, it did not reach them): re-run.
     tools = str(HERE / "tools")
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         chat(prompts[:1], 8)  # warm-up
-        call("install", args.split_layers)
+        call("install", args.split_layers, args.lean_ab)
         record["bandwidth"] = call("bandwidth")
         record["pass_bytes"] = nbytes = call("pass_bytes")
         for i, b in enumerate(args.batch_sizes):

@@ -35,9 +35,15 @@ def _layer_kind(module: Any) -> str | None:
     return None
 
 
-def install(worker: Any, split_layers: bool = False) -> bool:
+def install(worker: Any, split_layers: bool = False, lean_ab: bool = False) -> bool:
+    """Time every draft pass. `split_layers`: through the layers' modules (their lean calls off), each
+    module kind timed; `lean_ab`: passes alternate between the lean layer calls and the modules' (each
+    pass records which: "lean")."""
     drafter = _drafter(worker)
     stack, target, parts = drafter._stack, drafter.target, _STATE["parts"]
+    lean = stack.lean
+    if split_layers:
+        object.__setattr__(stack, "lean", None)
 
     def timed(name: str, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -98,7 +104,10 @@ def install(worker: Any, split_layers: bool = False) -> bool:
                     acc[1] += e.count
                 return out
             out = fn(*args, **kwargs)
-            PASSES.append({**shape, "total_s": time.perf_counter() - start, **parts})
+            PASSES.append({**shape, "total_s": time.perf_counter() - start, **parts,
+                           **({"lean": stack.lean is not None} if lean_ab else {})})
+            if lean_ab:  # the next pass the other way
+                object.__setattr__(stack, "lean", None if stack.lean is not None else lean)
             return out
         return wrapper
 

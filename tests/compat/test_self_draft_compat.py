@@ -198,3 +198,40 @@ def test_cpu_expand_kernel_fix(monkeypatch):
     assert fixed == (not stock_ok)
     assert compat_sampling.expand_is_correct()
     assert compat_sampling.fix_cpu_expand_kernel() is False  # idempotent
+
+
+@pytest.mark.parametrize("module, layer_cls, attention_cls, mlp_cls", [
+    ("vllm.model_executor.models.llama", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP"),
+    ("vllm.model_executor.models.qwen2", "Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP"),
+])
+def test_lean_layers_compose_what_the_layers_forwards_do(module, layer_cls, attention_cls, mlp_cls):
+    """compat.model.lean_layers calls a layer's parts in the order its forwards do (the e2e quantized-
+    draft test compares the two bit for bit in an engine): the norms around attention and MLP, qkv ->
+    split -> rotary -> attention -> o_proj, gate_up -> activation -> down_proj; vLLM's Attention
+    layer writes the KV cache, then runs the backend, through the two custom ops the lean calls
+    replace with the backend's own methods. A layer of another kind has no lean call."""
+    import importlib
+
+    from vllm.model_executor.layers.attention import attention as vllm_attention
+
+    mod = importlib.import_module(module)
+    layer = inspect.getsource(getattr(mod, layer_cls).forward)
+    for line in ("hidden_states, residual = self.input_layernorm(hidden_states, residual)",
+                 "hidden_states = self.self_attn(", "hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)",
+                 "hidden_states = self.mlp(hidden_states)", "return hidden_states, residual"):
+        assert line in layer, line
+    attention = inspect.getsource(getattr(mod, attention_cls).forward)
+    for line in ("qkv, _ = self.qkv_proj(hidden_states)", "q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)",
+                 "q, k = self.rotary_emb(positions, q, k)", "attn_output = self.attn(q, k, v)",
+                 "output, _ = self.o_proj(attn_output)"):
+        assert line in attention, line
+    mlp = inspect.getsource(getattr(mod, mlp_cls).forward)
+    assert "self.gate_up_proj(x)" in mlp and "self.down_proj(x)" in mlp
+    assert "self.act_fn(gate_up)" in mlp or "maybe_fused_act_quant(self.act_fn, x, self.down_proj)" in mlp
+    forward = inspect.getsource(vllm_attention.Attention.forward)
+    assert forward.index("unified_kv_cache_update(") < forward.index("unified_attention_with_output(")
+    assert "forward_includes_kv_cache_update" in forward and "kv_sharing_target_layer_name is None" in forward
+    assert "attn_layer.impl.do_kv_cache_update(" in inspect.getsource(vllm_attention.unified_kv_cache_update)
+    assert "self.impl.forward(" in inspect.getsource(vllm_attention.unified_attention_with_output)
+    assert compat_model.lean_layers([_Layer()]) is None
+    assert compat_model.decoder_stack(vllm_like_model(), lean=True).lean is None  # (its layers: module calls)

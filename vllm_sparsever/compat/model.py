@@ -22,6 +22,19 @@ Private symbols touched (vLLM model classes, `vllm/model_executor/models/{llama,
   instance's `_forward_method` (SiluAndMul's own kept for calls past one token), and vLLM-CPU's
   `torch.ops._C.{rms_norm,fused_add_rms_norm,silu_and_mul}`: `use_c_kernels_where_faster` (a draft
   model's, in eager passes);
+- lean layer calls (`lean_layers`, a draft model's passes): `Qwen2DecoderLayer`'s and
+  `LlamaDecoderLayer`'s forwards as their modules compose them (input_layernorm,
+  self_attn.{qkv_proj, rotary_emb, attn, o_proj}, post_attention_layernorm, mlp.{gate_up_proj,
+  act_fn, down_proj}; `self_attn.{q_size, kv_size, qk_norm}`; Llama's MLP activation through
+  `fusion.fused_act_quant.maybe_fused_act_quant`, plain where its `_FUSED_ACT_QUANT` registers no
+  fused producer for the activation's type and `get_input_quant_key(down_proj)`), a linear layer's forward at TP 1 as `quant_method.apply(layer, x, bias)` (`tp_size`,
+  `skip_bias_add`), a CustomOp's `_forward_method`, and vLLM's `Attention.forward` with
+  `unified_kv_cache_update` / `unified_attention_with_output` as `impl.do_kv_cache_update(layer, key,
+  value, kv_cache, slots)` and `impl.forward(layer, query, key, value, kv_cache, metadata, output=)`
+  over the forward context's per-layer `attn_metadata` and `slot_mapping` (`Attention.{impl,
+  attn_backend.forward_includes_kv_cache_update, kv_cache, layer_name, num_heads, num_kv_heads,
+  head_size, head_size_v, query_quant, kv_sharing_target_layer_name}`; none with a KV connector,
+  `vllm.distributed.kv_transfer.has_kv_transfer_group`, whose transfers the attention op wraps);
 - `ModelRegistry.resolve_model_cls` and `interfaces.supports_eagle3` (whether vLLM's EAGLE-3
   drafter can run over a target, checked before start: `eagle3_target_supported`).
 """
@@ -45,6 +58,8 @@ class DecoderStack:
     hidden_size: int
     compute_logits: Any  # callable: normed hidden [n, d] -> logits [n, vocab] (all ranks)
     norm: Any  # the final RMSNorm: (hidden, residual) -> (normed, residual)
+    # lean_layers(layers), or None: `run_all` (without aux layers) calls these instead of the modules
+    lean: tuple[Any, ...] | None = None
 
     def run_layers(self, num_layers: int, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The residual stream after the first `num_layers` decoder layers (inside a forward context)."""
@@ -74,6 +89,15 @@ class DecoderStack:
         model's own forward collects them (index len(layers): the stream before the final norm)."""
         hidden = self.embed(input_ids)
         residual = None
+        if self.lean is not None and aux_layers is None:
+            from vllm.forward_context import get_forward_context
+
+            context = get_forward_context()
+            metadata, slots = context.attn_metadata, context.slot_mapping
+            for layer in self.lean:
+                hidden, residual = layer(positions, hidden, residual, metadata, slots)
+            normed, _ = self.norm(hidden, residual)
+            return normed
         aux = []
         for i, layer in enumerate(self.layers):
             if aux_layers is not None and i in aux_layers:
@@ -88,8 +112,9 @@ class DecoderStack:
         return normed if aux_layers is None else (normed, aux)
 
 
-def decoder_stack(model: Any) -> DecoderStack:
-    """The decoder stack of a vLLM Llama/Qwen-family model; ValueError naming what is missing."""
+def decoder_stack(model: Any, lean: bool = False) -> DecoderStack:
+    """The decoder stack of a vLLM Llama/Qwen-family model; ValueError naming what is missing.
+    `lean`: its `run_all` calls `lean_layers` where every layer has one (a draft model's passes)."""
     inner = getattr(model, "model", None)
     missing = [name for name in ("embed_input_ids", "layers", "norm") if not hasattr(inner, name)]
     if missing or not hasattr(model, "compute_logits"):
@@ -117,7 +142,73 @@ def decoder_stack(model: Any) -> DecoderStack:
         hidden_size=int(norm.weight.shape[0]),
         compute_logits=model.compute_logits,
         norm=norm,
+        lean=lean_layers(layers) if lean else None,
     )
+
+
+def lean_layers(layers: list[Any]) -> tuple[Any, ...] | None:
+    """`layers` as functions `(positions, hidden, residual, attn_metadata, slot_mapping) -> (hidden,
+    residual)` that compute what each layer's forward does (the same ops on the same tensors, in the
+    same order) without its modules' Python: module calls, CustomOp dispatch, the linears' TP
+    wrappers, vLLM's Attention layer and its two custom ops (`attn_metadata` / `slot_mapping`: the
+    forward context's per-layer dicts). Where a draft pass is a few tokens that Python is a sixth of
+    its time (docs/kernels.md). None with a KV connector, and unless every layer is a Qwen2 or Llama
+    decoder layer without QK norms whose linears run at TP 1 with their bias added, whose attention
+    quantizes no query and owns its KV cache, and (Llama) whose activation vLLM fuses with no
+    quantization."""
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
+
+    if has_kv_transfer_group():  # vLLM's attention op moves each layer's K/V through the connector
+        return None
+    lean = tuple(_lean_layer(layer) for layer in layers)
+    return lean if lean and all(f is not None for f in lean) else None
+
+
+def _lean_layer(layer: Any) -> Any:
+    kind = type(layer).__name__
+    if kind not in ("Qwen2DecoderLayer", "LlamaDecoderLayer"):
+        return None
+    attention, mlp = layer.self_attn, layer.mlp
+    if kind == "LlamaDecoderLayer":  # its MLP's activation: `maybe_fused_act_quant`, plain unless a fused
+        # producer is registered for the activation and the input quantization down_proj takes
+        from vllm.model_executor.layers.fusion.fused_act_quant import _FUSED_ACT_QUANT, get_input_quant_key
+
+        key = get_input_quant_key(mlp.down_proj)
+        if key is not None and (type(mlp.act_fn), key) in _FUSED_ACT_QUANT:
+            return None
+    attn = attention.attn
+    linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if (getattr(attention, "qk_norm", False) or getattr(attn, "query_quant", None) is not None
+            or getattr(attn, "kv_sharing_target_layer_name", None) is not None
+            or any(getattr(m, "tp_size", None) != 1 or getattr(m, "skip_bias_add", True) for m in linears)):
+        return None
+    input_norm, post_norm = layer.input_layernorm._forward_method, layer.post_attention_layernorm._forward_method
+    rotary, act = attention.rotary_emb._forward_method, mlp.act_fn._forward_method
+    qkv, o_proj, gate_up, down = ((m.quant_method.apply, m) for m in linears)
+    sizes = [attention.q_size, attention.kv_size, attention.kv_size]
+    impl, name = attn.impl, attn.layer_name
+    heads, kv_heads, head_size, head_size_v = attn.num_heads, attn.num_kv_heads, attn.head_size, attn.head_size_v
+    update_cache = not attn.attn_backend.forward_includes_kv_cache_update
+
+    def forward(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                metadata: dict[str, Any], slots: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = input_norm(hidden)
+        else:
+            hidden, residual = input_norm(hidden, residual)
+        q, k, v = qkv[0](qkv[1], hidden, qkv[1].bias).split(sizes, dim=-1)
+        q, k = rotary(positions, q, k)
+        out = torch.empty((q.shape[0], heads * head_size_v), dtype=q.dtype, device=q.device)
+        query, key, value = q.view(-1, heads, head_size), k.view(-1, kv_heads, head_size), v.view(-1, kv_heads, head_size_v)
+        kv_cache = attn.kv_cache
+        if update_cache and slots.get(name) is not None:
+            impl.do_kv_cache_update(attn, key, value, kv_cache, slots[name])
+        impl.forward(attn, query, key, value, kv_cache, metadata[name], output=out.view(-1, heads, head_size_v))
+        hidden, residual = post_norm(o_proj[0](o_proj[1], out, o_proj[1].bias), residual)
+        return down[0](down[1], act(gate_up[0](gate_up[1], hidden, gate_up[1].bias)), down[1].bias), residual
+
+    return forward
 
 
 def aux_hidden_state_layers(model: Any) -> tuple[int, ...]:

@@ -147,9 +147,10 @@ class DraftModelDrafter(ProposesAfterBookkeeping, TreeDrafting, RoundDrafter):
 
         super().load(target)
         model = target.draft_model()
-        self._stack = decoder_stack(model)
-        if is_cpu_platform():  # the draft's passes run eagerly: its norms (and one-token SwiGLUs) on C kernels
+        cpu = is_cpu_platform()
+        if cpu:  # the draft's passes run eagerly: its norms (and one-token SwiGLUs) on C kernels
             use_c_kernels_where_faster(model)
+        self._stack = decoder_stack(model, lean=cpu)  # (after: the lean layers call those kernels)
         if self._draft_vocab is not None:
             from vllm_sparsever import _custom_ops as ops
             from vllm_sparsever.config import SparseverConfigError
