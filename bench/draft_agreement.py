@@ -8,7 +8,7 @@ keep in int8.
 Variants: bf16; w8a8 (every projection int8); w4a8 (every projection int4); w4-mlp (attention
 projections int8, MLP int4); w4-no-down (down_proj int8, the rest int4); w4-ends (layers 0, 1 and the
 last two int8, the rest int4); w8a8-head8 (w8a8, and the LM head int8 per row with its input int8 per
-token, as `draft_head_int8` runs it; the input embedding, tied to it, stays bf16). The LM head stays as
+token, as `int8_head_rows_linear` runs it; the input embedding, tied to it, stays bf16). The LM head stays as
 built (bf16) elsewhere.
 
     python bench/draft_agreement.py --variants bf16 w8a8 w4a8 w4-mlp --tokens 1536 --tag zen5

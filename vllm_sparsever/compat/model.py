@@ -27,8 +27,8 @@ Private symbols touched (vLLM model classes, `vllm/model_executor/models/{llama,
   self_attn.{qkv_proj, rotary_emb, attn, o_proj}, post_attention_layernorm, mlp.{gate_up_proj,
   act_fn, down_proj}; `self_attn.{q_size, kv_size, qk_norm}`; Llama's MLP activation through
   `fusion.fused_act_quant.maybe_fused_act_quant`, plain where its `_FUSED_ACT_QUANT` registers no
-  fused producer for the activation's type and `get_input_quant_key(down_proj)`), a linear layer's forward at TP 1 as `quant_method.apply(layer, x, bias)` (`tp_size`,
-  `skip_bias_add`), a CustomOp's `_forward_method`, and vLLM's `Attention.forward` with
+  fused producer for the activation's type and `get_input_quant_key(down_proj)`), a linear layer's
+  forward at TP 1 as `quant_method.apply(layer, x, bias)` (`tp_size`, `skip_bias_add`), a CustomOp's `_forward_method`, and vLLM's `Attention.forward` with
   `unified_kv_cache_update` / `unified_attention_with_output` as `impl.do_kv_cache_update(layer, key,
   value, kv_cache, slots)` and `impl.forward(layer, query, key, value, kv_cache, metadata, output=)`
   over the forward context's per-layer `attn_metadata` and `slot_mapping` (`Attention.{impl,
