@@ -54,6 +54,10 @@ def fake_quantize(model, variant: str) -> int:
         amax = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
         return (torch.round(x * 127 / amax).clamp(-127, 127) * amax / 127).to(args[0].dtype),
 
+    def int8_rows(w):  # the weight after int8 per row, as `models build` (and the drafter's head) quantize it
+        q, scale = quantize_int8_per_channel(w)
+        return (q.float() * scale.float()).to(w.dtype)
+
     num_layers = model.config.num_hidden_layers
     stored = 0
     for name, module in model.named_modules():
@@ -64,8 +68,7 @@ def fake_quantize(model, variant: str) -> int:
             stored += 2 * w.numel()
             continue
         if int8_projection(variant, name, num_layers):
-            q, scale = quantize_int8_per_channel(w)
-            module.weight.data = (q.float() * scale.float()).to(w.dtype)
+            module.weight.data = int8_rows(w)
             stored += w.numel()
         else:
             q, scale = quantize_int4_per_group(w, INT4_GROUP_SIZE, torch.bfloat16)
@@ -75,8 +78,7 @@ def fake_quantize(model, variant: str) -> int:
         module.register_forward_pre_hook(per_token_int8)
     if variant == "w8a8-head8":  # a copy: the input embedding keeps its bf16 rows
         head = model.lm_head
-        q, scale = quantize_int8_per_channel(head.weight.data)
-        head.weight = torch.nn.Parameter((q.float() * scale.float()).to(head.weight.dtype), requires_grad=False)
+        head.weight = torch.nn.Parameter(int8_rows(head.weight.data), requires_grad=False)
         head.register_forward_pre_hook(per_token_int8)
     return stored
 
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
     lines = [f"# Teacher-forced top-1 agreement with {args.target}: {args.draft} fake-quantized", "",
              f"`{record['command']}`", "", f"hardware: {record['hardware']}", "",
              f"{record['positions']} positions of `{args.category}` text; activations int8 per token wherever a "
-             "projection is quantized (as the W8A8 / W4A8 kernels run them); the LM head as built.", "",
+             "projection is quantized (as the W8A8 / W4A8 kernels run them); the LM head as built but in w8a8-head8.", "",
              "| variant | agreement | linears MB |", "|---|---|---|"]
     lines += [f"| {r['variant']} | {r['agreement']:.4f} | {r['linear_bytes'] / 1e6:.0f} |" for r in rows]
     save_results(base, record, lines)

@@ -13,12 +13,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import draft_agreement  # noqa: E402
 
 
-def _model():
+def _model(**config):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256)
+                         num_key_value_heads=2, vocab_size=256, **config)
     return Qwen2ForCausalLM(config).to(torch.bfloat16)
 
 
@@ -64,3 +64,21 @@ def test_fake_quantize_counts_bytes_and_quantizes_weights_and_inputs(variant, by
     levels = seen[0].float() / (x.float().abs().amax(-1, keepdim=True) / 127)
     assert ((levels - levels.round()).abs() <= 0.004 * levels.abs() + 1e-3).all()
     assert not ((x.float() / (x.float().abs().amax(-1, keepdim=True) / 127)).frac().abs() < 0.004).all()
+
+
+def test_head8_quantizes_a_copy_of_a_tied_lm_head():
+    """w8a8-head8: the projections as w8a8, and the LM head int8 per row with its input int8 per token,
+    in a weight of its own: the input embedding tied to it keeps its bf16 rows."""
+    from vllm_sparsever.models.quantize import quantize_int8_per_channel
+
+    model = _model(tie_word_embeddings=True)
+    embedding = model.get_input_embeddings().weight
+    assert model.lm_head.weight is embedding
+    before = embedding.data.clone()
+    stored = draft_agreement.fake_quantize(model, "w8a8-head8")
+    linears = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
+    assert stored == sum(m.weight.numel() for m in linears)  # the head is not counted among the linears
+    q, s = quantize_int8_per_channel(before)
+    assert torch.equal(model.lm_head.weight, (q.float() * s.float()).to(before.dtype))
+    assert torch.equal(model.get_input_embeddings().weight, before)
+    assert model.lm_head._forward_pre_hooks
