@@ -577,6 +577,7 @@ def test_a_priced_drafter_decides_its_first_step_instead_of_drafting_blind():
         return Evict(profile, guard=True, depth_prior=0.9, draft_cost=DraftCost(pass_share=0.1, prompt_share=0.3))
 
     evict = priced()
+    evict.observe_step([1] * rows, ctx, evict.cost([1] * rows, ctx, "chain"))  # a plain step as the profile says
     assert evict.draft_s(ctx, 2) == pytest.approx(2 * 0.1 * evict.cost([1] * rows, ctx, "chain"))
     assert evict.catch_up_s_per_token() == pytest.approx(0.3 * 0.002, rel=0.05)  # the profile's 2 ms a token
     outlook = evict._outlook(ctx, shape, 0, [1.0] * rows, [0.0] * rows, [1] * rows)
@@ -608,6 +609,60 @@ def test_a_priced_drafter_decides_its_first_step_instead_of_drafting_blind():
     assert evict.draft_s(ctx, 2) == pytest.approx(1.0) and evict.catch_up_s_per_token() == pytest.approx(0.01)
     with pytest.raises(ValueError, match="shares must be >= 0"):
         DraftCost(pass_share=-1.0, prompt_share=0.3)
+
+
+def test_a_catch_up_waits_for_a_plain_step_measured_at_its_batch_size():
+    """The batch-8 start on a Zen 4: the profile priced an 8-row plain step at 1.8x what it took, so a
+    batch of new 48-token requests bought every prompt's catch-up through the draft before one
+    8-row step was measured, and measured steps then showed that drafting never paid. A catch-up is
+    bought only against a plain step measured in its band and rows class; the runner reports a step's
+    time after planning the next one, so the first two steps decode plainly. Once measured, the same
+    model decides as before; without a catch-up nothing waits; and steps that go unmeasured (prefill
+    rows) hold a catch-up back for MAX_CATCH_UP_WAITS steps at most."""
+    from vllm_sparsever.adaptive.evict import MAX_CATCH_UP_WAITS, DraftCost, DraftShape
+
+    profile = made_up_profile(0.002, base_s=0.05)
+    rows, ctx = 8, [256] * 8
+    shape = DraftShape(cap=3, budgets=(3,) * rows)
+    prompts = rows * 100
+
+    def evict_with(catch_up_s: float) -> Evict:
+        evict = Evict(profile, guard=True, depth_prior=0.9, draft_cost=DraftCost(pass_share=0.1, prompt_share=0.3))
+        evict.observe_catch_up(1000, 1000 * catch_up_s)  # measured (at one row, on an earlier request)
+        return evict
+
+    def runner_order(evict: Evict, plain_s: float, steps: int) -> list[int]:
+        """Plan step n + 1, then report step n's time (a plain step taking `plain_s`), as the runner does."""
+        depths = []
+        for n in range(steps):
+            depths.append(evict.plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=48))
+            if n and depths[-2] == 0:
+                evict.observe_step([1] * rows, ctx, plain_s)
+        return depths
+
+    probe = evict_with(0.0)
+    predicted = probe.cost([1] * rows, ctx, "chain")
+    outlook = probe._outlook(ctx, shape, 0, [1.0] * rows, [0.0] * rows, [1] * rows)
+    (pt, ps), (t, s) = outlook[0], outlook[probe._best(outlook)]
+    # a catch-up that drafting pays back over 48 tokens at the profile's plain step, not at half of it
+    catch_up_s = 0.75 * rows * 48 * (ps / pt - s / t) / prompts
+    assert runner_order(evict_with(catch_up_s), predicted, 4) == [0, 0, 3, 3]
+    fast = evict_with(catch_up_s)
+    assert runner_order(fast, predicted / 2, 6) == [0] * 6
+    assert fast.stats.plain_check_steps == 2 and fast.stats.catch_up_deferred_steps == 4
+    # No catch-up (a drafter with its prompts already run): the one plain check, then drafting, with
+    # no wait for the check's time.
+    no_catch_up = evict_with(catch_up_s)
+    assert [no_catch_up.plan_depth(ctx, shape, 0, prompt_tokens=0, horizon_tokens=48) for _ in range(2)] == [0, 3]
+    # Steps never measured (every one mixing prefill rows): the catch-up waits MAX_CATCH_UP_WAITS steps.
+    unmeasured = evict_with(catch_up_s)
+    depths = [unmeasured.plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=48)
+              for _ in range(MAX_CATCH_UP_WAITS + 1)]
+    assert depths[:MAX_CATCH_UP_WAITS] == [0] * MAX_CATCH_UP_WAITS and depths[-1] > 0
+    # A plain step measured at one row stands in for nothing at 8 rows (another rows class).
+    one_row = evict_with(catch_up_s)
+    one_row.observe_step([1], [256], one_row.cost([1], [256], "chain"))
+    assert one_row.plan_depth(ctx, shape, 0, prompt_tokens=prompts, horizon_tokens=48) == 0
 
 
 def test_a_priced_catch_up_that_may_pay_back_is_bought_at_once_and_measured():

@@ -57,7 +57,14 @@ step's time read from them carries the profile's error wherever its grid did not
 contexts); so the guard decodes one step plainly, to measure it, in a context band where no plain
 step was measured, and again every PLAIN_CHECK_EVERY drafting steps there (per band and batch-size
 class, 1, 2-3, 4-7, 8-15, ... rows: the profile's error is in how time grows with context and rows,
-and a batch size measured plainly stands in for its neighbours, not for 8x as many rows). Last, the model's drafting step can miss
+and a batch size measured plainly stands in for its neighbours, not for 8x as many rows). A catch-up
+(new prompts included) is a one-off that cannot be taken back, so it is bought only against a plain
+step measured in its band and rows class: until one is (the runner reports a step's time after
+planning the next, so two steps; at most MAX_CATCH_UP_WAITS, as steps with prefill rows go
+unmeasured), the step decodes plainly, counted as a plain check. The profile's cost of extra rows,
+fitted over few shapes, can be several times the measured one, and a batch of new short requests
+would then pay every prompt's catch-up for drafting that a measured plain step shows never pays.
+Last, the model's drafting step can miss
 what a measured one shows (a batch's rows ending apart, acceptance below its estimate, drafting's
 Python): per batch-size class and context band the guard keeps the realized tokens per second of
 drafting steps (their drafting, verification and the engine's gap; a catch-up left out, it is priced
@@ -115,6 +122,7 @@ REALIZED_MIN_STEPS = 8  # guard: drafting request-steps (steps x rows; at least 
 # their realized rate may overrule the model
 PREFILL_SLOPE_TOKENS = 256  # a prompt token's cost: the profile's slope from 1 to this many query tokens
 PRICE_OPTIMISM = 0.5  # a catch-up only priced (never measured here) is weighed at this share of its price
+MAX_CATCH_UP_WAITS = 4  # guard: plain steps a catch-up waits for a plain step measured in its band and rows class
 
 
 class AcceptanceCalibration:
@@ -374,6 +382,8 @@ class Evict:
         self._catch_up_forgone_s = 0.0  # guard: time drafting would have saved while a catch-up was deferred
         self._skips: dict[int, int] = {}
         self._since_plain: dict[tuple[int, int], int] = {}  # guard: drafting steps since a plain step, per (rows class, band)
+        self._plain_measured: set[tuple[int, int]] = set()  # guard: (rows class, band) with a measured plain step
+        self._catch_up_waits: dict[tuple[int, int], int] = {}  # guard: plain steps a catch-up waited for one there
         self._since_depth_probe = 0  # depth probe: drafting steps since the last one
         self._depth_probes: dict[int, int] = {}  # depth probe: probes made per depth
         self._forced_levels = 0  # levels this step drafts whatever the stopping rule says (a depth probe)
@@ -431,6 +441,7 @@ class Evict:
         self.clock.observe_ratio(kind, len(query_tokens), contexts, seconds, self.cost(query_tokens, contexts, mask))
         if plain:
             self._since_plain[plain_check_key(contexts)] = 0
+            self._plain_measured.add(plain_check_key(contexts))
         if gap_s is not None:
             self.clock.observe_gap(gap_s)
         # Realized: what the step emitted per second, its drafting and the engine's gap included.
@@ -532,6 +543,9 @@ class Evict:
         if best and not floor and self._realized_loses(contexts):
             self.stats.realized_skipped_steps += 1
             best = 0
+        if best and not floor and self._catch_up_waits_for_plain(contexts, catch_up_tokens + prompt_tokens):
+            self.stats.plain_check_steps += 1
+            return self._planned(0)
         if best and self.min_draft_tokens and shape.mask == "chain":
             best = max(best, min(self.min_draft_tokens, shape.cap))
         if best and not floor and (self._defer_catch_up(outlook, best, catch_up_tokens) or not self._pays_back(
@@ -611,6 +625,19 @@ class Evict:
         (plain_tokens, plain_s), (tokens, seconds) = outlook[0], outlook[best]
         saving_per_token = plain_s / plain_tokens - seconds / tokens
         return rows * max(horizon_tokens, 0) * saving_per_token >= catch_up_tokens * per_token_s
+
+    def _catch_up_waits_for_plain(self, contexts: list[int], tokens: int) -> bool:
+        """Guard: whether a catch-up of `tokens` (new prompts included) waits, the step decoding
+        plainly, for a plain step measured in this band and rows class (module docstring)."""
+        key = plain_check_key(contexts)
+        if tokens < CATCH_UP_MIN_TOKENS or key in self._plain_measured:
+            return False
+        waits = self._catch_up_waits.get(key, 0)
+        if waits >= MAX_CATCH_UP_WAITS:
+            return False
+        self._catch_up_waits[key] = waits + 1
+        self._since_plain[key] = 0  # a plain check
+        return True
 
     def _plain_check_due(self, contexts: list[int]) -> bool:
         """Guard, while drafting pays: whether to decode this step plainly to measure a plain step in
