@@ -81,10 +81,11 @@ def test_depth_follows_the_drafters_cost_and_stays_lossless(plain_greedy, runs):
     info = json.dumps({"cheap": e_cheap, "costly": e_costly}, default=str)
     # A cheap drafter that is always right: deep chains, drafting on every step after the first.
     planned = _depths(e_cheap, "planned")
-    # (Plain steps only to measure one at this batch size, or while the prompts' catch-up is weighed
-    # against the tokens left: never because drafting did not pay.)
+    # (Plain steps only to measure one at this batch size, two as the prompts' catch-up waits for its
+    # time, or while the catch-up is weighed against the tokens left: never because drafting did not pay.)
     assert e_cheap["evict_skipped_drafting_steps"] == 0, info
-    assert planned.get(0, 0) == e_cheap["evict_plain_check_steps"] + e_cheap["evict_catch_up_deferred_steps"] <= 2, info
+    assert planned.get(0, 0) == e_cheap["evict_plain_check_steps"] + e_cheap["evict_catch_up_deferred_steps"] <= 3, info
+    assert e_cheap["evict_plain_check_steps"] <= 2, info
     drafting = {d: n for d, n in planned.items() if d}
     assert _mean(drafting) >= CAP - 1.5 and _mean(_depths(e_cheap, "drafted")) >= CAP - 2, info
     assert cheap["num_accepted_tokens"] > 0.9 * cheap["num_draft_tokens"] > 0, info
