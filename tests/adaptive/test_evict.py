@@ -61,6 +61,30 @@ def test_depth_is_the_one_with_the_best_expected_rate():
     assert 1 < got[0] < 8 and got[1] == 8
 
 
+def test_one_slow_step_does_not_switch_drafting_off():
+    """A host hiccup: one verify step measured at ten times its time. Taken whole into the running
+    ratio it priced verification above plain decoding until probes, rare while skipping, re-measured
+    it (likely what made a batch-1 round on a Zen 4 skip drafting on 208 of 286 steps); a step counts as at most
+    STEP_OUTLIER times the running ratio, so drafting goes on. A lasting slowdown is still followed."""
+    from vllm_sparsever.adaptive.evict import EMA, STEP_OUTLIER, DraftShape
+
+    shape = DraftShape(cap=3, budgets=(3,))
+    evict = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=0.8), 0.01)
+    assert evict.plan_depth([256], shape) > 0
+    verify = evict.cost([2], [256], "chain")
+    evict.observe_step([2], [256], 10 * verify, "chain")
+    assert evict.clock.ratio["verify"][(1, 0)] == pytest.approx(1 - EMA + EMA * STEP_OUTLIER)
+    assert evict.plan_depth([256], shape) > 0
+    # (taken whole, the same step would have switched drafting off)
+    whole = _measured(Evict(made_up_profile(0.005, base_s=0.1), depth_prior=0.8), 0.01)
+    whole.clock.ratio["verify"][(1, 0)] = 1 - EMA + EMA * 10
+    assert whole.plan_depth([256], shape) == 0
+    # Every verify step 3x slower from now on: the ratio follows within a few steps.
+    for _ in range(6):
+        evict.observe_step([2], [256], 3 * verify, "chain")
+    assert evict.clock.ratio["verify"][(1, 0)] > 2.6
+
+
 def test_a_costly_drafter_drafts_shorter_chains_than_a_cheap_one():
     from vllm_sparsever.adaptive.evict import DraftShape
 

@@ -26,7 +26,8 @@ Times (`StepClock`) are measured end to end on this engine, or predicted by the 
   The profile gives the shape (tokens, rows, context, MoE experts); a running ratio measured /
   predicted per batch size and context band gives the level, one for plain steps and one for
   verify steps (each stands in for the other until it is measured). A profile taken on a quieter or
-  noisier machine corrects itself within a few steps;
+  noisier machine corrects itself within a few steps; one step counts as at most STEP_OUTLIER
+  times the running ratio (a host hiccup is not a price);
 - the engine's own time between steps (scheduling, outputs): measured, part of every step;
 - one draft pass at this batch size, and a drafting step's cost besides its passes: measured
   (a step's median pass; a faster measurement replaces the running value at once, a slower one
@@ -108,6 +109,7 @@ PRIOR = 8.0  # pseudo-observations at the drafter's own probability
 PROBE_BUDGET = 0.05  # guard: probes cost at most this share of the plain decoding time skipped
 FIRST_PROBE_SKIPS = 32  # guard: a probe with a catch-up whose cost was never measured
 EMA = 0.3  # weight of the newest measurement in a running average
+STEP_OUTLIER = 2.0  # a step's measured / predicted ratio counts as at most this many times the running one
 DEPTH_PRIOR = 0.6  # acceptance of depth 1 before any is measured (deeper: the depth above's)
 DEPTH_PRIOR_WEIGHT = 4.0  # pseudo-observations behind a depth's prior
 DEPTH_DECAY = 0.995  # per observed request: older acceptance counts fade (prompts and load change)
@@ -238,8 +240,15 @@ class StepClock:
         self.catch_up_s_per_token: float | None = None
 
     def observe_ratio(self, kind: str, rows: int, contexts: list[int], measured_s: float, predicted_s: float) -> None:
+        """A step's measured / predicted time into its kind's running ratio. A step slower than
+        STEP_OUTLIER times the running ratio counts as that: one host hiccup (a verify step taking
+        seconds) would otherwise price verification so high that plain steps win until probes,
+        rare while skipping, re-measure it; a lasting slowdown is still followed, at EMA's pace."""
         if measured_s > 0 and predicted_s > 0:
-            _ema(self.ratio[kind], (rows, context_band(contexts)), measured_s / predicted_s)
+            key = (rows, context_band(contexts))
+            old = self.ratio[kind].get(key)
+            ratio = measured_s / predicted_s if old is None else min(measured_s / predicted_s, STEP_OUTLIER * old)
+            _ema(self.ratio[kind], key, ratio)
 
     def observe_gap(self, seconds: float) -> None:
         if 0.0 <= seconds <= MAX_GAP_S:
