@@ -24,6 +24,12 @@ prompts are reported beside vLLM's own methods'. A method whose texts differ fro
 wall time of the whole batch of requests (prefill included: `metric` "whole request"), or with
 `--metric decode` each request's first to last output token (prefill left out; batch 1); both are kept
 in the raw numbers.
+
+With `--kv-snapshot DIR` (long contexts, decode metric) one engine prefills each prompt first and saves its
+KV blocks, every layer's (a draft model's included: it runs vLLM's draft_model chain); every timed engine
+then loads them instead of prefilling (vllm_sparsever/compat/kv_snapshot.py), so a 32K run prefills once,
+not once per engine and round. Every engine decodes over the same K/V; the snapshot engine's time to
+first token is kept as the prefill time.
 """
 
 from __future__ import annotations
@@ -191,7 +197,7 @@ def run_engine(method: Method, args: argparse.Namespace, prompts: list[str]) -> 
 
     llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=not args.compile, max_model_len=args.max_model_len,
               max_num_seqs=max(args.batch_size, 1), seed=0, speculative_config=method.spec, disable_log_stats=False,
-              async_scheduling=False)
+              async_scheduling=False, kv_transfer_config=kv_transfer(args, save=False))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
 
     def generate(batch: list[str], p) -> list:
@@ -216,6 +222,8 @@ def run_engine(method: Method, args: argparse.Namespace, prompts: list[str]) -> 
         seconds = time.perf_counter() - start
         after = counters()
         worker = sparsever_counters(get_metrics(llm)) if sparsever else None
+        # Prompt tokens this engine loaded from --kv-snapshot instead of prefilling (warm-up included).
+        loaded = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
     finally:
         del llm
         gc.collect()
@@ -233,7 +241,45 @@ def run_engine(method: Method, args: argparse.Namespace, prompts: list[str]) -> 
             "wall_s": seconds, "all_output_tokens": tokens, "decode_s": decode_s, "decode_tokens": decode_tokens,
             "outputs": outputs,
             "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "sparsever": worker}
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "sparsever": worker,
+            **({"kv_snapshot_tokens": loaded} if args.kv_snapshot else {})}
+
+
+def kv_transfer(args: argparse.Namespace, *, save: bool) -> dict[str, Any] | None:
+    if not args.kv_snapshot:
+        return None
+    from vllm_sparsever.compat.kv_snapshot import kv_snapshot_transfer_config
+
+    return kv_snapshot_transfer_config(args.kv_snapshot, save=save, machine=args.machine_class)
+
+
+def make_kv_snapshot(args: argparse.Namespace, draft: str | None, prompts: list[str]) -> dict[str, Any]:
+    """One engine prefills every prompt and saves its KV blocks under --kv-snapshot, one request at a time;
+    with --draft it runs vLLM's draft_model chain (k = 1), so the draft's layers are saved too. Prompts
+    already there are loaded, not prefilled again (`reused`)."""
+    from vllm import LLM, SamplingParams
+
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 1} if draft else None
+    start = time.perf_counter()
+    llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=not args.compile, max_model_len=args.max_model_len,
+              max_num_seqs=1, seed=0, speculative_config=spec, disable_log_stats=False, async_scheduling=False,
+              enable_prefix_caching=False, kv_transfer_config=kv_transfer(args, save=True))
+    try:
+        prefill_s, reused = [], []
+        for prompt in prompts:
+            hits = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+            # Two tokens: the snapshot is written at the start of the step after the prompt's.
+            (r,) = (llm.chat([[{"role": "user", "content": prompt}]], SamplingParams(temperature=0.0, max_tokens=2),
+                             use_tqdm=False) if args.prompt_format == "chat"
+                    else llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False))
+            prefill_s.append(r.metrics.first_token_ts - r.metrics.scheduled_ts)
+            reused.append(sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                              if m.name == "vllm:external_prefix_cache_hits") > hits)
+    finally:
+        del llm
+        gc.collect()
+    return {"dir": str(args.kv_snapshot), "speculative_config": spec, "prefill_s": prefill_s, "reused": reused,
+            "seconds": time.perf_counter() - start}
 
 
 def sparsever_counters(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -388,6 +434,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--metric", choices=["whole-request", "decode"], default="whole-request",
                    help="tokens/s over the batches' wall time (prefill included), or over each request's first "
                         "to last output token (batch 1 only: long prompts, whose prefill would dominate)")
+    p.add_argument("--kv-snapshot", type=Path, metavar="DIR",
+                   help="prefill each prompt once, in a first engine that saves its KV blocks under DIR; every timed "
+                        "engine loads them (--metric decode only; DIR's snapshots are keyed by model, dtype, block "
+                        "size, prompt and CPU class)")
     p.add_argument("--tag", default="harness")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -398,6 +448,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.long_context and args.long_context + args.max_tokens > args.max_model_len:
         p.error(f"--long-context {args.long_context} + --max-tokens {args.max_tokens} exceeds --max-model-len "
                 f"{args.max_model_len}")
+    if args.kv_snapshot and args.metric != "decode":
+        p.error("--kv-snapshot: --metric decode only (the timed engines skip the prefill)")
     if args.metric == "decode" and args.batch_size != 1:
         p.error("--metric decode: batch 1 only (a batch's requests decode over the same seconds)")
     return args
@@ -417,14 +469,19 @@ def main(argv=None) -> int:
     if len(set(names)) != len(names):
         raise SystemExit(f"--candidate: method names must be unique, got {names}")
     prompts = load_prompts(args)
+    host = machine()
+    args.machine_class = host.get("cpu_class", "")
     record: dict[str, Any] = {
         "tag": args.tag, "command": shlex.join([Path(sys.executable).name, *sys.argv]), "commit": commit(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": host,
         "target": args.target, "draft": draft, "dtype": args.dtype, "batch_size": args.batch_size,
         "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "num_prompts": len(prompts),
         "prompts": prompts, "rounds": args.rounds,
         "metric": "decode" if args.metric == "decode" else "whole request", "orders": [], "raw": [],
     }
+    if args.kv_snapshot:
+        print(f"prefilling {len(prompts)} prompts once, into {args.kv_snapshot}", flush=True)
+        record["kv_snapshot"] = make_kv_snapshot(args, draft, prompts)
     rounds: list[dict[str, dict]] = []
     bar = tqdm(total=args.rounds * len(methods), desc="engines (rounds x methods)", unit="engine")
     for r in range(args.rounds):

@@ -1,5 +1,5 @@
-"""bench/harness.py, the end-to-end benchmark harness: its summary rules on made-up rounds, and one --quick
-run on the tiny models (2 rounds, plain and one approximate candidate)."""
+"""bench/harness.py, the end-to-end benchmark harness: its summary rules on made-up rounds, one --quick
+run on the tiny models (2 rounds, plain and one approximate candidate), and one over a KV snapshot."""
 
 import json
 import subprocess
@@ -146,6 +146,56 @@ def test_quick_run_on_the_tiny_models(tmp_path, tiny_target, tiny_draft):
             assert 0 < run["decode_s"] < run["wall_s"] and run["seconds"] == run["decode_s"]
             assert run["output_tokens"] == run["decode_tokens"] == run["all_output_tokens"] - 3
     assert (tmp_path / result.name.replace(".json", ".md")).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_kv_snapshot_run_prefills_once_and_decodes_the_same_tokens(tmp_path, tiny_target, tiny_draft):
+    """--kv-snapshot: a first engine (vLLM's draft_model chain) prefills and saves each prompt's KV blocks,
+    the draft's layers included; the timed engines load them instead of prefilling. In fp32 their greedy
+    texts equal plain decoding's over a real prefill only if every loaded layer holds the right K/V."""
+    from tiny_models import prompts
+
+    long_prompts = [" ".join(prompts(12, length=20, seed=s)) for s in range(2)]  # ~360 tokens: 2 whole blocks
+    (tmp_path / "prompts.json").write_text(json.dumps(long_prompts))
+    chain = {"method": "sparsever", "model": "DRAFT", "num_speculative_tokens": 3}
+    snapshot = tmp_path / "kv"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "harness.py"), "--quick", "--target", str(tiny_target), "--draft",
+         str(tiny_draft), "--candidate", f"chain={json.dumps(chain)}", "--prompts-file",
+         str(tmp_path / "prompts.json"), "--prompt-format", "text", "--dtype", "float32", "--max-tokens", "24",
+         "--ignore-eos", "--max-model-len", "512", "--metric", "decode", "--kv-snapshot", str(snapshot),
+         "--out-dir", str(tmp_path), "--tag", "snapshot"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [result] = tmp_path.glob("harness_snapshot_*.json")
+    record = json.loads(result.read_text())
+    snap = record["kv_snapshot"]
+    assert snap["reused"] == [False, False] and all(s > 0 for s in snap["prefill_s"])
+    assert snap["speculative_config"]["method"] == "draft_model"
+    assert len(list(snapshot.glob("*/kv.safetensors"))) == 2
+    for manifest in snapshot.glob("*/manifest.json"):
+        layers = json.loads(manifest.read_text())["layers"]
+        assert sum(n.startswith("draft_model.") for n in layers) == 2 and len(layers) == 4  # target's and draft's
+    for r in record["raw"]:
+        for run in r.values():
+            assert run["kv_snapshot_tokens"] >= 2 * 256  # both prompts' whole blocks, loaded not prefilled
+    s = record["summary"]["methods"]
+    assert s["plain"]["flags"] == [] and s["chain"]["flags"] == []  # texts identical to plain's
+    assert s["chain"]["mean_acceptance_length"] > 1
+    # ... and plain's over loaded K/V equal a plain engine's over its own prefill
+    from vllm import LLM, SamplingParams
+
+    from conftest import multiprocess_engine
+
+    with multiprocess_engine():
+        llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, seed=0)
+    try:
+        reference = [list(o.outputs[0].token_ids) for o in llm.generate(
+            long_prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
+    finally:
+        del llm
+    assert record["raw"][0]["plain"]["outputs"] == reference
 
 
 def _record(cls: str, plain: float, kernels: float, fixed: float, cand: float, batch: int = 1) -> dict:
