@@ -2,7 +2,8 @@
 plain decoding, vLLM's fixed chains and sparsever's kernels alone at 8K and 32K, and what does the
 approximate mode (sparse attention verifying at the full level) add? Runs through bench/harness.py,
 once per context: long documents cut to the context with a question on each, batch 1, decode tokens/s
-(each request's first to last output token: prefill left out), every candidate its own engine.
+(each request's first to last output token: prefill left out), every candidate its own engine. Each
+prompt is prefilled once and its KV blocks loaded by every engine (the harness's --kv-snapshot).
 
     python bench/lossless_sparse.py                                   # 8K and 32K, the default candidates
     python bench/lossless_sparse.py --contexts 8192 --methods evict-tree-vocab-window-w8a8 sparse-hier
@@ -111,6 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-window", type=int, default=1024, help="draft_attention_window of the *-window modes")
     p.add_argument("--linear-kernel", choices=["auto", "sparsever", "hybrid", "vllm", "vllm-padded"],
                    help="linear_kernel of every sparsever candidate (default: the config's; -hybrid modes: hybrid)")
+    p.add_argument("--kv-snapshot", type=Path, metavar="DIR",
+                   help="where the harness keeps each prompt's KV blocks, prefilled once and loaded by every "
+                        "engine (default: kv-snapshots/ under $VLLM_SPARSEVER_HOME)")
+    p.add_argument("--prefill-per-engine", action="store_true",
+                   help="no snapshot: every engine prefills each prompt itself (its time is not timed either way)")
     p.add_argument("--tag", help="name part of the result files (default: the target's name)")
     preset.add_run_flags(p, num_prompts=3, max_tokens=64, max_model_len=None,
                          default_methods=" ".join(DEFAULT_METHODS))
@@ -133,11 +139,17 @@ def main(argv=None) -> int:
     fit = max_position - args.max_tokens - OUTPUT_MARGIN
     tag = f"lossless_sparse-{args.tag or Path(args.target).name}"
     draft = ["--draft", args.draft] if args.drafter == "draft_model" else []
+    if args.prefill_per_engine:
+        snapshot = []
+    else:
+        from vllm_sparsever.store.paths import sparsever_home
+
+        snapshot = ["--kv-snapshot", str(args.kv_snapshot or sparsever_home() / "kv-snapshots")]
     argvs = []
     for ctx in dict.fromkeys(min(c, fit) for c in args.contexts):
         argvs.append(["--target", args.target, *draft, "--long-context", str(ctx), "--metric", "decode", "--ignore-eos",
                       "--max-model-len", str(min(max_position, ctx + args.max_tokens + OUTPUT_MARGIN)),
-                      "--num-prompts", str(args.num_prompts), "--tag", f"{tag}-{round(ctx / 1024)}k",
+                      "--num-prompts", str(args.num_prompts), "--tag", f"{tag}-{round(ctx / 1024)}k", *snapshot,
                       *preset.run_flags(args), *preset.method_flags("--candidate", chosen)])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of K/V cache: a 32K prompt's, target and draft
     # A long prompt's prefill chunk can outlast vLLM's 300-s step timeout on a CPU without AVX-512

@@ -142,3 +142,21 @@ def test_an_engine_with_layers_the_snapshot_lacks_or_other_shapes_is_refused(tmp
     wide = {n: NS(kv_cache=torch.zeros(12, 2, BLOCK, 16, dtype=torch.bfloat16)) for n in LAYERS[:2]}
     with pytest.raises(RuntimeError, match="layer model.layers.0.attn: the snapshot holds"):
         _run_worker(worker, meta, wide)
+
+
+def test_a_preempted_request_loads_again_into_its_new_blocks(tmp_path):
+    source = _caches()
+    _save(tmp_path, source)
+    sched, worker = _connector(tmp_path), _connector(tmp_path, role="worker")
+    sched.get_num_new_matched_tokens(NS(request_id="b", prompt_token_ids=PROMPT), 0)
+    sched.update_state_after_alloc(NS(request_id="b"), None, 16)
+    assert len(sched.build_connector_meta(_new("b", PROMPT, [1, 2, 3, 4, 0])).loads) == 1
+    # preempted; scheduled again with other blocks, which must be loaded again
+    assert sched.get_num_new_matched_tokens(NS(request_id="b", prompt_token_ids=PROMPT), 0) == (16, False)
+    sched.update_state_after_alloc(NS(request_id="b"), None, 16)
+    meta = sched.build_connector_meta(_cached("b", [11, 10, 9, 8, 7], 0, resumed=True))
+    assert [c.block_ids for c in meta.loads] == [[[11, 10, 9, 8]]]
+    dest = _caches(fill=0.0)
+    _run_worker(worker, meta, dest)
+    assert torch.equal(dest[LAYERS[2]].kv_cache[11], source[LAYERS[2]].kv_cache[5])
+    assert torch.equal(dest[LAYERS[2]].kv_cache[8], source[LAYERS[2]].kv_cache[8])

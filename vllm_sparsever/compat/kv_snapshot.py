@@ -113,6 +113,7 @@ class PromptKVSnapshotConnector(KVConnectorBase_V1):
                                      "block_sizes": self._group_block_sizes}, sort_keys=True)
         # scheduler side
         self._loads: dict[str, tuple[str, int]] = {}  # request id -> (key, tokens already computed locally)
+        self._load_tokens: dict[str, int] = {}  # request id -> its prompt's length
         self._pending: dict[str, _Pending] = {}
         self._saving_keys: set[str] = set()
 
@@ -143,11 +144,13 @@ class PromptKVSnapshotConnector(KVConnectorBase_V1):
         if not self._exists(key):
             return 0, False
         self._loads[request.request_id] = (key, num_computed_tokens)
+        self._load_tokens[request.request_id] = len(tokens)
         return copied - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
             self._loads.pop(request.request_id, None)
+            self._load_tokens.pop(request.request_id, None)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = SnapshotMetadata()
@@ -156,6 +159,7 @@ class PromptKVSnapshotConnector(KVConnectorBase_V1):
             block_ids = [list(ids) for ids in req.block_ids]
             if req.req_id in self._loads:
                 key, computed = self._loads.pop(req.req_id)
+                self._load_tokens.pop(req.req_id, None)
                 meta.loads.append(self._copy(key, block_ids, len(tokens), computed))
             elif self._save and self._copied_tokens(len(tokens)) > 0:
                 key = self._key(tokens)
@@ -164,6 +168,13 @@ class PromptKVSnapshotConnector(KVConnectorBase_V1):
                     self._pending[req.req_id] = _Pending(key, len(tokens), block_ids)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            if req_id in self._loads and req_id in cached.resumed_req_ids:
+                # Preempted, then scheduled again: its blocks were freed, and a resumed request's
+                # new_block_ids are all of its blocks.
+                key, computed = self._loads.pop(req_id)
+                tokens = self._load_tokens.pop(req_id)
+                meta.loads.append(self._copy(key, [list(ids) for ids in cached.new_block_ids[i]], tokens, computed))
+                continue
             pending = self._pending.get(req_id)
             if pending is None:
                 continue
