@@ -83,12 +83,18 @@ def _save(tmp_path, layers):
     assert sched.build_connector_meta(_cached("a", None, 20)).saves == []  # once
 
 
+def _scheduled_load(tmp_path, computed=0):
+    """A scheduler that matched PROMPT's snapshot for request "b" (`computed` tokens cached locally) and a worker."""
+    sched, worker = _connector(tmp_path), _connector(tmp_path, role="worker")
+    assert sched.get_num_new_matched_tokens(NS(request_id="b", prompt_token_ids=PROMPT), computed) == (16 - computed, False)
+    sched.update_state_after_alloc(NS(request_id="b"), None, 16 - computed)
+    return sched, worker
+
+
 def test_saved_blocks_load_into_other_block_ids_every_layer(tmp_path):
     source = _caches()
     _save(tmp_path, source)
-    sched, worker = _connector(tmp_path), _connector(tmp_path, role="worker")
-    assert sched.get_num_new_matched_tokens(NS(request_id="b", prompt_token_ids=PROMPT), 0) == (16, False)
-    sched.update_state_after_alloc(NS(request_id="b"), None, 16)
+    sched, worker = _scheduled_load(tmp_path)
     meta = sched.build_connector_meta(_new("b", PROMPT, [1, 2, 3, 4, 0]))
     assert len(meta.loads) == 1 and meta.saves == []
     dest = _caches(fill=0.0)
@@ -101,9 +107,7 @@ def test_saved_blocks_load_into_other_block_ids_every_layer(tmp_path):
 def test_only_the_blocks_past_a_local_prefix_hit_are_loaded(tmp_path):
     source = _caches()
     _save(tmp_path, source)
-    sched, worker = _connector(tmp_path), _connector(tmp_path, role="worker")
-    assert sched.get_num_new_matched_tokens(NS(request_id="b", prompt_token_ids=PROMPT), 8) == (8, False)
-    sched.update_state_after_alloc(NS(request_id="b"), None, 8)
+    sched, worker = _scheduled_load(tmp_path, computed=8)
     dest = _caches(fill=0.0)
     _run_worker(worker, sched.build_connector_meta(_new("b", PROMPT, [1, 2, 3, 4, 0])), dest)
     name = LAYERS[0]
@@ -133,9 +137,7 @@ def test_a_preempted_prompt_is_not_saved(tmp_path):
 
 def test_an_engine_with_layers_the_snapshot_lacks_or_other_shapes_is_refused(tmp_path):
     _save(tmp_path, _caches(layers=LAYERS[:2]))  # made by an engine without the draft
-    sched, worker = _connector(tmp_path), _connector(tmp_path, role="worker")
-    sched.get_num_new_matched_tokens(NS(request_id="b", prompt_token_ids=PROMPT), 0)
-    sched.update_state_after_alloc(NS(request_id="b"), None, 16)
+    sched, worker = _scheduled_load(tmp_path)
     meta = sched.build_connector_meta(_new("b", PROMPT, [1, 2, 3, 4, 0]))
     with pytest.raises(RuntimeError, match="no KV for layers .*draft_model"):
         _run_worker(worker, meta, _caches(fill=0.0))
@@ -147,9 +149,7 @@ def test_an_engine_with_layers_the_snapshot_lacks_or_other_shapes_is_refused(tmp
 def test_a_preempted_request_loads_again_into_its_new_blocks(tmp_path):
     source = _caches()
     _save(tmp_path, source)
-    sched, worker = _connector(tmp_path), _connector(tmp_path, role="worker")
-    sched.get_num_new_matched_tokens(NS(request_id="b", prompt_token_ids=PROMPT), 0)
-    sched.update_state_after_alloc(NS(request_id="b"), None, 16)
+    sched, worker = _scheduled_load(tmp_path)
     assert len(sched.build_connector_meta(_new("b", PROMPT, [1, 2, 3, 4, 0])).loads) == 1
     # preempted; scheduled again with other blocks, which must be loaded again
     assert sched.get_num_new_matched_tokens(NS(request_id="b", prompt_token_ids=PROMPT), 0) == (16, False)
