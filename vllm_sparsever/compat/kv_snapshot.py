@@ -1,8 +1,8 @@
 """A prompt's KV cache kept on disk and loaded by later engines: long-context benchmarks prefill once.
 
 The benchmark harness (`bench/harness.py --kv-snapshot DIR`) compares a dozen engines over the same
-long prompts, one engine at a time. At 32K tokens each engine's prefill takes longer than its decode by
-two orders of magnitude, so a 3-round run spent most of a day prefilling the same text. With this
+long prompts, one engine at a time. At 32K tokens an engine's prefill takes far longer than its decode,
+so such a run spent nearly all its time prefilling the same text again. With this
 connector one engine prefills and saves each prompt's KV blocks (every attention layer: the target's
 and a draft model's); every later engine loads them instead of prefilling, then decodes over the same
 K/V. Decode-only timings are what such a run reports.
@@ -10,8 +10,9 @@ K/V. Decode-only timings are what such a run reports.
 The copy is block-granular: whole KV blocks of the prompt (the blocks before its last token), each layer's
 `[num_blocks, ...]` cache indexed by block id. Within a block the CPU backend packs K and V per its ISA
 (K transposed for `vec`/`vec16`, tiles for AMX), so a snapshot is tied to the layout that wrote it:
-the same block size, cache dtype, layer shapes and machine class. The key hashes the target model, the
-cache dtype, the block size and the prompt's tokens; the per-layer shapes are checked on load.
+the same block size, cache dtype, layer shapes and machine class. The key hashes the target model, its
+dtype and cache dtype, the block sizes, the CPU class the harness names and the prompt's tokens; the
+per-layer shapes are checked on load.
 
 Not a serving feature: vLLM loads it for an engine whose `kv_transfer_config` names this module
 (`kv_snapshot_transfer_config`); the plugin's own code never uses it.
