@@ -150,7 +150,7 @@ def test_quick_run_on_the_tiny_models(tmp_path, tiny_target, tiny_draft):
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_kv_snapshot_run_prefills_once_and_decodes_the_same_tokens(tmp_path, tiny_target, tiny_draft):
+def test_kv_snapshot_run_prefills_once_and_decodes_the_same_tokens(tmp_path, tiny_target, tiny_draft, monkeypatch):
     """--kv-snapshot: a first engine (vLLM's draft_model chain) prefills and saves each prompt's KV blocks,
     the draft's layers included; the timed engines load them instead of prefilling. In fp32 their greedy
     texts equal plain decoding's over a real prefill only if every loaded layer holds the right K/V."""
@@ -186,10 +186,8 @@ def test_kv_snapshot_run_prefills_once_and_decodes_the_same_tokens(tmp_path, tin
     # ... and plain's over loaded K/V equal a plain engine's over its own prefill
     from vllm import LLM, SamplingParams
 
-    from conftest import multiprocess_engine
-
-    with multiprocess_engine():
-        llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, seed=0)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # as conftest's multiprocess_engine: other engines may live
+    llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512, seed=0)
     try:
         reference = [list(o.outputs[0].token_ids) for o in llm.generate(
             long_prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
