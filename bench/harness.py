@@ -223,7 +223,7 @@ def run_engine(method: Method, args: argparse.Namespace, prompts: list[str]) -> 
         after = counters()
         worker = sparsever_counters(get_metrics(llm)) if sparsever else None
         # Prompt tokens this engine loaded from --kv-snapshot instead of prefilling (warm-up included).
-        loaded = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+        loaded = external_hits(llm)
     finally:
         del llm
         gc.collect()
@@ -250,6 +250,11 @@ def run_engine(method: Method, args: argparse.Namespace, prompts: list[str]) -> 
 RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
+def external_hits(llm) -> float:
+    """Prompt tokens an engine has loaded through its KV connector so far (vLLM's counter)."""
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+
+
 def kv_transfer(args: argparse.Namespace, *, save: bool) -> dict[str, Any] | None:
     if not args.kv_snapshot:
         return None
@@ -274,14 +279,13 @@ def make_kv_snapshot(args: argparse.Namespace, draft: str | None, prompts: list[
     try:
         prefill_s, reused = [], []
         for prompt in prompts:
-            hits = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+            hits = external_hits(llm)
             # Two tokens: the snapshot is written at the start of the step after the prompt's.
             (r,) = (llm.chat([[{"role": "user", "content": prompt}]], SamplingParams(temperature=0.0, max_tokens=2),
                              use_tqdm=False) if args.prompt_format == "chat"
                     else llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False))
             prefill_s.append(r.metrics.first_token_ts - r.metrics.scheduled_ts)
-            reused.append(sum(getattr(m, "value", 0) for m in llm.get_metrics()
-                              if m.name == "vllm:external_prefix_cache_hits") > hits)
+            reused.append(external_hits(llm) > hits)
     finally:
         if reserved is None:
             os.environ.pop(RESERVED_CPUS, None)
